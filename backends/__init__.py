@@ -1,0 +1,1 @@
+"""Transport library: one-sided RDMA-style transfers over libfabric, and a NCCL/gloo fallback."""
