@@ -12,7 +12,7 @@ sys.path.insert(0, "backends")
 from _libfabric_build import find_libfabric  # noqa: E402
 
 if find_libfabric() is None:
-    print("rfork: libfabric headers not found; building without the transport binding", file=sys.stderr)
+    print("rfork: libfabric headers not found; building without the transport binding", file=sys.stderr)  # noqa: T201
     setup()
 else:
     setup(cffi_modules=["backends/_libfabric_build.py:ffibuilder"])

@@ -9,13 +9,14 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from cffi import FFI
 
 
-@dataclass(frozen=True)
-class LibfabricPaths:
+class LibfabricPaths(NamedTuple):
+    """Compiler and linker search paths (a NamedTuple: cffi execs this file outside sys.modules)."""
+
     include_dirs: list[str]
     library_dirs: list[str]
 
