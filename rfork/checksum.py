@@ -1,0 +1,99 @@
+"""Per-tensor weight checksums computable with torch ops on any device (CPU or CUDA), same result on both.
+
+Algorithm `pwsum64-v1`: the tensor's bytes are read as little-endian 64-bit words w_0 .. w_{n-1}
+(a final partial word is zero-padded). The digest is the pair
+
+    A = sum_i w_i * (i + 1)   mod 2**64      (position-weighted: catches swapped or shifted words)
+    B = sum_i w_i             mod 2**64      (plain sum: any single changed word changes it)
+
+written as 32 hex digits (A then B, each 16 digits). Integer addition and multiplication modulo
+2**64 are associative and commutative, so the reduction order (CPU vector lanes, CUDA blocks) does
+not change the result. Words are processed in chunks that stay in cache; within chunk c (of CHUNK
+words) the weight of word j is c*CHUNK + j + 1, so A_c = sum_j w_j (j+1) + c*CHUNK*B_c. The weights
+and accumulators live on the tensor's device: no weight byte is copied to the host.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+ALGORITHM = "pwsum64-v1"
+CHUNK_WORDS = 1 << 17  # 1 MiB of data per chunk: fits in L2, amortises per-op overhead
+_MASK = (1 << 64) - 1
+
+_weights_lock = threading.Lock()
+_weights: dict[torch.device, torch.Tensor] = {}
+
+
+def _chunk_weights(device: torch.device) -> torch.Tensor:
+    with _weights_lock:
+        w = _weights.get(device)
+        if w is None:
+            w = torch.arange(1, CHUNK_WORDS + 1, dtype=torch.int64, device=device)
+            _weights[device] = w
+        return w
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of the tensor's bytes (a same-device copy only if it is not contiguous)."""
+    t = tensor.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    t = t.reshape(-1)
+    if t.dtype == torch.bool:
+        t = t.view(torch.uint8)
+    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
+def checksum_bytes(data: torch.Tensor) -> str:
+    """Digest of a flat uint8 tensor (see the module doc); returns 32 hex digits."""
+    n = data.numel()
+    device = data.device
+    if n == 0:
+        return "0" * 32
+    n_words = n // 8
+    acc_a = torch.zeros((), dtype=torch.int64, device=device)
+    acc_b = torch.zeros((), dtype=torch.int64, device=device)
+    if n_words:
+        body = data[: n_words * 8]
+        if body.data_ptr() % 8:
+            body = body.clone()  # int64 views need 8-byte alignment
+        words = body.view(torch.int64)
+        weights = _chunk_weights(device)
+        tmp = torch.empty(CHUNK_WORDS, dtype=torch.int64, device=device)
+        for c, start in enumerate(range(0, n_words, CHUNK_WORDS)):
+            chunk = words[start: start + CHUNK_WORDS]
+            m = chunk.numel()
+            prod = torch.mul(chunk, weights[:m], out=tmp[:m])
+            s_b = chunk.sum()
+            acc_a += prod.sum()
+            if c:
+                acc_a += s_b * (c * CHUNK_WORDS)
+            acc_b += s_b
+    tail = data[n_words * 8:]
+    if tail.numel():
+        shifts = torch.arange(tail.numel(), dtype=torch.int64, device=device) * 8
+        word = (tail.to(torch.int64) << shifts).sum()
+        acc_a += word * (n_words + 1)
+        acc_b += word
+    a = int(acc_a.item()) & _MASK
+    b = int(acc_b.item()) & _MASK
+    return f"{a:016x}{b:016x}"
+
+
+def tensor_checksum(tensor: torch.Tensor) -> str:
+    """Digest of a tensor's raw bytes, whatever its dtype and shape (32 hex digits)."""
+    return checksum_bytes(_as_bytes(tensor))
+
+
+def reference_checksum(raw: bytes) -> str:
+    """Pure-Python reference of the same algorithm, for tests (slow; small inputs only)."""
+    a = b = 0
+    padded = raw + b"\0" * (-len(raw) % 8)
+    for i in range(0, len(padded), 8):
+        w = int.from_bytes(padded[i: i + 8], "little")
+        a = (a + w * (i // 8 + 1)) & _MASK
+        b = (b + w) & _MASK
+    return f"{a:016x}{b:016x}" if raw else "0" * 32

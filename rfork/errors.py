@@ -1,0 +1,27 @@
+"""One exception hierarchy for rfork/ (the transport and the planner have their own)."""
+
+from __future__ import annotations
+
+
+class RforkError(Exception):
+    """Base of every error rfork/ raises on purpose."""
+
+
+class ManifestError(RforkError, ValueError):
+    """A rank manifest is malformed or disagrees with itself."""
+
+
+class ChecksumMismatch(RforkError):
+    """A pulled tensor's bytes do not match the seed's published checksum."""
+
+
+class CheckpointError(RforkError):
+    """A checkpoint directory is missing, malformed, or cannot be sharded as asked."""
+
+
+class PullError(RforkError):
+    """Pulling from one candidate failed (transport, timeout, checksum); the next one may work."""
+
+
+class LoadFailed(RforkError):
+    """Every candidate failed and there was no disk fallback."""
