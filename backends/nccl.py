@@ -204,11 +204,11 @@ class Rendezvous:
         except (OSError, RuntimeError) as exc:
             self._sock.close()
             raise NcclSetupError(f"cannot open rendezvous on {host}: {_first_line(exc)}") from exc
+        self._sock.detach()  # the store server owns the listening fd now and closes it when freed
 
     def close(self) -> None:
-        """Stop the store server and release the port. Idempotent."""
+        """Drop our reference to the store server; it stops and frees the port once the group is gone."""
         self.store = None
-        self._sock.close()
 
 
 def connect_rendezvous(host: str, port: int, *, timeout_s: float) -> Store:

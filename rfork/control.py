@@ -1,0 +1,313 @@
+"""A seed's HTTP control endpoint: loaders ask it for an NCCL/gloo session and it streams in the background.
+
+Endpoints (JSON):
+  GET  /v1/health                    -> 200 {"status": "ok", "active_sessions", "max_concurrent", ...}
+  POST /v1/nccl/sessions {"rank": r} -> 201 {"session_id", "host", "port", "backend"}; a worker thread
+                                        then sends ``tensors_for_rank(r)`` as group rank 0.
+  GET  /v1/nccl/sessions/{id}        -> 200 {"session_id", "rank", "state", "bytes", "error"}
+Bad input answers 4xx with {"error": message}; a full seed answers 429 {"reason": "busy", ...}.
+
+Thread-safety: the HTTP server and every session run on their own threads; the sends release the
+GIL while data moves, so the seed's other threads (heartbeats, this endpoint) keep answering.
+Each session has its own rendezvous port (from the OS) and group-name prefix, so concurrent
+loaders never collide. A loader that vanishes fails its session within ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+
+from backends.nccl import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_MAX_IN_FLIGHT,
+    NcclTransferError,
+    Rendezvous,
+    backend_for,
+    send_tensors,
+)
+
+logger = logging.getLogger(__name__)
+
+TensorsForRank = Callable[[int], Sequence[torch.Tensor]]
+_MAX_BODY = 64 << 10
+_HISTORY = 256
+
+
+@dataclass
+class SessionInfo:
+    """One loader's session as the seed sees it. ``state``: waiting → sending → done | failed."""
+
+    session_id: str
+    rank: int
+    backend: str
+    port: int
+    state: str = "waiting"
+    bytes: int = 0
+    error: str | None = None
+    started_at: float = 0.0
+    finished_at: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"session_id": self.session_id, "rank": self.rank, "backend": self.backend, "port": self.port,
+                "state": self.state, "bytes": self.bytes, "error": self.error,
+                "seconds": None if self.finished_at is None else self.finished_at - self.started_at}
+
+
+class _HttpError(Exception):
+    def __init__(self, status: HTTPStatus, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body: dict[str, Any] = {"error": message, **extra}
+
+
+class ControlServer:
+    """The seed's control endpoint (stdlib ThreadingHTTPServer on a background thread).
+
+    ``tensors_for_rank(r)`` returns rank r's tensors in manifest order (it may raise LookupError for
+    an unknown rank → 404). At most ``max_concurrent`` sessions run at once (429 beyond). Every phase
+    of a session (rendezvous, each bucket) is bounded by ``timeout_s``.
+    """
+
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, tensors_for_rank: TensorsForRank,
+                 max_concurrent: int = 2, timeout_s: float = 30.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
+        if max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {port}")
+        self.host = host
+        self.tensors_for_rank = tensors_for_rank
+        self.max_concurrent = max_concurrent
+        self.timeout_s = timeout_s
+        self.bucket_bytes = bucket_bytes
+        self.max_in_flight = max_in_flight
+        self._port = port
+        self._lock = threading.Lock()
+        self._sessions: OrderedDict[str, SessionInfo] = OrderedDict()
+        self._workers: dict[str, threading.Thread] = {}
+        self._active = 0
+        self._served = 0
+        self._failed = 0
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> ControlServer:
+        """Bind and serve on a daemon thread; returns self (so ``ControlServer(...).start()`` reads well)."""
+        if self._httpd is not None:
+            raise RuntimeError("ControlServer already started")
+        handler = type("_BoundHandler", (_Handler,), {"control": self})
+        httpd = ThreadingHTTPServer((self.host, self._port), handler)
+        httpd.daemon_threads = True
+        self._httpd = httpd
+        self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="rfork-control-http", daemon=True)
+        self._thread.start()
+        logger.info("control endpoint on %s", self.url)
+        return self
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the running server."""
+        if self._httpd is None:
+            raise RuntimeError("ControlServer not started")
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def close(self, join_timeout_s: float = 5.0) -> None:
+        """Stop answering; wait up to ``join_timeout_s`` for running sessions (they end within timeout_s)."""
+        httpd, self._httpd = self._httpd, None
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(join_timeout_s)
+        deadline = time.monotonic() + join_timeout_s
+        with self._lock:
+            workers = list(self._workers.values())
+        for w in workers:
+            w.join(max(0.0, deadline - time.monotonic()))
+
+    def __enter__(self) -> ControlServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- state -------------------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        with self._lock:
+            return {"status": "ok", "active_sessions": self._active, "max_concurrent": self.max_concurrent,
+                    "sessions_served": self._served, "sessions_failed": self._failed}
+
+    def session(self, session_id: str) -> SessionInfo | None:
+        with self._lock:
+            return self._sessions.get(session_id)
+
+    def open_session(self, rank: int, local_host: str) -> SessionInfo:
+        """Validate the rank, reserve a slot, open a rendezvous port and start the sender worker."""
+        try:
+            tensors = list(self.tensors_for_rank(rank))
+        except (LookupError, ValueError) as exc:
+            raise _HttpError(HTTPStatus.NOT_FOUND, f"rank {rank} is not served by this seed: {exc}") from exc
+        try:
+            backend = backend_for(tensors)
+        except NcclTransferError as exc:
+            raise _HttpError(HTTPStatus.CONFLICT, str(exc)) from exc
+        with self._lock:
+            if self._active >= self.max_concurrent:
+                raise _HttpError(HTTPStatus.TOO_MANY_REQUESTS,
+                                 f"seed busy: {self._active} of {self.max_concurrent} sessions running",
+                                 reason="busy", retry_after_s=1.0)
+            self._active += 1
+        try:
+            rdv = Rendezvous(host=local_host, timeout_s=self.timeout_s)
+        except NcclTransferError as exc:
+            with self._lock:
+                self._active -= 1
+            raise _HttpError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc)) from exc
+        info = SessionInfo(session_id=uuid.uuid4().hex, rank=rank, backend=backend, port=rdv.port,
+                           started_at=time.monotonic())
+        worker = threading.Thread(target=self._run_session, args=(info, rdv, tensors, local_host),
+                                  name=f"rfork-nccl-send-{info.session_id[:8]}", daemon=True)
+        with self._lock:
+            self._sessions[info.session_id] = info
+            while len(self._sessions) > _HISTORY:
+                old, _ = self._sessions.popitem(last=False)
+                self._workers.pop(old, None)
+            self._workers[info.session_id] = worker
+        worker.start()
+        return info
+
+    def _run_session(self, info: SessionInfo, rdv: Rendezvous, tensors: list[torch.Tensor],
+                     local_host: str) -> None:
+        peer = f"loader of rank {info.rank} (session {info.session_id[:8]})"
+
+        def progress(index: int, moved: int) -> None:
+            del index
+            info.state = "sending"
+            info.bytes = moved
+
+        try:
+            assert rdv.store is not None
+            info.bytes = send_tensors(rdv.store, tensors, session_id=info.session_id, local_host=local_host,
+                                      timeout_s=self.timeout_s, peer=peer, bucket_bytes=self.bucket_bytes,
+                                      max_in_flight=self.max_in_flight, on_bucket=progress)
+            info.state = "done"
+            logger.info("session %s: sent %d bytes of rank %d", info.session_id, info.bytes, info.rank)
+        except NcclTransferError as exc:
+            info.state = "failed"
+            info.error = str(exc)
+            logger.warning("session %s failed: %s", info.session_id, exc)
+        finally:
+            rdv.close()
+            info.finished_at = time.monotonic()
+            with self._lock:
+                self._active -= 1
+                if info.state == "done":
+                    self._served += 1
+                else:
+                    if info.state != "failed":
+                        info.state = "failed"
+                        info.error = info.error or "worker ended unexpectedly"
+                    self._failed += 1
+                self._workers.pop(info.session_id, None)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    control: ControlServer
+    protocol_version = "HTTP/1.1"
+    server_version = "rfork-control/1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        logger.debug("control %s: %s", self.address_string(), format % args)
+
+    def _reply(self, status: HTTPStatus, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _fail(self, err: _HttpError) -> None:
+        headers = {}
+        if err.status == HTTPStatus.TOO_MANY_REQUESTS:
+            headers["Retry-After"] = "1"
+        self._reply(err.status, err.body, headers)
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/")
+        if path == "/v1/health":
+            self._reply(HTTPStatus.OK, self.control.health())
+            return
+        prefix = "/v1/nccl/sessions/"
+        if path.startswith(prefix):
+            info = self.control.session(path[len(prefix):])
+            if info is None:
+                self._fail(_HttpError(HTTPStatus.NOT_FOUND, f"no session {path[len(prefix):]!r}"))
+            else:
+                self._reply(HTTPStatus.OK, info.to_json())
+            return
+        self._fail(_HttpError(HTTPStatus.NOT_FOUND, f"no such path {path!r}"))
+
+    def do_POST(self) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/")
+        if path != "/v1/nccl/sessions":
+            self._fail(_HttpError(HTTPStatus.NOT_FOUND, f"no such path {path!r}"))
+            return
+        try:
+            rank = self._read_rank()
+            info = self.control.open_session(rank, str(self.connection.getsockname()[0]))
+        except _HttpError as err:
+            self._fail(err)
+            return
+        host = str(self.connection.getsockname()[0])
+        self._reply(HTTPStatus.CREATED, {"session_id": info.session_id, "host": host, "port": info.port,
+                                         "backend": info.backend})
+
+    def do_PUT(self) -> None:
+        self._fail(_HttpError(HTTPStatus.METHOD_NOT_ALLOWED, f"PUT not allowed on {self.path!r}"))
+
+    do_DELETE = do_PUT
+    do_PATCH = do_PUT
+
+    def _read_rank(self) -> int:
+        raw_len = self.headers.get("Content-Length")
+        if raw_len is None:
+            raise _HttpError(HTTPStatus.LENGTH_REQUIRED, "Content-Length required")
+        try:
+            length = int(raw_len)
+        except ValueError as exc:
+            raise _HttpError(HTTPStatus.BAD_REQUEST, f"bad Content-Length {raw_len!r}") from exc
+        if length < 0 or length > _MAX_BODY:
+            self.close_connection = True
+            raise _HttpError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                             f"body of {length} bytes; limit {_MAX_BODY}")
+        try:
+            body = json.loads(self.rfile.read(length) or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise _HttpError(HTTPStatus.BAD_REQUEST, f"body is not JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise _HttpError(HTTPStatus.BAD_REQUEST, 'body must be a JSON object like {"rank": 0}')
+        rank = body.get("rank")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise _HttpError(HTTPStatus.UNPROCESSABLE_ENTITY,
+                             f"field 'rank' must be a non-negative integer, got {rank!r}")
+        return rank

@@ -1,0 +1,94 @@
+"""Loader side of the NCCL/gloo fallback: ask a seed's control endpoint for a session and receive."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from backends.nccl import (
+    DEFAULT_MAX_IN_FLIGHT,
+    BucketCallback,
+    NcclSetupError,
+    NcclTransferError,
+    backend_for,
+    connect_rendezvous,
+    local_address_towards,
+    recv_tensors,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class NcclSessionError(NcclSetupError):
+    """The seed's control endpoint refused or failed the session request; ``status`` is the HTTP code."""
+
+    def __init__(self, message: str, *, status: int | None = None,
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after_s = retry_after_s
+
+
+def request_session(control_url: str, rank: int, *, timeout_s: float) -> dict[str, Any]:
+    """POST /v1/nccl/sessions; returns the seed's JSON answer or raises NcclSessionError."""
+    url = control_url.rstrip("/") + "/v1/nccl/sessions"
+    req = urllib.request.Request(url, data=json.dumps({"rank": rank}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            body = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            detail = json.loads(exc.read())
+        except (json.JSONDecodeError, OSError):
+            detail = {}
+        retry = detail.get("retry_after_s") if isinstance(detail, dict) else None
+        msg = detail.get("error") if isinstance(detail, dict) else None
+        raise NcclSessionError(f"seed {control_url} refused an nccl session for rank {rank}: "
+                               f"HTTP {exc.code} {msg or exc.reason}", status=exc.code,
+                               retry_after_s=float(retry) if isinstance(retry, (int, float)) else None,
+                               ) from exc
+    except (urllib.error.URLError, OSError, json.JSONDecodeError) as exc:
+        raise NcclSessionError(
+            f"seed {control_url} unreachable for an nccl session (rank {rank}): {exc}") from exc
+    if not isinstance(body, dict) or not {"session_id", "host", "port", "backend"} <= body.keys():
+        raise NcclSessionError(f"seed {control_url} answered an unexpected session body: {body!r}")
+    return body
+
+
+def pull_over_nccl(control_url: str, rank: int, dest_tensors: Sequence[torch.Tensor], *,
+                   timeout_s: float, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+                   on_bucket: BucketCallback | None = None) -> int:
+    """Fill ``dest_tensors`` (rank ``rank``'s tensors in manifest order) from the seed; returns bytes.
+
+    ``timeout_s`` bounds every phase (session request, rendezvous, group setup, each bucket).
+    Raises ``backends.nccl.NcclTransferError`` subclasses: NcclSessionError (HTTP refusal; status 429
+    means the seed is busy), NcclSetupError, NcclTimeoutError, NcclPeerError (seed died),
+    NcclPlanMismatchError. A failed pull may leave ``dest_tensors`` partly written.
+    """
+    want = backend_for(dest_tensors)
+    t0 = time.perf_counter()
+    session = request_session(control_url, rank, timeout_s=timeout_s)
+    if session["backend"] != want:
+        raise NcclSetupError(f"seed {control_url} offers backend {session['backend']!r} for rank {rank}, "
+                             f"destination tensors need {want!r}")
+    host, port, sid = str(session["host"]), int(session["port"]), str(session["session_id"])
+    store = connect_rendezvous(host, port, timeout_s=timeout_s)
+    peer = f"seed {host}:{port} rank {rank} (session {sid[:8]})"
+    try:
+        n = recv_tensors(store, dest_tensors, session_id=sid, local_host=local_address_towards(host),
+                         timeout_s=timeout_s, peer=peer, max_in_flight=max_in_flight, on_bucket=on_bucket)
+    except NcclTransferError:
+        logger.warning("nccl pull of rank %d from %s failed after %.2fs", rank, control_url,
+                       time.perf_counter() - t0)
+        raise
+    logger.info("nccl pull of rank %d: %d bytes in %.3fs from %s", rank, n, time.perf_counter() - t0,
+                control_url)
+    return n
