@@ -1,12 +1,24 @@
-"""Not implemented yet (placeholder until its issue lands)."""
+"""Apply the planner's database migrations (Alembic) up to the newest."""
+
+from __future__ import annotations
 
 import argparse
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    """No options yet."""
+    """Options: --db, --revision."""
+    parser.add_argument(
+        "--db", default=None, help="SQLAlchemy URL (default: RFORK_DB_URL or sqlite:///rfork-planner.db)"
+    )
+    parser.add_argument("--revision", default="head", help="target revision (default: head)")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Refuse clearly."""
-    raise NotImplementedError(f"'{args.command}' is not implemented yet")
+    """Migrate and say where to."""
+    from planner.db import migrate
+    from planner.settings import PlannerSettings
+
+    url = args.db or PlannerSettings().db_url
+    migrate(url, args.revision)
+    print(f"planner database migrated to {args.revision}: {url.split('@')[-1]}")
+    return 0

@@ -1,12 +1,53 @@
-"""Not implemented yet (placeholder until its issue lands)."""
+"""Serve the planner REST API (migrates the database first)."""
+
+from __future__ import annotations
 
 import argparse
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    """No options yet."""
+    """Options: --db, --host, --port, --insecure, --policy, --workers."""
+    parser.add_argument(
+        "--db", default=None, help="SQLAlchemy URL (default: RFORK_DB_URL or sqlite:///rfork-planner.db)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8642, help="port (default 8642; 0 picks a free one)")
+    parser.add_argument(
+        "--insecure", action="store_true", help="run without bearer-token auth (logs a warning)"
+    )
+    parser.add_argument(
+        "--policy",
+        choices=("load_aware", "random", "rendezvous"),
+        default=None,
+        help="source selection policy (default: RFORK_SELECTION_POLICY or load_aware)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    """Refuse clearly."""
-    raise NotImplementedError(f"'{args.command}' is not implemented yet")
+    """Migrate, then serve until interrupted."""
+    import logging
+
+    import uvicorn
+
+    from planner.app import create_app
+    from planner.db import migrate
+    from planner.settings import PlannerSettings
+
+    overrides: dict[str, object] = {}
+    if args.db:
+        overrides["db_url"] = args.db
+    if args.insecure:
+        overrides["insecure"] = True
+    if args.policy:
+        overrides["selection_policy"] = args.policy
+    settings = PlannerSettings(**overrides)  # type: ignore[arg-type]
+    app = create_app(settings)  # refuses early when no token is configured and not --insecure
+    migrate(settings.db_url)
+    logging.getLogger("planner").setLevel(logging.INFO)
+    print(
+        f"planner listening on http://{args.host}:{args.port} (db {settings.db_url.split('@')[-1]},"
+        f" policy {settings.selection_policy})",
+        flush=True,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0

@@ -1,0 +1,134 @@
+"""The FastAPI application: routes, error mapping, metrics and the background reaper."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from planner.auth import Authenticator
+from planner.db import Database
+from planner.errors import AllBusy, AuthError, BadRequest, Conflict, NotFound, PlannerError
+from planner.metrics import MetricsMiddleware, PlannerMetrics
+from planner.selection import make_policy
+from planner.service import Planner, reap
+from planner.settings import PlannerSettings
+
+log = logging.getLogger(__name__)
+
+
+class InsecureRefused(PlannerError):
+    """No token is configured and --insecure was not given."""
+
+
+def create_app(settings: PlannerSettings, *, db: Database | None = None, run_reaper: bool = True) -> FastAPI:
+    """The planner app over `settings.db_url` (the schema must already be migrated)."""
+    if not settings.has_tokens() and not settings.insecure:
+        raise InsecureRefused(
+            "no token configured (RFORK_ADMIN_TOKEN, RFORK_INSTANCE_TOKEN or RFORK_READER_TOKEN);"
+            " refusing to start without auth; pass --insecure to run without it"
+        )
+    database = db or Database(settings.db_url, pool_size=settings.db_pool_size)
+    planner = Planner(db=database, settings=settings, policy=make_policy(settings.selection_policy))
+    metrics = PlannerMetrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if not settings.has_tokens():
+            log.warning("planner running WITHOUT authentication (--insecure): every caller is admin")
+        task = asyncio.create_task(_reaper_loop(planner, metrics)) if run_reaper else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            if db is None:
+                database.close()
+
+    app = FastAPI(
+        title="rfork planner",
+        version="1",
+        lifespan=lifespan,
+        description="Which running instance a new LLM instance should pull its weights from.",
+    )
+    app.state.planner = planner
+    app.state.metrics = metrics
+    app.state.authenticator = (
+        Authenticator(
+            db=database,
+            admin=settings.admin_token,
+            instance=settings.instance_token,
+            reader=settings.reader_token,
+        )
+        if settings.has_tokens()
+        else None
+    )
+    from planner.routes import assignments, instances, observe
+
+    app.include_router(instances.router)
+    app.include_router(assignments.router)
+    app.include_router(observe.router)
+    _add_error_handlers(app)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return app
+
+
+async def _reaper_loop(planner: Planner, metrics: PlannerMetrics) -> None:
+    interval = planner.settings.reaper_interval_s
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            res = await asyncio.to_thread(reap, planner.db, planner.settings, time.time())
+            metrics.reaped.labels(kind="stale").inc(res.stale)
+            metrics.reaped.labels(kind="expired").inc(res.expired)
+        except Exception:  # noqa: BLE001 - a failed pass is retried next interval
+            log.exception("reaper pass failed")
+
+
+def _error(status: int, detail: Any, **extra: Any) -> JSONResponse:
+    return JSONResponse(
+        {"detail": detail, **extra},
+        status_code=status,
+        headers={"Retry-After": str(max(1, round(extra["retry_after_s"])))}
+        if "retry_after_s" in extra
+        else None,
+    )
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    from sqlalchemy.exc import DataError, IntegrityError
+
+    @app.exception_handler(PlannerError)
+    async def _planner_error(_req: Request, exc: PlannerError) -> JSONResponse:
+        if isinstance(exc, AllBusy):
+            return _error(429, str(exc), reason="all_busy", retry_after_s=exc.retry_after_s)
+        status = {NotFound: 404, Conflict: 409, BadRequest: 422, AuthError: 403}
+        code = next((c for t, c in status.items() if isinstance(exc, t)), 400)
+        extra = {"reason": exc.reason} if exc.reason else {}
+        return _error(code, str(exc), **extra)
+
+    @app.exception_handler(DataError)
+    async def _data_error(_req: Request, exc: DataError) -> JSONResponse:
+        return _error(422, f"a value does not fit its column: {str(exc.orig).splitlines()[0]}")
+
+    @app.exception_handler(IntegrityError)
+    async def _integrity_error(_req: Request, exc: IntegrityError) -> JSONResponse:
+        return _error(409, f"conflicts with stored data: {str(exc.orig).splitlines()[0]}")
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_req: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [
+            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+            for e in exc.errors()
+        ]
+        fields = ", ".join(".".join(str(p) for p in e["loc"]) for e in errors)
+        return _error(422, errors, message=f"invalid request: {fields}")

@@ -1,0 +1,120 @@
+"""Database access: engines (SQLite tuned for concurrent writers), sessions and Alembic migrations.
+
+Write transactions are serialised per seed: on PostgreSQL with row locks (SELECT ... FOR UPDATE),
+on SQLite by starting every write transaction with BEGIN IMMEDIATE (one writer at a time; WAL lets
+readers go on). Read-only sessions use a plain BEGIN.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+log = logging.getLogger(__name__)
+
+READONLY = "rfork_readonly"
+
+
+def is_sqlite(url: str) -> bool:
+    """True for any SQLite URL (sqlite://, sqlite+pysqlite://)."""
+    return url.startswith("sqlite")
+
+
+def make_engine(url: str, *, pool_size: int = 16) -> Engine:
+    """An engine for `url`; SQLite gets WAL, a busy timeout and BEGIN IMMEDIATE for writes."""
+    if not is_sqlite(url):
+        return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+    engine = create_engine(
+        url,
+        connect_args={"check_same_thread": False, "timeout": 30.0},
+        pool_size=pool_size,
+        max_overflow=pool_size,
+    )
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA busy_timeout = 30000")
+        if ":memory:" not in url and url not in ("sqlite://", "sqlite:///"):
+            cur.execute("PRAGMA journal_mode = WAL")
+        cur.execute("PRAGMA synchronous = NORMAL")
+        cur.execute("PRAGMA foreign_keys = ON")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(READONLY) else "BEGIN IMMEDIATE")
+
+    return engine
+
+
+class Database:
+    """An engine plus two session factories: `write()` (serialised as above) and `read()`."""
+
+    def __init__(self, url: str, *, pool_size: int = 16) -> None:
+        self.url = url
+        self.engine = make_engine(url, pool_size=pool_size)
+        self.sqlite = is_sqlite(url)
+        self._write = sessionmaker(self.engine, expire_on_commit=False)
+        self._read = sessionmaker(self.engine.execution_options(**{READONLY: True}), expire_on_commit=False)
+
+    @contextmanager
+    def write(self) -> Iterator[Session]:
+        """A session whose transaction commits on exit (rolls back on error)."""
+        with self._write() as session, session.begin():
+            yield session
+
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        """A read-only session (never commits)."""
+        with self._read() as session:
+            yield session
+
+    def close(self) -> None:
+        """Dispose of the engine's connections."""
+        self.engine.dispose()
+
+
+def migrations_dir() -> Path:
+    """Where the `migrations` package (env.py, versions/) lives, installed or in a checkout."""
+    return Path(str(resources.files("migrations")))
+
+
+def alembic_config(url: str) -> Any:
+    """An Alembic Config built in code (no alembic.ini), so it works from an installed package."""
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    cfg.attributes["rfork_url"] = url
+    return cfg
+
+
+def migrate(url: str, revision: str = "head") -> None:
+    """Upgrade the database at `url` to `revision` (default: the newest)."""
+    from alembic import command
+
+    log.info("migrating %s to %s", _redact(url), revision)
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str = "base") -> None:
+    """Downgrade the database at `url` to `revision` (default: empty)."""
+    from alembic import command
+
+    command.downgrade(alembic_config(url), revision)
+
+
+def _redact(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)

@@ -1,0 +1,47 @@
+"""FastAPI dependencies: the app's Planner and the calling principal."""
+
+from __future__ import annotations
+
+from fastapi import Depends, HTTPException, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from planner.auth import INSECURE, Authenticator, Principal
+from planner.service import Planner
+
+bearer = HTTPBearer(auto_error=False, description="Bearer token (admin, instance or reader)")
+
+
+def get_planner(request: Request) -> Planner:
+    """The Planner this app serves."""
+    planner: Planner = request.app.state.planner
+    return planner
+
+
+def get_principal(
+    request: Request, creds: HTTPAuthorizationCredentials | None = Depends(bearer)
+) -> Principal:
+    """Who calls; 401 without a known token (unless the server runs --insecure)."""
+    auth: Authenticator | None = request.app.state.authenticator
+    if auth is None:
+        return INSECURE
+    if creds is None or not creds.credentials:
+        raise HTTPException(
+            401, "Authorization: a bearer token is required", headers={"WWW-Authenticate": "Bearer"}
+        )
+    principal = auth.authenticate(creds.credentials)
+    if principal is None:
+        raise HTTPException(401, "Authorization: unknown token", headers={"WWW-Authenticate": "Bearer"})
+    return principal
+
+
+def writer(principal: Principal = Depends(get_principal)) -> Principal:
+    """A principal allowed to change things (admin or instance)."""
+    if not principal.may_write():
+        raise HTTPException(403, f"Authorization: role {principal.role} may only read")
+    return principal
+
+
+def owner_of(instance_id: str, principal: Principal) -> None:
+    """403 unless the principal may change `instance_id`."""
+    if not principal.may_change(instance_id):
+        raise HTTPException(403, f"Authorization: this token may not change instance {instance_id}")

@@ -1,0 +1,40 @@
+"""The planner's exception hierarchy, shared by the client and the service."""
+
+from __future__ import annotations
+
+
+class PlannerError(Exception):
+    """Base of every planner error; `status` is the HTTP status when one came back."""
+
+    def __init__(self, message: str, *, status: int | None = None, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+
+
+class BadRequest(PlannerError):
+    """The planner refused the request's content (400/413/422); the message names the field."""
+
+
+class AuthError(PlannerError):
+    """Missing or wrong token (401), or a token without the right (403)."""
+
+
+class NotFound(PlannerError):
+    """The instance, manifest or assignment does not exist (404)."""
+
+
+class Conflict(PlannerError):
+    """The request contradicts the current state, e.g. an illegal status transition (409)."""
+
+
+class AllBusy(PlannerError):
+    """Sources exist but every one is at its pull limit (429); retry after `retry_after_s` seconds."""
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message, status=429, reason="all_busy")
+        self.retry_after_s = retry_after_s
+
+
+class PlannerUnavailable(PlannerError):
+    """The planner could not be reached or failed (connection error, timeout, 5xx)."""

@@ -1,0 +1,75 @@
+"""Prometheus metrics of one planner app (own registry, so several apps can share a process)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class PlannerMetrics:
+    """The counters and gauges /metrics exposes."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "rfork_planner_requests_total",
+            "HTTP requests",
+            ["method", "route", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "rfork_planner_request_seconds",
+            "HTTP request latency",
+            ["route"],
+            registry=self.registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+        )
+        self.assignments = Counter(
+            "rfork_planner_assignments_total", "assignment answers", ["result"], registry=self.registry
+        )
+        self.transfers = Counter(
+            "rfork_planner_transfers_total", "transfer reports", ["outcome"], registry=self.registry
+        )
+        self.transfer_bytes = Counter(
+            "rfork_planner_transfer_bytes_total", "bytes reported moved", registry=self.registry
+        )
+        self.instances = Gauge(
+            "rfork_planner_instances", "instances by status", ["status"], registry=self.registry
+        )
+        self.live_leases = Gauge(
+            "rfork_planner_live_leases", "leases not ended nor expired", registry=self.registry
+        )
+        self.reaped = Counter(
+            "rfork_planner_reaped_total", "reaper actions", ["kind"], registry=self.registry
+        )
+
+
+class MetricsMiddleware:
+    """Pure ASGI middleware: counts requests and times them by route template."""
+
+    def __init__(self, app: Any, metrics: PlannerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        """Wrap one request."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = [500]
+
+        async def _send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, _send)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", "unmatched")
+            self.metrics.requests.labels(method=scope["method"], route=path, status=str(status[0])).inc()
+            self.metrics.latency.labels(route=path).observe(time.perf_counter() - start)

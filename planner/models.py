@@ -1,0 +1,101 @@
+"""SQLAlchemy 2 models: the planner's schema (Alembic's env.py reads `Base.metadata`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, LargeBinary, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+class Base(DeclarativeBase):
+    """Declarative base; its metadata is the schema the migrations must produce."""
+
+
+class Instance(Base):
+    """A registered inference instance (seed or loader). Times are UNIX seconds (float)."""
+
+    __tablename__ = "instances"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    identity_key: Mapped[str] = mapped_column(String(64), index=True)
+    identity: Mapped[dict[str, Any]] = mapped_column(JSON)
+    model: Mapped[str] = mapped_column(String(512), index=True)
+    fingerprint: Mapped[str] = mapped_column(String(256), index=True)
+    node: Mapped[str] = mapped_column(String(256), index=True)
+    rack: Mapped[str] = mapped_column(String(256))
+    zone: Mapped[str] = mapped_column(String(256))
+    control_url: Mapped[str | None] = mapped_column(String(2048), nullable=True)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    max_concurrent_pulls: Mapped[int] = mapped_column(Integer)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+    last_heartbeat: Mapped[float] = mapped_column(Float)
+    consecutive_failures: Mapped[int] = mapped_column(Integer, default=0)
+    quarantined_until: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+    ranks: Mapped[list[InstanceRank]] = relationship(
+        back_populates="instance",
+        cascade="all, delete-orphan",
+        passive_deletes=True,
+        order_by="InstanceRank.rank",
+        lazy="selectin",
+    )
+
+
+class InstanceRank(Base):
+    """One global rank of an instance: the transport it serves and its engine address."""
+
+    __tablename__ = "instance_ranks"
+
+    instance_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("instances.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    provider: Mapped[str] = mapped_column(String(32))
+    address: Mapped[bytes] = mapped_column(LargeBinary)
+    backends: Mapped[list[str]] = mapped_column(JSON)
+
+    instance: Mapped[Instance] = relationship(back_populates="ranks")
+
+
+class Manifest(Base):
+    """A rank manifest, stored verbatim as the JSON text the seed sent."""
+
+    __tablename__ = "manifests"
+
+    instance_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("instances.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    body: Mapped[str] = mapped_column(Text)
+    nbytes: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class Lease(Base):
+    """An assignment: a loader pulls one rank from a seed until it reports or the lease expires.
+
+    Live while `ended_at` is NULL and `expires_at` is in the future. Kept after it ends as the
+    transfer history (no foreign key, so deleting the seed keeps the figures).
+    """
+
+    __tablename__ = "leases"
+    __table_args__ = (Index("ix_leases_seed_live", "instance_id", "rank", "ended_at"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    instance_id: Mapped[str] = mapped_column(String(32))
+    rank: Mapped[int] = mapped_column(Integer)
+    identity_key: Mapped[str] = mapped_column(String(64), index=True)
+    requester_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    provider: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[float] = mapped_column(Float, index=True)
+    expires_at: Mapped[float] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    outcome: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+    backend: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    reason: Mapped[str | None] = mapped_column(String(1024), nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)

@@ -1,0 +1,1 @@
+"""Thin route modules, one per resource."""

@@ -1,0 +1,66 @@
+"""/v1/assignments: lease a source for a rank; report how the pull went."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response
+
+from planner import schemas
+from planner.auth import Principal
+from planner.deps import get_planner, writer
+from planner.service import Planner
+
+router = APIRouter(prefix="/v1/assignments", tags=["assignments"])
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=schemas.AssignmentOut,
+    responses={
+        401: {},
+        403: {},
+        422: {},
+        404: {"description": 'no READY identical source: `{"reason": "no_source"}` (load from disk)'},
+        429: {
+            "description": 'every source is at its pull limit: `{"reason": "all_busy", "retry_after_s": x}`'
+        },
+    },
+)
+def request_assignment(
+    body: schemas.AssignmentIn,
+    request: Request,
+    planner: Planner = Depends(get_planner),
+    principal: Principal = Depends(writer),
+) -> Response:
+    """Ranked candidates for one rank, with a lease on the first."""
+    if principal.instance_id is not None and body.requester_id not in (None, principal.instance_id):
+        raise HTTPException(403, f"requester_id: this token acts for instance {principal.instance_id}")
+    text = planner.assign(body, time.time())
+    request.app.state.metrics.assignments.labels(result="leased").inc()
+    return Response(text, status_code=201, media_type="application/json")
+
+
+@router.post(
+    "/{assignment_id}/report",
+    response_model=schemas.ReportOut,
+    responses={401: {}, 403: {}, 404: {}, 409: {}, 422: {}},
+)
+def report(
+    assignment_id: Annotated[str, Path(pattern=r"^[0-9a-f]{32}$")],
+    body: schemas.ReportIn,
+    request: Request,
+    planner: Planner = Depends(get_planner),
+    principal: Principal = Depends(writer),
+) -> dict[str, Any]:
+    """End the lease with the pull's outcome and figures; failures count against the seed."""
+    try:
+        out = planner.report(assignment_id, body, time.time(), reporter_instance=principal.instance_id)
+    except PermissionError as exc:
+        raise HTTPException(403, f"assignment: {exc}") from exc
+    m = request.app.state.metrics
+    m.transfers.labels(outcome=body.outcome).inc()
+    m.transfer_bytes.inc(body.bytes)
+    return out

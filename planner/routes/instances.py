@@ -1,0 +1,171 @@
+"""/v1/instances: register, read, list, status, heartbeat, delete, rank manifests."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
+from pydantic import ValidationError
+
+from planner import schemas
+from planner.auth import Principal
+from planner.deps import get_planner, get_principal, owner_of, writer
+from planner.service import Planner
+
+router = APIRouter(prefix="/v1/instances", tags=["instances"])
+IdPath = Annotated[str, Path(pattern=r"^[0-9a-f]{32}$", description="instance id (32 hex digits)")]
+RankPath = Annotated[int, Path(ge=0, le=1_000_000, description="global rank")]
+ERRORS: dict[int | str, dict[str, Any]] = {401: {}, 403: {}, 404: {}, 422: {}}
+
+
+@router.post("", status_code=201, response_model=schemas.Registered, responses=ERRORS)
+def register(
+    body: schemas.InstanceIn, planner: Planner = Depends(get_planner), principal: Principal = Depends(writer)
+) -> dict[str, Any]:
+    """Register an instance (INITIALIZING); the answer carries a token scoped to it."""
+    return planner.register(body, time.time())
+
+
+@router.get("", response_model=schemas.InstancePage, responses=ERRORS)
+def list_instances(
+    planner: Planner = Depends(get_planner),
+    principal: Principal = Depends(get_principal),
+    model: Annotated[str | None, Query(max_length=512, pattern=schemas.NO_NUL)] = None,
+    fingerprint: Annotated[str | None, Query(max_length=256, pattern=schemas.NO_NUL)] = None,
+    status: schemas.Status | None = None,
+    node: Annotated[str | None, Query(max_length=256, pattern=schemas.NO_NUL)] = None,
+    identity_key: Annotated[str | None, Query(max_length=64, pattern=schemas.NO_NUL)] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
+) -> dict[str, Any]:
+    """Instances filtered by model, fingerprint, status, node or identity_key; paginated."""
+    return planner.list(
+        model=model,
+        fingerprint=fingerprint,
+        status=status.value if status else None,
+        node=node,
+        identity_key=identity_key,
+        limit=limit,
+        offset=offset,
+    )
+
+
+@router.get("/{instance_id}", response_model=schemas.InstanceOut, responses=ERRORS)
+def get_instance(
+    instance_id: IdPath,
+    planner: Planner = Depends(get_planner),
+    principal: Principal = Depends(get_principal),
+) -> dict[str, Any]:
+    """One instance."""
+    return planner.get(instance_id)
+
+
+@router.delete("/{instance_id}", status_code=204, responses=ERRORS)
+def delete_instance(
+    instance_id: IdPath,
+    request: Request,
+    planner: Planner = Depends(get_planner),
+    principal: Principal = Depends(writer),
+) -> Response:
+    """Remove an instance (admin, or the instance itself)."""
+    owner_of(instance_id, principal)
+    planner.delete(instance_id, time.time())
+    if request.app.state.authenticator is not None:
+        request.app.state.authenticator.forget(instance_id)
+    return Response(status_code=204)
+
+
+@router.post("/{instance_id}/status", response_model=schemas.InstanceOut, responses={**ERRORS, 409: {}})
+def set_status(
+    instance_id: IdPath,
+    body: schemas.StatusIn,
+    planner: Planner = Depends(get_planner),
+    principal: Principal = Depends(writer),
+) -> dict[str, Any]:
+    """INITIALIZING -> LOADING -> READY -> DRAINING (INITIALIZING -> READY, any -> DRAINING); else 409."""
+    owner_of(instance_id, principal)
+    return planner.set_status(instance_id, body.status, time.time())
+
+
+@router.post("/{instance_id}/heartbeat", response_model=schemas.HeartbeatOut, responses=ERRORS)
+def heartbeat(
+    instance_id: IdPath, planner: Planner = Depends(get_planner), principal: Principal = Depends(writer)
+) -> dict[str, Any]:
+    """Liveness; without one for ttl_s the instance turns STALE."""
+    owner_of(instance_id, principal)
+    return planner.heartbeat(instance_id, time.time())
+
+
+MANIFEST_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": schemas.ManifestIn.model_json_schema(ref_template="#/components/schemas/{model}")
+            }
+        },
+    }
+}
+
+
+@router.put(
+    "/{instance_id}/manifests/{rank}",
+    status_code=204,
+    openapi_extra=MANIFEST_BODY,
+    responses={**ERRORS, 409: {}, 413: {}},
+)
+async def put_manifest(
+    instance_id: IdPath,
+    rank: RankPath,
+    request: Request,
+    planner: Planner = Depends(get_planner),
+    principal: Principal = Depends(writer),
+) -> Response:
+    """Store a rank manifest verbatim after checking its shape and size."""
+    from starlette.concurrency import run_in_threadpool
+
+    owner_of(instance_id, principal)
+    limit = planner.settings.max_manifest_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise HTTPException(413, f"body: manifest of {declared} bytes exceeds the limit of {limit}")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise HTTPException(413, f"body: manifest exceeds the limit of {limit} bytes")
+    try:
+        text = raw.decode("utf-8")
+        manifest = schemas.ManifestIn.model_validate_json(text)
+    except UnicodeDecodeError as exc:
+        raise HTTPException(400, "body: manifest is not UTF-8") from exc
+    except ValidationError as exc:
+        raise HTTPException(422, _errors(exc)) from exc
+    if "\x00" in text or "\\u0000" in text:
+        raise HTTPException(422, "body: manifest must not contain NUL characters")
+    if manifest.rank != rank:
+        raise HTTPException(422, f"rank: manifest rank {manifest.rank} differs from the path's rank {rank}")
+    await run_in_threadpool(planner.put_manifest, instance_id, rank, text, time.time())
+    return Response(status_code=204)
+
+
+@router.get(
+    "/{instance_id}/manifests/{rank}",
+    responses={
+        **ERRORS,
+        200: {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ManifestIn"}}}},
+    },
+)
+def get_manifest(
+    instance_id: IdPath,
+    rank: RankPath,
+    planner: Planner = Depends(get_planner),
+    principal: Principal = Depends(get_principal),
+) -> Response:
+    """The manifest exactly as the seed stored it."""
+    return Response(planner.get_manifest(instance_id, rank), media_type="application/json")
+
+
+def _errors(exc: ValidationError) -> list[dict[str, Any]]:
+    return [{"loc": ["body", *e["loc"]], "msg": e["msg"], "type": e["type"]} for e in exc.errors()]

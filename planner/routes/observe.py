@@ -1,0 +1,71 @@
+"""Read-only views (/v1/models, /v1/transfers) and operations endpoints (/metrics, /healthz, /readyz)."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from sqlalchemy import text
+
+from planner.auth import Principal
+from planner.deps import get_planner, get_principal
+from planner.schemas import ModelsOut, TransfersOut
+from planner.service import Planner
+
+router = APIRouter(tags=["views"])
+
+
+@router.get("/v1/models", response_model=ModelsOut, responses={401: {}})
+def models(
+    planner: Planner = Depends(get_planner), principal: Principal = Depends(get_principal)
+) -> dict[str, Any]:
+    """Identities known to the planner with their instance and READY counts."""
+    return planner.models(time.time())
+
+
+@router.get("/v1/transfers", response_model=TransfersOut, responses={401: {}, 422: {}})
+def transfers(
+    planner: Planner = Depends(get_planner),
+    principal: Principal = Depends(get_principal),
+    seed_id: Annotated[str | None, Query(pattern=r"^[0-9a-f]{32}$")] = None,
+    outcome: Literal["success", "failure", "expired", "released"] | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
+) -> dict[str, Any]:
+    """Finished assignments, newest first, with bytes, seconds and GB/s."""
+    return planner.transfers(limit=limit, offset=offset, seed_id=seed_id, outcome=outcome)
+
+
+@router.get("/healthz", tags=["ops"])
+def healthz() -> dict[str, str]:
+    """The process is up."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz", tags=["ops"], responses={503: {}})
+def readyz(planner: Planner = Depends(get_planner)) -> Response:
+    """The database answers."""
+    try:
+        with planner.db.read() as s:
+            s.execute(text("SELECT 1"))
+    except Exception as exc:  # noqa: BLE001 - any database failure means not ready
+        return Response(
+            f'{{"status": "unavailable", "detail": "database: {type(exc).__name__}"}}',
+            status_code=503,
+            media_type="application/json",
+        )
+    return Response('{"status": "ready"}', media_type="application/json")
+
+
+@router.get("/metrics", tags=["ops"], response_class=Response)
+def metrics(request: Request, planner: Planner = Depends(get_planner)) -> Response:
+    """Prometheus text exposition."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    m = request.app.state.metrics
+    counts = planner.status_counts()
+    for status in ("INITIALIZING", "LOADING", "READY", "DRAINING", "STALE"):
+        m.instances.labels(status=status).set(counts.get(status, 0))
+    m.live_leases.set(planner.live_leases(time.time()))
+    return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,306 @@
+"""Request and response bodies of the REST API (pydantic); every bound here is a 4xx, never a 500."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+from enum import Enum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+
+# Text that PostgreSQL can store (no NUL) and that fits its column.
+NO_NUL = r"^[^\x00]*$"
+Name = Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=NO_NUL)]
+Label = Annotated[str, StringConstraints(max_length=256, pattern=NO_NUL)]
+ProviderName = Annotated[str, StringConstraints(min_length=1, max_length=32, pattern=r"^[a-z0-9_+-]+$")]
+InstanceId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
+Rank = Annotated[int, Field(ge=0, le=1_000_000)]
+ParallelSize = Annotated[int, Field(ge=1, le=65_536)]
+ONE_SIDED = ("tcp", "shm", "efa", "verbs")
+
+
+class Strict(BaseModel):
+    """Unknown fields are refused, so a typo is a 422 naming it instead of silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Status(str, Enum):
+    """Instance lifecycle; STALE is set only by the reaper."""
+
+    INITIALIZING = "INITIALIZING"
+    LOADING = "LOADING"
+    READY = "READY"
+    DRAINING = "DRAINING"
+    STALE = "STALE"
+
+
+SettableStatus = Literal["INITIALIZING", "LOADING", "READY", "DRAINING"]
+
+
+class Identity(Strict):
+    """Source identity: two instances are interchangeable iff every field is equal."""
+
+    model: Name
+    revision: Name
+    fingerprint: Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=NO_NUL)]
+    dtype: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=NO_NUL)]
+    quantization: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=NO_NUL)]
+    tp: ParallelSize
+    pp: ParallelSize
+    ep: ParallelSize
+    dp: ParallelSize
+    framework: Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=NO_NUL)]
+    framework_version: Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=NO_NUL)]
+    device_kind: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=NO_NUL)]
+
+    def key(self) -> str:
+        """sha256 of the canonical JSON (sorted keys, no spaces)."""
+        return identity_key(self.model_dump())
+
+
+def identity_key(identity: dict[str, Any]) -> str:
+    """The planner's identity_key of an identity dict."""
+    canon = json.dumps(identity, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()
+
+
+class Labels(Strict):
+    """Where an instance runs; selection prefers the same node, then rack, then zone."""
+
+    node: Label = ""
+    rack: Label = ""
+    zone: Label = ""
+
+
+class RankIn(Strict):
+    """One global rank's transport: default provider, engine address (base64) and served backends."""
+
+    rank: Rank
+    provider: ProviderName
+    address: Annotated[str, StringConstraints(max_length=65_536)]
+    backends: Annotated[list[ProviderName], Field(max_length=16)] = []
+
+    @field_validator("address")
+    @classmethod
+    def _b64(cls, v: str) -> str:
+        try:
+            base64.b64decode(v, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise ValueError("address must be base64") from exc
+        return v
+
+
+class InstanceIn(Strict):
+    """POST /v1/instances."""
+
+    identity: Identity
+    labels: Labels = Labels()
+    control_url: Annotated[str, StringConstraints(max_length=2048, pattern=NO_NUL)] | None = None
+    ranks: Annotated[list[RankIn], Field(max_length=65_536)] = []
+    max_concurrent_pulls: Annotated[int, Field(ge=1, le=10_000)] = 2
+
+    @model_validator(mode="after")
+    def _ranks_fit(self) -> InstanceIn:
+        world = self.identity.tp * self.identity.pp
+        seen: set[int] = set()
+        for r in self.ranks:
+            if r.rank >= world:
+                raise ValueError(f"ranks: rank {r.rank} is outside tp*pp = {world}")
+            if r.rank in seen:
+                raise ValueError(f"ranks: rank {r.rank} is listed twice")
+            seen.add(r.rank)
+        return self
+
+
+class RankOut(BaseModel):
+    """A rank as stored."""
+
+    rank: int
+    provider: str
+    address: str
+    backends: list[str]
+
+
+class InstanceOut(BaseModel):
+    """An instance as the API shows it."""
+
+    id: str
+    identity_key: str
+    identity: dict[str, Any]
+    labels: Labels
+    control_url: str | None
+    ranks: list[RankOut]
+    max_concurrent_pulls: int
+    status: Status
+    created_at: float
+    updated_at: float
+    last_heartbeat: float
+    quarantined_until: float | None
+
+
+class Registered(InstanceOut):
+    """201 answer to a registration: the instance plus its bearer token (shown once)."""
+
+    token: str
+
+
+class InstancePage(BaseModel):
+    """One page of instances."""
+
+    items: list[InstanceOut]
+    total: int
+
+
+class StatusIn(Strict):
+    """POST /v1/instances/{id}/status."""
+
+    status: SettableStatus
+
+
+class HeartbeatOut(BaseModel):
+    """Answer to a heartbeat."""
+
+    status: Status
+    ttl_s: float
+
+
+class RegionIn(BaseModel):
+    """One registered memory region of a rank."""
+
+    index: Annotated[int, Field(ge=0, le=1_000_000)]
+    nbytes: Annotated[int, Field(ge=0, le=2**62)]
+    descriptor: Annotated[str, StringConstraints(max_length=1_048_576)]
+
+
+class TensorIn(BaseModel):
+    """One tensor of a rank and where it lives in the regions."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=4096)]
+    dtype: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    shape: Annotated[list[Annotated[int, Field(ge=0, le=2**62)]], Field(max_length=64)]
+    nbytes: Annotated[int, Field(ge=0, le=2**62)]
+    region: Annotated[int, Field(ge=0, le=1_000_000)]
+    offset: Annotated[int, Field(ge=0, le=2**62)]
+    checksum: Annotated[str, StringConstraints(max_length=1024)]
+
+
+class ManifestIn(BaseModel):
+    """A rank manifest; stored verbatim after this shape check."""
+
+    rank: Rank
+    checksum_algorithm: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    regions: list[RegionIn]
+    tensors: list[TensorIn]
+
+    @model_validator(mode="after")
+    def _tensors_fit(self) -> ManifestIn:
+        sizes = {r.index: r.nbytes for r in self.regions}
+        if len(sizes) != len(self.regions):
+            raise ValueError("regions: index values must be unique")
+        for i, t in enumerate(self.tensors):
+            if t.region not in sizes:
+                raise ValueError(f"tensors[{i}].region: no region {t.region}")
+            if t.offset + t.nbytes > sizes[t.region]:
+                raise ValueError(f"tensors[{i}]: offset+nbytes exceeds region {t.region}'s nbytes")
+        return self
+
+
+class AssignmentIn(Strict):
+    """POST /v1/assignments: who wants which rank, and what it can speak."""
+
+    identity: Identity
+    rank: Rank
+    labels: Labels = Labels()
+    providers: Annotated[list[ProviderName], Field(max_length=16)] = []
+    backends: Annotated[list[ProviderName], Field(max_length=16)] = []
+    requester_id: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=NO_NUL)] | None = None
+    exclude: Annotated[
+        list[Annotated[str, StringConstraints(max_length=64, pattern=NO_NUL)]], Field(max_length=1024)
+    ] = []
+
+
+class CandidateOut(BaseModel):
+    """One ranked source for a rank (manifest included)."""
+
+    instance_id: str
+    rank: int
+    provider: str
+    address: str
+    backends: list[str]
+    control_url: str | None
+    labels: Labels
+    manifest: dict[str, Any]
+
+
+class AssignmentOut(BaseModel):
+    """201 answer: the lease (on candidates[0]) and the ranked candidates."""
+
+    id: str
+    expires_at: str
+    expires_at_unix: float
+    candidates: list[CandidateOut]
+
+
+class ReportIn(Strict):
+    """POST /v1/assignments/{id}/report: how the pull went; ends the lease."""
+
+    outcome: Literal["success", "failure"]
+    bytes: Annotated[int, Field(ge=0, le=2**62)] = 0
+    seconds: Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)] = 0.0
+    backend: Annotated[str, StringConstraints(max_length=32, pattern=NO_NUL)] = ""
+    reason: Annotated[str, StringConstraints(max_length=1024, pattern=NO_NUL)] | None = None
+    error: Annotated[str, StringConstraints(max_length=65_536, pattern=NO_NUL)] | None = None
+
+
+class ReportOut(BaseModel):
+    """Answer to a report."""
+
+    id: str
+    outcome: str
+    seed_quarantined: bool
+
+
+class ModelOut(BaseModel):
+    """One identity known to the planner."""
+
+    identity_key: str
+    identity: dict[str, Any]
+    instances: int
+    ready: int
+
+
+class ModelsOut(BaseModel):
+    """GET /v1/models."""
+
+    items: list[ModelOut]
+
+
+class TransferOut(BaseModel):
+    """One finished (or expired) assignment with its figures."""
+
+    id: str
+    seed_id: str
+    rank: int
+    requester_id: str | None
+    identity_key: str
+    provider: str
+    created_at: float
+    ended_at: float | None
+    outcome: str | None
+    bytes: int | None
+    seconds: float | None
+    gbps: float | None
+    backend: str | None
+    reason: str | None
+    error: str | None
+
+
+class TransfersOut(BaseModel):
+    """GET /v1/transfers."""
+
+    items: list[TransferOut]
+    total: int

@@ -1,0 +1,519 @@
+"""The planner's operations on the database: registration, lifecycle, manifests, assignments, reaper.
+
+Functions take `now` (UNIX seconds) so tests can move time; routes pass time.time().
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import and_, delete, func, or_, select, update
+
+from planner import schemas
+from planner.auth import new_instance_token
+from planner.db import Database
+from planner.errors import AllBusy, Conflict, NotFound
+from planner.models import Instance, InstanceRank, Lease, Manifest
+from planner.selection import Requester, SeedView, SelectionPolicy, choose_provider
+from planner.settings import PlannerSettings
+
+log = logging.getLogger(__name__)
+
+ALLOWED: dict[str, frozenset[str]] = {
+    "INITIALIZING": frozenset({"INITIALIZING", "LOADING", "READY", "DRAINING"}),
+    "LOADING": frozenset({"LOADING", "READY", "DRAINING"}),
+    "READY": frozenset({"READY", "DRAINING"}),
+    "DRAINING": frozenset({"DRAINING"}),
+    "STALE": frozenset({"LOADING", "READY", "DRAINING"}),
+}
+LIVE_STATUSES = ("INITIALIZING", "LOADING", "READY")
+
+
+class NoSource(NotFound):
+    """No READY identical source for this rank: load from disk."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=404, reason="no_source")
+
+
+def instance_out(inst: Instance) -> dict[str, Any]:
+    """The API view of an instance."""
+    return {
+        "id": inst.id,
+        "identity_key": inst.identity_key,
+        "identity": inst.identity,
+        "labels": {"node": inst.node, "rack": inst.rack, "zone": inst.zone},
+        "control_url": inst.control_url,
+        "ranks": [
+            {
+                "rank": r.rank,
+                "provider": r.provider,
+                "address": base64.b64encode(r.address).decode(),
+                "backends": r.backends,
+            }
+            for r in inst.ranks
+        ],
+        "max_concurrent_pulls": inst.max_concurrent_pulls,
+        "status": inst.status,
+        "created_at": inst.created_at,
+        "updated_at": inst.updated_at,
+        "last_heartbeat": inst.last_heartbeat,
+        "quarantined_until": inst.quarantined_until,
+    }
+
+
+class Planner:
+    """The service behind the routes: one per app, thread-safe (state lives in the database)."""
+
+    def __init__(self, *, db: Database, settings: PlannerSettings, policy: SelectionPolicy) -> None:
+        self.db = db
+        self.settings = settings
+        self.policy = policy
+
+    # ---- instances -------------------------------------------------------------------------
+    def register(self, body: schemas.InstanceIn, now: float) -> dict[str, Any]:
+        """Create an instance in INITIALIZING; returns its view plus its bearer token."""
+        token, digest = new_instance_token()
+        ident = body.identity.model_dump()
+        inst = Instance(
+            id=uuid.uuid4().hex,
+            identity_key=schemas.identity_key(ident),
+            identity=ident,
+            model=body.identity.model,
+            fingerprint=body.identity.fingerprint,
+            node=body.labels.node,
+            rack=body.labels.rack,
+            zone=body.labels.zone,
+            control_url=body.control_url,
+            status="INITIALIZING",
+            max_concurrent_pulls=body.max_concurrent_pulls,
+            token_hash=digest,
+            created_at=now,
+            updated_at=now,
+            last_heartbeat=now,
+            consecutive_failures=0,
+            ranks=[
+                InstanceRank(
+                    rank=r.rank,
+                    provider=r.provider,
+                    address=base64.b64decode(r.address),
+                    backends=list(r.backends) or [r.provider],
+                )
+                for r in body.ranks
+            ],
+        )
+        with self.db.write() as s:
+            s.add(inst)
+        out = instance_out(inst)
+        out["token"] = token
+        log.info("registered instance %s model=%s ranks=%d", inst.id, inst.model, len(inst.ranks))
+        return out
+
+    def get(self, instance_id: str) -> dict[str, Any]:
+        """One instance's view; NotFound if absent."""
+        with self.db.read() as s:
+            inst = s.get(Instance, instance_id)
+            if inst is None:
+                raise NotFound(f"instance {instance_id} not found")
+            return instance_out(inst)
+
+    def list(
+        self,
+        *,
+        model: str | None,
+        fingerprint: str | None,
+        status: str | None,
+        node: str | None,
+        identity_key: str | None,
+        limit: int,
+        offset: int,
+    ) -> dict[str, Any]:
+        """A filtered page of instances, oldest first, with the total count."""
+        conds = []
+        for col, val in (
+            (Instance.model, model),
+            (Instance.fingerprint, fingerprint),
+            (Instance.status, status),
+            (Instance.node, node),
+            (Instance.identity_key, identity_key),
+        ):
+            if val is not None:
+                conds.append(col == val)
+        with self.db.read() as s:
+            total = s.scalar(select(func.count()).select_from(Instance).where(*conds)) or 0
+            rows = s.scalars(
+                select(Instance)
+                .where(*conds)
+                .order_by(Instance.created_at, Instance.id)
+                .limit(limit)
+                .offset(offset)
+            ).all()
+            return {"items": [instance_out(i) for i in rows], "total": total}
+
+    def delete(self, instance_id: str, now: float) -> None:
+        """Remove an instance, its ranks and manifests; its live leases end (its transfer history stays)."""
+        with self.db.write() as s:
+            s.execute(delete(Manifest).where(Manifest.instance_id == instance_id))
+            s.execute(delete(InstanceRank).where(InstanceRank.instance_id == instance_id))
+            if not _rowcount(s.execute(delete(Instance).where(Instance.id == instance_id))):
+                raise NotFound(f"instance {instance_id} not found")
+            s.execute(
+                update(Lease)
+                .where(Lease.instance_id == instance_id, Lease.ended_at.is_(None))
+                .values(ended_at=now, outcome="released")
+            )
+
+    def set_status(self, instance_id: str, status: str, now: float) -> dict[str, Any]:
+        """Move along the lifecycle; Conflict (409) for an illegal transition."""
+        with self.db.write() as s:
+            inst = s.get(Instance, instance_id, with_for_update=True)
+            if inst is None:
+                raise NotFound(f"instance {instance_id} not found")
+            if status not in ALLOWED[inst.status]:
+                raise Conflict(
+                    f"status: illegal transition {inst.status} -> {status} for instance {instance_id}"
+                )
+            inst.status = status
+            inst.updated_at = now
+            inst.last_heartbeat = now
+            s.flush()
+            return instance_out(inst)
+
+    def heartbeat(self, instance_id: str, now: float) -> dict[str, Any]:
+        """Record liveness; a STALE instance stays STALE until it sets a status."""
+        with self.db.write() as s:
+            status = s.execute(
+                update(Instance)
+                .where(Instance.id == instance_id)
+                .values(last_heartbeat=now)
+                .returning(Instance.status)
+            ).scalar()
+        if status is None:
+            raise NotFound(f"instance {instance_id} not found")
+        return {"status": status, "ttl_s": self.settings.heartbeat_ttl_s}
+
+    # ---- manifests -------------------------------------------------------------------------
+    def put_manifest(self, instance_id: str, rank: int, raw: str, now: float) -> None:
+        """Store a validated manifest verbatim (replaces any earlier one for that rank)."""
+        with self.db.write() as s:
+            inst = s.get(Instance, instance_id)
+            if inst is None:
+                raise NotFound(f"instance {instance_id} not found")
+            world = inst.identity["tp"] * inst.identity["pp"]
+            if rank >= world:
+                raise Conflict(f"rank: {rank} is outside this instance's tp*pp = {world}")
+            row = s.get(Manifest, (instance_id, rank))
+            if row is None:
+                s.add(Manifest(instance_id=instance_id, rank=rank, body=raw, nbytes=len(raw), updated_at=now))
+            else:
+                row.body, row.nbytes, row.updated_at = raw, len(raw), now
+
+    def get_manifest(self, instance_id: str, rank: int) -> str:
+        """The manifest text as stored; NotFound if absent."""
+        with self.db.read() as s:
+            body = s.scalar(
+                select(Manifest.body).where(Manifest.instance_id == instance_id, Manifest.rank == rank)
+            )
+        if body is None:
+            raise NotFound(f"no manifest for instance {instance_id} rank {rank}")
+        return body
+
+    # ---- assignments -----------------------------------------------------------------------
+    def assign(self, body: schemas.AssignmentIn, now: float) -> str:
+        """Lease the best free seed for one rank; returns the 201 JSON text (manifests spliced verbatim).
+
+        Raises NoSource (404) or AllBusy (429). Atomic across planner processes: the candidate seeds'
+        rows are locked (PostgreSQL) or the whole write is serialised (SQLite) while leases are counted.
+        """
+        key = body.identity.key()
+        excluded = set(body.exclude)
+        if body.requester_id:
+            excluded.add(body.requester_id)
+        st = self.settings
+        q = (
+            select(
+                Instance.id,
+                Instance.node,
+                Instance.rack,
+                Instance.zone,
+                Instance.max_concurrent_pulls,
+                Instance.control_url,
+                InstanceRank.address,
+                InstanceRank.backends,
+            )
+            .join(InstanceRank, and_(InstanceRank.instance_id == Instance.id, InstanceRank.rank == body.rank))
+            .join(Manifest, and_(Manifest.instance_id == Instance.id, Manifest.rank == body.rank))
+            .where(
+                Instance.identity_key == key,
+                Instance.status == "READY",
+                Instance.last_heartbeat >= now - st.heartbeat_ttl_s,
+                or_(Instance.quarantined_until.is_(None), Instance.quarantined_until <= now),
+            )
+            .order_by(Instance.id)
+        )
+        if excluded:
+            q = q.where(Instance.id.not_in(sorted(excluded)))
+        if not self.db.sqlite:
+            q = q.with_for_update(of=Instance)
+        with self.db.write() as s:
+            rows = []
+            for r in s.execute(q).all():
+                provider = choose_provider(body.providers, body.backends, r.backends)
+                if provider is not None:
+                    rows.append((r, provider))
+            if not rows:
+                raise NoSource(f"no READY source for identity {key[:12]} rank {body.rank}")
+            counts = dict(
+                s.execute(
+                    select(Lease.instance_id, func.count())
+                    .where(
+                        Lease.instance_id.in_([r.id for r, _ in rows]),
+                        Lease.rank == body.rank,
+                        Lease.ended_at.is_(None),
+                        Lease.expires_at > now,
+                    )
+                    .group_by(Lease.instance_id)
+                )
+                .tuples()
+                .all()
+            )
+            by_id = {r.id: (r, p) for r, p in rows}
+            views = [
+                SeedView(
+                    instance_id=r.id,
+                    node=r.node,
+                    rack=r.rack,
+                    zone=r.zone,
+                    active_leases=counts.get(r.id, 0),
+                    max_concurrent_pulls=r.max_concurrent_pulls,
+                )
+                for r, _ in rows
+            ]
+            req = Requester(
+                node=body.labels.node,
+                rack=body.labels.rack,
+                zone=body.labels.zone,
+                key=body.requester_id or body.labels.node,
+            )
+            ranked = self.policy.rank(req, views)[: st.max_candidates]
+            if not ranked:
+                raise AllBusy(
+                    f"all {len(views)} sources for rank {body.rank} are at their pull limit",
+                    retry_after_s=st.retry_after_s,
+                )
+            lease = Lease(
+                id=uuid.uuid4().hex,
+                instance_id=ranked[0].instance_id,
+                rank=body.rank,
+                identity_key=key,
+                requester_id=body.requester_id,
+                provider=by_id[ranked[0].instance_id][1],
+                created_at=now,
+                expires_at=now + st.lease_ttl_s,
+            )
+            s.add(lease)
+            chosen = [v.instance_id for v in ranked]
+            manifests = dict(
+                s.execute(
+                    select(Manifest.instance_id, Manifest.body).where(
+                        Manifest.instance_id.in_(chosen), Manifest.rank == body.rank
+                    )
+                )
+                .tuples()
+                .all()
+            )
+        parts = []
+        for iid in chosen:
+            r, provider = by_id[iid]
+            head = json.dumps(
+                {
+                    "instance_id": iid,
+                    "rank": body.rank,
+                    "provider": provider,
+                    "address": base64.b64encode(r.address).decode(),
+                    "backends": r.backends,
+                    "control_url": r.control_url,
+                    "labels": {"node": r.node, "rack": r.rack, "zone": r.zone},
+                }
+            )
+            parts.append(head[:-1] + ', "manifest": ' + manifests[iid] + "}")
+        expires = dt.datetime.fromtimestamp(lease.expires_at, tz=dt.timezone.utc).isoformat()
+        return (
+            f'{{"id": "{lease.id}", "expires_at": "{expires}", "expires_at_unix": {lease.expires_at!r}, '
+            f'"candidates": [{", ".join(parts)}]}}'
+        )
+
+    def report(
+        self, lease_id: str, body: schemas.ReportIn, now: float, reporter_instance: str | None = None
+    ) -> dict[str, Any]:
+        """End a lease with the pull's outcome; failures count against the seed (quarantine)."""
+        quarantined = False
+        with self.db.write() as s:
+            lease = s.get(Lease, lease_id, with_for_update=True)
+            if lease is None:
+                raise NotFound(f"assignment {lease_id} not found")
+            if reporter_instance is not None and lease.requester_id not in (None, reporter_instance):
+                raise PermissionError(f"assignment {lease_id} belongs to requester {lease.requester_id}")
+            if lease.outcome in ("success", "failure"):
+                raise Conflict(f"assignment {lease_id} was already reported ({lease.outcome})")
+            lease.ended_at = lease.ended_at if lease.ended_at is not None else now
+            lease.outcome = body.outcome
+            lease.bytes, lease.seconds = body.bytes, body.seconds
+            lease.backend, lease.reason, lease.error = body.backend or lease.provider, body.reason, body.error
+            if body.outcome == "success":
+                s.execute(
+                    update(Instance).where(Instance.id == lease.instance_id).values(consecutive_failures=0)
+                )
+            else:
+                fails = s.execute(
+                    update(Instance)
+                    .where(Instance.id == lease.instance_id)
+                    .values(consecutive_failures=Instance.consecutive_failures + 1)
+                    .returning(Instance.consecutive_failures)
+                ).scalar()
+                if fails is not None and fails >= self.settings.failure_threshold:
+                    quarantined = True
+                    s.execute(
+                        update(Instance)
+                        .where(Instance.id == lease.instance_id)
+                        .values(consecutive_failures=0, quarantined_until=now + self.settings.quarantine_s)
+                    )
+                    log.warning(
+                        "seed %s quarantined for %.0fs after %d failed pulls",
+                        lease.instance_id,
+                        self.settings.quarantine_s,
+                        fails,
+                    )
+        return {"id": lease_id, "outcome": body.outcome, "seed_quarantined": quarantined}
+
+    # ---- views -----------------------------------------------------------------------------
+    def models(self, now: float) -> dict[str, Any]:
+        """Every identity with its instance count and READY (fresh, not quarantined) count."""
+        with self.db.read() as s:
+            rows = s.execute(
+                select(
+                    Instance.identity_key,
+                    Instance.status,
+                    Instance.last_heartbeat,
+                    Instance.quarantined_until,
+                )
+            ).all()
+            agg: dict[str, list[int]] = {}
+            for r in rows:
+                a = agg.setdefault(r.identity_key, [0, 0])
+                a[0] += 1
+                fresh = r.last_heartbeat >= now - self.settings.heartbeat_ttl_s
+                free = r.quarantined_until is None or r.quarantined_until <= now
+                a[1] += int(r.status == "READY" and fresh and free)
+            idents: dict[str, dict[str, Any]] = {}
+            for k in agg:
+                idents[k] = (
+                    s.scalar(select(Instance.identity).where(Instance.identity_key == k).limit(1)) or {}
+                )
+        items = [
+            {"identity_key": k, "identity": idents[k], "instances": a[0], "ready": a[1]}
+            for k, a in sorted(agg.items(), key=lambda kv: (str(idents[kv[0]].get("model")), kv[0]))
+        ]
+        return {"items": items}
+
+    def transfers(
+        self, *, limit: int, offset: int, seed_id: str | None, outcome: str | None
+    ) -> dict[str, Any]:
+        """Ended assignments, newest first, with bytes, seconds and GB/s."""
+        conds: list[Any] = [Lease.ended_at.is_not(None)]
+        if seed_id is not None:
+            conds.append(Lease.instance_id == seed_id)
+        if outcome is not None:
+            conds.append(Lease.outcome == outcome)
+        with self.db.read() as s:
+            total = s.scalar(select(func.count()).select_from(Lease).where(*conds)) or 0
+            rows = s.scalars(
+                select(Lease)
+                .where(*conds)
+                .order_by(Lease.ended_at.desc(), Lease.id)
+                .limit(limit)
+                .offset(offset)
+            ).all()
+        items = [
+            {
+                "id": r.id,
+                "seed_id": r.instance_id,
+                "rank": r.rank,
+                "requester_id": r.requester_id,
+                "identity_key": r.identity_key,
+                "provider": r.provider,
+                "created_at": r.created_at,
+                "ended_at": r.ended_at,
+                "outcome": r.outcome,
+                "bytes": r.bytes,
+                "seconds": r.seconds,
+                "gbps": (r.bytes / r.seconds / 1e9) if r.bytes and r.seconds else None,
+                "backend": r.backend,
+                "reason": r.reason,
+                "error": r.error,
+            }
+            for r in rows
+        ]
+        return {"items": items, "total": total}
+
+    def status_counts(self) -> dict[str, int]:
+        """Instances per status (for /metrics)."""
+        with self.db.read() as s:
+            return dict(
+                s.execute(select(Instance.status, func.count()).group_by(Instance.status)).tuples().all()
+            )
+
+    def live_leases(self, now: float) -> int:
+        """Leases not ended and not expired."""
+        with self.db.read() as s:
+            return (
+                s.scalar(
+                    select(func.count())
+                    .select_from(Lease)
+                    .where(Lease.ended_at.is_(None), Lease.expires_at > now)
+                )
+                or 0
+            )
+
+
+@dataclass(frozen=True)
+class ReapResult:
+    """What one reaper pass changed."""
+
+    stale: int
+    expired: int
+
+
+def reap(db: Database, settings: PlannerSettings, now: float) -> ReapResult:
+    """Mark silent instances STALE and end expired leases; safe to run from several processes."""
+    with db.write() as s:
+        stale = _rowcount(
+            s.execute(
+                update(Instance)
+                .where(
+                    Instance.status.in_(LIVE_STATUSES),
+                    Instance.last_heartbeat < now - settings.heartbeat_ttl_s,
+                )
+                .values(status="STALE", updated_at=now)
+            )
+        )
+        expired = _rowcount(
+            s.execute(
+                update(Lease)
+                .where(Lease.ended_at.is_(None), Lease.expires_at <= now)
+                .values(ended_at=now, outcome="expired")
+            )
+        )
+    if stale or expired:
+        log.info("reaper: %d instances STALE, %d leases expired", stale, expired)
+    return ReapResult(stale=stale, expired=expired)
+
+
+def _rowcount(result: Any) -> int:
+    return int(getattr(result, "rowcount", 0) or 0)

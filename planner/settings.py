@@ -1,0 +1,37 @@
+"""Planner settings: one pydantic-settings class, read from RFORK_* environment variables."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_DB_URL = "sqlite:///rfork-planner.db"
+PolicyName = Literal["load_aware", "random", "rendezvous"]
+
+
+class PlannerSettings(BaseSettings):
+    """Everything the planner service can be told; env names are RFORK_<FIELD> (e.g. RFORK_ADMIN_TOKEN)."""
+
+    model_config = SettingsConfigDict(env_prefix="RFORK_", extra="ignore")
+
+    db_url: str = DEFAULT_DB_URL
+    admin_token: str | None = None
+    instance_token: str | None = None
+    reader_token: str | None = None
+    insecure: bool = False
+    heartbeat_ttl_s: float = Field(default=30.0, gt=0)
+    lease_ttl_s: float = Field(default=120.0, gt=0)
+    reaper_interval_s: float = Field(default=5.0, gt=0)
+    selection_policy: PolicyName = "load_aware"
+    max_candidates: int = Field(default=3, ge=1, le=64)
+    failure_threshold: int = Field(default=3, ge=1)
+    quarantine_s: float = Field(default=300.0, ge=0)
+    max_manifest_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    retry_after_s: float = Field(default=1.0, gt=0)
+    db_pool_size: int = Field(default=16, ge=1)
+
+    def has_tokens(self) -> bool:
+        """True when at least one bearer token is configured."""
+        return any((self.admin_token, self.instance_token, self.reader_token))
