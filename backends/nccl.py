@@ -263,6 +263,21 @@ def _wait(work: Any, *, timeout_s: float, peer: str, phase: str) -> None:
         raise NcclTimeoutError(f"{phase} with {peer} made no progress in {timeout_s:.1f}s")
 
 
+def _start(pg: Any, op: str, buf: torch.Tensor, peer_rank: int, tag: int, *, peer: str, phase: str) -> Any:
+    """Post a send or recv; posting itself fails at once when the peer's connection is already gone."""
+    try:
+        return getattr(pg, op)([buf], peer_rank, tag)
+    except RuntimeError as exc:
+        raise _classify(exc, peer=peer, phase=phase) from exc
+
+
+def _exchange(pg: Any, op: str, buf: torch.Tensor, peer_rank: int, tag: int, *, timeout_s: float, peer: str,
+              phase: str) -> None:
+    """Post one small message and wait for it, bounded by ``timeout_s``."""
+    work = _start(pg, op, buf, peer_rank, tag, peer=peer, phase=phase)
+    _wait(work, timeout_s=timeout_s, peer=peer, phase=phase)
+
+
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
@@ -301,10 +316,11 @@ def send_tensors(store: Store, tensors: Sequence[torch.Tensor], *, session_id: s
         logger.debug("session %s: group up in %.3fs", session_id, time.perf_counter() - t0)
         header = torch.tensor([_MAGIC, _VERSION, sum(1 for s in sizes if s), total, plan_digest(tensors),
                                bucket_bytes], dtype=torch.int64, device=device)
-        _wait(pg.send([header], _LOADER_RANK, _TAG_HEADER), timeout_s=timeout_s, peer=peer,
-              phase="header send")
+        _exchange(pg, "send", header, _LOADER_RANK, _TAG_HEADER, timeout_s=timeout_s, peer=peer,
+                  phase="header send")
         ack = torch.zeros(1, dtype=torch.int64, device=device)
-        _wait(pg.recv([ack], _LOADER_RANK, _TAG_ACK), timeout_s=timeout_s, peer=peer, phase="header ack")
+        _exchange(pg, "recv", ack, _LOADER_RANK, _TAG_ACK, timeout_s=timeout_s, peer=peer,
+                  phase="header ack")
         if int(ack.item()) != 1:
             raise NcclPlanMismatchError(
                 f"{peer} rejected the tensor plan of session {session_id} "
@@ -327,15 +343,16 @@ def send_tensors(store: Store, tensors: Sequence[torch.Tensor], *, session_id: s
                 for item in bucket.items:
                     buf[item.offset: item.offset + item.nbytes].copy_(_byte_view(tensors[item.tensor_index]))
                 _sync(device)
-            pending.append(pg.send([buf], _LOADER_RANK, _TAG_FIRST_BUCKET + i))
+            pending.append(_start(pg, "send", buf, _LOADER_RANK, _TAG_FIRST_BUCKET + i, peer=peer,
+                                  phase=f"bucket {i} send"))
             moved += bucket.nbytes
             if on_bucket is not None:
                 on_bucket(i, moved)
         while pending:
             _wait(pending.popleft(), timeout_s=timeout_s, peer=peer, phase="final bucket send")
         done = torch.zeros(1, dtype=torch.int64, device=device)
-        _wait(pg.recv([done], _LOADER_RANK, _TAG_FIRST_BUCKET + len(plan)), timeout_s=timeout_s, peer=peer,
-              phase="completion ack")
+        _exchange(pg, "recv", done, _LOADER_RANK, _TAG_FIRST_BUCKET + len(plan),
+                  timeout_s=timeout_s, peer=peer, phase="completion ack")
         if int(done.item()) != total:
             raise NcclTransferError(f"{peer} acknowledged {int(done.item())} of {total} bytes")
         logger.debug("session %s: sent %d bytes in %.3fs", session_id, total, time.perf_counter() - t0)
@@ -365,13 +382,14 @@ def recv_tensors(store: Store, dest_tensors: Sequence[torch.Tensor], *, session_
     t1 = time.perf_counter()
     try:
         header = torch.zeros(6, dtype=torch.int64, device=device)
-        _wait(pg.recv([header], _SEED_RANK, _TAG_HEADER), timeout_s=timeout_s, peer=peer,
-              phase="header receive")
+        _exchange(pg, "recv", header, _SEED_RANK, _TAG_HEADER, timeout_s=timeout_s, peer=peer,
+                  phase="header receive")
         magic, version, count, their_total, digest, bucket_bytes = (int(v) for v in header.tolist())
         mine = (_MAGIC, _VERSION, sum(1 for s in sizes if s), total, plan_digest(dest_tensors))
         agree = (magic, version, count, their_total, digest) == mine and bucket_bytes > 0
         ack = torch.tensor([1 if agree else 0], dtype=torch.int64, device=device)
-        _wait(pg.send([ack], _SEED_RANK, _TAG_ACK), timeout_s=timeout_s, peer=peer, phase="header ack")
+        _exchange(pg, "send", ack, _SEED_RANK, _TAG_ACK, timeout_s=timeout_s, peer=peer,
+                  phase="header ack")
         if not agree:
             raise NcclPlanMismatchError(
                 f"{peer} offers {count} tensors / {their_total} bytes, destination has {mine[2]} / {total} "
@@ -390,7 +408,9 @@ def recv_tensors(store: Store, dest_tensors: Sequence[torch.Tensor], *, session_
                 if slot not in staging:
                     staging[slot] = torch.empty(max(b.nbytes for b in plan), dtype=torch.uint8, device=device)
                 buf = staging[slot][: bucket.nbytes]
-            posted.append((i, pg.recv([buf], _SEED_RANK, _TAG_FIRST_BUCKET + i), buf))
+            work = _start(pg, "recv", buf, _SEED_RANK, _TAG_FIRST_BUCKET + i, peer=peer,
+                          phase=f"bucket {i} receive")
+            posted.append((i, work, buf))
 
         next_post = 0
         moved = 0
@@ -418,8 +438,8 @@ def recv_tensors(store: Store, dest_tensors: Sequence[torch.Tensor], *, session_
                 post(next_post)
                 next_post += 1
         done = torch.tensor([moved], dtype=torch.int64, device=device)
-        _wait(pg.send([done], _SEED_RANK, _TAG_FIRST_BUCKET + len(plan)), timeout_s=timeout_s, peer=peer,
-              phase="completion ack")
+        _exchange(pg, "send", done, _SEED_RANK, _TAG_FIRST_BUCKET + len(plan),
+                  timeout_s=timeout_s, peer=peer, phase="completion ack")
         if timings is not None:
             timings["setup_s"] = t1 - t0
             timings["stream_s"] = time.perf_counter() - t1

@@ -1,0 +1,306 @@
+"""NCCL fallback end to end through gloo: a seed process runs ControlServer, loaders pull by rank."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from backends.nccl import NcclPeerError, NcclTimeoutError, NcclTransferError
+from rfork.control import ControlServer
+from rfork.nccl_pull import NcclSessionError, pull_over_nccl
+
+CTX = mp.get_context("spawn")
+SEED_TIMEOUT_S = 4.0
+BUCKET = 4 << 20
+MIB = 1 << 20
+
+
+def rank_tensors(rank: int, mib: int) -> list[torch.Tensor]:
+    """Deterministic tensors of one rank: ~``mib`` MiB of mixed dtypes, zero-byte ones included."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    return [
+        torch.randn(257, 129, generator=g).to(torch.bfloat16),
+        torch.zeros(0),
+        torch.randint(0, 255, (mib * MIB,), generator=g, dtype=torch.uint8),
+        torch.randn(1000, generator=g),
+        torch.zeros(0, 8, dtype=torch.int64),
+        torch.randint(-5, 5, (33, 3), generator=g, dtype=torch.int32),
+        torch.randn(3 * MIB // 8, generator=g, dtype=torch.float64),
+    ]
+
+
+def _seed_main(conn: Any, tp: int, mib: int, max_concurrent: int) -> None:
+    """A seed process: ControlServer over its ranks, plus a 5 ms 'heartbeat' thread whose gaps we measure."""
+    ranks = {r: rank_tensors(r, mib) for r in range(tp)}
+    gap = {"max": 0.0, "ticks": 0}
+    stop = threading.Event()
+
+    def ticker() -> None:
+        last = time.monotonic()
+        while not stop.wait(0.005):
+            now = time.monotonic()
+            gap["max"] = max(gap["max"], now - last)
+            gap["ticks"] += 1
+            last = now
+
+    threading.Thread(target=ticker, daemon=True).start()
+    srv = ControlServer(tensors_for_rank=lambda r: ranks[r], max_concurrent=max_concurrent,
+                        timeout_s=SEED_TIMEOUT_S, bucket_bytes=BUCKET, max_in_flight=2).start()
+    conn.send(srv.url)
+    while True:
+        cmd = conn.recv()
+        if cmd == "reset":
+            gap.update(max=0.0, ticks=0)
+            conn.send(True)
+        elif cmd == "gap":
+            conn.send(dict(gap))
+        else:
+            break
+    stop.set()
+    srv.close()
+
+
+def _loader_main(url: str, rank: int, mib: int, pace_s: float, progressed: Any, q: Any) -> None:
+    expected = rank_tensors(rank, mib)
+    dest = [torch.empty_like(t) for t in expected]
+
+    def step(i: int, moved: int) -> None:
+        progressed.set()
+        time.sleep(pace_s)
+
+    try:
+        n = pull_over_nccl(url, rank, dest, timeout_s=10.0, max_in_flight=1, on_bucket=step)
+        q.put(("ok", n, all(torch.equal(a, b) for a, b in zip(dest, expected, strict=True))))
+    except NcclTransferError as exc:
+        q.put((type(exc).__name__, str(exc), False))
+
+
+class Seed:
+    def __init__(self, tp: int, mib: int, max_concurrent: int = 2) -> None:
+        self.conn, child = CTX.Pipe()
+        self.proc = CTX.Process(target=_seed_main, args=(child, tp, mib, max_concurrent), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(60):
+            self.kill()
+            raise RuntimeError("seed did not start")
+        self.url: str = self.conn.recv()
+
+    def call(self, cmd: str) -> Any:
+        self.conn.send(cmd)
+        assert self.conn.poll(10)
+        return self.conn.recv()
+
+    def health(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self.url + "/v1/health", timeout=5) as resp:
+            return dict(json.loads(resp.read()))
+
+    def wait_idle(self, within_s: float) -> float:
+        t0 = time.monotonic()
+        while self.health()["active_sessions"]:
+            if time.monotonic() - t0 > within_s:
+                raise AssertionError(f"seed still busy after {within_s}s: {self.health()}")
+            time.sleep(0.05)
+        return time.monotonic() - t0
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(10)
+
+
+@pytest.fixture(scope="module")
+def seed() -> Iterator[Seed]:
+    s = Seed(tp=2, mib=48)
+    yield s
+    try:
+        s.conn.send("stop")
+        s.proc.join(10)
+    finally:
+        s.kill()
+
+
+def _pull(url: str, rank: int, mib: int) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
+    expected = rank_tensors(rank, mib)
+    dest = [torch.empty_like(t) for t in expected]
+    return pull_over_nccl(url, rank, dest, timeout_s=10.0), dest, expected
+
+
+def _post(url: str, body: bytes, method: str = "POST") -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_tp1_pull_is_byte_exact() -> None:
+    s = Seed(tp=1, mib=8)
+    try:
+        n, dest, expected = _pull(s.url, 0, 8)
+        assert n == sum(t.numel() * t.element_size() for t in expected)
+        assert all(torch.equal(a, b) for a, b in zip(dest, expected, strict=True))
+        s.wait_idle(5)
+        assert s.health()["sessions_served"] == 1
+        with pytest.raises(NcclSessionError, match="HTTP 404") as info:
+            _pull(s.url, 1, 8)
+        assert info.value.status == 404
+    finally:
+        s.kill()
+
+
+def test_tp2_one_session_per_rank_concurrently(seed: Seed) -> None:
+    results: dict[int, tuple[int, bool]] = {}
+
+    def pull(rank: int) -> None:
+        n, dest, expected = _pull(seed.url, rank, 48)
+        results[rank] = (n, all(torch.equal(a, b) for a, b in zip(dest, expected, strict=True)))
+
+    threads = [threading.Thread(target=pull, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results[0][1]
+    assert results[1][1]
+    assert results[0][0] > 48 * MIB
+    seed.wait_idle(5)
+
+
+def test_seed_keeps_answering_while_sending(seed: Seed) -> None:
+    seed.wait_idle(10)
+    seed.call("reset")
+    latencies: list[float] = []
+    sending = threading.Event()
+    done = threading.Event()
+
+    def poll_health() -> None:
+        while not done.is_set():
+            t0 = time.monotonic()
+            h = seed.health()
+            latencies.append(time.monotonic() - t0)
+            if h["active_sessions"]:
+                sending.set()
+            time.sleep(0.02)
+
+    poller = threading.Thread(target=poll_health)
+    poller.start()
+    t0 = time.monotonic()
+    for _ in range(3):
+        n, dest, expected = _pull(seed.url, 0, 48)
+        assert torch.equal(dest[2], expected[2])
+    seconds = time.monotonic() - t0
+    done.set()
+    poller.join(10)
+    gap = seed.call("gap")
+    print(f"3 pulls of {n / 1e6:.0f} MB in {seconds:.2f}s; seed heartbeat max gap {gap['max'] * 1000:.1f} ms "
+          f"over {gap['ticks']} ticks; /v1/health max latency {max(latencies) * 1000:.1f} ms")
+    assert sending.is_set(), "health never saw an active session"
+    assert gap["ticks"] > 10
+    assert gap["max"] < 0.5, f"seed heartbeat thread stalled {gap['max']:.3f}s while sending"
+    assert max(latencies) < 1.0
+
+
+def test_two_loaders_at_once_and_third_gets_429(seed: Seed) -> None:
+    seed.wait_idle(10)
+    q = CTX.Queue()
+    events = [CTX.Event(), CTX.Event()]
+    loaders = [CTX.Process(target=_loader_main, args=(seed.url, 0, 48, 0.1, ev, q), daemon=True)
+               for ev in events]
+    for p in loaders:
+        p.start()
+    try:
+        assert all(ev.wait(60) for ev in events)
+        assert seed.health()["active_sessions"] == 2
+        status, body = _post(seed.url + "/v1/nccl/sessions", b'{"rank": 1}')
+        assert status == 429
+        assert body["reason"] == "busy"
+        results = [q.get(timeout=60) for _ in loaders]
+    finally:
+        for p in loaders:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert [r[0] for r in results] == ["ok", "ok"]
+    assert all(r[2] for r in results)
+    seed.wait_idle(5)
+
+
+def test_loader_killed_mid_stream_frees_seed_worker(seed: Seed) -> None:
+    seed.wait_idle(10)
+    failed_before = seed.health()["sessions_failed"]
+    q = CTX.Queue()
+    ev = CTX.Event()
+    loader = CTX.Process(target=_loader_main, args=(seed.url, 1, 48, 0.3, ev, q), daemon=True)
+    loader.start()
+    assert ev.wait(60)
+    assert seed.health()["active_sessions"] == 1
+    os.kill(loader.pid or 0, signal.SIGKILL)
+    loader.join(10)
+    freed_in = seed.wait_idle(SEED_TIMEOUT_S + 2.0)
+    print(f"seed worker freed {freed_in:.2f}s after the loader was killed")
+    assert seed.health()["sessions_failed"] == failed_before + 1
+    n, dest, expected = _pull(seed.url, 1, 48)  # the seed still serves
+    assert torch.equal(dest[6], expected[6])
+
+
+def test_seed_killed_mid_stream_fails_loader_within_timeout() -> None:
+    s = Seed(tp=1, mib=32)
+    expected = rank_tensors(0, 32)
+    dest = [torch.empty_like(t) for t in expected]
+    killed: list[float] = []
+
+    def kill_seed(i: int, moved: int) -> None:
+        if not killed:
+            os.kill(s.proc.pid or 0, signal.SIGKILL)
+            killed.append(time.monotonic())
+        time.sleep(0.1)
+
+    try:
+        with pytest.raises(NcclTransferError) as info:
+            pull_over_nccl(s.url, 0, dest, timeout_s=SEED_TIMEOUT_S, max_in_flight=1, on_bucket=kill_seed)
+        failed = time.monotonic()
+    finally:
+        s.kill()
+    assert killed
+    assert isinstance(info.value, (NcclPeerError, NcclTimeoutError))
+    assert failed - killed[0] < SEED_TIMEOUT_S + 1.0
+
+
+def test_control_endpoint_rejects_bad_input_with_4xx() -> None:
+    tensors = [torch.ones(4)]
+    with ControlServer(tensors_for_rank=lambda r: [tensors][r], max_concurrent=1, timeout_s=1.0) as srv:
+        url = srv.url + "/v1/nccl/sessions"
+        cases = [(b"not json", 400), (b"[1]", 400), (b'{"rank": -1}', 422), (b'{"rank": "0"}', 422),
+                 (b'{"rank": true}', 422), (b"{}", 422), (b'{"rank": 7}', 404)]
+        for body, want in cases:
+            status, answer = _post(url, body)
+            assert status == want, (body, answer)
+            assert answer["error"]
+        assert _post(srv.url + "/v1/nope", b"{}")[0] == 404
+        assert _post(url, b"{}", method="PUT")[0] == 405
+        status, answer = _post(url, b'{"rank": 0}')
+        assert status == 201
+        assert set(answer) == {"session_id", "host", "port", "backend"}
+        assert answer["backend"] == "gloo"
+        status, busy = _post(url, b'{"rank": 0}')
+        assert status == 429
+        assert busy["retry_after_s"] > 0
+        with urllib.request.urlopen(f"{srv.url}/v1/nccl/sessions/{answer['session_id']}", timeout=5) as resp:
+            assert json.loads(resp.read())["rank"] == 0
+        t0 = time.monotonic()  # nobody joins: the session fails after timeout_s and frees the slot
+        while srv.health()["active_sessions"]:
+            assert time.monotonic() - t0 < 5.0
+            time.sleep(0.05)
+        assert srv.session(answer["session_id"]).state == "failed"  # type: ignore[union-attr]
