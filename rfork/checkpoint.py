@@ -28,14 +28,35 @@ log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
-              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
-_COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight",
-           "q_proj.bias", "k_proj.bias", "v_proj.bias", "embed_tokens.weight", "lm_head.weight")
+_ST_DTYPES = {
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+    "F64": "float64",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+_COLUMN = (
+    "q_proj.weight",
+    "k_proj.weight",
+    "v_proj.weight",
+    "gate_proj.weight",
+    "up_proj.weight",
+    "q_proj.bias",
+    "k_proj.bias",
+    "v_proj.bias",
+    "embed_tokens.weight",
+    "lm_head.weight",
+)
 _ROW = ("o_proj.weight", "down_proj.weight")
 
 
 # ---------------------------------------------------------------- configs and the generator
+
 
 @dataclass(frozen=True, kw_only=True)
 class LlamaConfig:
@@ -54,8 +75,12 @@ class LlamaConfig:
         return self.hidden_size // self.num_attention_heads
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
-                "torch_dtype": "bfloat16"}
+        return {
+            **self.__dict__,
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "torch_dtype": "bfloat16",
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LlamaConfig:
@@ -69,15 +94,17 @@ class LlamaConfig:
         specs: list[tuple[str, str, tuple[int, ...]]] = [("model.embed_tokens.weight", dtype, (v, h))]
         for n in range(self.num_hidden_layers):
             p = f"model.layers.{n}."
-            specs += [(p + "input_layernorm.weight", dtype, (h,)),
-                      (p + "self_attn.q_proj.weight", dtype, (h, h)),
-                      (p + "self_attn.k_proj.weight", dtype, (kv, h)),
-                      (p + "self_attn.v_proj.weight", dtype, (kv, h)),
-                      (p + "self_attn.o_proj.weight", dtype, (h, h)),
-                      (p + "post_attention_layernorm.weight", dtype, (h,)),
-                      (p + "mlp.gate_proj.weight", dtype, (i, h)),
-                      (p + "mlp.up_proj.weight", dtype, (i, h)),
-                      (p + "mlp.down_proj.weight", dtype, (h, i))]
+            specs += [
+                (p + "input_layernorm.weight", dtype, (h,)),
+                (p + "self_attn.q_proj.weight", dtype, (h, h)),
+                (p + "self_attn.k_proj.weight", dtype, (kv, h)),
+                (p + "self_attn.v_proj.weight", dtype, (kv, h)),
+                (p + "self_attn.o_proj.weight", dtype, (h, h)),
+                (p + "post_attention_layernorm.weight", dtype, (h,)),
+                (p + "mlp.gate_proj.weight", dtype, (i, h)),
+                (p + "mlp.up_proj.weight", dtype, (i, h)),
+                (p + "mlp.down_proj.weight", dtype, (h, i)),
+            ]
         specs.append(("model.norm.weight", dtype, (h,)))
         if not self.tie_word_embeddings:
             specs.append(("lm_head.weight", dtype, (v, h)))
@@ -85,6 +112,7 @@ class LlamaConfig:
 
     def nbytes(self, dtype: str = "bfloat16") -> int:
         from rfork.manifest import dtype_from_name, expected_nbytes
+
         return sum(expected_nbytes(dtype_from_name(d), s) for _, d, s in self.tensor_specs(dtype))
 
 
@@ -107,13 +135,20 @@ def config_for_size(target_bytes: int) -> LlamaConfig:
 def _cfg(hidden: int, heads: int, layers: int) -> LlamaConfig:
     inter = ((hidden * 8 // 3) + 63) // 64 * 64
     vocab = min(32000, hidden * 16)
-    return LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=max(heads // 4, 2), vocab_size=vocab)
+    return LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 4, 2),
+        vocab_size=vocab,
+    )
 
 
 def synthetic_tensor(name: str, dtype: str, shape: Sequence[int], *, seed: int = 0) -> torch.Tensor:
     """Deterministic pseudo-random weights for one tensor (depends on name, shape and seed only)."""
     from rfork.manifest import dtype_from_name
+
     g = torch.Generator().manual_seed((zlib.crc32(name.encode()) << 16) ^ seed)
     dt = dtype_from_name(dtype)
     if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
@@ -121,12 +156,19 @@ def synthetic_tensor(name: str, dtype: str, shape: Sequence[int], *, seed: int =
     return torch.empty(tuple(shape), dtype=dt).normal_(0.0, 0.02, generator=g)
 
 
-def write_synthetic_checkpoint(directory: str | Path, *, config: LlamaConfig | None = None,
-                               size_bytes: int | None = None, shard_bytes: int = 512 << 20,
-                               model_name: str | None = None, seed: int = 0,
-                               extra_tensors: dict[str, torch.Tensor] | None = None) -> Path:
+def write_synthetic_checkpoint(
+    directory: str | Path,
+    *,
+    config: LlamaConfig | None = None,
+    size_bytes: int | None = None,
+    shard_bytes: int = 512 << 20,
+    model_name: str | None = None,
+    seed: int = 0,
+    extra_tensors: dict[str, torch.Tensor] | None = None,
+) -> Path:
     """Write config.json, model-0000k-of-0000n.safetensors shards and the index json; returns the dir."""
     from safetensors.torch import save_file
+
     if config is None:
         if size_bytes is None:
             raise CheckpointError("give a config or a size")
@@ -137,8 +179,9 @@ def write_synthetic_checkpoint(directory: str | Path, *, config: LlamaConfig | N
     (out / "config.json").write_text(json.dumps({**config.to_dict(), "_name_or_path": name}, indent=1))
     shards: list[dict[str, torch.Tensor]] = [{}]
     used = 0
-    items: list[tuple[str, torch.Tensor]] = [(n, synthetic_tensor(n, d, s, seed=seed))
-                                             for n, d, s in config.tensor_specs()]
+    items: list[tuple[str, torch.Tensor]] = [
+        (n, synthetic_tensor(n, d, s, seed=seed)) for n, d, s in config.tensor_specs()
+    ]
     items += list((extra_tensors or {}).items())
     for n, t in items:
         nb = t.numel() * t.element_size()
@@ -155,14 +198,21 @@ def write_synthetic_checkpoint(directory: str | Path, *, config: LlamaConfig | N
         for n, t in shard.items():
             weight_map[n] = fname
             total += t.numel() * t.element_size()
-    (out / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                             indent=1))
-    log.info("wrote synthetic checkpoint %s: %d tensors, %d bytes, %d shard(s)", out, len(weight_map), total,
-             len(shards))
+    (out / INDEX_NAME).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
+    log.info(
+        "wrote synthetic checkpoint %s: %d tensors, %d bytes, %d shard(s)",
+        out,
+        len(weight_map),
+        total,
+        len(shards),
+    )
     return out
 
 
 # ---------------------------------------------------------------- reading checkpoints
+
 
 @dataclass(frozen=True, kw_only=True)
 class TensorInfo:
@@ -198,13 +248,31 @@ class CheckpointInfo:
     def fingerprint(self) -> str:
         return fingerprint((t.name, t.dtype, t.shape) for t in self.tensors)
 
-    def identity(self, *, tp: int = 1, pp: int = 1, revision: str = "main", model: str | None = None,
-                 device_kind: str = "cpu") -> SourceIdentity:
+    def identity(
+        self,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        revision: str = "main",
+        model: str | None = None,
+        device_kind: str = "cpu",
+    ) -> SourceIdentity:
         from rfork import __version__
-        return SourceIdentity(model=model or self.model_name, revision=revision,
-                              fingerprint=self.fingerprint(),
-                              dtype=self.dtype, quantization="none", tp=tp, pp=pp, ep=1, dp=1,
-                              framework="rfork", framework_version=__version__, device_kind=device_kind)
+
+        return SourceIdentity(
+            model=model or self.model_name,
+            revision=revision,
+            fingerprint=self.fingerprint(),
+            dtype=self.dtype,
+            quantization="none",
+            tp=tp,
+            pp=pp,
+            ep=1,
+            dp=1,
+            framework="rfork",
+            framework_version=__version__,
+            device_kind=device_kind,
+        )
 
 
 def _read_header(path: Path) -> list[TensorInfo]:
@@ -228,8 +296,16 @@ def _read_header(path: Path) -> list[TensorInfo]:
         if st not in _ST_DTYPES:
             raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {st}")
         begin, end = meta["data_offsets"]
-        out.append(TensorInfo(name=name, dtype=_ST_DTYPES[st], shape=tuple(meta["shape"]), file=path,
-                              data_offset=base + begin, nbytes=end - begin))
+        out.append(
+            TensorInfo(
+                name=name,
+                dtype=_ST_DTYPES[st],
+                shape=tuple(meta["shape"]),
+                file=path,
+                data_offset=base + begin,
+                nbytes=end - begin,
+            )
+        )
     return out
 
 
@@ -257,6 +333,7 @@ def read_checkpoint_info(directory: str | Path) -> CheckpointInfo:
 
 
 # ---------------------------------------------------------------- tensor-parallel sharding
+
 
 def split_dim(name: str, ndim: int) -> int | None:
     """Which dim a tensor is split along under TP (None: replicated)."""
@@ -291,15 +368,22 @@ def shard_tensor(name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Ten
     return full.narrow(dim, lo, hi - lo)
 
 
-def rank_layout(info: CheckpointInfo, *, tp: int = 1, rank: int = 0,
-                max_region_bytes: int = DEFAULT_MAX_REGION_BYTES) -> Layout:
-    return plan_layout([(t.name, t.dtype, shard_shape(t.name, t.shape, tp, rank)) for t in info.tensors],
-                       max_region_bytes=max_region_bytes)
+def rank_layout(
+    info: CheckpointInfo, *, tp: int = 1, rank: int = 0, max_region_bytes: int = DEFAULT_MAX_REGION_BYTES
+) -> Layout:
+    return plan_layout(
+        [(t.name, t.dtype, shard_shape(t.name, t.shape, tp, rank)) for t in info.tensors],
+        max_region_bytes=max_region_bytes,
+    )
 
 
-def load_rank_from_disk(info: CheckpointInfo, *, tp: int = 1, rank: int = 0,
-                        max_region_bytes: int = DEFAULT_MAX_REGION_BYTES,
-                        ) -> tuple[Layout, list[torch.Tensor], dict[str, torch.Tensor]]:
+def load_rank_from_disk(
+    info: CheckpointInfo,
+    *,
+    tp: int = 1,
+    rank: int = 0,
+    max_region_bytes: int = DEFAULT_MAX_REGION_BYTES,
+) -> tuple[Layout, list[torch.Tensor], dict[str, torch.Tensor]]:
     """Read one TP rank's slice straight into freshly allocated regions (no intermediate copy at tp=1)."""
     layout = rank_layout(info, tp=tp, rank=rank, max_region_bytes=max_region_bytes)
     buffers = allocate(layout)
@@ -315,18 +399,25 @@ def load_rank_from_disk(info: CheckpointInfo, *, tp: int = 1, rank: int = 0,
             if f is None:
                 f = handles[t.file] = t.file.open("rb", buffering=0)
             if tp == 1 or split_dim(t.name, len(t.shape)) is None:
-                _read_exact(f, t.data_offset, buffers[p.region][p.offset: p.offset + p.nbytes], t)
+                _read_exact(f, t.data_offset, buffers[p.region][p.offset : p.offset + p.nbytes], t)
             else:
                 full = torch.empty(t.nbytes, dtype=torch.uint8)
                 _read_exact(f, t.data_offset, full, t)
                 from rfork.manifest import dtype_from_name
+
                 full_t = full.view(dtype_from_name(t.dtype)).view(t.shape)
                 placed[p.name].copy_(shard_tensor(t.name, full_t, tp, rank))
     finally:
         for f in handles.values():
             f.close()
-    log.info("loaded rank %d/%d from %s: %d bytes in %d region(s)", rank, tp, info.directory,
-             layout.total_bytes, len(layout.region_sizes))
+    log.info(
+        "loaded rank %d/%d from %s: %d bytes in %d region(s)",
+        rank,
+        tp,
+        info.directory,
+        layout.total_bytes,
+        len(layout.region_sizes),
+    )
     return layout, buffers, placed
 
 

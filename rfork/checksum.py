@@ -64,7 +64,7 @@ def checksum_bytes(data: torch.Tensor) -> str:
         weights = _chunk_weights(device)
         tmp = torch.empty(CHUNK_WORDS, dtype=torch.int64, device=device)
         for c, start in enumerate(range(0, n_words, CHUNK_WORDS)):
-            chunk = words[start: start + CHUNK_WORDS]
+            chunk = words[start : start + CHUNK_WORDS]
             m = chunk.numel()
             prod = torch.mul(chunk, weights[:m], out=tmp[:m])
             s_b = chunk.sum()
@@ -72,7 +72,7 @@ def checksum_bytes(data: torch.Tensor) -> str:
             if c:
                 acc_a += s_b * (c * CHUNK_WORDS)
             acc_b += s_b
-    tail = data[n_words * 8:]
+    tail = data[n_words * 8 :]
     if tail.numel():
         shifts = torch.arange(tail.numel(), dtype=torch.int64, device=device) * 8
         word = (tail.to(torch.int64) << shifts).sum()
@@ -93,7 +93,7 @@ def reference_checksum(raw: bytes) -> str:
     a = b = 0
     padded = raw + b"\0" * (-len(raw) % 8)
     for i in range(0, len(padded), 8):
-        w = int.from_bytes(padded[i: i + 8], "little")
+        w = int.from_bytes(padded[i : i + 8], "little")
         a = (a + w * (i // 8 + 1)) & _MASK
         b = (b + w) & _MASK
     return f"{a:016x}{b:016x}" if raw else "0" * 32

@@ -20,8 +20,9 @@ def fingerprint(tensors: Iterable[tuple[str, str, Iterable[int]]]) -> str:
 
     Order of the input does not matter; dtype is the torch name without the "torch." prefix.
     """
-    items = sorted((name, str(dtype).removeprefix("torch."), [int(d) for d in shape])
-                   for name, dtype, shape in tensors)
+    items = sorted(
+        (name, str(dtype).removeprefix("torch."), [int(d) for d in shape]) for name, dtype, shape in tensors
+    )
     h = hashlib.sha256()
     for name, dtype, shape in items:
         h.update(json.dumps([name, dtype, shape], separators=(",", ":")).encode())

@@ -38,8 +38,12 @@ class Layout:
         return sum(p.nbytes for p in self.placements)
 
 
-def plan_layout(specs: Sequence[tuple[str, str, Sequence[int]]], *,
-                max_region_bytes: int = DEFAULT_MAX_REGION_BYTES, align: int = ALIGN) -> Layout:
+def plan_layout(
+    specs: Sequence[tuple[str, str, Sequence[int]]],
+    *,
+    max_region_bytes: int = DEFAULT_MAX_REGION_BYTES,
+    align: int = ALIGN,
+) -> Layout:
     """Greedy packing in the given order; zero-byte tensors get region 0, offset 0 and take no space."""
     if max_region_bytes <= 0 or align <= 0:
         raise ValueError("max_region_bytes and align must be positive")
@@ -48,8 +52,9 @@ def plan_layout(specs: Sequence[tuple[str, str, Sequence[int]]], *,
     for name, dtype, shape in specs:
         nbytes = expected_nbytes(dtype_from_name(dtype), shape)
         if nbytes == 0:
-            placements.append(Placement(name=name, dtype=dtype, shape=tuple(shape), nbytes=0,
-                                        region=0, offset=0))
+            placements.append(
+                Placement(name=name, dtype=dtype, shape=tuple(shape), nbytes=0, region=0, offset=0)
+            )
             continue
         if not sizes:
             sizes.append(0)
@@ -58,8 +63,16 @@ def plan_layout(specs: Sequence[tuple[str, str, Sequence[int]]], *,
             sizes.append(0)
             offset = 0
         sizes[-1] = offset + nbytes
-        placements.append(Placement(name=name, dtype=dtype, shape=tuple(int(d) for d in shape), nbytes=nbytes,
-                                    region=len(sizes) - 1, offset=offset))
+        placements.append(
+            Placement(
+                name=name,
+                dtype=dtype,
+                shape=tuple(int(d) for d in shape),
+                nbytes=nbytes,
+                region=len(sizes) - 1,
+                offset=offset,
+            )
+        )
     return Layout(region_sizes=tuple(sizes), placements=tuple(placements))
 
 
@@ -81,13 +94,15 @@ def views(layout: Layout, buffers: Sequence[torch.Tensor]) -> dict[str, torch.Te
         if p.nbytes == 0:
             out[p.name] = torch.empty(p.shape, dtype=dt, device=buffers[0].device if buffers else "cpu")
             continue
-        raw = buffers[p.region][p.offset: p.offset + p.nbytes]
+        raw = buffers[p.region][p.offset : p.offset + p.nbytes]
         out[p.name] = raw.view(dt).view(p.shape)
     return out
 
 
-def pack(tensors: dict[str, torch.Tensor], **kwargs: int,
-         ) -> tuple[Layout, list[torch.Tensor], dict[str, torch.Tensor]]:
+def pack(
+    tensors: dict[str, torch.Tensor],
+    **kwargs: int,
+) -> tuple[Layout, list[torch.Tensor], dict[str, torch.Tensor]]:
     """Copy tensors into freshly allocated regions; returns the layout, the buffers and the views."""
     layout = layout_for(tensors, **kwargs)
     device = next((t.device for t in tensors.values()), torch.device("cpu"))

@@ -43,8 +43,15 @@ class TensorEntry:
     checksum: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "nbytes": self.nbytes,
-                "region": self.region, "offset": self.offset, "checksum": self.checksum}
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "nbytes": self.nbytes,
+            "region": self.region,
+            "offset": self.offset,
+            "checksum": self.checksum,
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,8 +61,11 @@ class RegionEntry:
     descriptor: bytes  # MemoryRegionDescriptor.to_bytes(); base64 on the wire
 
     def to_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "nbytes": self.nbytes,
-                "descriptor": base64.b64encode(self.descriptor).decode("ascii")}
+        return {
+            "index": self.index,
+            "nbytes": self.nbytes,
+            "descriptor": base64.b64encode(self.descriptor).decode("ascii"),
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,9 +80,12 @@ class RankManifest:
         return sum(t.nbytes for t in self.tensors)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "checksum_algorithm": self.checksum_algorithm,
-                "regions": [r.to_dict() for r in self.regions],
-                "tensors": [t.to_dict() for t in self.tensors]}
+        return {
+            "rank": self.rank,
+            "checksum_algorithm": self.checksum_algorithm,
+            "regions": [r.to_dict() for r in self.regions],
+            "tensors": [t.to_dict() for t in self.tensors],
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RankManifest:
@@ -102,8 +115,10 @@ class RankManifest:
             if reg is None:
                 raise ManifestError(f"tensor {t.name!r} names missing region {t.region}")
             if t.offset + t.nbytes > reg.nbytes:
-                raise ManifestError(f"tensor {t.name!r} [{t.offset}, +{t.nbytes}) overruns region {t.region} "
-                                    f"({reg.nbytes} bytes)")
+                raise ManifestError(
+                    f"tensor {t.name!r} [{t.offset}, +{t.nbytes}) overruns region {t.region} "
+                    f"({reg.nbytes} bytes)"
+                )
         return cls(rank=rank, checksum_algorithm=algo, regions=regions, tensors=tensors)
 
 
@@ -129,8 +144,11 @@ def _region(data: Any, position: int) -> RegionEntry:
         raw = base64.b64decode(desc, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise ManifestError(f"regions[{position}].descriptor is not base64") from exc
-    return RegionEntry(index=_int(data["index"], "region index"),
-                       nbytes=_int(data["nbytes"], "region nbytes"), descriptor=raw)
+    return RegionEntry(
+        index=_int(data["index"], "region index"),
+        nbytes=_int(data["nbytes"], "region nbytes"),
+        descriptor=raw,
+    )
 
 
 def _tensor(data: Any) -> TensorEntry:
@@ -151,6 +169,12 @@ def _tensor(data: Any) -> TensorEntry:
     checksum = data["checksum"]
     if not isinstance(checksum, str):
         raise ManifestError(f"tensor {name!r}: checksum must be a string")
-    return TensorEntry(name=name, dtype=dtype, shape=shape, nbytes=nbytes,
-                       region=_int(data["region"], f"tensor {name!r} region"),
-                       offset=_int(data["offset"], f"tensor {name!r} offset"), checksum=checksum)
+    return TensorEntry(
+        name=name,
+        dtype=dtype,
+        shape=shape,
+        nbytes=nbytes,
+        region=_int(data["region"], f"tensor {name!r} region"),
+        offset=_int(data["offset"], f"tensor {name!r} offset"),
+        checksum=checksum,
+    )
