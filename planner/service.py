@@ -280,7 +280,7 @@ class Planner:
                     )
                     .group_by(Lease.instance_id)
                 )
-                .tuples()
+                
                 .all()
             )
             by_id = {r.id: (r, p) for r, p in rows}
@@ -325,7 +325,7 @@ class Planner:
                         Manifest.instance_id.in_(chosen), Manifest.rank == body.rank
                     )
                 )
-                .tuples()
+                
                 .all()
             )
         parts = []
@@ -466,7 +466,7 @@ class Planner:
         """Instances per status (for /metrics)."""
         with self.db.read() as s:
             return dict(
-                s.execute(select(Instance.status, func.count()).group_by(Instance.status)).tuples().all()
+                s.execute(select(Instance.status, func.count()).group_by(Instance.status)).all()
             )
 
     def live_leases(self, now: float) -> int:

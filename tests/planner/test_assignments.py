@@ -1,0 +1,156 @@
+"""Assignments and leases: matching, provider choice, limits, reports, quarantine, reaper."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from planner import schemas
+from planner.client import AllBusy, Conflict, NotFound, PlannerClient
+from planner.errors import AllBusy as AllBusyError
+from planner.service import NoSource, reap
+from tests.planner.conftest import identity, make_planner, manifest, ranks
+
+
+def _seed(c: PlannerClient, *, node: str = "n1", rack: str = "r1", zone: str = "z1", limit: int = 2,
+          backends: tuple[str, ...] = ("tcp", "nccl"), ident: dict | None = None) -> str:
+    reg = c.register_instance(identity=ident or identity(), labels={"node": node, "rack": rack, "zone": zone},
+                              ranks=ranks(0, 1, backends=backends), max_concurrent_pulls=limit,
+                              control_url=f"http://{node}:9")
+    c.put_manifest(reg.id, 0, manifest(0))
+    c.put_manifest(reg.id, 1, manifest(1))
+    c.set_status(reg.id, "READY")
+    return reg.id
+
+
+def test_no_source_then_lease_limit_and_report(server):
+    c = PlannerClient(server.url)
+    assert c.request_assignment(identity=identity(), rank=0) is None
+    seed = _seed(c, limit=2)
+    assert c.request_assignment(identity=identity(fingerprint="other"), rank=0) is None
+    assert c.request_assignment(identity=identity(), rank=0, exclude=[seed]) is None
+    a1 = c.request_assignment(identity=identity(), rank=0, labels={"node": "n9"})
+    assert a1 is not None
+    cand = a1.candidates[0]
+    assert (cand.instance_id, cand.rank, cand.provider, cand.address) == (seed, 0, "tcp", b"addr0")
+    assert cand.manifest == manifest(0)
+    assert cand.control_url == "http://n1:9"
+    assert a1.expires_at.timestamp() > time.time()
+    a2 = c.request_assignment(identity=identity(), rank=0)
+    with pytest.raises(AllBusy) as busy:
+        c.request_assignment(identity=identity(), rank=0)
+    assert busy.value.retry_after_s > 0
+    # rank 1 has its own limit
+    assert c.request_assignment(identity=identity(), rank=1) is not None
+    c.report_transfer(a1.id, outcome="success", bytes=64, seconds=0.5, backend="tcp")
+    with pytest.raises(Conflict):
+        c.report_transfer(a1.id, outcome="success", bytes=64, seconds=0.5, backend="tcp")
+    a3 = c.request_assignment(identity=identity(), rank=0)
+    assert a3 is not None
+    c.report_transfer(a2.id, outcome="failure", error="checksum mismatch", backend="tcp")
+    hist = c.transfers()
+    assert hist["total"] == 2
+    ok = next(t for t in hist["items"] if t["outcome"] == "success")
+    assert ok["bytes"] == 64
+    assert ok["gbps"] == pytest.approx(64 / 0.5 / 1e9)
+    with pytest.raises(NotFound):
+        c.report_transfer("f" * 32, outcome="success")
+    models = c.models()
+    assert models[0]["ready"] == 1
+    assert models[0]["identity"]["model"] == "llama-test"
+
+
+def test_provider_choice(server):
+    c = PlannerClient(server.url)
+    shm_seed = _seed(c, node="a", backends=("shm", "tcp"))
+    nccl_seed = _seed(c, node="b", backends=("nccl",))
+    a = c.request_assignment(identity=identity(), rank=0, providers=["tcp", "shm"], backends=["nccl"])
+    assert a is not None
+    by_id = {x.instance_id: x.provider for x in a.candidates}
+    assert by_id == {shm_seed: "tcp", nccl_seed: "nccl"}
+    # a loader without nccl never gets the nccl-only seed
+    b = c.request_assignment(identity=identity(), rank=1, providers=["efa"], backends=[])
+    assert b is None
+    d = c.request_assignment(identity=identity(), rank=1, providers=["shm"], backends=[])
+    assert d is not None
+    assert [(x.instance_id, x.provider) for x in d.candidates] == [(shm_seed, "shm")]
+
+
+def test_topology_preference(server):
+    c = PlannerClient(server.url)
+    far = _seed(c, node="x", rack="rx", zone="zx")
+    zone = _seed(c, node="y", rack="ry", zone="z1")
+    rack = _seed(c, node="w", rack="r1", zone="z1")
+    node = _seed(c, node="n1", rack="r1", zone="z1")
+    a = c.request_assignment(identity=identity(), rank=0, labels={"node": "n1", "rack": "r1", "zone": "z1"})
+    assert a is not None
+    assert [x.instance_id for x in a.candidates] == [node, rack, zone]  # max_candidates = 3
+    assert far not in [x.instance_id for x in a.candidates]
+
+
+def _ready_seed(svc, now: float, limit: int = 1) -> str:
+    rank0 = {"rank": 0, "provider": "tcp", "address": "YWRkcjA=", "backends": ["tcp"]}
+    body = schemas.InstanceIn.model_validate({"identity": identity(), "ranks": [rank0],
+                                              "max_concurrent_pulls": limit})
+    seed = svc.register(body, now)["id"]
+    svc.put_manifest(seed, 0, schemas.ManifestIn.model_validate(manifest(0)).model_dump_json(), now)
+    svc.set_status(seed, "READY", now)
+    return seed
+
+
+def _ask(**over) -> schemas.AssignmentIn:
+    return schemas.AssignmentIn.model_validate({"identity": identity(), "rank": 0, "providers": ["tcp"], **over})
+
+
+def test_lease_expiry_and_stale_reaper(planner_url):
+    svc = make_planner(planner_url, heartbeat_ttl_s=10, lease_ttl_s=5)
+    try:
+        now = time.time()
+        seed = _ready_seed(svc, now, limit=1)
+        svc.assign(_ask(), now)
+        with pytest.raises(AllBusyError):
+            svc.assign(_ask(), now + 1)
+        # the lease expires by time even before the reaper runs, and the reaper records it
+        svc.assign(_ask(), now + 6)
+        res = reap(svc.db, svc.settings, now + 12)
+        assert res.expired == 2
+        assert svc.transfers(limit=10, offset=0, seed_id=seed, outcome="expired")["total"] == 2
+        # no heartbeat for > ttl: never assigned, then STALE
+        with pytest.raises(NoSource):
+            svc.assign(_ask(), now + 11)
+        assert res.stale == 1
+        assert svc.get(seed)["status"] == "STALE"
+        assert svc.heartbeat(seed, now + 13)["status"] == "STALE"  # stays STALE until it sets a status
+        with pytest.raises(NoSource):
+            svc.assign(_ask(), now + 13)
+        svc.set_status(seed, "READY", now + 14)
+        assert svc.assign(_ask(), now + 14)
+    finally:
+        svc.db.close()
+
+
+def test_quarantine_after_repeated_failures(planner_url):
+    svc = make_planner(planner_url, failure_threshold=2, quarantine_s=60)
+    try:
+        now = time.time()
+        seed = _ready_seed(svc, now, limit=5)
+        fail = schemas.ReportIn(outcome="failure", error="peer reset")
+        first = json.loads(svc.assign(_ask(), now))["id"]
+        assert not svc.report(first, fail, now)["seed_quarantined"]
+        second = json.loads(svc.assign(_ask(), now))["id"]
+        assert svc.report(second, fail, now)["seed_quarantined"]
+        with pytest.raises(NoSource):
+            svc.assign(_ask(), now + 1)
+        svc.heartbeat(seed, now + 61)
+        assert svc.assign(_ask(), now + 61)
+    finally:
+        svc.db.close()
+
+
+def test_requester_is_never_its_own_source(svc):
+    now = time.time()
+    seed = _ready_seed(svc, now)
+    with pytest.raises(NoSource):
+        svc.assign(_ask(requester_id=seed), now)

@@ -1,0 +1,93 @@
+"""Selection policies as pure functions: property tests with hypothesis."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.selection import (
+    LoadAwarePolicy,
+    RandomPolicy,
+    RendezvousPolicy,
+    Requester,
+    SeedView,
+    choose_provider,
+    make_policy,
+    topology_distance,
+)
+
+label = st.sampled_from(["", "a", "b", "c"])
+
+
+@st.composite
+def seeds(draw):
+    n = draw(st.integers(0, 12))
+    out = []
+    for i in range(n):
+        limit = draw(st.integers(1, 4))
+        out.append(SeedView(instance_id=f"{i:032x}", node=draw(label), rack=draw(label), zone=draw(label),
+                            active_leases=draw(st.integers(0, limit + 1)), max_concurrent_pulls=limit))
+    return out
+
+
+requesters = st.builds(Requester, node=label, rack=label, zone=label, key=st.text(max_size=8))
+POLICIES = [LoadAwarePolicy(), RandomPolicy(random.Random(1)), RendezvousPolicy()]
+
+
+@settings(max_examples=150, deadline=None)
+@given(requesters, seeds())
+def test_every_policy_returns_exactly_the_free_seeds(req, pool):
+    free = {s.instance_id for s in pool if not s.busy}
+    for policy in POLICIES:
+        ranked = policy.rank(req, pool)
+        assert [s.instance_id for s in ranked if s.busy] == []
+        assert sorted(s.instance_id for s in ranked) == sorted(free)
+
+
+@settings(max_examples=150, deadline=None)
+@given(requesters, seeds())
+def test_load_aware_prefers_near_then_idle(req, pool):
+    ranked = LoadAwarePolicy().rank(req, pool)
+    keys = [(topology_distance(req, s), s.load) for s in ranked]
+    assert keys == sorted(keys)
+
+
+@settings(max_examples=100, deadline=None)
+@given(requesters, seeds(), st.data())
+def test_rendezvous_is_stable_when_others_leave(req, pool, data):
+    policy = RendezvousPolicy()
+    ranked = policy.rank(req, pool)
+    if not ranked:
+        return
+    winner = ranked[0]
+    keep = [s for s in pool if s == winner or data.draw(st.booleans())]
+    assert policy.rank(req, keep)[0] == winner
+    assert policy.rank(req, list(reversed(pool)))[0] == winner
+
+
+def test_topology_distance():
+    seed = SeedView("s", node="n", rack="r", zone="z", active_leases=0, max_concurrent_pulls=1)
+    assert topology_distance(Requester(node="n"), seed) == 0
+    assert topology_distance(Requester(node="m", rack="r"), seed) == 1
+    assert topology_distance(Requester(rack="q", zone="z"), seed) == 2
+    assert topology_distance(Requester(), seed) == 3
+
+
+def test_choose_provider():
+    assert choose_provider(["shm", "tcp"], ["nccl"], ["tcp", "shm", "nccl"]) == "shm"
+    assert choose_provider(["efa"], ["nccl"], ["tcp", "nccl"]) == "nccl"
+    assert choose_provider(["efa"], [], ["tcp", "nccl"]) is None
+    assert choose_provider(["tcp"], ["tcp"], ["nccl"]) is None
+    assert choose_provider([], [], []) is None
+
+
+def test_make_policy():
+    assert make_policy("random").name == "random"
+    try:
+        make_policy("nope")
+    except ValueError as exc:
+        assert "selection_policy" in str(exc)
+    else:
+        raise AssertionError("unknown policy accepted")
