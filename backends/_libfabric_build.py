@@ -44,11 +44,136 @@ def find_libfabric() -> LibfabricPaths | None:
 
 
 CDEF = """
+#define FI_MSG ...
+#define FI_RMA ...
+#define FI_READ ...
+#define FI_WRITE ...
+#define FI_RECV ...
+#define FI_SEND ...
+#define FI_REMOTE_READ ...
+#define FI_REMOTE_WRITE ...
+#define FI_REMOTE_CQ_DATA ...
+#define FI_SOURCE ...
+#define FI_COMPLETION ...
+#define FI_DELIVERY_COMPLETE ...
+#define FI_MR_LOCAL ...
+#define FI_MR_VIRT_ADDR ...
+#define FI_MR_ALLOCATED ...
+#define FI_MR_PROV_KEY ...
+#define FI_MR_ENDPOINT ...
+#define FI_MR_RAW ...
+#define FI_EAGAIN ...
+#define FI_EAVAIL ...
+#define FI_ETIMEDOUT ...
+#define FI_ENODATA ...
+#define FI_ECANCELED ...
+#define FI_EP_RDM ...
+#define FI_AV_TABLE ...
+#define FI_CQ_FORMAT_DATA ...
+#define FI_WAIT_NONE ...
+#define FI_WAIT_UNSPEC ...
+#define FI_WAIT_FD ...
+#define FI_THREAD_SAFE ...
+#define FI_THREAD_DOMAIN ...
+#define FI_PROGRESS_MANUAL ...
+#define FI_TRANSMIT ...
+#define FI_RECV_FLAG ...
+
+typedef uint64_t fi_addr_t;
+struct fid { ...; };
+struct fid_fabric { struct fid fid; ...; };
+struct fid_domain { struct fid fid; ...; };
+struct fid_ep { struct fid fid; ...; };
+struct fid_cq { struct fid fid; ...; };
+struct fid_av { struct fid fid; ...; };
+struct fid_mr { struct fid fid; ...; };
+
+struct fi_tx_attr { uint64_t caps; uint64_t mode; uint64_t op_flags; uint64_t msg_order; size_t size;
+                    size_t iov_limit; ...; };
+struct fi_rx_attr { uint64_t caps; uint64_t mode; uint64_t op_flags; size_t size; ...; };
+struct fi_ep_attr { int type; size_t max_msg_size; ...; };
+struct fi_domain_attr { char *name; int threading; int control_progress; int data_progress;
+                        int mr_mode; size_t mr_key_size; size_t cq_data_size; size_t max_ep_tx_ctx; ...; };
+struct fi_fabric_attr { char *name; char *prov_name; ...; };
+struct fi_info {
+    struct fi_info *next; uint64_t caps; uint64_t mode; uint32_t addr_format;
+    size_t src_addrlen; size_t dest_addrlen; void *src_addr; void *dest_addr;
+    struct fi_tx_attr *tx_attr; struct fi_rx_attr *rx_attr; struct fi_ep_attr *ep_attr;
+    struct fi_domain_attr *domain_attr; struct fi_fabric_attr *fabric_attr; ...;
+};
+struct fi_cq_attr { size_t size; uint64_t flags; int format; int wait_obj; ...; };
+struct fi_av_attr { int type; size_t count; ...; };
+struct fi_cq_data_entry { void *op_context; uint64_t flags; size_t len; void *buf; uint64_t data; };
+struct fi_cq_err_entry { void *op_context; uint64_t flags; size_t len; void *buf; uint64_t data;
+                         uint64_t tag; size_t olen; int err; int prov_errno; void *err_data;
+                         size_t err_data_size; };
+struct iovec { void *iov_base; size_t iov_len; };
+struct fi_rma_iov { uint64_t addr; size_t len; uint64_t key; };
+struct fi_msg_rma { const struct iovec *msg_iov; void **desc; size_t iov_count; fi_addr_t addr;
+                    const struct fi_rma_iov *rma_iov; size_t rma_iov_count; void *context;
+                    uint64_t data; };
+
 uint32_t fi_version(void);
+uint32_t rf_api_version(void);
+struct fi_info *fi_allocinfo(void);
+void fi_freeinfo(struct fi_info *info);
+int fi_getinfo(uint32_t version, const char *node, const char *service, uint64_t flags,
+               const struct fi_info *hints, struct fi_info **info);
+const char *fi_strerror(int errnum);
+int rf_set_prov_name(struct fi_info *hints, const char *name);
+int fi_fabric(struct fi_fabric_attr *attr, struct fid_fabric **fabric, void *context);
+int fi_domain(struct fid_fabric *fabric, struct fi_info *info, struct fid_domain **domain, void *context);
+int fi_cq_open(struct fid_domain *domain, struct fi_cq_attr *attr, struct fid_cq **cq, void *context);
+int fi_av_open(struct fid_domain *domain, struct fi_av_attr *attr, struct fid_av **av, void *context);
+int fi_endpoint(struct fid_domain *domain, struct fi_info *info, struct fid_ep **ep, void *context);
+int fi_ep_bind(struct fid_ep *ep, struct fid *bfid, uint64_t flags);
+int fi_enable(struct fid_ep *ep);
+int fi_getname(struct fid *fid, void *addr, size_t *addrlen);
+int fi_av_insert(struct fid_av *av, const void *addr, size_t count, fi_addr_t *fi_addr, uint64_t flags,
+                 void *context);
+const char *fi_av_straddr(struct fid_av *av, const void *addr, char *buf, size_t *len);
+int fi_close(struct fid *fid);
+int fi_mr_reg(struct fid_domain *domain, const void *buf, size_t len, uint64_t access, uint64_t offset,
+              uint64_t requested_key, uint64_t flags, struct fid_mr **mr, void *context);
+int fi_mr_bind(struct fid_mr *mr, struct fid *bfid, uint64_t flags);
+int fi_mr_enable(struct fid_mr *mr);
+uint64_t fi_mr_key(struct fid_mr *mr);
+void *fi_mr_desc(struct fid_mr *mr);
+ssize_t fi_read(struct fid_ep *ep, void *buf, size_t len, void *desc, fi_addr_t src_addr, uint64_t addr,
+                uint64_t key, void *context);
+ssize_t fi_write(struct fid_ep *ep, const void *buf, size_t len, void *desc, fi_addr_t dest_addr,
+                 uint64_t addr, uint64_t key, void *context);
+ssize_t fi_writedata(struct fid_ep *ep, const void *buf, size_t len, void *desc, uint64_t data,
+                     fi_addr_t dest_addr, uint64_t addr, uint64_t key, void *context);
+ssize_t fi_writemsg(struct fid_ep *ep, const struct fi_msg_rma *msg, uint64_t flags);
+ssize_t fi_send(struct fid_ep *ep, const void *buf, size_t len, void *desc, fi_addr_t dest_addr,
+                void *context);
+ssize_t fi_recv(struct fid_ep *ep, void *buf, size_t len, void *desc, fi_addr_t src_addr, void *context);
+ssize_t fi_cq_read(struct fid_cq *cq, void *buf, size_t count);
+ssize_t fi_cq_readerr(struct fid_cq *cq, struct fi_cq_err_entry *buf, uint64_t flags);
+ssize_t fi_cq_sread(struct fid_cq *cq, void *buf, size_t count, const void *cond, int timeout);
+int fi_cq_signal(struct fid_cq *cq);
+const char *fi_cq_strerror(struct fid_cq *cq, int prov_errno, const void *err_data, char *buf, size_t len);
 """
 
 SOURCE = """
+#include <stdlib.h>
+#include <string.h>
+#include <sys/uio.h>
 #include <rdma/fabric.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_eq.h>
+#include <rdma/fi_rma.h>
+#include <rdma/fi_errno.h>
+#define FI_RECV_FLAG FI_RECV
+static uint32_t rf_api_version(void) { return FI_VERSION(1, 9); }
+/* fi_freeinfo frees the provider name, so it must live on the C heap. */
+static int rf_set_prov_name(struct fi_info *hints, const char *name) {
+    hints->fabric_attr->prov_name = strdup(name);
+    return hints->fabric_attr->prov_name ? 0 : -1;
+}
 """
 
 ffibuilder = FFI()

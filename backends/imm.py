@@ -1,0 +1,67 @@
+"""ImmCounter: counts arrivals of 32-bit immediates so `expect` never races the writes it waits for."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict, deque
+from concurrent.futures import Future
+
+
+class ImmCounter:
+    """Per-value arrival counts since the engine opened; waiters consume arrivals in FIFO order.
+
+    Thread-safe: arrivals come from progress threads, expects from any thread. Futures are resolved
+    outside the lock (their callbacks may call back into the counter).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[int, int] = defaultdict(int)
+        self._waiters: dict[int, deque[tuple[int, Future[None]]]] = {}
+
+    def arrive(self, imm: int, n: int = 1) -> None:
+        """Record n arrivals of imm and resolve the waiters they satisfy."""
+        ready: list[Future[None]] = []
+        with self._lock:
+            self._counts[imm] += n
+            queue = self._waiters.get(imm)
+            while queue and self._counts[imm] >= queue[0][0]:
+                need, fut = queue.popleft()
+                self._counts[imm] -= need
+                ready.append(fut)
+            if queue is not None and not queue:
+                del self._waiters[imm]
+        for fut in ready:
+            fut.set_result(None)
+
+    def expect(self, imm: int, count: int) -> Future[None]:
+        """A future resolved once `count` arrivals of imm are available; it consumes them."""
+        if not 0 <= imm < 2**32:
+            raise ValueError(f"imm {imm} is not a 32-bit unsigned value")
+        if count < 0:
+            raise ValueError(f"count {count} is negative")
+        fut: Future[None] = Future()
+        fut.set_running_or_notify_cancel()
+        with self._lock:
+            if imm not in self._waiters and self._counts[imm] >= count:
+                self._counts[imm] -= count
+                done = True
+            else:
+                self._waiters.setdefault(imm, deque()).append((count, fut))
+                done = False
+        if done:
+            fut.set_result(None)
+        return fut
+
+    def pending(self, imm: int) -> int:
+        """Arrivals of imm not yet consumed by an expect."""
+        with self._lock:
+            return self._counts.get(imm, 0)
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Fail every outstanding expect (engine closing)."""
+        with self._lock:
+            futs = [f for q in self._waiters.values() for _, f in q]
+            self._waiters.clear()
+        for fut in futs:
+            fut.set_exception(exc)
