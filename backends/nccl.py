@@ -82,11 +82,13 @@ class BucketItem:
     tensor_index: int
     offset: int
     nbytes: int
+    src_offset: int = 0
+    """Where this piece starts inside the tensor (non-zero only for chunks of a large tensor)."""
 
 
 @dataclass(frozen=True)
 class Bucket:
-    """A flat message. ``direct`` buckets hold one tensor at least ``bucket_bytes`` large, sent as is."""
+    """A flat message. ``direct`` buckets are a ``bucket_bytes`` slice of one large tensor, sent in place."""
 
     items: tuple[BucketItem, ...]
     nbytes: int
@@ -96,8 +98,9 @@ class Bucket:
 def plan_buckets(nbytes: Sequence[int], bucket_bytes: int) -> list[Bucket]:
     """Split tensors (by byte size, manifest order) into buckets; zero-byte tensors are skipped.
 
-    Tensors of ``bucket_bytes`` or more travel alone without packing; smaller ones are packed in
-    order until the next would overflow the bucket. Both sides derive the same plan from the sizes.
+    Tensors of ``bucket_bytes`` or more travel without packing, cut into ``bucket_bytes`` slices so
+    that several are in flight; smaller ones are packed in order until the next would overflow the
+    bucket. Both sides derive the same plan from the sizes.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -113,7 +116,9 @@ def plan_buckets(nbytes: Sequence[int], bucket_bytes: int) -> list[Bucket]:
             if current:
                 buckets.append(Bucket(tuple(current), filled, direct=False))
                 current, filled = [], 0
-            buckets.append(Bucket((BucketItem(index, 0, size),), size, direct=True))
+            for start in range(0, size, bucket_bytes):
+                piece = min(bucket_bytes, size - start)
+                buckets.append(Bucket((BucketItem(index, 0, piece, start),), piece, direct=True))
             continue
         if filled + size > bucket_bytes:
             buckets.append(Bucket(tuple(current), filled, direct=False))
@@ -333,8 +338,10 @@ def send_tensors(store: Store, tensors: Sequence[torch.Tensor], *, session_id: s
                 _wait(pending.popleft(), timeout_s=timeout_s, peer=peer,
                       phase=f"bucket {i - max_in_flight} send")
             if bucket.direct:
-                src = tensors[bucket.items[0].tensor_index]
-                buf = _byte_view(src if src.is_contiguous() else src.contiguous())
+                item = bucket.items[0]
+                src = tensors[item.tensor_index]
+                whole = _byte_view(src if src.is_contiguous() else src.contiguous())
+                buf = whole[item.src_offset: item.src_offset + item.nbytes]
             else:
                 slot = i % max_in_flight
                 if slot not in staging:
@@ -400,9 +407,10 @@ def recv_tensors(store: Store, dest_tensors: Sequence[torch.Tensor], *, session_
 
         def post(i: int) -> None:
             bucket = plan[i]
-            dest = dest_tensors[bucket.items[0].tensor_index]
+            first = bucket.items[0]
+            dest = dest_tensors[first.tensor_index]
             if bucket.direct and dest.is_contiguous():
-                buf = _byte_view(dest)
+                buf = _byte_view(dest)[first.src_offset: first.src_offset + first.nbytes]
             else:
                 slot = i % max_in_flight
                 if slot not in staging:
@@ -412,6 +420,7 @@ def recv_tensors(store: Store, dest_tensors: Sequence[torch.Tensor], *, session_
                           phase=f"bucket {i} receive")
             posted.append((i, work, buf))
 
+        noncontig: dict[int, list[torch.Tensor]] = {}  # pieces of non-contiguous destinations, in order
         next_post = 0
         moved = 0
         while next_post < min(max_in_flight, len(plan)):
@@ -425,11 +434,15 @@ def recv_tensors(store: Store, dest_tensors: Sequence[torch.Tensor], *, session_
                 dest = dest_tensors[item.tensor_index]
                 chunk = buf[item.offset: item.offset + item.nbytes]
                 if dest.is_contiguous():
-                    view = _byte_view(dest)
+                    view = _byte_view(dest)[item.src_offset: item.src_offset + item.nbytes]
                     if view.data_ptr() != chunk.data_ptr():
                         view.copy_(chunk)
                 else:
-                    dest.copy_(chunk.view(dest.dtype).reshape(dest.shape))
+                    pieces = noncontig.setdefault(item.tensor_index, [])
+                    pieces.append(chunk.clone())
+                    if sum(int(p.numel()) for p in pieces) == tensor_nbytes(dest):
+                        whole = torch.cat(noncontig.pop(item.tensor_index))
+                        dest.copy_(whole.view(dest.dtype).reshape(dest.shape))
             _sync(device)
             moved += bucket.nbytes
             if on_bucket is not None:

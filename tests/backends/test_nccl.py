@@ -75,12 +75,16 @@ def _receiver_main(port: int, seed: int, scale: int, pace_s: float, progressed: 
 
 
 def test_plan_buckets_packs_in_order_and_skips_empty() -> None:
-    plan = plan_buckets([10, 0, 20, 100, 5, 0, 90, 30], bucket_bytes=100)
-    assert [(b.direct, [(i.tensor_index, i.offset, i.nbytes) for i in b.items]) for b in plan] == [
-        (False, [(0, 0, 10), (2, 10, 20)]),
-        (True, [(3, 0, 100)]),
-        (False, [(4, 0, 5), (6, 5, 90)]),
-        (False, [(7, 0, 30)]),
+    plan = plan_buckets([10, 0, 20, 100, 5, 0, 90, 30, 250], bucket_bytes=100)
+    got = [(b.direct, [(i.tensor_index, i.offset, i.nbytes, i.src_offset) for i in b.items]) for b in plan]
+    assert got == [
+        (False, [(0, 0, 10, 0), (2, 10, 20, 0)]),
+        (True, [(3, 0, 100, 0)]),
+        (False, [(4, 0, 5, 0), (6, 5, 90, 0)]),
+        (False, [(7, 0, 30, 0)]),
+        (True, [(8, 0, 100, 0)]),
+        (True, [(8, 0, 100, 100)]),
+        (True, [(8, 0, 50, 200)]),
     ]
     assert plan_buckets([0, 0], 8) == []
     with pytest.raises(ValueError, match="bucket_bytes"):
