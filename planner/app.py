@@ -78,6 +78,7 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
     app.include_router(assignments.router)
     app.include_router(observe.router)
     _add_error_handlers(app)
+    _add_manifest_schema(app)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
 
@@ -92,6 +93,25 @@ async def _reaper_loop(planner: Planner, metrics: PlannerMetrics) -> None:
             metrics.reaped.labels(kind="expired").inc(res.expired)
         except Exception:  # noqa: BLE001 - a failed pass is retried next interval
             log.exception("reaper pass failed")
+
+
+def _add_manifest_schema(app: FastAPI) -> None:
+    """The manifest body is parsed by hand (to store it verbatim); publish its schema in the components."""
+    from planner.schemas import ManifestIn
+
+    plain = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = plain()
+            defs = ManifestIn.model_json_schema(ref_template="#/components/schemas/{model}")
+            comps = doc.setdefault("components", {}).setdefault("schemas", {})
+            comps.update(defs.pop("$defs", {}))
+            comps["ManifestIn"] = defs
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _error(status: int, detail: Any, **extra: Any) -> JSONResponse:

@@ -60,9 +60,7 @@ class Authenticator:
     def __init__(self, *, db: Database, admin: str | None, instance: str | None, reader: str | None) -> None:
         self._db = db
         self._static: list[tuple[str, Principal]] = [
-            (tok, Principal(role=role))
-            for tok, role in _roles(admin, instance, reader)
-            if tok
+            (tok, Principal(role=role)) for tok, role in _roles(admin, instance, reader) if tok
         ]
         self._cache: dict[str, tuple[float, str]] = {}
         self._lock = threading.Lock()

@@ -279,9 +279,7 @@ class Planner:
                         Lease.expires_at > now,
                     )
                     .group_by(Lease.instance_id)
-                )
-                
-                .all()
+                ).all()
             )
             by_id = {r.id: (r, p) for r, p in rows}
             views = [
@@ -324,9 +322,7 @@ class Planner:
                     select(Manifest.instance_id, Manifest.body).where(
                         Manifest.instance_id.in_(chosen), Manifest.rank == body.rank
                     )
-                )
-                
-                .all()
+                ).all()
             )
         parts = []
         for iid in chosen:
@@ -465,9 +461,7 @@ class Planner:
     def status_counts(self) -> dict[str, int]:
         """Instances per status (for /metrics)."""
         with self.db.read() as s:
-            return dict(
-                s.execute(select(Instance.status, func.count()).group_by(Instance.status)).all()
-            )
+            return dict(s.execute(select(Instance.status, func.count()).group_by(Instance.status)).all())
 
     def live_leases(self, now: float) -> int:
         """Leases not ended and not expired."""

@@ -20,27 +20,59 @@ TABLES = ("manifests", "instance_ranks", "leases", "instances")
 
 def identity(**over: Any) -> dict[str, Any]:
     """A valid source identity (tp=2 so ranks 0 and 1 exist)."""
-    base = {"model": "llama-test", "revision": "main", "fingerprint": "fp1", "dtype": "bfloat16",
-            "quantization": "none", "tp": 2, "pp": 1, "ep": 1, "dp": 1, "framework": "rfork",
-            "framework_version": "0.1", "device_kind": "cpu"}
+    base = {
+        "model": "llama-test",
+        "revision": "main",
+        "fingerprint": "fp1",
+        "dtype": "bfloat16",
+        "quantization": "none",
+        "tp": 2,
+        "pp": 1,
+        "ep": 1,
+        "dp": 1,
+        "framework": "rfork",
+        "framework_version": "0.1",
+        "device_kind": "cpu",
+    }
     base.update(over)
     return base
 
 
 def manifest(rank: int = 0) -> dict[str, Any]:
     """A small valid manifest (with a zero-byte tensor)."""
-    return {"rank": rank, "checksum_algorithm": "xxh64",
-            "regions": [{"index": 0, "nbytes": 64, "descriptor": base64.b64encode(b"desc").decode()}],
-            "tensors": [{"name": "w", "dtype": "float32", "shape": [4, 4], "nbytes": 64, "region": 0,
-                         "offset": 0, "checksum": "ab"},
-                        {"name": "empty", "dtype": "float32", "shape": [0], "nbytes": 0, "region": 0,
-                         "offset": 64, "checksum": ""}]}
+    return {
+        "rank": rank,
+        "checksum_algorithm": "xxh64",
+        "regions": [{"index": 0, "nbytes": 64, "descriptor": base64.b64encode(b"desc").decode()}],
+        "tensors": [
+            {
+                "name": "w",
+                "dtype": "float32",
+                "shape": [4, 4],
+                "nbytes": 64,
+                "region": 0,
+                "offset": 0,
+                "checksum": "ab",
+            },
+            {
+                "name": "empty",
+                "dtype": "float32",
+                "shape": [0],
+                "nbytes": 0,
+                "region": 0,
+                "offset": 64,
+                "checksum": "",
+            },
+        ],
+    }
 
 
 def ranks(*nums: int, backends: tuple[str, ...] = ("tcp", "nccl")) -> list[dict[str, Any]]:
     """Rank entries for registration."""
-    return [{"rank": r, "provider": backends[0], "address": f"addr{r}".encode(), "backends": list(backends)}
-            for r in nums]
+    return [
+        {"rank": r, "provider": backends[0], "address": f"addr{r}".encode(), "backends": list(backends)}
+        for r in nums
+    ]
 
 
 @pytest.fixture

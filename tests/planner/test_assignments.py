@@ -14,11 +14,23 @@ from planner.service import NoSource, reap
 from tests.planner.conftest import identity, make_planner, manifest, ranks
 
 
-def _seed(c: PlannerClient, *, node: str = "n1", rack: str = "r1", zone: str = "z1", limit: int = 2,
-          backends: tuple[str, ...] = ("tcp", "nccl"), ident: dict | None = None) -> str:
-    reg = c.register_instance(identity=ident or identity(), labels={"node": node, "rack": rack, "zone": zone},
-                              ranks=ranks(0, 1, backends=backends), max_concurrent_pulls=limit,
-                              control_url=f"http://{node}:9")
+def _seed(
+    c: PlannerClient,
+    *,
+    node: str = "n1",
+    rack: str = "r1",
+    zone: str = "z1",
+    limit: int = 2,
+    backends: tuple[str, ...] = ("tcp", "nccl"),
+    ident: dict | None = None,
+) -> str:
+    reg = c.register_instance(
+        identity=ident or identity(),
+        labels={"node": node, "rack": rack, "zone": zone},
+        ranks=ranks(0, 1, backends=backends),
+        max_concurrent_pulls=limit,
+        control_url=f"http://{node}:9",
+    )
     c.put_manifest(reg.id, 0, manifest(0))
     c.put_manifest(reg.id, 1, manifest(1))
     c.set_status(reg.id, "READY")
@@ -49,6 +61,7 @@ def test_no_source_then_lease_limit_and_report(server):
         c.report_transfer(a1.id, outcome="success", bytes=64, seconds=0.5, backend="tcp")
     a3 = c.request_assignment(identity=identity(), rank=0)
     assert a3 is not None
+    assert a2 is not None
     c.report_transfer(a2.id, outcome="failure", error="checksum mismatch", backend="tcp")
     hist = c.transfers()
     assert hist["total"] == 2
@@ -92,8 +105,9 @@ def test_topology_preference(server):
 
 def _ready_seed(svc, now: float, limit: int = 1) -> str:
     rank0 = {"rank": 0, "provider": "tcp", "address": "YWRkcjA=", "backends": ["tcp"]}
-    body = schemas.InstanceIn.model_validate({"identity": identity(), "ranks": [rank0],
-                                              "max_concurrent_pulls": limit})
+    body = schemas.InstanceIn.model_validate(
+        {"identity": identity(), "ranks": [rank0], "max_concurrent_pulls": limit}
+    )
     seed = svc.register(body, now)["id"]
     svc.put_manifest(seed, 0, schemas.ManifestIn.model_validate(manifest(0)).model_dump_json(), now)
     svc.set_status(seed, "READY", now)
@@ -101,7 +115,9 @@ def _ready_seed(svc, now: float, limit: int = 1) -> str:
 
 
 def _ask(**over) -> schemas.AssignmentIn:
-    return schemas.AssignmentIn.model_validate({"identity": identity(), "rank": 0, "providers": ["tcp"], **over})
+    return schemas.AssignmentIn.model_validate(
+        {"identity": identity(), "rank": 0, "providers": ["tcp"], **over}
+    )
 
 
 def test_lease_expiry_and_stale_reaper(planner_url):

@@ -10,8 +10,13 @@ from tests.planner.conftest import identity, manifest, ranks
 
 def test_register_get_list_delete(server):
     c = PlannerClient(server.url)
-    reg = c.register_instance(identity=identity(), labels={"node": "n1", "rack": "r1", "zone": "z"},
-                              control_url="http://seed:1", ranks=ranks(0, 1), max_concurrent_pulls=3)
+    reg = c.register_instance(
+        identity=identity(),
+        labels={"node": "n1", "rack": "r1", "zone": "z"},
+        control_url="http://seed:1",
+        ranks=ranks(0, 1),
+        max_concurrent_pulls=3,
+    )
     assert reg.status == "INITIALIZING"
     assert reg.token.startswith("rfi_")
     assert len(reg.identity_key) == 64

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -11,6 +12,7 @@ from planner.selection import (
     LoadAwarePolicy,
     RandomPolicy,
     RendezvousPolicy,
+    SelectionPolicy,
     Requester,
     SeedView,
     choose_provider,
@@ -27,13 +29,21 @@ def seeds(draw):
     out = []
     for i in range(n):
         limit = draw(st.integers(1, 4))
-        out.append(SeedView(instance_id=f"{i:032x}", node=draw(label), rack=draw(label), zone=draw(label),
-                            active_leases=draw(st.integers(0, limit + 1)), max_concurrent_pulls=limit))
+        out.append(
+            SeedView(
+                instance_id=f"{i:032x}",
+                node=draw(label),
+                rack=draw(label),
+                zone=draw(label),
+                active_leases=draw(st.integers(0, limit + 1)),
+                max_concurrent_pulls=limit,
+            )
+        )
     return out
 
 
 requesters = st.builds(Requester, node=label, rack=label, zone=label, key=st.text(max_size=8))
-POLICIES = [LoadAwarePolicy(), RandomPolicy(random.Random(1)), RendezvousPolicy()]
+POLICIES: list[SelectionPolicy] = [LoadAwarePolicy(), RandomPolicy(random.Random(1)), RendezvousPolicy()]
 
 
 @settings(max_examples=150, deadline=None)
@@ -85,9 +95,5 @@ def test_choose_provider():
 
 def test_make_policy():
     assert make_policy("random").name == "random"
-    try:
+    with pytest.raises(ValueError, match="selection_policy"):
         make_policy("nope")
-    except ValueError as exc:
-        assert "selection_policy" in str(exc)
-    else:
-        raise AssertionError("unknown policy accepted")
