@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch.distributed import PrefixStore, Store, TCPStore
 
+from backends.errors import TransferError
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 64 << 20
@@ -55,8 +57,8 @@ BucketCallback = Callable[[int, int], None]
 """Called after each bucket with (bucket index, bytes moved so far); for progress and tests."""
 
 
-class NcclTransferError(Exception):
-    """Base of every error of the NCCL/gloo fallback; messages name the peer and the phase."""
+class NcclTransferError(TransferError):
+    """Base of every error of the NCCL/gloo fallback (a ``backends.TransferError``); names peer and phase."""
 
 
 class NcclSetupError(NcclTransferError):
