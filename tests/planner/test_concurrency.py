@@ -1,0 +1,80 @@
+"""Two `rfork planner serve` processes on one database never over-subscribe a seed."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from sqlalchemy import create_engine, text
+
+from tests.planner.conftest import identity, manifest, ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _serve(url: str, port: int) -> subprocess.Popen:
+    env = {**os.environ, "RFORK_REAPER_INTERVAL_S": "3600"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "rfork", "planner", "serve", "--db", url, "--port", str(port), "--insecure"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+    )
+
+
+def _wait(base: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"planner exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+        try:
+            if httpx.get(base + "/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise TimeoutError(base)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n_requests", [64])
+def test_two_processes_never_exceed_the_limit(planner_url, n_requests):
+    ports = [_free_port(), _free_port()]
+    procs = [_serve(planner_url, p) for p in ports]
+    bases = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        for base, proc in zip(bases, procs, strict=True):
+            _wait(base, proc)
+        from planner.client import PlannerClient
+
+        c = PlannerClient(bases[0])
+        seed = c.register_instance(identity=identity(), ranks=ranks(0), max_concurrent_pulls=2).id
+        c.put_manifest(seed, 0, manifest(0))
+        c.set_status(seed, "READY")
+        body = {"identity": identity(), "rank": 0, "providers": ["tcp"], "backends": []}
+
+        def ask(i: int) -> int:
+            r = httpx.post(bases[i % 2] + "/v1/assignments", json=body, timeout=60)
+            return r.status_code
+
+        with ThreadPoolExecutor(n_requests) as pool:
+            codes = list(pool.map(ask, range(n_requests)))
+        assert codes.count(201) == 2, codes
+        assert codes.count(429) == n_requests - 2, codes
+        eng = create_engine(planner_url)
+        with eng.connect() as conn:
+            live = conn.execute(text("SELECT count(*) FROM leases WHERE ended_at IS NULL")).scalar()
+        eng.dispose()
+        assert live == 2
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=10)
