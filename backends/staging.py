@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -250,6 +250,9 @@ class _Event:
         self._event.synchronize()
 
 
+_S = TypeVar("_S", bound="_Staged")
+
+
 class _Staged:
     """Shared plumbing: the bounce region on the engine, a copy stream, a one-thread executor."""
 
@@ -304,7 +307,7 @@ class _Staged:
         self._pool.shutdown(wait=True)
         self.engine.deregister(self._region)
 
-    def __enter__(self) -> _Staged:
+    def __enter__(self: _S) -> _S:
         return self
 
     def __exit__(self, *exc: object) -> None:
