@@ -8,6 +8,7 @@ readers go on). Read-only sessions use a plain BEGIN.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import resources
@@ -64,12 +65,19 @@ class Database:
         self.engine = make_engine(url, pool_size=pool_size)
         self.sqlite = is_sqlite(url)
         self._write = sessionmaker(self.engine, expire_on_commit=False)
+        self._write_lock = threading.Lock() if self.sqlite else None
         self._read = sessionmaker(self.engine.execution_options(**{READONLY: True}), expire_on_commit=False)
 
     @contextmanager
     def write(self) -> Iterator[Session]:
         """A session whose transaction commits on exit (rolls back on error)."""
-        with self._write() as session, session.begin():
+        if self._write_lock is None:
+            with self._write() as session, session.begin():
+                yield session
+            return
+        # SQLite: one writer per process at a time, so threads queue on a fair lock instead of
+        # SQLite's busy handler (which sleeps in coarse steps); other processes still meet BEGIN IMMEDIATE.
+        with self._write_lock, self._write() as session, session.begin():
             yield session
 
     @contextmanager
