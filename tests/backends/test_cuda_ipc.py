@@ -270,3 +270,12 @@ def test_gpu_same_process_read_and_registration_checks() -> None:
         assert torch.equal(dst, src[(1 << 20) + 5:(1 << 20) + 5 + (16 << 20)])
         with pytest.raises(TransferError, match="not a CUDA device"):
             seed.register(torch.zeros(8), "read")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the error raised where CUDA is absent")
+def test_gpu_bench_one_line_error_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    from rfork.bench.gpu import main
+
+    assert main(["--size-gib", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: rfork.bench.gpu needs a CUDA GPU (torch.cuda.is_available() is false here)"
