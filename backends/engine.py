@@ -132,6 +132,7 @@ class _Worker(threading.Thread):
         self._pending: deque[_Chunk] = deque()
         self._parked: list[_Chunk] = []
         self._recv_bufs: dict[int, tuple[bytearray, Any]] = {}
+        self._progress_at: dict[int, float] = {}  # peer -> last completion from it
 
     def submit(self, chunks: Sequence[_Chunk]) -> None:
         with self._qlock:
@@ -210,7 +211,7 @@ class _Worker(threading.Thread):
                 time.sleep(0.00005)
             return
         # Passive: poll often enough to serve peers' reads, sleep enough to leave the CPU to them.
-        self._wake.wait(min(0.001, 0.00002 * idle))
+        self._wake.wait(min(0.0002, 0.00001 * idle))
         self._wake.clear()
 
     def _post_some(self) -> bool:
@@ -293,6 +294,7 @@ class _Worker(threading.Thread):
             if c.error:
                 self._fail_chunk(ch, c.error, c.message)
             else:
+                self._progress_at[ch.peer] = time.monotonic()
                 self.engine._chunk_done(ch)
         return True
 
@@ -308,7 +310,8 @@ class _Worker(threading.Thread):
     def _check_deadlines(self, now: float) -> None:
         expired = [ch for ch in itertools.chain(self._inflight.values(), self._parked,
                                                 itertools.islice(self._pending, 0, 1))
-                   if ch.deadline and ch.deadline < now and not ch.op.done]
+                   if ch.deadline and ch.deadline < now and not ch.op.done
+                   and self._progress_at.get(ch.peer, 0.0) + self.engine.timeout_s < now]
         if not expired:
             return
         dead_peers = {ch.peer for ch in expired}
@@ -370,6 +373,9 @@ class TransferEngine:
             reorder_for_test = os.environ.get("RFORK_REORDER_FOR_TEST", "") not in ("", "0")
         self.reorder_for_test = bool(reorder_for_test)
         self.imm = ImmCounter()
+        # Writes complete only once delivered (so a resolved write is visible to the peer). shm's
+        # FI_DELIVERY_COMPLETE serialises ops (~2 ms each here), so there only imm-carrying chunks use it.
+        self._delivery_complete = provider != "shm"
         self._lock = threading.Lock()
         self._closed = False
         self._regions: set[Region] = set()
@@ -629,7 +635,7 @@ class TransferEngine:
             assert region is not None
             per_worker[w].append(_Chunk(
                 op, kind, w, region.ptr + lo, n, region.regs[w].desc, peer.handles[w], desc.base + ro,
-                desc.keys[rd], imm=None if multi else imm, delivery_complete=multi and imm is not None))
+                desc.keys[rd], imm=None if multi else imm, delivery_complete=kind == _WRITE and (self._delivery_complete or (multi and imm is not None))))
         if imm is not None and (multi or not pieces):
             w = start % nw
             last = _Chunk(op, _WRITE, w, 0, 0, None, peer.handles[w], desc.base,

@@ -1,12 +1,234 @@
-"""Not implemented yet (placeholder until its issue lands)."""
+"""Transport benchmark: GB/s of the TransferEngine by op and size against a same-run baseline.
+
+Baselines: Python socket sendall -> recv_into over loopback (tcp), one shared-memory memcpy (shm).
+A peer engine runs in a spawned process; numbers are GB/s (10^9 bytes per second).
+"""
+
+from __future__ import annotations
 
 import argparse
+import json
+import logging
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+KiB, MiB = 1 << 10, 1 << 20
+DEFAULT_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB]
+PAGE_SIZES = [4 * KiB, 64 * KiB, 1 * MiB]
+REGION = 64 * MiB
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    """No options yet."""
+    """Options: provider, sizes, domains, JSON output."""
+    parser.add_argument("--provider", choices=["tcp", "shm"], default="tcp")
+    parser.add_argument("--sizes", type=_size_list, default=DEFAULT_SIZES,
+                        help="comma-separated op sizes, e.g. 4K,64K,1M,64M (default 4K..64M)")
+    parser.add_argument("--domains", type=int, default=1, help="domains (parallel endpoints) per engine")
+    parser.add_argument("--seconds", type=float, default=0.3, help="rough time per measurement")
+    parser.add_argument("--json", dest="json_file", default=None, help="write the rows to this JSON file")
+
+
+def _size_list(text: str) -> list[int]:
+    units = {"K": KiB, "M": MiB, "G": 1 << 30}
+    out = []
+    for part in text.split(","):
+        part = part.strip().upper().removesuffix("B").removesuffix("I")
+        mult = units.get(part[-1:], 1)
+        value = int(part[:-1] if part[-1:] in units else part) * mult
+        if not 0 < value <= REGION:
+            raise argparse.ArgumentTypeError(f"size {part} must be between 1 byte and 64 MiB")
+        out.append(value)
+    return out
+
+
+def _peer_main(conn: Connection, provider: str, domains: int) -> None:
+    """Passive peer: a readable and a writable region; serves until told to exit."""
+    import numpy as np
+
+    from backends import TransferEngine
+
+    os.environ.setdefault("FI_TCP_IFACE", "lo")
+    kw: dict[str, Any] = {"host": "127.0.0.1"} if provider == "tcp" else {}
+    with TransferEngine(provider, domains, **kw) as eng:
+        src = np.ones(REGION, dtype=np.uint8)
+        dst = np.zeros(REGION, dtype=np.uint8)
+        rs, rd = eng.register(src, "read"), eng.register(dst, "write")
+        conn.send((rs.descriptor.to_bytes(), rd.descriptor.to_bytes()))
+        conn.recv()
+
+
+def _socket_sink(port_conn: Connection, chunk: int) -> None:
+    """Receiver for the socket baseline: recv_into until the sender closes."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    port_conn.send(srv.getsockname()[1])
+    cli, _ = srv.accept()
+    buf = bytearray(max(chunk, MiB))
+    view = memoryview(buf)
+    total = 0
+    while True:
+        n = cli.recv_into(view[:chunk])
+        if n == 0:
+            break
+        total += n
+    port_conn.send(total)
+    cli.close()
+    srv.close()
+
+
+def _socket_baseline(size: int, total: int) -> float:
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    proc = ctx.Process(target=_socket_sink, args=(b, size), daemon=True)
+    proc.start()
+    port = a.recv()
+    data = memoryview(bytearray(size))
+    s = socket.create_connection(("127.0.0.1", port))
+    reps = max(1, total // size)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        s.sendall(data)
+    s.shutdown(socket.SHUT_WR)
+    a.recv()
+    dt = time.perf_counter() - t0
+    s.close()
+    proc.join(10)
+    return reps * size / dt / 1e9
+
+
+def _memcpy_baseline(size: int, total: int) -> float:
+    import numpy as np
+    from multiprocessing import shared_memory
+
+    shm = shared_memory.SharedMemory(create=True, size=size)
+    try:
+        src = np.ndarray((size,), dtype=np.uint8, buffer=shm.buf)
+        src[:] = 1
+        dst = np.empty(size, dtype=np.uint8)
+        reps = max(1, total // size)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            np.copyto(dst, src)
+        dt = time.perf_counter() - t0
+        del src
+        return reps * size / dt / 1e9
+    finally:
+        shm.close()
+        shm.unlink()
+
+
+def _timed(fn: Any, count: int) -> float:
+    t0 = time.perf_counter()
+    futs = [fn(i) for i in range(count)]
+    for f in futs:
+        f.result(120)
+    return time.perf_counter() - t0
 
 
 def run(args: argparse.Namespace) -> int:
-    """Refuse clearly."""
-    raise NotImplementedError(f"'{args.command}' is not implemented yet")
+    """Run every op at every size, print a table, optionally write JSON."""
+    import numpy as np
+    from rich.console import Console
+    from rich.table import Table
+
+    from backends import MemoryRegionDescriptor, TransferEngine
+
+    os.environ.setdefault("FI_TCP_IFACE", "lo")
+    provider: str = args.provider
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    peer = ctx.Process(target=_peer_main, args=(child, provider, args.domains), daemon=True)
+    peer.start()
+    rows: list[dict[str, Any]] = []
+    lat: list[float] = []
+    try:
+        if not parent.poll(60):
+            raise RuntimeError("benchmark peer did not start")
+        src_b, dst_b = parent.recv()
+        src, dst = MemoryRegionDescriptor.from_bytes(src_b), MemoryRegionDescriptor.from_bytes(dst_b)
+        kw: dict[str, Any] = {"host": "127.0.0.1"} if provider == "tcp" else {}
+        with TransferEngine(provider, args.domains, **kw) as eng:
+            buf = np.ones(REGION, dtype=np.uint8)
+            reg = eng.register(buf, "rw")
+            budget = 2 * 10**9 * args.seconds  # bytes per measurement at ~2 GB/s
+            baselines: dict[int, float] = {}
+            for size in sorted(set(args.sizes) | set(PAGE_SIZES)):
+                total = int(max(size, min(budget, 256 * MiB)))
+                baselines[size] = (_socket_baseline(size, total) if provider == "tcp"
+                                   else _memcpy_baseline(size, total))
+            eng.read(reg, 0, 4096, src, 0).result(30)  # connect
+            for size in args.sizes:
+                count = int(max(4, min(budget // size, 4096)))
+                slots = REGION // size
+
+                def op_read(i: int, size: int = size, slots: int = slots) -> Any:
+                    o = (i % slots) * size
+                    return eng.read(reg, o, size, src, o)
+
+                def op_write(i: int, size: int = size, slots: int = slots) -> Any:
+                    o = (i % slots) * size
+                    return eng.write(reg, o, size, dst, o)
+
+                def op_write_imm(i: int, size: int = size, slots: int = slots) -> Any:
+                    o = (i % slots) * size
+                    return eng.write(reg, o, size, dst, o, imm=1)
+
+                for name, fn in (("write", op_write), ("write_imm", op_write_imm), ("read", op_read)):
+                    _timed(fn, min(count, 8))  # warm-up
+                    dt = _timed(fn, count)
+                    rows.append(_row(name, size, count * size / dt / 1e9, baselines[size]))
+            rng = np.random.default_rng(0)
+            for page in PAGE_SIZES:
+                npages = REGION // (2 * page)
+                sp = rng.permutation(npages).tolist()
+                dp = rng.permutation(npages).tolist()
+                reps = int(max(1, budget // (npages * page)))
+
+                def op_paged(_i: int, page: int = page, sp: list[int] = sp, dp: list[int] = dp) -> Any:
+                    return eng.write_paged(reg, sp, 2 * page, dst, dp, 2 * page, page)
+
+                _timed(op_paged, 1)
+                dt = _timed(op_paged, reps)
+                rows.append(_row("paged_write", page, reps * npages * page / dt / 1e9, baselines[page]))
+            for _ in range(1000):
+                t0 = time.perf_counter()
+                eng.read(reg, 0, 64, src, 0).result(10)
+                lat.append(time.perf_counter() - t0)
+    finally:
+        if peer.is_alive():
+            parent.send("exit")
+            peer.join(10)
+        if peer.is_alive():
+            peer.kill()
+    lat.sort()
+    p50, p99 = statistics.median(lat) * 1e6, lat[int(len(lat) * 0.99) - 1] * 1e6
+    base_name = "socket sendall->recv_into" if provider == "tcp" else "shared-memory memcpy"
+    table = Table(title=f"rfork transport, provider={provider}, domains={args.domains} (GB/s; baseline: {base_name})")
+    for col in ("op", "size", "GB/s", "baseline GB/s", "ratio"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["op"], _fmt_size(r["size_bytes"]), f"{r['gb_per_s']:.2f}",
+                      f"{r['baseline_gb_per_s']:.2f}", f"{r['ratio']:.2f}")
+    console = Console()
+    console.print(table)
+    console.print(f"small-op (64 B read) latency: p50 {p50:.0f} us, p99 {p99:.0f} us")
+    if args.json_file:
+        with open(args.json_file, "w") as f:
+            json.dump({"provider": provider, "domains": args.domains, "rows": rows,
+                       "latency_us": {"p50": p50, "p99": p99}}, f, indent=1)
+    return 0
+
+
+def _row(op: str, size: int, gbps: float, base: float) -> dict[str, Any]:
+    return {"op": op, "size_bytes": size, "gb_per_s": round(gbps, 3), "baseline_gb_per_s": round(base, 3),
+            "ratio": round(gbps / base, 3) if base else 0.0}
+
+
+def _fmt_size(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"

@@ -1,0 +1,79 @@
+"""A peer engine in its own (spawned) process, driven over a multiprocessing pipe by the tests."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+
+def pattern(seed: int, nbytes: int) -> np.ndarray:
+    """Deterministic random bytes both sides can regenerate."""
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def engine_kwargs(provider: str) -> dict[str, Any]:
+    return {"host": "127.0.0.1"} if provider == "tcp" else {}
+
+
+def serve(conn: Connection, provider: str, domains: int, regions: list[tuple[str, int, str]],
+          reorder: bool) -> None:
+    """Open an engine, register `regions` (name, nbytes, access; "src" ones hold pattern(1)), then obey."""
+    os.environ.setdefault("FI_TCP_IFACE", "lo")
+    from backends import MemoryRegionDescriptor, TransferEngine, TransferError
+
+    eng = TransferEngine(provider, domains, timeout_s=3.0, reorder_for_test=reorder, **engine_kwargs(provider))
+    bufs: dict[str, np.ndarray] = {}
+    regs = {}
+    for name, nbytes, access in regions:
+        bufs[name] = pattern(1, nbytes) if name.startswith("src") else np.zeros(nbytes, dtype=np.uint8)
+        regs[name] = eng.register(bufs[name], access)
+    conn.send((eng.address, {n: r.descriptor.to_bytes() for n, r in regs.items()}))
+    pending_expects = {}
+    try:
+        while True:
+            cmd, *args = conn.recv()
+            if cmd == "exit":
+                break
+            try:
+                if cmd == "sha":
+                    name, off, n = args
+                    conn.send(hashlib.sha1(bufs[name][off:off + n].tobytes()).hexdigest())
+                elif cmd == "fill":
+                    name, seed = args
+                    bufs[name][:] = pattern(seed, len(bufs[name]))
+                    conn.send(True)
+                elif cmd == "write":  # (name, off, n, desc, roff, imm)
+                    name, off, n, desc, roff, imm = args
+                    eng.write(regs[name], off, n, MemoryRegionDescriptor.from_bytes(desc), roff, imm=imm).result(30)
+                    conn.send(True)
+                elif cmd == "write_imms":  # list of imm values, each as its own write_imm
+                    (imms, desc) = args
+                    d = MemoryRegionDescriptor.from_bytes(desc)
+                    for f in [eng.write_imm(i, d) for i in imms]:
+                        f.result(30)
+                    conn.send(True)
+                elif cmd == "expect":
+                    key, imm, count = args
+                    pending_expects[key] = eng.expect(imm, count)
+                    conn.send(True)
+                elif cmd == "wait_expect":
+                    key, timeout = args
+                    try:
+                        pending_expects.pop(key).result(timeout)
+                        conn.send(True)
+                    except TimeoutError:
+                        conn.send(False)
+                elif cmd == "send":
+                    addr, data = args
+                    eng.send(addr, data).result(10)
+                    conn.send(True)
+                else:
+                    conn.send(f"unknown command {cmd}")
+            except TransferError as exc:
+                conn.send(f"error: {exc}")
+    finally:
+        eng.close()
