@@ -26,6 +26,7 @@ COMMANDS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("bench", "transport"), "rfork.bench.transport"),
     (("bench", "cold-start"), "rfork.bench.cold_start"),
     (("bench", "planner"), "rfork.bench.planner"),
+    (("bench", "gpu"), "rfork.bench.gpu"),
 )
 
 GROUP_HELP = {

@@ -29,9 +29,10 @@ import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 GIB = 1 << 30
 
@@ -49,6 +50,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _seconds(fn: Any) -> float:
+    import torch
+
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
@@ -74,6 +77,8 @@ def _drop_page_cache(files: Sequence[Path]) -> bool:
 
 def measure_d2d(nbytes: int, device: torch.device) -> float:
     """Seconds for one device-to-device copy of nbytes (best of 3, after a warm-up)."""
+    import torch
+
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -82,6 +87,7 @@ def measure_d2d(nbytes: int, device: torch.device) -> float:
 
 def measure_disk_to_gpu(files: Sequence[Path], device: torch.device, *, cold: bool) -> tuple[float, str]:
     """Seconds to load every safetensors shard into GPU memory, and the page-cache state it ran in."""
+
     from safetensors.torch import load_file
 
     state = "warm (page cache)"
@@ -95,6 +101,8 @@ def measure_disk_to_gpu(files: Sequence[Path], device: torch.device, *, cold: bo
 
 def _seed_main(conn: Connection, nbytes: int, device_index: int, tcp: bool, domains: int) -> None:
     """Seed process: weights in GPU memory, exported over CUDA IPC and (a pinned mirror) over tcp."""
+    import torch
+
     os.environ.setdefault("FI_TCP_IFACE", "lo")
     from backends.cuda_ipc import CudaIpcEngine
     from backends.staging import host_mirror
@@ -128,6 +136,8 @@ def _seed_main(conn: Connection, nbytes: int, device_index: int, tcp: bool, doma
 
 
 def _rfork_runs(nbytes: int, device: torch.device, args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch
+
     from backends.cuda_ipc import CudaIpcEngine
     from rfork.checksum import checksum_bytes
 
@@ -172,6 +182,8 @@ def _rfork_runs(nbytes: int, device: torch.device, args: argparse.Namespace) -> 
 
 def run(args: argparse.Namespace) -> int:
     """Run every measurement, print a table, optionally write JSON; 2 without CUDA."""
+    import torch
+
     if not torch.cuda.is_available():
         print("error: rfork.bench.gpu needs a CUDA GPU (torch.cuda.is_available() is false here)",
               file=sys.stderr)
