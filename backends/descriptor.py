@@ -40,21 +40,21 @@ class EngineAddress:
         """Decode what to_bytes produced; TransferError on anything else."""
         try:
             if blob[:4] != _ADDR_MAGIC:
-                raise ValueError("bad magic")
+                raise ValueError("bad magic")  # noqa: TRY301
             version, plen, ndom = struct.unpack_from("<BBH", blob, 4)
             if version != _VERSION:
-                raise ValueError(f"version {version}")
+                raise ValueError(f"version {version}")  # noqa: TRY301
             pos = 8
-            provider = blob[pos:pos + plen].decode()
+            provider = blob[pos : pos + plen].decode()
             pos += plen
             names = []
             for _ in range(ndom):
                 (n,) = struct.unpack_from("<H", blob, pos)
                 pos += 2
-                names.append(bytes(blob[pos:pos + n]))
+                names.append(bytes(blob[pos : pos + n]))
                 pos += n
             if pos != len(blob) or ndom == 0:
-                raise ValueError("length mismatch")
+                raise ValueError("length mismatch")  # noqa: TRY301
         except (ValueError, struct.error, UnicodeDecodeError) as exc:
             raise TransferError(f"not an rfork engine address ({exc})") from exc
         return cls(provider, tuple(names))
@@ -94,9 +94,17 @@ class MemoryRegionDescriptor:
 
     def to_bytes(self) -> bytes:
         """Encode (fixed header, keys, then the owner's engine address)."""
-        head = struct.pack("<4sBBBHQQI", _DESC_MAGIC, _VERSION, ACCESS_NAMES.index(self.access),
-                           MEMORY_KINDS.index(self.memory_kind), len(self.keys), self.base, self.length,
-                           len(self.address))
+        head = struct.pack(
+            "<4sBBBHQQI",
+            _DESC_MAGIC,
+            _VERSION,
+            ACCESS_NAMES.index(self.access),
+            MEMORY_KINDS.index(self.memory_kind),
+            len(self.keys),
+            self.base,
+            self.length,
+            len(self.address),
+        )
         return head + struct.pack(f"<{len(self.keys)}Q", *self.keys) + self.address
 
     @classmethod
@@ -106,13 +114,13 @@ class MemoryRegionDescriptor:
         try:
             magic, version, access, kind, nkeys, base, length, alen = struct.unpack_from(fmt, blob, 0)
             if magic != _DESC_MAGIC or version != _VERSION:
-                raise ValueError("bad magic or version")
+                raise ValueError("bad magic or version")  # noqa: TRY301
             pos = struct.calcsize(fmt)
             keys = struct.unpack_from(f"<{nkeys}Q", blob, pos)
             pos += 8 * nkeys
-            address = bytes(blob[pos:pos + alen])
+            address = bytes(blob[pos : pos + alen])
             if pos + alen != len(blob):
-                raise ValueError("length mismatch")
+                raise ValueError("length mismatch")  # noqa: TRY301
             EngineAddress.from_bytes(address)
             return cls(address, tuple(keys), base, length, ACCESS_NAMES[access], MEMORY_KINDS[kind])
         except (ValueError, IndexError, struct.error) as exc:

@@ -46,8 +46,16 @@ _ctx_ids = itertools.count(1)
 class Region:
     """A registered buffer: local handles per domain plus the descriptor peers need to reach it."""
 
-    def __init__(self, engine: TransferEngine, ptr: int, nbytes: int, access: str,
-                 regs: list[LocalRegistration], descriptor: MemoryRegionDescriptor, keepalive: Any) -> None:
+    def __init__(
+        self,
+        engine: TransferEngine,
+        ptr: int,
+        nbytes: int,
+        access: str,
+        regs: list[LocalRegistration],
+        descriptor: MemoryRegionDescriptor,
+        keepalive: Any,
+    ) -> None:
         self.engine = engine
         self.ptr = ptr
         self.nbytes = nbytes
@@ -260,8 +268,17 @@ class _Worker(threading.Thread):
             if ch.kind == _READ:
                 rc = dom.post_read(ch.ptr, ch.length, ch.desc, ch.peer, ch.raddr, ch.key, ch.ctx)
             elif ch.kind == _WRITE:
-                rc = dom.post_write(ch.ptr, ch.length, ch.desc, ch.peer, ch.raddr, ch.key, ch.ctx, ch.imm,
-                                    ch.delivery_complete)
+                rc = dom.post_write(
+                    ch.ptr,
+                    ch.length,
+                    ch.desc,
+                    ch.peer,
+                    ch.raddr,
+                    ch.key,
+                    ch.ctx,
+                    ch.imm,
+                    ch.delivery_complete,
+                )
             else:
                 rc = dom.post_send(ch.ptr, ch.length, ch.desc, ch.peer, ch.ctx)
         except TransferError as exc:
@@ -277,12 +294,16 @@ class _Worker(threading.Thread):
         for c in comps:
             if c.context >= _RECV_BASE and c.context in self._recv_bufs:
                 if not c.error:
-                    data = bytes(self._recv_bufs[c.context][0][:c.length])
+                    data = bytes(self._recv_bufs[c.context][0][: c.length])
                     self.engine._deliver_message(data)
                 if not self._stop_flag:
                     self._post_recv(c.context)
                 continue
-            if c.context == 0 or c.flags & self.domain.remote_cq_data_flag and c.context not in self._inflight:
+            if (
+                c.context == 0
+                or c.flags & self.domain.remote_cq_data_flag
+                and c.context not in self._inflight
+            ):
                 if c.flags & self.domain.remote_cq_data_flag:
                     self.engine.imm.arrive(c.data & 0xFFFFFFFF)
                 elif c.error:
@@ -308,10 +329,16 @@ class _Worker(threading.Thread):
             ch.op.fail(PeerUnreachable(f"{what} failed: {message}"))
 
     def _check_deadlines(self, now: float) -> None:
-        expired = [ch for ch in itertools.chain(self._inflight.values(), self._parked,
-                                                itertools.islice(self._pending, 0, 1))
-                   if ch.deadline and ch.deadline < now and not ch.op.done
-                   and self._progress_at.get(ch.peer, 0.0) + self.engine.timeout_s < now]
+        expired = [
+            ch
+            for ch in itertools.chain(
+                self._inflight.values(), self._parked, itertools.islice(self._pending, 0, 1)
+            )
+            if ch.deadline
+            and ch.deadline < now
+            and not ch.op.done
+            and self._progress_at.get(ch.peer, 0.0) + self.engine.timeout_s < now
+        ]
         if not expired:
             return
         dead_peers = {ch.peer for ch in expired}
@@ -327,9 +354,12 @@ class _Worker(threading.Thread):
         self._pending = deque(ch for ch in self._pending if ch.peer not in dead_peers)
 
     def _timeout(self, ch: _Chunk) -> None:
-        ch.op.fail(TransferTimeout(
-            f"{ch.op.name} with peer {ch.op.peer} timed out after {self.engine.timeout_s:g}s "
-            f"({_OP_NAMES[ch.kind]} of {ch.length} bytes not completed)"))
+        ch.op.fail(
+            TransferTimeout(
+                f"{ch.op.name} with peer {ch.op.peer} timed out after {self.engine.timeout_s:g}s "
+                f"({_OP_NAMES[ch.kind]} of {ch.length} bytes not completed)"
+            )
+        )
 
     def _fail_everything(self, exc: TransferError) -> None:
         with self._qlock:
@@ -351,9 +381,16 @@ class TransferEngine:
     nothing depends on ordering. host pins tcp's source address (e.g. "127.0.0.1").
     """
 
-    def __init__(self, provider: str = "tcp", domains: int = 1, *, timeout_s: float = 5.0,
-                 chunk_bytes: int = 1 << 20, reorder_for_test: bool | None = None,
-                 host: str | None = None) -> None:
+    def __init__(
+        self,
+        provider: str = "tcp",
+        domains: int = 1,
+        *,
+        timeout_s: float = 5.0,
+        chunk_bytes: int = 1 << 20,
+        reorder_for_test: bool | None = None,
+        host: str | None = None,
+    ) -> None:
         from backends.libfabric import AUTO_ORDER, LibfabricDomain, provider_available
 
         if domains < 1:
@@ -436,8 +473,14 @@ class TransferEngine:
         region._keepalive = None
 
     # ----- one-sided ops ------------------------------------------------------------------------
-    def read(self, region: Region, offset: int, length: int, remote_desc: MemoryRegionDescriptor | bytes,
-             remote_offset: int) -> Future[None]:
+    def read(
+        self,
+        region: Region,
+        offset: int,
+        length: int,
+        remote_desc: MemoryRegionDescriptor | bytes,
+        remote_offset: int,
+    ) -> Future[None]:
         """Read remote [remote_offset, +length) into region[offset, +length)."""
         rdesc = _desc(remote_desc)
         self._check_local(region, offset, length, "read")
@@ -445,8 +488,15 @@ class TransferEngine:
         op, peer = self._new_op("read", rdesc)
         return self._submit(op, peer, _READ, region, [(offset, remote_offset, length)], rdesc, None)
 
-    def write(self, region: Region, offset: int, length: int, remote_desc: MemoryRegionDescriptor | bytes,
-              remote_offset: int, imm: int | None = None) -> Future[None]:
+    def write(
+        self,
+        region: Region,
+        offset: int,
+        length: int,
+        remote_desc: MemoryRegionDescriptor | bytes,
+        remote_offset: int,
+        imm: int | None = None,
+    ) -> Future[None]:
         """Write region[offset, +length) to remote [remote_offset, +length); then deliver imm if given."""
         rdesc = _desc(remote_desc)
         _check_imm(imm)
@@ -455,10 +505,19 @@ class TransferEngine:
         op, peer = self._new_op("write", rdesc)
         return self._submit(op, peer, _WRITE, region, [(offset, remote_offset, length)], rdesc, imm)
 
-    def write_paged(self, region: Region, src_pages: Sequence[int], src_stride: int,
-                    remote_desc: MemoryRegionDescriptor | bytes, dst_pages: Sequence[int], dst_stride: int,
-                    page_len: int, src_offset: int = 0, dst_offset: int = 0,
-                    imm: int | None = None) -> Future[None]:
+    def write_paged(
+        self,
+        region: Region,
+        src_pages: Sequence[int],
+        src_stride: int,
+        remote_desc: MemoryRegionDescriptor | bytes,
+        dst_pages: Sequence[int],
+        dst_stride: int,
+        page_len: int,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        imm: int | None = None,
+    ) -> Future[None]:
         """Write page src_pages[i] (at src_offset + p*src_stride) to dst_pages[i] (dst_offset + p*dst_stride).
 
         Adjacent pages on both sides are merged into one transfer; imm (if any) arrives once, after all.
@@ -466,7 +525,9 @@ class TransferEngine:
         rdesc = _desc(remote_desc)
         _check_imm(imm)
         if len(src_pages) != len(dst_pages):
-            raise ValueError(f"write_paged: {len(src_pages)} source pages but {len(dst_pages)} destination pages")
+            raise ValueError(
+                f"write_paged: {len(src_pages)} source pages but {len(dst_pages)} destination pages"
+            )
         if page_len < 0 or src_stride < 0 or dst_stride < 0:
             raise ValueError("write_paged: page_len and strides must be non-negative")
         spans: list[tuple[int, int, int]] = []
@@ -512,8 +573,9 @@ class TransferEngine:
         reg = dom.register(ptr, len(buf), False, False)
         op.future.add_done_callback(lambda _f: dom.deregister(reg))
         op.remaining = 1
-        self._workers[0].submit([_Chunk(op, _SEND, 0, ptr, len(data), reg.desc, peer.handles[0], 0, 0,
-                                        keepalive=buf)])
+        self._workers[0].submit(
+            [_Chunk(op, _SEND, 0, ptr, len(data), reg.desc, peer.handles[0], 0, 0, keepalive=buf)]
+        )
         return op.future
 
     def on_message(self, callback: Callable[[bytes], None]) -> None:
@@ -585,7 +647,8 @@ class TransferEngine:
             raise TransferError(f"{op}: local region is deregistered or belongs to another engine")
         if offset < 0 or length < 0 or offset + length > region.nbytes:
             raise RemoteAccessError(
-                f"{op}: local range [{offset}, {offset + length}) is outside the {region.nbytes}-byte region")
+                f"{op}: local range [{offset}, {offset + length}) is outside the {region.nbytes}-byte region"
+            )
 
     def _check_remote(self, desc: MemoryRegionDescriptor, offset: int, length: int, op: str) -> None:
         need_read = op == "read"
@@ -595,7 +658,8 @@ class TransferEngine:
             raise RemoteAccessError(f"{op}: remote region grants {desc.access!r} access, not write")
         if offset < 0 or length < 0 or offset + length > desc.length:
             raise RemoteAccessError(
-                f"{op}: remote range [{offset}, {offset + length}) is outside the {desc.length}-byte region")
+                f"{op}: remote range [{offset}, {offset + length}) is outside the {desc.length}-byte region"
+            )
 
     def _peer(self, address: bytes) -> _Peer:
         self._check_open("connect")
@@ -618,8 +682,16 @@ class TransferEngine:
         peer = self._peer(desc.address)
         return _Op(name, peer.label), peer
 
-    def _submit(self, op: _Op, peer: _Peer, kind: int, region: Region | None, spans: list[tuple[int, int, int]],
-                desc: MemoryRegionDescriptor, imm: int | None) -> Future[None]:
+    def _submit(
+        self,
+        op: _Op,
+        peer: _Peer,
+        kind: int,
+        region: Region | None,
+        spans: list[tuple[int, int, int]],
+        desc: MemoryRegionDescriptor,
+        imm: int | None,
+    ) -> Future[None]:
         nw = len(self._workers)
         start = next(self._rr)
         csize = self.chunk_bytes
@@ -633,13 +705,36 @@ class TransferEngine:
             w = (start + j) % nw
             rd = w % peer.remote_domains
             assert region is not None
-            per_worker[w].append(_Chunk(
-                op, kind, w, region.ptr + lo, n, region.regs[w].desc, peer.handles[w], desc.base + ro,
-                desc.keys[rd], imm=None if multi else imm, delivery_complete=kind == _WRITE and (self._delivery_complete or (multi and imm is not None))))
+            per_worker[w].append(
+                _Chunk(
+                    op,
+                    kind,
+                    w,
+                    region.ptr + lo,
+                    n,
+                    region.regs[w].desc,
+                    peer.handles[w],
+                    desc.base + ro,
+                    desc.keys[rd],
+                    imm=None if multi else imm,
+                    delivery_complete=kind == _WRITE
+                    and (self._delivery_complete or (multi and imm is not None)),
+                )
+            )
         if imm is not None and (multi or not pieces):
             w = start % nw
-            last = _Chunk(op, _WRITE, w, 0, 0, None, peer.handles[w], desc.base,
-                          desc.keys[w % peer.remote_domains], imm=imm)
+            last = _Chunk(
+                op,
+                _WRITE,
+                w,
+                0,
+                0,
+                None,
+                peer.handles[w],
+                desc.base,
+                desc.keys[w % peer.remote_domains],
+                imm=imm,
+            )
             if pieces:
                 op.imm_after = last
             else:
@@ -688,7 +783,9 @@ def _buffer_of(obj: Any) -> tuple[int, int, Any]:
         return int(ptr), int(nbytes), None
     if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):
         if obj.device.type != "cpu":
-            raise TransferError(f"register: {obj.device.type} tensors are not supported yet (host memory only)")
+            raise TransferError(
+                f"register: {obj.device.type} tensors are not supported yet (host memory only)"
+            )
         if not obj.is_contiguous():
             raise TransferError("register: tensor is not contiguous")
         return int(obj.data_ptr()), int(obj.numel() * obj.element_size()), obj
@@ -697,5 +794,7 @@ def _buffer_of(obj: Any) -> tuple[int, int, Any]:
     try:
         cbuf = ffi.from_buffer(obj, require_writable=False)
     except TypeError as exc:
-        raise TransferError(f"register: {type(obj).__name__} is not a tensor, buffer or (ptr, nbytes)") from exc
+        raise TransferError(
+            f"register: {type(obj).__name__} is not a tensor, buffer or (ptr, nbytes)"
+        ) from exc
     return int(ffi.cast("uintptr_t", cbuf)), len(cbuf), (obj, cbuf)

@@ -33,8 +33,9 @@ def _getinfo(provider: str, host: str | None, prov_key: bool) -> Any:
     if hints == ffi.NULL:
         raise MemoryError("fi_allocinfo")
     try:
-        hints.caps = lib.FI_MSG | lib.FI_RMA | lib.FI_READ | lib.FI_WRITE | lib.FI_REMOTE_READ | \
-            lib.FI_REMOTE_WRITE
+        hints.caps = (
+            lib.FI_MSG | lib.FI_RMA | lib.FI_READ | lib.FI_WRITE | lib.FI_REMOTE_READ | lib.FI_REMOTE_WRITE
+        )
         hints.ep_attr.type = lib.FI_EP_RDM
         mode = 0
         for name in _ALL_MR_MODES:
@@ -62,7 +63,9 @@ def open_info(provider: str, host: str | None) -> Any:
         raise BackendUnavailable(f"unknown provider {provider!r}; choose from {sorted(PROVIDERS)} or 'auto'")
     info = _getinfo(provider, host, prov_key=False) or _getinfo(provider, host, prov_key=True)
     if info is None:
-        raise BackendUnavailable(f"libfabric provider {PROVIDERS[provider]!r} is not available on this machine")
+        raise BackendUnavailable(
+            f"libfabric provider {PROVIDERS[provider]!r} is not available on this machine"
+        )
     return info
 
 
@@ -134,8 +137,10 @@ class LibfabricDomain(Domain):
         _check(lib.fi_endpoint(self._domain, info, ep, ffi.NULL), "fi_endpoint")
         self._ep = ep[0]
         self._fids.append(self._ep)
-        _check(lib.fi_ep_bind(self._ep, ffi.cast("struct fid *", self._cq), lib.FI_TRANSMIT | lib.FI_RECV_FLAG),
-               "fi_ep_bind(cq)")
+        _check(
+            lib.fi_ep_bind(self._ep, ffi.cast("struct fid *", self._cq), lib.FI_TRANSMIT | lib.FI_RECV_FLAG),
+            "fi_ep_bind(cq)",
+        )
         _check(lib.fi_ep_bind(self._ep, ffi.cast("struct fid *", self._av), 0), "fi_ep_bind(av)")
         _check(lib.fi_enable(self._ep), "fi_enable")
         buf = ffi.new("char[256]")
@@ -154,8 +159,13 @@ class LibfabricDomain(Domain):
         self._msg.iov_count = 1
         self._msg.rma_iov = self._rma_iov
         self._msg.rma_iov_count = 1
-        log.debug("opened %s domain mr_mode=%#x wait=%s inflight=%d", self.provider, self.mr_mode,
-                  self.can_wait, self.max_inflight)
+        log.debug(
+            "opened %s domain mr_mode=%#x wait=%s inflight=%d",
+            self.provider,
+            self.mr_mode,
+            self.can_wait,
+            self.max_inflight,
+        )
 
     def straddr(self, raw: bytes) -> str:
         buf = ffi.new("char[128]")
@@ -184,7 +194,9 @@ class LibfabricDomain(Domain):
         mr = ffi.new("struct fid_mr **")
         for _attempt in range(4):
             key = 0 if self.prov_key else secrets.randbits(8 * self.key_bytes)
-            ret = lib.fi_mr_reg(self._domain, ffi.cast("void *", ptr), nbytes, access, 0, key, 0, mr, ffi.NULL)
+            ret = lib.fi_mr_reg(
+                self._domain, ffi.cast("void *", ptr), nbytes, access, 0, key, 0, mr, ffi.NULL
+            )
             if ret != -errno.ENOKEY:
                 break
         _check(ret, f"fi_mr_reg({nbytes} bytes)")
@@ -204,11 +216,23 @@ class LibfabricDomain(Domain):
 
     def post_read(self, ptr: int, n: int, desc: Any, peer: int, raddr: int, key: int, ctx: int) -> int:
         desc = ffi.NULL if desc is None else desc
-        ret = lib.fi_read(self._ep, ffi.cast("void *", ptr), n, desc, peer, raddr, key, ffi.cast("void *", ctx))
+        ret = lib.fi_read(
+            self._ep, ffi.cast("void *", ptr), n, desc, peer, raddr, key, ffi.cast("void *", ctx)
+        )
         return self._posted(ret, "fi_read")
 
-    def post_write(self, ptr: int, n: int, desc: Any, peer: int, raddr: int, key: int, ctx: int,
-                   imm: int | None, delivery_complete: bool) -> int:
+    def post_write(
+        self,
+        ptr: int,
+        n: int,
+        desc: Any,
+        peer: int,
+        raddr: int,
+        key: int,
+        ctx: int,
+        imm: int | None,
+        delivery_complete: bool,
+    ) -> int:
         cctx = ffi.cast("void *", ctx)
         desc = ffi.NULL if desc is None else desc
         if delivery_complete:
@@ -228,7 +252,9 @@ class LibfabricDomain(Domain):
         src = ffi.cast("void *", ptr)
         if imm is None:
             return self._posted(lib.fi_write(self._ep, src, n, desc, peer, raddr, key, cctx), "fi_write")
-        return self._posted(lib.fi_writedata(self._ep, src, n, desc, imm, peer, raddr, key, cctx), "fi_writedata")
+        return self._posted(
+            lib.fi_writedata(self._ep, src, n, desc, imm, peer, raddr, key, cctx), "fi_writedata"
+        )
 
     def post_send(self, ptr: int, n: int, desc: Any, peer: int, ctx: int) -> int:
         desc = ffi.NULL if desc is None else desc
@@ -253,8 +279,10 @@ class LibfabricDomain(Domain):
     def _completions(self, n: int) -> list[Completion]:
         if n > 0:
             ents = self._entries
-            return [Completion(int(ffi.cast("uintptr_t", e.op_context)), int(e.flags), int(e.len), int(e.data))
-                    for e in (ents[i] for i in range(n))]
+            return [
+                Completion(int(ffi.cast("uintptr_t", e.op_context)), int(e.flags), int(e.len), int(e.data))
+                for e in (ents[i] for i in range(n))
+            ]
         if n == -lib.FI_EAGAIN:
             return []
         if n == -lib.FI_EAVAIL:
@@ -271,8 +299,14 @@ class LibfabricDomain(Domain):
         detail = lib.fi_cq_strerror(self._cq, err.prov_errno, err.err_data, buf, 256)
         text = ffi.string(detail).decode(errors="replace") if detail != ffi.NULL else ""
         base = ffi.string(lib.fi_strerror(err.err)).decode()
-        return Completion(int(ffi.cast("uintptr_t", err.op_context)), int(err.flags), int(err.len), int(err.data),
-                          int(err.err) or errno.EIO, f"{base}; {text}" if text else base)
+        return Completion(
+            int(ffi.cast("uintptr_t", err.op_context)),
+            int(err.flags),
+            int(err.len),
+            int(err.data),
+            int(err.err) or errno.EIO,
+            f"{base}; {text}" if text else base,
+        )
 
     def wait(self, timeout_s: float) -> list[Completion]:
         if not self.can_wait:
@@ -306,5 +340,3 @@ def cma_permitted() -> bool:
             return int(f.read().strip() or 0) < 2
     except OSError:
         return True
-
-

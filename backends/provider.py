@@ -65,8 +65,18 @@ class Domain(abc.ABC):
         """Post a one-sided read; 0 or EAGAIN."""
 
     @abc.abstractmethod
-    def post_write(self, ptr: int, n: int, desc: Any, peer: int, raddr: int, key: int, ctx: int,
-                   imm: int | None, delivery_complete: bool) -> int:
+    def post_write(
+        self,
+        ptr: int,
+        n: int,
+        desc: Any,
+        peer: int,
+        raddr: int,
+        key: int,
+        ctx: int,
+        imm: int | None,
+        delivery_complete: bool,
+    ) -> int:
         """Post a one-sided write (with an immediate if imm is not None); 0 or EAGAIN."""
 
     @abc.abstractmethod

@@ -28,8 +28,12 @@ REGION = 64 * MiB
 def configure(parser: argparse.ArgumentParser) -> None:
     """Options: provider, sizes, domains, JSON output."""
     parser.add_argument("--provider", choices=["tcp", "shm"], default="tcp")
-    parser.add_argument("--sizes", type=_size_list, default=DEFAULT_SIZES,
-                        help="comma-separated op sizes, e.g. 4K,64K,1M,64M (default 4K..64M)")
+    parser.add_argument(
+        "--sizes",
+        type=_size_list,
+        default=DEFAULT_SIZES,
+        help="comma-separated op sizes, e.g. 4K,64K,1M,64M (default 4K..64M)",
+    )
     parser.add_argument("--domains", type=int, default=1, help="domains (parallel endpoints) per engine")
     parser.add_argument("--seconds", type=float, default=0.3, help="rough time per measurement")
     parser.add_argument("--json", dest="json_file", default=None, help="write the rows to this JSON file")
@@ -103,8 +107,9 @@ def _socket_baseline(size: int, total: int) -> float:
 
 
 def _memcpy_baseline(size: int, total: int) -> float:
-    import numpy as np
     from multiprocessing import shared_memory
+
+    import numpy as np
 
     shm = shared_memory.SharedMemory(create=True, size=size)
     try:
@@ -160,8 +165,9 @@ def run(args: argparse.Namespace) -> int:
             baselines: dict[int, float] = {}
             for size in sorted(set(args.sizes) | set(PAGE_SIZES)):
                 total = int(max(size, min(budget, 256 * MiB)))
-                baselines[size] = (_socket_baseline(size, total) if provider == "tcp"
-                                   else _memcpy_baseline(size, total))
+                baselines[size] = (
+                    _socket_baseline(size, total) if provider == "tcp" else _memcpy_baseline(size, total)
+                )
             eng.read(reg, 0, 4096, src, 0).result(30)  # connect
             for size in args.sizes:
                 count = int(max(4, min(budget // size, 4096)))
@@ -209,25 +215,45 @@ def run(args: argparse.Namespace) -> int:
     lat.sort()
     p50, p99 = statistics.median(lat) * 1e6, lat[int(len(lat) * 0.99) - 1] * 1e6
     base_name = "socket sendall->recv_into" if provider == "tcp" else "shared-memory memcpy"
-    table = Table(title=f"rfork transport, provider={provider}, domains={args.domains} (GB/s; baseline: {base_name})")
+    table = Table(
+        title=f"rfork transport, provider={provider}, domains={args.domains} (GB/s; baseline: {base_name})"
+    )
     for col in ("op", "size", "GB/s", "baseline GB/s", "ratio"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r["op"], _fmt_size(r["size_bytes"]), f"{r['gb_per_s']:.2f}",
-                      f"{r['baseline_gb_per_s']:.2f}", f"{r['ratio']:.2f}")
+        table.add_row(
+            r["op"],
+            _fmt_size(r["size_bytes"]),
+            f"{r['gb_per_s']:.2f}",
+            f"{r['baseline_gb_per_s']:.2f}",
+            f"{r['ratio']:.2f}",
+        )
     console = Console()
     console.print(table)
     console.print(f"small-op (64 B read) latency: p50 {p50:.0f} us, p99 {p99:.0f} us")
     if args.json_file:
         with open(args.json_file, "w") as f:
-            json.dump({"provider": provider, "domains": args.domains, "rows": rows,
-                       "latency_us": {"p50": p50, "p99": p99}}, f, indent=1)
+            json.dump(
+                {
+                    "provider": provider,
+                    "domains": args.domains,
+                    "rows": rows,
+                    "latency_us": {"p50": p50, "p99": p99},
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 
 def _row(op: str, size: int, gbps: float, base: float) -> dict[str, Any]:
-    return {"op": op, "size_bytes": size, "gb_per_s": round(gbps, 3), "baseline_gb_per_s": round(base, 3),
-            "ratio": round(gbps / base, 3) if base else 0.0}
+    return {
+        "op": op,
+        "size_bytes": size,
+        "gb_per_s": round(gbps, 3),
+        "baseline_gb_per_s": round(base, 3),
+        "ratio": round(gbps / base, 3) if base else 0.0,
+    }
 
 
 def _fmt_size(n: int) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 from collections.abc import Iterator
@@ -36,10 +37,8 @@ class Peer:
 
     def stop(self) -> None:
         if self.proc.is_alive():
-            try:
+            with contextlib.suppress(OSError):
                 self.conn.send(("exit",))
-            except (OSError, BrokenPipeError):
-                pass
             self.proc.join(10)
         if self.proc.is_alive():
             self.proc.kill()
@@ -47,8 +46,9 @@ class Peer:
         self.conn.close()
 
 
-def start_peer(provider: str, regions: list[tuple[str, int, str]], *, domains: int = 2,
-               reorder: bool = True) -> Peer:
+def start_peer(
+    provider: str, regions: list[tuple[str, int, str]], *, domains: int = 2, reorder: bool = True
+) -> Peer:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=serve, args=(child, provider, domains, regions, reorder), daemon=True)
@@ -74,7 +74,14 @@ def provider(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module")
 def peer(provider: str) -> Iterator[Peer]:
     """A long-lived peer per provider: 1 GiB read-only source, writable and read-only 16 MiB regions."""
-    p = start_peer(provider, [("src", SRC_BYTES, "read"), ("dst", SRC_BYTES, "rw"),
-                              ("small", 16 << 20, "rw"), ("ro", 1 << 20, "read")])
+    p = start_peer(
+        provider,
+        [
+            ("src", SRC_BYTES, "read"),
+            ("dst", SRC_BYTES, "rw"),
+            ("small", 16 << 20, "rw"),
+            ("ro", 1 << 20, "read"),
+        ],
+    )
     yield p
     p.stop()

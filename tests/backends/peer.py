@@ -19,13 +19,16 @@ def engine_kwargs(provider: str) -> dict[str, Any]:
     return {"host": "127.0.0.1"} if provider == "tcp" else {}
 
 
-def serve(conn: Connection, provider: str, domains: int, regions: list[tuple[str, int, str]],
-          reorder: bool) -> None:
+def serve(
+    conn: Connection, provider: str, domains: int, regions: list[tuple[str, int, str]], reorder: bool
+) -> None:
     """Open an engine, register `regions` (name, nbytes, access; "src" ones hold pattern(1)), then obey."""
     os.environ.setdefault("FI_TCP_IFACE", "lo")
     from backends import MemoryRegionDescriptor, TransferEngine, TransferError
 
-    eng = TransferEngine(provider, domains, timeout_s=3.0, reorder_for_test=reorder, **engine_kwargs(provider))
+    eng = TransferEngine(
+        provider, domains, timeout_s=3.0, reorder_for_test=reorder, **engine_kwargs(provider)
+    )
     bufs: dict[str, np.ndarray] = {}
     regs = {}
     for name, nbytes, access in regions:
@@ -41,14 +44,16 @@ def serve(conn: Connection, provider: str, domains: int, regions: list[tuple[str
             try:
                 if cmd == "sha":
                     name, off, n = args
-                    conn.send(hashlib.sha1(bufs[name][off:off + n].tobytes()).hexdigest())
+                    conn.send(hashlib.sha1(bufs[name][off : off + n].tobytes()).hexdigest())
                 elif cmd == "fill":
                     name, seed = args
                     bufs[name][:] = pattern(seed, len(bufs[name]))
                     conn.send(True)
                 elif cmd == "write":  # (name, off, n, desc, roff, imm)
                     name, off, n, desc, roff, imm = args
-                    eng.write(regs[name], off, n, MemoryRegionDescriptor.from_bytes(desc), roff, imm=imm).result(30)
+                    eng.write(
+                        regs[name], off, n, MemoryRegionDescriptor.from_bytes(desc), roff, imm=imm
+                    ).result(30)
                     conn.send(True)
                 elif cmd == "write_imms":  # list of imm values, each as its own write_imm
                     (imms, desc) = args
