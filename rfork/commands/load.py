@@ -107,7 +107,6 @@ def run(args: argparse.Namespace) -> int:
     def on_signal(signum: int, _frame: Any) -> None:
         stop.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
     progress, finish = _progress_bar(enabled=not args.no_progress)
     loader = Loader(
         identity=identity,
@@ -122,6 +121,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         finish()
     verified_at = time.time()
+    # after the engine opened: libfabric may have replaced the handlers (see rfork.commands.seed)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     out = {
         "source": result.source,
         "bytes": result.bytes,

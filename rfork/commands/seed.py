@@ -120,8 +120,6 @@ def run(args: argparse.Namespace) -> int:
         log.info("signal %d: draining", signum)
         stop.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     token = args.token or None
     if args.tp == 1:
         layout, buffers, tensors = load_rank_from_disk(info, max_region_bytes=max_region)
@@ -141,6 +139,10 @@ def run(args: argparse.Namespace) -> int:
         closer = seed.close
     else:
         ids, closer = _start_tp(args, info, identity, providers, max_region, token)
+    # installed only now: opening a libfabric engine may install its own SIGTERM/SIGINT handlers
+    # (the shm provider's clean-up), which would end the process without draining
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         log.info(
             "seed READY in %.2f s: %s, %d bytes, instance(s) %s",

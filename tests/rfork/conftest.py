@@ -1,0 +1,65 @@
+"""Fixtures for rfork's end-to-end tests: a real planner, small checkpoints, seed processes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RFORK_TCP_HOST", "127.0.0.1")  # keep tcp on loopback (children inherit it)
+
+from rfork.checkpoint import LlamaConfig, read_checkpoint_info, write_synthetic_checkpoint  # noqa: E402
+from rfork.harness import Fleet  # noqa: E402
+
+SMALL = LlamaConfig(
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=2048,
+)  # ~8.6 MB in bf16
+
+
+@pytest.fixture(scope="session")
+def small_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_synthetic_checkpoint(
+        tmp_path_factory.mktemp("ckpt-small"), config=SMALL, shard_bytes=3 << 20
+    )
+
+
+@pytest.fixture(scope="session")
+def medium_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """~60 MB: long enough on the wire to kill a seed in the middle of it."""
+    cfg = LlamaConfig(
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=8192,
+    )
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("ckpt-medium"), config=cfg)
+
+
+@pytest.fixture
+def planner(sqlite_url: str) -> Iterator[str]:
+    from planner.server import PlannerServer
+
+    with PlannerServer(db_url=sqlite_url, insecure=True) as srv:
+        yield srv.url
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    f = Fleet(tmp_path / "procs")
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+def identity_of(ckpt: Path, tp: int = 1):
+    return read_checkpoint_info(ckpt).identity(tp=tp)

@@ -1,0 +1,310 @@
+"""R-Fork end to end: real seed processes, a real planner (SQLite; PostgreSQL once), real tcp transport."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rfork.checkpoint import (
+    load_rank_from_disk,
+    load_state_dict,
+    read_checkpoint_info,
+    write_synthetic_checkpoint,
+)
+from rfork.errors import LoadFailed
+from rfork.harness import load_args, seed_args
+from rfork.loader import Loader, LoadOptions, load
+from rfork.model import LlamaForCausalLM
+from rfork.seed import RankWeights, Seed, adopt_module
+from tests.rfork.conftest import SMALL, identity_of
+
+pytestmark = pytest.mark.slow
+OPTS = {"providers": ["tcp"], "transfer_timeout_s": 3.0, "rank_deadline_s": 60.0}
+
+
+def start_seed(
+    fleet, ckpt: Path, planner_url: str, name: str = "seed", tp: int = 1
+) -> tuple[list[str], object]:
+    ready = fleet.workdir / f"{name}.ready.json"
+    child = fleet.spawn(name, seed_args(ckpt, planner_url, ready, tp=tp))
+    info = fleet.wait_file(child, ready, timeout_s=90)
+    return info["instance_ids"], child
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_seed_process_to_loaded_model_bit_identical_then_drains_on_sigterm(fleet, small_ckpt, planner):
+    from planner.client import PlannerClient
+
+    ids, seed = start_seed(fleet, small_ckpt, planner)
+    ident = identity_of(small_ckpt)
+    result = load(identity=ident, planner_url=planner, options=LoadOptions(**OPTS, become_seed=False))
+    try:
+        assert result.source == "rfork-tcp"
+        assert result.verified
+        assert result.attempts[0].instance_id == ids[0]
+        loaded = LlamaForCausalLM(SMALL)
+        result.load_into(loaded)
+        reference = LlamaForCausalLM(SMALL)
+        reference.load_state_dict(load_state_dict(small_ckpt), assign=True)
+        ids_in = torch.randint(0, SMALL.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            assert torch.equal(loaded(ids_in), reference(ids_in))
+    finally:
+        result.close()
+    with PlannerClient(planner) as client:
+        transfers = client.transfers()["items"]
+        assert [t["outcome"] for t in transfers] == ["success"]
+        assert fleet.stop(seed) == 0
+        assert client.list_instances()["total"] == 0  # drained and deregistered
+
+
+def test_in_process_seed_from_module_zero_byte_and_loaded_instance_serves(tmp_path, planner):
+    model = LlamaForCausalLM(SMALL)
+    model.register_buffer("empty_buf", torch.empty(0, 8))
+    weights = adopt_module(model, max_region_bytes=2 << 20)
+    assert (
+        model.model.embed_tokens.weight.data_ptr() == weights.tensors["model.embed_tokens.weight"].data_ptr()
+    )
+    from rfork.identity import SourceIdentity, fingerprint
+
+    ident = SourceIdentity(
+        model="module-test",
+        revision="r1",
+        dtype="bfloat16",
+        fingerprint=fingerprint((n, str(t.dtype), t.shape) for n, t in model.state_dict().items()),
+    )
+    with Seed(weights=[weights], identity=ident, planner_url=planner, providers=["tcp"]) as seed:
+        a = load(identity=ident, planner_url=planner, options=LoadOptions(**OPTS))
+        try:
+            assert a.state_dict()["empty_buf"].shape == (0, 8)
+            assert_same(a.state_dict(), dict(model.state_dict()))
+            b = load(
+                identity=ident,
+                planner_url=planner,
+                options=LoadOptions(**OPTS, exclude=seed.instance_ids, become_seed=False),
+            )
+            assert b.attempts[0].instance_id == a.seed.instance_ids[0]  # served by the loaded instance
+            assert_same(b.state_dict(), dict(model.state_dict()))
+            b.close()
+        finally:
+            a.close()
+
+
+def test_chain_seed_to_a_to_b(fleet, small_ckpt, planner):
+    seed_ids, _ = start_seed(fleet, small_ckpt, planner)
+    a_json = fleet.workdir / "a.json"
+    a = fleet.spawn(
+        "instance-a",
+        load_args(
+            a_json,
+            planner_url=planner,
+            checkpoint_id=read_checkpoint_info(small_ckpt).model_name,
+            then="serve",
+        ),
+    )
+    a_out = fleet.wait_file(a, a_json, timeout_s=90)
+    assert a_out["source"] == "rfork-tcp"
+    assert a_out["attempts"][0]["instance_id"] == seed_ids[0]
+    ident = identity_of(small_ckpt)
+    b = load(
+        identity=ident, planner_url=planner, options=LoadOptions(**OPTS, exclude=seed_ids, become_seed=False)
+    )
+    try:
+        assert b.source == "rfork-tcp"
+        assert b.attempts[0].instance_id == a_out["instance_ids"][0]
+        assert_same(b.state_dict(), load_state_dict(small_ckpt))
+    finally:
+        b.close()
+
+
+def test_tp2_seed_processes_and_loader(fleet, small_ckpt, planner):
+    start_seed(fleet, small_ckpt, planner, tp=2)
+    ident = identity_of(small_ckpt, tp=2)
+    result = load(identity=ident, planner_url=planner, options=LoadOptions(**OPTS, become_seed=False))
+    try:
+        assert sorted(result.weights) == [0, 1]
+        for rank in (0, 1):
+            assert_same(result.state_dict(rank), load_state_dict(small_ckpt, tp=2, rank=rank))
+        assert {a.source for a in result.attempts} == {"rfork-tcp"}
+    finally:
+        result.close()
+
+
+class KillFirstSeed(Loader):
+    """Kills the seed it is pulling from as soon as the first bytes arrive (once)."""
+
+    def __init__(self, *, pids: dict[str, int], **kw):
+        super().__init__(progress=self._on_progress, **kw)
+        self.pids = pids
+        self.current: str | None = None
+        self.killed: str | None = None
+
+    def _pull(self, cand, rank, source):
+        self.current = cand.instance_id
+        return super()._pull(cand, rank, source)
+
+    def _on_progress(self, done: int, total: int) -> None:
+        if self.killed is None and 0 < done < total and self.current is not None:
+            self.killed = self.current
+            os.kill(self.pids[self.current], signal.SIGKILL)
+
+
+def test_failover_when_seed_killed_mid_transfer(fleet, medium_ckpt, planner):
+    from planner.client import PlannerClient
+
+    ids1, s1 = start_seed(fleet, medium_ckpt, planner, name="seed1")
+    ids2, s2 = start_seed(fleet, medium_ckpt, planner, name="seed2")
+    pids = {ids1[0]: s1.proc.pid, ids2[0]: s2.proc.pid}
+    loader = KillFirstSeed(
+        pids=pids,
+        identity=identity_of(medium_ckpt),
+        planner_url=planner,
+        options=LoadOptions(**{**OPTS, "chunk_bytes": 1 << 20, "max_inflight": 2}, become_seed=False),
+    )
+    result = loader.load()
+    try:
+        assert loader.killed is not None
+        assert [a.ok for a in result.attempts] == [False, True]
+        assert result.attempts[0].instance_id == loader.killed
+        assert result.attempts[1].instance_id != loader.killed
+        assert result.source == "rfork-tcp"
+        assert_same(result.state_dict(), load_state_dict(medium_ckpt))
+    finally:
+        result.close()
+    with PlannerClient(planner) as client:
+        outcomes = sorted(t["outcome"] for t in client.transfers()["items"])
+        assert outcomes == ["failure", "success"]
+
+
+def test_disk_fallback_when_no_seed(small_ckpt, planner):
+    ident = identity_of(small_ckpt)
+    result = load(
+        identity=ident,
+        planner_url=planner,
+        checkpoint=small_ckpt,
+        options=LoadOptions(**OPTS, become_seed=False),
+    )
+    assert result.source == "disk"
+    assert_same(result.state_dict(), load_state_dict(small_ckpt))
+    with pytest.raises(LoadFailed):
+        load(identity=ident, planner_url=planner, options=LoadOptions(**OPTS, become_seed=False))
+
+
+def test_corrupted_seed_byte_caught_then_disk(small_ckpt, planner):
+    from planner.client import PlannerClient
+
+    info = read_checkpoint_info(small_ckpt)
+    layout, buffers, tensors = load_rank_from_disk(info)
+    weights = RankWeights(rank=0, layout=layout, buffers=buffers, tensors=tensors)
+    with Seed(weights=[weights], identity=info.identity(), planner_url=planner, control=False) as seed:
+        victim = layout.placements[5]
+        buffers[victim.region][victim.offset + 3] ^= 0x10  # after the checksums were published
+        result = load(
+            identity=info.identity(),
+            planner_url=planner,
+            checkpoint=small_ckpt,
+            options=LoadOptions(**OPTS, become_seed=False),
+        )
+        assert result.source == "disk"
+        assert not result.attempts[0].ok
+        assert "checksum" in (result.attempts[0].error or "")
+        assert result.attempts[0].instance_id == seed.instance_ids[0]
+        assert_same(result.state_dict(), load_state_dict(small_ckpt))
+        with PlannerClient(planner) as client:
+            reasons = [t.get("reason") for t in client.transfers()["items"]]
+            assert reasons == ["checksum_mismatch"]
+
+
+def test_mismatched_identity_refused(small_ckpt, planner, tmp_path):
+    from dataclasses import replace
+
+    from planner.client import PlannerClient
+
+    info = read_checkpoint_info(small_ckpt)
+    layout, buffers, tensors = load_rank_from_disk(info)
+    weights = RankWeights(rank=0, layout=layout, buffers=buffers, tensors=tensors)
+    ident = info.identity()
+    with (
+        Seed(weights=[weights], identity=ident, planner_url=planner, control=False),
+        PlannerClient(planner) as c,
+    ):
+        for other in (
+            replace(ident, fingerprint="0" * 64),
+            replace(ident, tp=2),
+            replace(ident, revision="x"),
+            replace(ident, device_kind="cuda:sm90"),
+        ):
+            assert c.request_assignment(identity=other.to_dict(), rank=0, providers=["tcp"]) is None
+        # a loader whose own checkpoint differs (one tensor reshaped) never reaches that seed
+        other_dir = write_synthetic_checkpoint(tmp_path / "other", config=replace(SMALL, vocab_size=1024))
+        result = load(
+            identity=identity_of(other_dir),
+            planner_url=planner,
+            checkpoint=other_dir,
+            options=LoadOptions(**OPTS, become_seed=False),
+        )
+        assert result.source == "disk"
+        assert result.attempts == [result.attempts[0]]
+        assert result.attempts[0].source == "disk"
+
+
+@pytest.mark.postgres
+def test_end_to_end_on_postgresql(fleet, small_ckpt, postgres_url):
+    from planner.server import PlannerServer
+
+    with PlannerServer(db_url=postgres_url, insecure=True) as srv:
+        ids, seed = start_seed(fleet, small_ckpt, srv.url)
+        out = fleet.workdir / "pg.json"
+        child = fleet.spawn("loader", load_args(out, planner_url=srv.url, checkpoint=small_ckpt))
+        res = fleet.wait_file(child, out, timeout_s=90)
+        assert fleet.wait_exit(child, timeout_s=30) == 0
+        assert res["source"] == "rfork-tcp"
+        assert res["verified"]
+        assert res["attempts"][0]["instance_id"] == ids[0]
+        assert fleet.stop(seed) == 0
+
+
+def test_demo_runs_and_cleans_up(tmp_path):
+    out = tmp_path / "demo.json"
+    before = set(Path("/tmp").glob("rfork-demo-*"))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rfork",
+            "demo",
+            "--size-gib",
+            "0.03",
+            "--providers",
+            "tcp",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        env={**os.environ, "COLUMNS": "120"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    sources = [r["source"] for r in doc["rows"]]
+    assert sources[:2] == ["disk", "rfork-tcp"]
+    assert len(sources) == 3  # the chain row
+    assert all(r["verified"] for r in doc["rows"])
+    assert doc["model_bytes"] > 0
+    assert "speed-up" in proc.stdout
+    assert set(Path("/tmp").glob("rfork-demo-*")) == before
