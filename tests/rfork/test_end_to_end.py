@@ -19,19 +19,22 @@ from rfork.checkpoint import (
     write_synthetic_checkpoint,
 )
 from rfork.errors import LoadFailed
-from rfork.harness import load_args, seed_args
+from rfork.harness import Child, load_args, seed_args
 from rfork.loader import Loader, LoadOptions, load
 from rfork.model import LlamaForCausalLM
 from rfork.seed import RankWeights, Seed, adopt_module
 from tests.rfork.conftest import SMALL, identity_of
 
 pytestmark = pytest.mark.slow
-OPTS = {"providers": ["tcp"], "transfer_timeout_s": 3.0, "rank_deadline_s": 60.0}
+
+
+def opts(**kw) -> LoadOptions:
+    return LoadOptions(providers=["tcp"], transfer_timeout_s=3.0, rank_deadline_s=60.0, **kw)
 
 
 def start_seed(
     fleet, ckpt: Path, planner_url: str, name: str = "seed", tp: int = 1
-) -> tuple[list[str], object]:
+) -> tuple[list[str], Child]:
     ready = fleet.workdir / f"{name}.ready.json"
     child = fleet.spawn(name, seed_args(ckpt, planner_url, ready, tp=tp))
     info = fleet.wait_file(child, ready, timeout_s=90)
@@ -50,7 +53,7 @@ def test_seed_process_to_loaded_model_bit_identical_then_drains_on_sigterm(fleet
 
     ids, seed = start_seed(fleet, small_ckpt, planner)
     ident = identity_of(small_ckpt)
-    result = load(identity=ident, planner_url=planner, options=LoadOptions(**OPTS, become_seed=False))
+    result = load(identity=ident, planner_url=planner, options=opts(become_seed=False))
     try:
         assert result.source == "rfork-tcp"
         assert result.verified
@@ -87,15 +90,16 @@ def test_in_process_seed_from_module_zero_byte_and_loaded_instance_serves(tmp_pa
         fingerprint=fingerprint((n, str(t.dtype), t.shape) for n, t in model.state_dict().items()),
     )
     with Seed(weights=[weights], identity=ident, planner_url=planner, providers=["tcp"]) as seed:
-        a = load(identity=ident, planner_url=planner, options=LoadOptions(**OPTS))
+        a = load(identity=ident, planner_url=planner, options=opts())
         try:
             assert a.state_dict()["empty_buf"].shape == (0, 8)
             assert_same(a.state_dict(), dict(model.state_dict()))
             b = load(
                 identity=ident,
                 planner_url=planner,
-                options=LoadOptions(**OPTS, exclude=seed.instance_ids, become_seed=False),
+                options=opts(exclude=seed.instance_ids, become_seed=False),
             )
+            assert a.seed is not None
             assert b.attempts[0].instance_id == a.seed.instance_ids[0]  # served by the loaded instance
             assert_same(b.state_dict(), dict(model.state_dict()))
             b.close()
@@ -119,9 +123,7 @@ def test_chain_seed_to_a_to_b(fleet, small_ckpt, planner):
     assert a_out["source"] == "rfork-tcp"
     assert a_out["attempts"][0]["instance_id"] == seed_ids[0]
     ident = identity_of(small_ckpt)
-    b = load(
-        identity=ident, planner_url=planner, options=LoadOptions(**OPTS, exclude=seed_ids, become_seed=False)
-    )
+    b = load(identity=ident, planner_url=planner, options=opts(exclude=seed_ids, become_seed=False))
     try:
         assert b.source == "rfork-tcp"
         assert b.attempts[0].instance_id == a_out["instance_ids"][0]
@@ -133,7 +135,7 @@ def test_chain_seed_to_a_to_b(fleet, small_ckpt, planner):
 def test_tp2_seed_processes_and_loader(fleet, small_ckpt, planner):
     start_seed(fleet, small_ckpt, planner, tp=2)
     ident = identity_of(small_ckpt, tp=2)
-    result = load(identity=ident, planner_url=planner, options=LoadOptions(**OPTS, become_seed=False))
+    result = load(identity=ident, planner_url=planner, options=opts(become_seed=False))
     try:
         assert sorted(result.weights) == [0, 1]
         for rank in (0, 1):
@@ -172,7 +174,7 @@ def test_failover_when_seed_killed_mid_transfer(fleet, medium_ckpt, planner):
         pids=pids,
         identity=identity_of(medium_ckpt),
         planner_url=planner,
-        options=LoadOptions(**{**OPTS, "chunk_bytes": 1 << 20, "max_inflight": 2}, become_seed=False),
+        options=opts(chunk_bytes=1 << 20, max_inflight=2, become_seed=False),
     )
     result = loader.load()
     try:
@@ -195,12 +197,12 @@ def test_disk_fallback_when_no_seed(small_ckpt, planner):
         identity=ident,
         planner_url=planner,
         checkpoint=small_ckpt,
-        options=LoadOptions(**OPTS, become_seed=False),
+        options=opts(become_seed=False),
     )
     assert result.source == "disk"
     assert_same(result.state_dict(), load_state_dict(small_ckpt))
     with pytest.raises(LoadFailed):
-        load(identity=ident, planner_url=planner, options=LoadOptions(**OPTS, become_seed=False))
+        load(identity=ident, planner_url=planner, options=opts(become_seed=False))
 
 
 def test_corrupted_seed_byte_caught_then_disk(small_ckpt, planner):
@@ -216,7 +218,7 @@ def test_corrupted_seed_byte_caught_then_disk(small_ckpt, planner):
             identity=info.identity(),
             planner_url=planner,
             checkpoint=small_ckpt,
-            options=LoadOptions(**OPTS, become_seed=False),
+            options=opts(become_seed=False),
         )
         assert result.source == "disk"
         assert not result.attempts[0].ok
@@ -254,7 +256,7 @@ def test_mismatched_identity_refused(small_ckpt, planner, tmp_path):
             identity=identity_of(other_dir),
             planner_url=planner,
             checkpoint=other_dir,
-            options=LoadOptions(**OPTS, become_seed=False),
+            options=opts(become_seed=False),
         )
         assert result.source == "disk"
         assert result.attempts == [result.attempts[0]]
