@@ -135,6 +135,7 @@ class _Worker(threading.Thread):
         self._queue: deque[_Chunk] = deque()
         self._qlock = threading.Lock()
         self._wake = threading.Event()
+        self._sleeping = False
         self._stop_flag = False
         self._inflight: dict[int, _Chunk] = {}
         self._pending: deque[_Chunk] = deque()
@@ -145,8 +146,10 @@ class _Worker(threading.Thread):
     def submit(self, chunks: Sequence[_Chunk]) -> None:
         with self._qlock:
             self._queue.extend(chunks)
-        self._wake.set()
-        self.domain.signal()
+        # Wake the thread only when it sleeps: it sets _sleeping before its last look at the queue.
+        if self._sleeping:
+            self._wake.set()
+            self.domain.signal()
 
     def stop(self) -> None:
         self._stop_flag = True
@@ -210,7 +213,12 @@ class _Worker(threading.Thread):
         if self.domain.can_wait:
             # Blocks on the provider's fds: wakes on traffic, a completion or signal().
             timeout = 0.002 if self._parked else (0.05 if not active else 0.01)
-            self._handle(self.domain.wait(timeout))
+            self._sleeping = True
+            try:
+                if not self._queue:
+                    self._handle(self.domain.wait(timeout))
+            finally:
+                self._sleeping = False
             return
         if active:
             if idle < 64:
@@ -219,17 +227,20 @@ class _Worker(threading.Thread):
                 time.sleep(0.00005)
             return
         # Passive: poll often enough to serve peers' reads, sleep enough to leave the CPU to them.
-        self._wake.wait(min(0.0002, 0.00001 * idle))
+        self._sleeping = True
+        if not self._queue:
+            self._wake.wait(min(0.0002, 0.00001 * idle))
+        self._sleeping = False
         self._wake.clear()
 
     def _post_some(self) -> bool:
         if self._queue:
             with self._qlock:
-                batch = list(self._queue)
+                queued = list(self._queue)
                 self._queue.clear()
             if self.engine.reorder_for_test:
-                random.shuffle(batch)
-            self._pending.extend(batch)
+                random.shuffle(queued)
+            self._pending.extend(queued)
         posted = False
         dom = self.domain
         limit = dom.max_inflight
@@ -243,20 +254,56 @@ class _Worker(threading.Thread):
                 else:
                     posted = True
         pending = self._pending
-        while pending and len(self._inflight) < limit:
+        inflight = self._inflight
+        while pending and len(inflight) < limit:
             ch = pending[0]
             if ch.op.done:
                 pending.popleft()
                 continue
-            rc = self._post(ch)
-            if rc == EAGAIN:
-                if len(self._inflight) >= limit // 2:
-                    break  # queue full: wait for completions
-                # Probably still connecting to this peer: park it, keep serving other peers.
-                self._parked.append(pending.popleft())
+            if ch.kind == _SEND:
+                rc = self._post(ch)
+                if rc == EAGAIN:
+                    if len(inflight) >= limit // 2:
+                        break  # queue full: wait for completions
+                    # Probably still connecting to this peer: park it, keep serving other peers.
+                    self._parked.append(pending.popleft())
+                    continue
+                pending.popleft()
+                posted = True
                 continue
-            pending.popleft()
-            posted = True
+            # Reads and writes go to the provider as one batch (one native call).
+            room = limit - len(inflight)
+            batch: list[_Chunk] = []
+            deadline = time.monotonic() + self.engine.timeout_s
+            while pending and len(batch) < room:
+                ch = pending[0]
+                if ch.kind == _SEND:
+                    break
+                pending.popleft()
+                if ch.op.done:
+                    continue
+                if ch.deadline == 0.0:
+                    ch.deadline = deadline
+                ch.ctx = next(_ctx_ids)
+                batch.append(ch)
+            if not batch:
+                continue
+            k, rc, message = dom.post_batch(batch)
+            for ch in batch[:k]:
+                inflight[ch.ctx] = ch
+            if k:
+                posted = True
+            if rc == 0:
+                continue
+            first, rest = batch[k], batch[k + 1 :]
+            pending.extendleft(reversed(rest))
+            if rc == EAGAIN:
+                if len(inflight) >= limit // 2:
+                    pending.appendleft(first)
+                    break  # queue full: wait for completions
+                self._parked.append(first)  # probably still connecting to this peer
+                continue
+            first.op.fail(TransferError(f"{first.op.name} to {first.op.peer}: {message}"))
         return posted
 
     def _post(self, ch: _Chunk) -> int:
@@ -291,32 +338,33 @@ class _Worker(threading.Thread):
     def _handle(self, comps: list[Completion]) -> bool:
         if not comps:
             return False
+        inflight = self._inflight
+        cq_data = self.domain.remote_cq_data_flag
+        chunk_done = self.engine._chunk_done
+        progress_at = self._progress_at
+        now = time.monotonic()
         for c in comps:
-            if c.context >= _RECV_BASE and c.context in self._recv_bufs:
+            ctx = c.context
+            ch = inflight.pop(ctx, None)
+            if ch is not None:
+                if c.error:
+                    self._fail_chunk(ch, c.error, c.message)
+                else:
+                    progress_at[ch.peer] = now
+                    chunk_done(ch)
+                continue
+            if ctx >= _RECV_BASE and ctx in self._recv_bufs:
                 if not c.error:
-                    data = bytes(self._recv_bufs[c.context][0][: c.length])
+                    data = bytes(self._recv_bufs[ctx][0][: c.length])
                     self.engine._deliver_message(data)
                 if not self._stop_flag:
-                    self._post_recv(c.context)
+                    self._post_recv(ctx)
                 continue
-            if (
-                c.context == 0
-                or c.flags & self.domain.remote_cq_data_flag
-                and c.context not in self._inflight
-            ):
-                if c.flags & self.domain.remote_cq_data_flag:
-                    self.engine.imm.arrive(c.data & 0xFFFFFFFF)
-                elif c.error:
-                    log.debug("completion error without context: %s", c.message)
-                continue
-            ch = self._inflight.pop(c.context, None)
-            if ch is None:
-                continue  # already failed by a timeout; the late completion is dropped
-            if c.error:
-                self._fail_chunk(ch, c.error, c.message)
-            else:
-                self._progress_at[ch.peer] = time.monotonic()
-                self.engine._chunk_done(ch)
+            if c.flags & cq_data:
+                self.engine.imm.arrive(c.data & 0xFFFFFFFF)
+            elif c.error:
+                log.debug("completion error without context: %s", c.message)
+            # else: already failed by a timeout; the late completion is dropped
         return True
 
     def _fail_chunk(self, ch: _Chunk, err: int, message: str) -> None:
@@ -531,17 +579,31 @@ class TransferEngine:
         if page_len < 0 or src_stride < 0 or dst_stride < 0:
             raise ValueError("write_paged: page_len and strides must be non-negative")
         spans: list[tuple[int, int, int]] = []
-        for sp, dp in zip(src_pages, dst_pages, strict=True):
-            if sp < 0 or dp < 0:
-                raise RemoteAccessError(f"write_paged: negative page index ({sp}, {dp})")
-            so, do = src_offset + sp * src_stride, dst_offset + dp * dst_stride
-            self._check_local(region, so, page_len, "write_paged")
-            self._check_remote(rdesc, do, page_len, "write_paged")
-            if spans and spans[-1][0] + spans[-1][2] == so and spans[-1][1] + spans[-1][2] == do:
-                last = spans[-1]
-                spans[-1] = (last[0], last[1], last[2] + page_len)
-            elif page_len:
-                spans.append((so, do, page_len))
+        src_pages = [int(p) for p in src_pages]
+        dst_pages = [int(p) for p in dst_pages]
+        if src_pages:
+            # Offsets grow with the page index, so checking the extremes checks every page.
+            lo_s, hi_s, lo_d, hi_d = min(src_pages), max(src_pages), min(dst_pages), max(dst_pages)
+            if lo_s < 0 or lo_d < 0:
+                raise RemoteAccessError(f"write_paged: negative page index ({lo_s}, {lo_d})")
+            for sp in (lo_s, hi_s):
+                self._check_local(region, src_offset + sp * src_stride, page_len, "write_paged")
+            for dp in (lo_d, hi_d):
+                self._check_remote(rdesc, dst_offset + dp * dst_stride, page_len, "write_paged")
+        if page_len:
+            end_s = end_d = -1
+            start_s = start_d = 0
+            for sp, dp in zip(src_pages, dst_pages, strict=True):
+                so, do = src_offset + sp * src_stride, dst_offset + dp * dst_stride
+                if so == end_s and do == end_d:
+                    end_s += page_len
+                    end_d += page_len
+                    continue
+                if end_s >= 0:
+                    spans.append((start_s, start_d, end_s - start_s))
+                start_s, start_d, end_s, end_d = so, do, so + page_len, do + page_len
+            if end_s >= 0:
+                spans.append((start_s, start_d, end_s - start_s))
         op, peer = self._new_op("write_paged", rdesc)
         return self._submit(op, peer, _WRITE, region, spans, rdesc, imm)
 
@@ -677,9 +739,9 @@ class TransferEngine:
         return peer
 
     def _new_op(self, name: str, desc: MemoryRegionDescriptor) -> tuple[_Op, _Peer]:
-        if len(desc.keys) != len(EngineAddress.from_bytes(desc.address).domains):
-            raise TransferError(f"{name}: descriptor has {len(desc.keys)} keys for a different domain count")
         peer = self._peer(desc.address)
+        if len(desc.keys) != peer.remote_domains:
+            raise TransferError(f"{name}: descriptor has {len(desc.keys)} keys for a different domain count")
         return _Op(name, peer.label), peer
 
     def _submit(

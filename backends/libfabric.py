@@ -7,18 +7,20 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from backends._native import ffi, lib
 from backends.errors import BackendUnavailable, TransferError
-from backends.provider import EAGAIN, Completion, Domain, LocalRegistration
+from backends.provider import EAGAIN, Completion, Domain, LocalRegistration, RmaOp
 
 log = logging.getLogger(__name__)
 
 # Engine provider names -> libfabric provider strings (rxm gives RDM over connected providers).
 PROVIDERS = {"tcp": "tcp;ofi_rxm", "shm": "shm", "efa": "efa", "verbs": "verbs;ofi_rxm"}
 AUTO_ORDER = ("efa", "verbs", "tcp")
-_CQ_BATCH = 64
+_CQ_BATCH = 256
+_POST_BATCH = 256
 _ALL_MR_MODES = ("FI_MR_LOCAL", "FI_MR_VIRT_ADDR", "FI_MR_ALLOCATED", "FI_MR_ENDPOINT")
 
 
@@ -148,6 +150,9 @@ class LibfabricDomain(Domain):
         _check(lib.fi_getname(ffi.cast("struct fid *", self._ep), buf, size), "fi_getname")
         self.name = bytes(ffi.buffer(buf, size[0]))
         self._entries = ffi.new("struct fi_cq_data_entry[]", _CQ_BATCH)
+        self._out = ffi.new("uint64_t[]", 4 * _CQ_BATCH)
+        self._ops = ffi.new("struct rf_op[]", _POST_BATCH)
+        self._post_err = ffi.new("long *")
         self._err = ffi.new("struct fi_cq_err_entry *")
         self._peers: dict[bytes, int] = {}
         self._msg = ffi.new("struct fi_msg_rma *")
@@ -256,6 +261,40 @@ class LibfabricDomain(Domain):
             lib.fi_writedata(self._ep, src, n, desc, imm, peer, raddr, key, cctx), "fi_writedata"
         )
 
+    def post_batch(self, ops: Sequence[RmaOp]) -> tuple[int, int, str]:
+        done = 0
+        total = len(ops)
+        arr = self._ops
+        null = ffi.NULL
+        while done < total:
+            n = min(total - done, _POST_BATCH)
+            for i in range(n):
+                op = ops[done + i]
+                o = arr[i]
+                o.buf = op.ptr
+                o.len = op.length
+                o.desc = null if op.desc is None else op.desc
+                o.peer = op.peer
+                o.raddr = op.raddr
+                o.key = op.key
+                o.ctx = op.ctx
+                o.kind = op.kind
+                imm = op.imm
+                if imm is None:
+                    o.flags = 2 if op.delivery_complete else 0
+                else:
+                    o.data = imm
+                    o.flags = 3 if op.delivery_complete else 1
+            k = lib.rf_post_ops(self._ep, arr, n, self._post_err)
+            done += k
+            if k < n:
+                rc = int(self._post_err[0])
+                if rc == -lib.FI_EAGAIN:
+                    return done, EAGAIN, ""
+                what = "fi_read" if ops[done].kind == 0 else "fi_write"
+                return done, rc, f"{what} failed: {ffi.string(lib.fi_strerror(-rc)).decode()} ({rc})"
+        return done, 0, ""
+
     def post_send(self, ptr: int, n: int, desc: Any, peer: int, ctx: int) -> int:
         desc = ffi.NULL if desc is None else desc
         ret = lib.fi_send(self._ep, ffi.cast("void *", ptr), n, desc, peer, ffi.cast("void *", ctx))
@@ -274,16 +313,13 @@ class LibfabricDomain(Domain):
         return 0
 
     def poll(self) -> list[Completion]:
-        return self._completions(lib.fi_cq_read(self._cq, self._entries, _CQ_BATCH))
+        return self._completions(lib.rf_cq_drain(self._cq, self._entries, _CQ_BATCH, self._out))
 
     def _completions(self, n: int) -> list[Completion]:
         if n > 0:
-            ents = self._entries
-            return [
-                Completion(int(ffi.cast("uintptr_t", e.op_context)), int(e.flags), int(e.len), int(e.data))
-                for e in (ents[i] for i in range(n))
-            ]
-        if n == -lib.FI_EAGAIN:
+            v = ffi.unpack(self._out, 4 * n)
+            return [Completion(v[i], v[i + 1], v[i + 2], v[i + 3]) for i in range(0, 4 * n, 4)]
+        if n == 0 or n == -lib.FI_EAGAIN:
             return []
         if n == -lib.FI_EAVAIL:
             return [self._read_error()]
@@ -313,10 +349,8 @@ class LibfabricDomain(Domain):
             time.sleep(timeout_s)
             return self.poll()
         ms = max(1, int(timeout_s * 1000))
-        n = lib.fi_cq_sread(self._cq, self._entries, _CQ_BATCH, ffi.NULL, ms)
-        if n < 0 and n != -lib.FI_EAVAIL:
-            return []  # timed out, interrupted, or woken by signal()
-        return self._completions(n)
+        # 0 when it timed out, was interrupted, or was woken by signal().
+        return self._completions(lib.rf_cq_wait(self._cq, self._entries, _CQ_BATCH, self._out, ms))
 
     def signal(self) -> None:
         if self.can_wait:

@@ -10,7 +10,8 @@ A later CUDA-IPC provider implements the same class.
 from __future__ import annotations
 
 import abc
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
 
 EAGAIN = -11  # a post that could not be queued now; poll and retry
 
@@ -32,6 +33,21 @@ class LocalRegistration(NamedTuple):
     key: int
     desc: Any
     handle: Any
+
+
+class RmaOp(Protocol):
+    """What post_batch needs of one op (the engine's chunks have these attributes)."""
+
+    kind: int  # 0 = read, 1 = write
+    ptr: int
+    length: int
+    desc: Any
+    peer: int
+    raddr: int
+    key: int
+    ctx: int
+    imm: int | None
+    delivery_complete: bool
 
 
 class Domain(abc.ABC):
@@ -78,6 +94,28 @@ class Domain(abc.ABC):
         delivery_complete: bool,
     ) -> int:
         """Post a one-sided write (with an immediate if imm is not None); 0 or EAGAIN."""
+
+    def post_batch(self, ops: Sequence[RmaOp]) -> tuple[int, int, str]:
+        """Post reads/writes in order until one cannot be: (posted, rc, message).
+
+        rc is 0 when all were posted, EAGAIN when ops[posted] must be retried later, or another
+        negative code when ops[posted] failed (message says why). Providers override this with
+        one native call; this default posts one at a time.
+        """
+        for i, op in enumerate(ops):
+            try:
+                if op.kind == 0:
+                    rc = self.post_read(op.ptr, op.length, op.desc, op.peer, op.raddr, op.key, op.ctx)
+                else:
+                    rc = self.post_write(
+                        op.ptr, op.length, op.desc, op.peer, op.raddr, op.key, op.ctx, op.imm,
+                        op.delivery_complete,
+                    )
+            except Exception as exc:  # noqa: BLE001 - reported to the caller for this op
+                return i, -5, str(exc)
+            if rc == EAGAIN:
+                return i, EAGAIN, ""
+        return len(ops), 0, ""
 
     @abc.abstractmethod
     def post_send(self, ptr: int, n: int, desc: Any, peer: int, ctx: int) -> int:
