@@ -20,7 +20,7 @@ import threading
 import torch
 
 ALGORITHM = "pwsum64-v1"
-CHUNK_WORDS = 1 << 17  # 1 MiB of data per chunk: fits in L2, amortises per-op overhead
+CHUNK_WORDS = 1 << 15  # 256 KiB of data per chunk: data + product stay in L2 (measured best here)
 _MASK = (1 << 64) - 1
 
 _weights_lock = threading.Lock()

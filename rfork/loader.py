@@ -293,7 +293,7 @@ class Loader:
         with self._engine_lock:
             if self._engine is None:
                 self._engine = open_engine(
-                    self.options.providers[0],
+                    (self._one_sided() or ["tcp"])[0],
                     domains=self.options.domains,
                     timeout_s=self.options.transfer_timeout_s,
                 )
@@ -377,7 +377,10 @@ class Loader:
         client = self._planner()
         excluded = list(self.options.exclude)
         for _ in range(self.options.max_attempts if client is not None else 0):
-            assignment = self._ask(client, rank, excluded)
+            # one-sided sources first; NCCL only when no one-sided provider is shared
+            assignment = self._ask(client, rank, excluded, self._one_sided()) if self._one_sided() else None
+            if assignment is None and self._nccl_ok():
+                assignment = self._ask(client, rank, excluded, [*self._one_sided(), "nccl"])
             if assignment is None:
                 break
             cand = assignment.candidates[0]
@@ -435,7 +438,7 @@ class Loader:
             return weights, regs, source
         return self._from_disk(rank, attempts), None, "disk"
 
-    def _ask(self, client: Any, rank: int, excluded: Sequence[str]) -> Any | None:
+    def _ask(self, client: Any, rank: int, excluded: Sequence[str], backends: Sequence[str]) -> Any | None:
         from planner.client import AllBusy
 
         deadline = time.monotonic() + 30.0
@@ -445,8 +448,8 @@ class Loader:
                     identity=self.identity.to_dict(),
                     rank=rank,
                     labels=dict(self.options.labels or default_labels()),
-                    providers=list(self.options.providers),
-                    backends=self._backends(),
+                    providers=self._one_sided(),
+                    backends=list(backends),
                     requester_id=None,
                     exclude=list(excluded),
                 )
@@ -472,14 +475,16 @@ class Loader:
                 )
             return a
 
-    def _backends(self) -> list[str]:
-        out = list(self.options.providers)
-        if self.options.allow_nccl and importlib.util.find_spec("rfork.nccl_pull") is not None:
-            out.append("nccl")
-        return out
+    def _one_sided(self) -> list[str]:
+        """The one-sided providers asked for ("nccl" in `providers` means: the NCCL fallback only)."""
+        return [p for p in self.options.providers if p != "nccl"]
+
+    def _nccl_ok(self) -> bool:
+        wanted = self.options.allow_nccl or "nccl" in self.options.providers
+        return wanted and importlib.util.find_spec("rfork.nccl_pull") is not None
 
     def _source_name(self, cand: Any) -> str:
-        if cand.provider in self.options.providers:
+        if cand.provider in self._one_sided():
             return f"rfork-{cand.provider}"
         if "nccl" in (cand.backends or ()):
             return "nccl"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import shutil
@@ -29,6 +30,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="use this checkpoint instead of generating one (kept afterwards)",
     )
+    parser.add_argument("--no-nccl", action="store_true", help="skip the NCCL/gloo fallback row")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs) for inspection")
 
 
@@ -56,12 +58,13 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"checkpoint: {ckpt} ({time.perf_counter() - t0:.1f} s to generate)")
         else:
             ckpt = args.checkpoint
+        with_nccl = not args.no_nccl and importlib.util.find_spec("rfork.nccl_pull") is not None
         providers, skipped = available_providers([p.strip() for p in args.providers.split(",") if p.strip()])
         for s in skipped:
             console.print(f"[yellow]skipping {s}[/yellow]")
         with PlannerServer(db_url=f"sqlite:///{workdir / 'planner.db'}", insecure=True) as planner:
             console.print(f"planner: {planner.url} (SQLite {workdir / 'planner.db'}, insecure)")
-            rows, model_bytes = _scenario(console, fleet, workdir, ckpt, planner.url, providers)
+            rows, model_bytes = _scenario(console, fleet, workdir, ckpt, planner.url, providers, with_nccl)
             fleet.close()
         _print_table(console, rows, model_bytes)
         if args.json:
@@ -76,7 +79,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _scenario(
-    console: Any, fleet: Any, workdir: Path, ckpt: Path, planner_url: str, providers: list[str]
+    console: Any,
+    fleet: Any,
+    workdir: Path,
+    ckpt: Path,
+    planner_url: str,
+    providers: list[str],
+    with_nccl: bool,
 ) -> tuple[list[dict[str, Any]], int]:
     from rfork.harness import load_args, seed_args
 
@@ -134,6 +143,14 @@ def _scenario(
         )
         if keep:
             first = res
+    if with_nccl:
+        one(
+            "nccl",
+            "instance loads over the NCCL/gloo fallback (seed streams, two-sided)",
+            load_args(
+                workdir / "nccl.json", planner_url=planner_url, checkpoint_id=model, providers=["nccl"]
+            ),
+        )
     if first is not None and "tcp" in providers:
         one(
             "chain",
