@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -16,6 +17,7 @@ from fastapi.responses import JSONResponse
 from planner.auth import Authenticator
 from planner.db import Database
 from planner.errors import AllBusy, AuthError, BadRequest, Conflict, NotFound, PlannerError
+from planner.heartbeats import HeartbeatBatcher
 from planner.metrics import MetricsMiddleware, PlannerMetrics
 from planner.selection import make_policy
 from planner.service import Planner, reap
@@ -41,6 +43,9 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        # few worker threads: database work is short and (on SQLite) serialised, and dozens of threads
+        # queueing on one lock under the GIL made a convoy (p99 > 1 s with anyio's default of 40)
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.threadpool_size
         if not settings.has_tokens():
             log.warning("planner running WITHOUT authentication (--insecure): every caller is admin")
         task = asyncio.create_task(_reaper_loop(planner, metrics)) if run_reaper else None
@@ -62,6 +67,7 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
     )
     app.state.planner = planner
     app.state.metrics = metrics
+    app.state.heartbeats = HeartbeatBatcher(planner, settings.heartbeat_batch_s)
     app.state.authenticator = (
         Authenticator(
             db=database,
@@ -81,6 +87,12 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
     _add_manifest_schema(app)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
+
+
+def app_from_env() -> FastAPI:
+    """The app from RFORK_* environment variables (the factory `serve --workers N` gives uvicorn)."""
+    logging.getLogger("planner").setLevel(logging.INFO)
+    return create_app(PlannerSettings())
 
 
 async def _reaper_loop(planner: Planner, metrics: PlannerMetrics) -> None:

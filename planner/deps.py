@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.concurrency import run_in_threadpool
 
 from planner.auth import INSECURE, Authenticator, Principal
 from planner.service import Planner
@@ -11,13 +12,13 @@ from planner.service import Planner
 bearer = HTTPBearer(auto_error=False, description="Bearer token (admin, instance or reader)")
 
 
-def get_planner(request: Request) -> Planner:
+async def get_planner(request: Request) -> Planner:
     """The Planner this app serves."""
     planner: Planner = request.app.state.planner
     return planner
 
 
-def get_principal(
+async def get_principal(
     request: Request, creds: HTTPAuthorizationCredentials | None = Depends(bearer)
 ) -> Principal:
     """Who calls; 401 without a known token (unless the server runs --insecure)."""
@@ -28,13 +29,19 @@ def get_principal(
         raise HTTPException(
             401, "Authorization: a bearer token is required", headers={"WWW-Authenticate": "Bearer"}
         )
-    principal = auth.authenticate(creds.credentials)
+    # async (no threadpool hop per request): cached tokens answer on the loop, a miss looks up in a thread
+    cached = auth.authenticate_cached(creds.credentials)
+    principal = (
+        await run_in_threadpool(auth.authenticate, creds.credentials)
+        if cached is False or cached is True
+        else cached
+    )
     if principal is None:
         raise HTTPException(401, "Authorization: unknown token", headers={"WWW-Authenticate": "Bearer"})
     return principal
 
 
-def writer(principal: Principal = Depends(get_principal)) -> Principal:
+async def writer(principal: Principal = Depends(get_principal)) -> Principal:
     """A principal allowed to change things (admin or instance)."""
     if not principal.may_write():
         raise HTTPException(403, f"Authorization: role {principal.role} may only read")

@@ -10,10 +10,11 @@ import datetime as dt
 import json
 import logging
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy import and_, delete, func, insert, or_, select, update
 
 from planner import schemas
 from planner.auth import new_instance_token
@@ -198,6 +199,22 @@ class Planner:
             raise NotFound(f"instance {instance_id} not found")
         return {"status": status, "ttl_s": self.settings.heartbeat_ttl_s}
 
+    def heartbeat_many(self, instance_ids: Sequence[str], now: float) -> dict[str, str]:
+        """Heartbeats of many instances in one transaction; {id: status} for those that exist."""
+        out: dict[str, str] = {}
+        with self.db.write() as s:
+            for i in range(0, len(instance_ids), 500):
+                chunk = instance_ids[i : i + 500]
+                rows = s.execute(
+                    update(Instance)
+                    .where(Instance.id.in_(chunk))
+                    .values(last_heartbeat=now)
+                    .returning(Instance.id, Instance.status),
+                    execution_options={"synchronize_session": False},
+                ).all()
+                out.update({r[0]: r[1] for r in rows})
+        return out
+
     # ---- manifests -------------------------------------------------------------------------
     def put_manifest(self, instance_id: str, rank: int, raw: str, now: float) -> None:
         """Store a validated manifest verbatim (replaces any earlier one for that rank)."""
@@ -305,17 +322,21 @@ class Planner:
                     f"all {len(views)} sources for rank {body.rank} are at their pull limit",
                     retry_after_s=st.retry_after_s,
                 )
-            lease = Lease(
-                id=uuid.uuid4().hex,
-                instance_id=ranked[0].instance_id,
-                rank=body.rank,
-                identity_key=key,
-                requester_id=body.requester_id,
-                provider=by_id[ranked[0].instance_id][1],
-                created_at=now,
-                expires_at=now + st.lease_ttl_s,
+            lease_id = uuid.uuid4().hex
+            expires_at = now + st.lease_ttl_s
+            # a Core INSERT: no ORM unit of work on the hot path
+            s.execute(
+                insert(Lease).values(
+                    id=lease_id,
+                    instance_id=ranked[0].instance_id,
+                    rank=body.rank,
+                    identity_key=key,
+                    requester_id=body.requester_id,
+                    provider=by_id[ranked[0].instance_id][1],
+                    created_at=now,
+                    expires_at=expires_at,
+                )
             )
-            s.add(lease)
             chosen = [v.instance_id for v in ranked]
             manifests = dict(
                 s.execute(
@@ -339,9 +360,9 @@ class Planner:
                 }
             )
             parts.append(head[:-1] + ', "manifest": ' + manifests[iid] + "}")
-        expires = dt.datetime.fromtimestamp(lease.expires_at, tz=dt.timezone.utc).isoformat()
+        expires = dt.datetime.fromtimestamp(expires_at, tz=dt.timezone.utc).isoformat()
         return (
-            f'{{"id": "{lease.id}", "expires_at": "{expires}", "expires_at_unix": {lease.expires_at!r}, '
+            f'{{"id": "{lease_id}", "expires_at": "{expires}", "expires_at_unix": {expires_at!r}, '
             f'"candidates": [{", ".join(parts)}]}}'
         )
 
@@ -351,17 +372,32 @@ class Planner:
         """End a lease with the pull's outcome; failures count against the seed (quarantine)."""
         quarantined = False
         with self.db.write() as s:
-            lease = s.get(Lease, lease_id, with_for_update=True)
+            q = select(
+                Lease.instance_id, Lease.requester_id, Lease.outcome, Lease.ended_at, Lease.provider
+            ).where(Lease.id == lease_id)
+            if not self.db.sqlite:
+                q = q.with_for_update()
+            lease = s.execute(q).first()
             if lease is None:
                 raise NotFound(f"assignment {lease_id} not found")
             if reporter_instance is not None and lease.requester_id not in (None, reporter_instance):
                 raise PermissionError(f"assignment {lease_id} belongs to requester {lease.requester_id}")
             if lease.outcome in ("success", "failure"):
                 raise Conflict(f"assignment {lease_id} was already reported ({lease.outcome})")
-            lease.ended_at = lease.ended_at if lease.ended_at is not None else now
-            lease.outcome = body.outcome
-            lease.bytes, lease.seconds = body.bytes, body.seconds
-            lease.backend, lease.reason, lease.error = body.backend or lease.provider, body.reason, body.error
+            s.execute(
+                update(Lease)
+                .where(Lease.id == lease_id)
+                .values(
+                    ended_at=lease.ended_at if lease.ended_at is not None else now,
+                    outcome=body.outcome,
+                    bytes=body.bytes,
+                    seconds=body.seconds,
+                    backend=body.backend or lease.provider,
+                    reason=body.reason,
+                    error=body.error,
+                ),
+                execution_options={"synchronize_session": False},
+            )
             if body.outcome == "success":
                 s.execute(
                     update(Instance).where(Instance.id == lease.instance_id).values(consecutive_failures=0)

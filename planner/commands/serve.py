@@ -21,11 +21,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="source selection policy (default: RFORK_SELECTION_POLICY or load_aware)",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="server processes sharing the port (default 1; assignment stays atomic across them)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Migrate, then serve until interrupted."""
     import logging
+    import os
 
     import uvicorn
 
@@ -49,5 +56,21 @@ def run(args: argparse.Namespace) -> int:
         f" policy {settings.selection_policy})",
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    if args.workers <= 1:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        return 0
+    # several processes: each builds its app from the environment (RFORK_*), like a fresh `serve`
+    os.environ["RFORK_DB_URL"] = settings.db_url
+    os.environ["RFORK_SELECTION_POLICY"] = settings.selection_policy
+    if settings.insecure:
+        os.environ["RFORK_INSECURE"] = "1"
+    uvicorn.run(
+        "planner.app:app_from_env",
+        factory=True,
+        workers=args.workers,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+    )
     return 0

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from planner import schemas
 from planner.auth import Principal
 from planner.deps import get_planner, get_principal, owner_of, writer
+from planner.errors import NotFound
 from planner.service import Planner
 
 router = APIRouter(prefix="/v1/instances", tags=["instances"])
@@ -89,12 +90,19 @@ def set_status(
 
 
 @router.post("/{instance_id}/heartbeat", response_model=schemas.HeartbeatOut, responses=ERRORS)
-def heartbeat(
-    instance_id: IdPath, planner: Planner = Depends(get_planner), principal: Principal = Depends(writer)
+async def heartbeat(
+    instance_id: IdPath,
+    request: Request,
+    planner: Planner = Depends(get_planner),
+    principal: Principal = Depends(writer),
 ) -> dict[str, Any]:
     """Liveness; without one for ttl_s the instance turns STALE."""
     owner_of(instance_id, principal)
-    return planner.heartbeat(instance_id, time.time())
+    # coalesced with concurrent heartbeats into one UPDATE (planner/heartbeats.py)
+    status = await request.app.state.heartbeats.beat(instance_id)
+    if status is None:
+        raise NotFound(f"instance {instance_id} not found")
+    return {"status": status, "ttl_s": planner.settings.heartbeat_ttl_s}
 
 
 MANIFEST_BODY = {

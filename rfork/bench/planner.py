@@ -27,10 +27,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--clients", type=int, default=32, help="concurrent assignment clients (default 32)")
     parser.add_argument(
-        "--heartbeaters", type=int, default=16, help="concurrent heartbeat senders (default 16)"
+        "--heartbeaters", type=int, default=64, help="concurrent heartbeat senders (default 64)"
     )
     parser.add_argument("--instances", type=int, default=1000, help="registered instances (default 1000)")
     parser.add_argument("--seconds", type=float, default=15.0, help="measured duration (default 15)")
+    parser.add_argument("--workers", type=int, default=1, help="planner server processes (default 1)")
     parser.add_argument("--json", default=None, help="write the results to this file")
 
 
@@ -98,9 +99,52 @@ MANIFEST = {
 }
 
 
-async def _load(base: str, args: argparse.Namespace) -> dict[str, list[float]]:
-    import httpx
+class _Conn:
+    """A minimal HTTP/1.1 keep-alive client over asyncio streams: the load generator shares the two
+    cores with the server, and httpx costs several times more CPU per request than this."""
 
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        assert self.reader is not None
+        self.writer.write(
+            f"{method} {path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ", 2)[1])
+        length = 0
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            name = name.lower()
+            if name == "content-length":
+                length = int(value)
+            elif name == "transfer-encoding":
+                raise RuntimeError("chunked responses are not expected from the planner")
+        return status, await self.reader.readexactly(length)
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def _check(what: str, status: int, body: bytes, *ok: int) -> None:
+    if status not in ok:
+        raise RuntimeError(f"{what}: HTTP {status} {body[:200]!r}")
+
+
+async def _load(
+    host: str, port: int, args: argparse.Namespace, server_cpu: Any
+) -> tuple[dict[str, list[float]], float, float, float]:
+    """Register, then run the closed loops; latencies per endpoint and the client's CPU seconds."""
     models = max(1, args.instances // 10)
     lat: dict[str, list[float]] = {
         "register": [],
@@ -109,40 +153,42 @@ async def _load(base: str, args: argparse.Namespace) -> dict[str, list[float]]:
         "heartbeat": [],
         "busy": [],
     }
-    limits = httpx.Limits(max_connections=args.clients + args.heartbeaters + 8)
-    async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as http:
-        ids: list[str] = []
+    ids: list[str] = []
+    manifest = json.dumps(MANIFEST).encode()
+    ready = json.dumps({"status": "READY"}).encode()
 
-        async def register(i: int) -> None:
-            body = {
-                "identity": _identity(i % models),
-                "labels": {"node": f"n{i % 50}", "rack": f"r{i % 10}", "zone": f"z{i % 2}"},
-                "ranks": [{"rank": 0, "provider": "tcp", "address": "YWRkcg==", "backends": ["tcp", "nccl"]}],
-                "max_concurrent_pulls": 4,
-            }
-            r = await http.post("/v1/instances", json=body)
-            r.raise_for_status()
-            iid = r.json()["id"]
-            (await http.put(f"/v1/instances/{iid}/manifests/0", json=MANIFEST)).raise_for_status()
-            (await http.post(f"/v1/instances/{iid}/status", json={"status": "READY"})).raise_for_status()
-            ids.append(iid)
+    async def register(conn: _Conn, i: int) -> None:
+        body = {
+            "identity": _identity(i % models),
+            "labels": {"node": f"n{i % 50}", "rack": f"r{i % 10}", "zone": f"z{i % 2}"},
+            "ranks": [{"rank": 0, "provider": "tcp", "address": "YWRkcg==", "backends": ["tcp", "nccl"]}],
+            "max_concurrent_pulls": 4,
+        }
+        st, out = await conn.request("POST", "/v1/instances", json.dumps(body).encode())
+        _check("register", st, out, 201)
+        iid = json.loads(out)["id"]
+        st, out = await conn.request("PUT", f"/v1/instances/{iid}/manifests/0", manifest)
+        _check("manifest", st, out, 204)
+        st, out = await conn.request("POST", f"/v1/instances/{iid}/status", ready)
+        _check("status", st, out, 200)
+        ids.append(iid)
 
-        sem = asyncio.Semaphore(16)
+    todo = iter(range(args.instances))
 
-        async def reg_bounded(i: int) -> None:
-            async with sem:
-                t0 = time.perf_counter()
-                await register(i)
-                lat["register"].append(time.perf_counter() - t0)
+    async def registrar() -> None:
+        conn = _Conn(host, port)
+        for i in todo:
+            t0 = time.perf_counter()
+            await register(conn, i)
+            lat["register"].append(time.perf_counter() - t0)
+        await conn.close()
 
-        await asyncio.gather(*(reg_bounded(i) for i in range(args.instances)))
-        stop = time.perf_counter() + args.seconds
-        rng = random.Random(0)
-
-        async def assigner(k: int) -> None:
-            while time.perf_counter() < stop:
-                m = rng.randrange(models)
-                body = {
+    await asyncio.gather(*(registrar() for _ in range(16)))
+    rng = random.Random(0)
+    bodies = [
+        [
+            json.dumps(
+                {
                     "identity": _identity(m),
                     "rank": 0,
                     "labels": {"node": f"n{k}", "rack": f"r{k % 10}"},
@@ -150,36 +196,70 @@ async def _load(base: str, args: argparse.Namespace) -> dict[str, list[float]]:
                     "backends": ["nccl"],
                     "requester_id": None,
                 }
-                t0 = time.perf_counter()
-                r = await http.post("/v1/assignments", json=body)
-                dt = time.perf_counter() - t0
-                if r.status_code == 429:
-                    lat["busy"].append(dt)
-                    continue
-                if r.status_code != 201:
-                    raise RuntimeError(f"assignment: {r.status_code} {r.text[:200]}")
-                lat["assignment"].append(dt)
-                t0 = time.perf_counter()
-                rr = await http.post(
-                    f"/v1/assignments/{r.json()['id']}/report",
-                    json={"outcome": "success", "bytes": 1 << 30, "seconds": 0.5, "backend": "tcp"},
-                )
-                rr.raise_for_status()
-                lat["report"].append(time.perf_counter() - t0)
+            ).encode()
+            for m in range(models)
+        ]
+        for k in range(args.clients)
+    ]
+    report = json.dumps({"outcome": "success", "bytes": 1 << 30, "seconds": 0.5, "backend": "tcp"}).encode()
+    cpu0, scpu0, start = time.process_time(), server_cpu(), time.perf_counter()
+    stop = start + args.seconds
 
-        async def heartbeater(k: int) -> None:
-            i = k
-            while time.perf_counter() < stop:
-                t0 = time.perf_counter()
-                r = await http.post(f"/v1/instances/{ids[i % len(ids)]}/heartbeat")
-                r.raise_for_status()
-                lat["heartbeat"].append(time.perf_counter() - t0)
-                i += args.heartbeaters
+    async def assigner(k: int) -> None:
+        conn = _Conn(host, port)
+        while time.perf_counter() < stop:
+            t0 = time.perf_counter()
+            st, out = await conn.request("POST", "/v1/assignments", bodies[k][rng.randrange(models)])
+            t1 = time.perf_counter()
+            if st == 429:
+                lat["busy"].append(t1 - t0)
+                continue
+            _check("assignment", st, out, 201)
+            lat["assignment"].append(t1 - t0)
+            lease = out[8:40].decode()  # '{"id": "<32 hex>", ...' (asserted below)
+            if out[:8] != b'{"id": "':
+                lease = json.loads(out)["id"]
+            t0 = time.perf_counter()
+            st, out = await conn.request("POST", f"/v1/assignments/{lease}/report", report)
+            _check("report", st, out, 200)
+            lat["report"].append(time.perf_counter() - t0)
+        await conn.close()
 
-        await asyncio.gather(
-            *(assigner(k) for k in range(args.clients)), *(heartbeater(k) for k in range(args.heartbeaters))
-        )
-    return lat
+    async def heartbeater(k: int) -> None:
+        conn = _Conn(host, port)
+        i = k
+        while time.perf_counter() < stop:
+            t0 = time.perf_counter()
+            st, out = await conn.request("POST", f"/v1/instances/{ids[i % len(ids)]}/heartbeat")
+            _check("heartbeat", st, out, 200)
+            lat["heartbeat"].append(time.perf_counter() - t0)
+            i += args.heartbeaters
+        await conn.close()
+
+    await asyncio.gather(
+        *(assigner(k) for k in range(args.clients)), *(heartbeater(k) for k in range(args.heartbeaters))
+    )
+    elapsed = time.perf_counter() - start
+    return lat, time.process_time() - cpu0, server_cpu() - scpu0, elapsed
+
+
+def _cpu_s(pid: int) -> float:
+    """User+system CPU seconds of a process and its children that exited (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds of `pid` and its live children (uvicorn workers)."""
+    total = _cpu_s(pid)
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        kids = []
+    return total + sum(_cpu_s(int(k)) for k in kids)
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -198,20 +278,20 @@ def run(args: argparse.Namespace) -> int:
     url, cleanup = _fresh_db(args.db)
     port = _free_port()
     env = {**os.environ, "RFORK_DB_POOL_SIZE": str(max(8, args.clients // 2))}
+    # The server's log goes to a file: a pipe nobody reads fills up (64 KiB, ~600 "registered" lines)
+    # and then every thread blocks in logging's handler lock -- the registration stall seen before.
+    log_file = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
+    cmd = [sys.executable, "-m", "rfork", "planner", "serve", "--db", url, "--port", str(port), "--insecure"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rfork", "planner", "serve", "--db", url, "--port", str(port), "--insecure"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env=env,
+        [*cmd, "--workers", str(args.workers)], stdout=subprocess.DEVNULL, stderr=log_file, env=env
     )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(
-                    f"planner exited: {proc.stderr.read().decode()[-500:] if proc.stderr else ''}"
-                )
+                log_file.seek(0)
+                raise RuntimeError(f"planner exited: {log_file.read().decode()[-500:]}")
             try:
                 if httpx.get(base + "/healthz", timeout=1).status_code == 200:
                     break
@@ -220,7 +300,9 @@ def run(args: argparse.Namespace) -> int:
             if time.monotonic() > deadline:
                 raise TimeoutError("planner did not start")
             time.sleep(0.1)
-        lat = asyncio.run(_load(base, args))
+        lat, client_cpu, server_cpu, elapsed = asyncio.run(
+            _load("127.0.0.1", port, args, lambda: _tree_cpu_s(proc.pid))
+        )
     finally:
         proc.terminate()
         try:
@@ -228,12 +310,13 @@ def run(args: argparse.Namespace) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        log_file.close()
         cleanup()
     db_kind = "sqlite" if url.startswith("sqlite") else url.split("+")[0].split(":")[0]
     rows: list[dict[str, Any]] = []
     for name in ("assignment", "report", "heartbeat", "busy", "register"):
         xs = lat[name]
-        secs = args.seconds if name != "register" else None
+        secs = elapsed if name != "register" else None
         rows.append(
             {
                 "endpoint": name,
@@ -258,6 +341,11 @@ def run(args: argparse.Namespace) -> int:
             f"{r['p99_ms']:.1f}",
         )
     Console().print(table)
+    print(
+        f"CPU over the {elapsed:.1f} s window: server {server_cpu:.1f} s"
+        f" ({server_cpu / elapsed:.0%} of one core),"
+        f" load generator {client_cpu:.1f} s ({client_cpu / elapsed:.0%}); {os.cpu_count()} cores in all"
+    )
     if args.json:
         Path(args.json).write_text(
             json.dumps(
@@ -268,6 +356,10 @@ def run(args: argparse.Namespace) -> int:
                     "heartbeaters": args.heartbeaters,
                     "seconds": args.seconds,
                     "cpus": os.cpu_count(),
+                    "workers": args.workers,
+                    "elapsed_s": elapsed,
+                    "server_cpu_s": server_cpu,
+                    "client_cpu_s": client_cpu,
                     "rows": rows,
                 },
                 indent=2,
