@@ -31,7 +31,7 @@ class PlannerSettings(BaseSettings):
     max_manifest_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     retry_after_s: float = Field(default=1.0, gt=0)
     db_pool_size: int = Field(default=16, ge=1)
-    threadpool_size: int = Field(default=8, ge=1, le=1024)
+    threadpool_size: int | None = Field(default=None, ge=1, le=1024)  # None: 4 on SQLite, else 8
     heartbeat_batch_s: float = Field(default=0.01, ge=0, le=1)
 
     def has_tokens(self) -> bool:
