@@ -292,6 +292,7 @@ def test_demo_runs_and_cleans_up(tmp_path):
             "0.03",
             "--providers",
             "tcp",
+            "--no-nccl",
             "--json",
             str(out),
         ],
@@ -305,7 +306,8 @@ def test_demo_runs_and_cleans_up(tmp_path):
     doc = json.loads(out.read_text())
     sources = [r["source"] for r in doc["rows"]]
     assert sources[:2] == ["disk", "rfork-tcp"]
-    assert len(sources) == 3  # the chain row
+    assert len(sources) == 3
+    assert doc["rows"][2].get("chain") is True
     assert all(r["verified"] for r in doc["rows"])
     assert doc["model_bytes"] > 0
     assert "speed-up" in proc.stdout
