@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console()
     os.environ.setdefault("RFORK_TCP_HOST", "127.0.0.1")
-    workdir = Path(tempfile.mkdtemp(prefix="rfork-bench-"))
+    workdir = Path(tempfile.mkdtemp(prefix="rfork-coldstart-"))
     fleet = Fleet(workdir)
     try:
         with console.status("writing the synthetic checkpoint"):
