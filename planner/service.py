@@ -202,15 +202,15 @@ class Planner:
     def heartbeat_many(self, instance_ids: Sequence[str], now: float) -> dict[str, str]:
         """Heartbeats of many instances in one transaction; {id: status} for those that exist."""
         out: dict[str, str] = {}
-        with self.db.write() as s:
+        with self.db.write() as session:
+            s = session.connection()
             for i in range(0, len(instance_ids), 500):
                 chunk = instance_ids[i : i + 500]
                 rows = s.execute(
                     update(Instance)
                     .where(Instance.id.in_(chunk))
                     .values(last_heartbeat=now)
-                    .returning(Instance.id, Instance.status),
-                    execution_options={"synchronize_session": False},
+                    .returning(Instance.id, Instance.status)
                 ).all()
                 out.update({r[0]: r[1] for r in rows})
         return out
@@ -278,7 +278,8 @@ class Planner:
             q = q.where(Instance.id.not_in(sorted(excluded)))
         if not self.db.sqlite:
             q = q.with_for_update(of=Instance)
-        with self.db.write() as s:
+        with self.db.write() as session:
+            s = session.connection()  # Core on the hot path: no ORM compile/unit of work
             rows = []
             for r in s.execute(q).all():
                 provider = choose_provider(body.providers, body.backends, r.backends)
@@ -371,7 +372,8 @@ class Planner:
     ) -> dict[str, Any]:
         """End a lease with the pull's outcome; failures count against the seed (quarantine)."""
         quarantined = False
-        with self.db.write() as s:
+        with self.db.write() as session:
+            s = session.connection()  # Core on the hot path: no ORM compile/unit of work
             q = select(
                 Lease.instance_id, Lease.requester_id, Lease.outcome, Lease.ended_at, Lease.provider
             ).where(Lease.id == lease_id)
@@ -395,8 +397,7 @@ class Planner:
                     backend=body.backend or lease.provider,
                     reason=body.reason,
                     error=body.error,
-                ),
-                execution_options={"synchronize_session": False},
+                )
             )
             if body.outcome == "success":
                 s.execute(
