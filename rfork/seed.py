@@ -14,6 +14,7 @@ import base64
 import contextlib
 import importlib.util
 import logging
+import os
 import socket
 import threading
 import time
@@ -170,8 +171,13 @@ def start_control_server(weights_by_rank: Mapping[int, RankWeights]) -> Any | No
 
 
 def default_labels() -> dict[str, str]:
-    host = socket.gethostname()
-    return {"node": host, "rack": "rack0", "zone": "zone0"}
+    """Topology labels: $RFORK_NODE / $RFORK_RACK / $RFORK_ZONE when set (and non-empty), else the
+    hostname / rack0 / zone0 (deploy/kubernetes/seed.yaml sets RFORK_NODE from the pod's node name)."""
+    return {
+        "node": os.environ.get("RFORK_NODE") or socket.gethostname(),
+        "rack": os.environ.get("RFORK_RACK") or "rack0",
+        "zone": os.environ.get("RFORK_ZONE") or "zone0",
+    }
 
 
 class Publication:

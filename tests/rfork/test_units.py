@@ -277,3 +277,19 @@ def test_model_runs_and_is_deterministic(tmp_path):
     assert out1.shape == (2, 8, cfg.vocab_size)
     assert torch.isfinite(out1.float()).all()
     assert torch.equal(out1, out2)
+
+
+def test_default_labels_from_env_else_hostname(monkeypatch):
+    import socket
+
+    from rfork.seed import default_labels
+
+    for var in ("RFORK_NODE", "RFORK_RACK", "RFORK_ZONE"):
+        monkeypatch.delenv(var, raising=False)
+    assert default_labels() == {"node": socket.gethostname(), "rack": "rack0", "zone": "zone0"}
+    monkeypatch.setenv("RFORK_NODE", "node-a")
+    monkeypatch.setenv("RFORK_RACK", "r7")
+    monkeypatch.setenv("RFORK_ZONE", "z2")
+    assert default_labels() == {"node": "node-a", "rack": "r7", "zone": "z2"}
+    monkeypatch.setenv("RFORK_RACK", "")  # empty counts as unset
+    assert default_labels()["rack"] == "rack0"
