@@ -8,12 +8,18 @@ readers go on). Read-only sessions use a plain BEGIN.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: SQLite's busy timeout alone then
+    fcntl = None  # type: ignore[assignment]
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
@@ -66,6 +72,7 @@ class Database:
         self.sqlite = is_sqlite(url)
         self._write = sessionmaker(self.engine, expire_on_commit=False)
         self._write_lock = threading.Lock() if self.sqlite else None
+        self._file_lock = _file_lock_for(url) if self.sqlite else None
         self._read = sessionmaker(self.engine.execution_options(**{READONLY: True}), expire_on_commit=False)
 
     @contextmanager
@@ -77,7 +84,9 @@ class Database:
             return
         # SQLite: one writer per process at a time, so threads queue on a fair lock instead of
         # SQLite's busy handler (which sleeps in coarse steps); other processes still meet BEGIN IMMEDIATE.
-        with self._write_lock, self._write() as session, session.begin():
+        # Across processes (serve --workers N) they queue on an flock of a side file: the kernel wakes
+        # the next writer at once, where SQLite's busy handler polls with sleeps of up to 100 ms.
+        with self._write_lock, _flocked(self._file_lock), self._write() as session, session.begin():
             yield session
 
     @contextmanager
@@ -89,6 +98,36 @@ class Database:
     def close(self) -> None:
         """Dispose of the engine's connections."""
         self.engine.dispose()
+        if self._file_lock is not None:
+            os.close(self._file_lock)
+            self._file_lock = None
+
+
+def _file_lock_for(url: str) -> int | None:
+    """An open fd on `<database file>-writelock` (None for in-memory databases or without flock)."""
+    if fcntl is None:
+        return None
+    from sqlalchemy.engine import make_url
+
+    path = make_url(url).database
+    if not path or path == ":memory:" or path.startswith("file:"):
+        return None
+    try:
+        return os.open(path + "-writelock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return None
+
+
+@contextmanager
+def _flocked(fd: int | None) -> Iterator[None]:
+    if fd is None or fcntl is None:
+        yield
+        return
+    fcntl.flock(fd, fcntl.LOCK_EX)  # blocks in the kernel with the GIL released
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 def migrations_dir() -> Path:
