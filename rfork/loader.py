@@ -51,6 +51,7 @@ class Attempt:
     bytes: int = 0
     seconds: float = 0.0
     error: str | None = None
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase (see LoadResult.phases)
 
 
 @dataclass(kw_only=True)
@@ -66,6 +67,11 @@ class LoadResult:
     attempts: list[Attempt] = field(default_factory=list)
     seed: Seed | None = None
     server: RankServer | None = None
+    # Seconds per phase, summed over ranks: planner (assignment + report round trips), alloc (destination
+    # buffers), register (main thread blocked on registration), transfer (first read posted -> last read
+    # done), verify (checksum work on the verifier thread, mostly overlapped with transfer), verify_tail
+    # (waiting for the verifier after the last read), read (disk), other (the rest of `seconds`).
+    phases: dict[str, float] = field(default_factory=dict)
 
     def state_dict(self, rank: int = 0) -> dict[str, torch.Tensor]:
         return self.weights[rank].tensors
@@ -130,13 +136,24 @@ class _Puller:
         self.max_inflight = max_inflight
         self.deadline = deadline
         self.progress = progress
+        self.phases: dict[str, float] = {}
+        self._verify_s = 0.0
+
+    def _verify(self, weights: RankWeights, expected: Mapping[str, str], names: Sequence[str]) -> None:
+        t = time.perf_counter()
+        try:
+            verify_tensors(weights, expected, names)
+        finally:
+            self._verify_s += time.perf_counter() - t
 
     def run(self) -> tuple[RankWeights, list[Any]]:
         from backends import MemoryRegionDescriptor
 
         m = self.manifest
         layout = _layout_from_manifest(m)
+        t_alloc = time.perf_counter()
         buffers = [torch.empty(n, dtype=torch.uint8) for n in layout.region_sizes]
+        self.phases["alloc"] = time.perf_counter() - t_alloc
         weights = RankWeights(rank=self.rank, layout=layout, buffers=buffers, tensors=views(layout, buffers))
         expected = {t.name: t.checksum for t in m.tensors}
         by_region: dict[int, list[str]] = {}
@@ -155,12 +172,16 @@ class _Puller:
         verify_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rfork-verify")
         verify_futs: list[Future[None]] = []
         reg_futs = [reg_pool.submit(self.engine.register, buf, access="read") for buf in buffers]
+        t_first = time.perf_counter()
+        reg_wait = 0.0
         inflight: deque[tuple[Future[Any], int, int]] = deque()
         pending_per_region = [0] * len(buffers)
         ok = False
         try:
             for i, size in enumerate(layout.region_sizes):
+                t_reg = time.perf_counter()
                 local = reg_futs[i].result(timeout=self._left())
+                reg_wait += time.perf_counter() - t_reg
                 local_regions.append(local)
                 for off in range(0, size, self.chunk_bytes):
                     n = min(self.chunk_bytes, size - off)
@@ -180,15 +201,34 @@ class _Puller:
                     pending_per_region[i] += 1
                 if size == 0:
                     verify_futs.append(
-                        verify_pool.submit(verify_tensors, weights, expected, by_region.get(i, []))
+                        verify_pool.submit(self._verify, weights, expected, by_region.get(i, []))
                     )
             while inflight:
                 done_bytes += self._retire(
                     inflight, pending_per_region, weights, expected, by_region, verify_pool, verify_futs
                 )
                 self._report(done_bytes, total)
+            t_last = time.perf_counter()
             for vf in verify_futs:
                 vf.result(timeout=self._left())
+            t_end = time.perf_counter()
+            self.phases.update(
+                register=reg_wait,
+                transfer=t_last - t_first - reg_wait,
+                verify=self._verify_s,
+                verify_tail=t_end - t_last,
+            )
+            log.info(
+                "rank %d: alloc %.3f s, register wait %.3f s, transfer %.3f s (%.2f GB/s), "
+                "verify %.3f s on the verifier thread, %.3f s of it after the last read",
+                self.rank,
+                self.phases["alloc"],
+                reg_wait,
+                self.phases["transfer"],
+                total / max(t_last - t_first, 1e-9) / 1e9,
+                self._verify_s,
+                t_end - t_last,
+            )
             ok = True
             return weights, local_regions
         except TimeoutError as exc:
@@ -228,7 +268,7 @@ class _Puller:
         fut.result(timeout=self._left())
         pending[region] -= 1
         if pending[region] == 0:
-            verify_futs.append(pool.submit(verify_tensors, weights, expected, by_region.get(region, [])))
+            verify_futs.append(pool.submit(self._verify, weights, expected, by_region.get(region, [])))
         return n
 
     def _report(self, done: int, total: int) -> None:
@@ -277,6 +317,8 @@ class Loader:
         self._client: Any | None = None
         self._engine: Any | None = None
         self._engine_lock = threading.Lock()
+        self._last_phases: dict[str, float] = {}
+        self._planner_s = 0.0
 
     # --- plumbing
 
@@ -310,6 +352,7 @@ class Loader:
         """Load every rank (default all of the identity's world), verify, and (by default) become a seed."""
         t0 = time.perf_counter()
         ranks = list(range(self.identity.world_size)) if ranks is None else list(ranks)
+        self._planner_s = 0.0
         weights: dict[int, RankWeights] = {}
         regions: dict[int, list[Any] | None] = {}
         attempts: list[Attempt] = []
@@ -325,6 +368,12 @@ class Loader:
         seconds = time.perf_counter() - t0
         total = sum(w.layout.total_bytes for w in weights.values())
         source = sources.pop() if len(sources) == 1 else "mixed"
+        phases: dict[str, float] = {"planner": self._planner_s}
+        for a in attempts:
+            for k, v in a.phases.items():
+                phases[k] = phases.get(k, 0.0) + v
+        phases["other"] = max(0.0, seconds - sum(v for k, v in phases.items() if k != "verify"))
+        phases = {k: round(v, 4) for k, v in phases.items()}
         result = LoadResult(
             identity=self.identity,
             weights=weights,
@@ -333,7 +382,9 @@ class Loader:
             seconds=seconds,
             verified=True,
             attempts=attempts,
+            phases=phases,
         )
+        log.info("load phases (s): %s", ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
         log.info(
             "loaded %d rank(s), %d bytes, from %s in %.3f s (%.2f GB/s), all checksums verified",
             len(ranks),
@@ -376,6 +427,7 @@ class Loader:
     def _load_rank(self, rank: int, attempts: list[Attempt]) -> tuple[RankWeights, list[Any] | None, str]:
         client = self._planner()
         excluded = list(self.options.exclude)
+        self._last_phases = {}
         for _ in range(self.options.max_attempts if client is not None else 0):
             # one-sided sources first; NCCL only when no one-sided provider is shared
             assignment = self._ask(client, rank, excluded, self._one_sided()) if self._one_sided() else None
@@ -405,6 +457,7 @@ class Loader:
                         ok=False,
                         seconds=seconds,
                         error=str(exc),
+                        phases=dict(self._last_phases),
                     )
                 )
                 self._report(
@@ -422,6 +475,7 @@ class Loader:
                     ok=True,
                     bytes=nbytes,
                     seconds=seconds,
+                    phases=dict(self._last_phases),
                 )
             )
             self._report(
@@ -439,6 +493,15 @@ class Loader:
         return self._from_disk(rank, attempts), None, "disk"
 
     def _ask(self, client: Any, rank: int, excluded: Sequence[str], backends: Sequence[str]) -> Any | None:
+        t0 = time.perf_counter()
+        try:
+            return self._ask_once(client, rank, excluded, backends)
+        finally:
+            self._planner_s += time.perf_counter() - t0
+
+    def _ask_once(
+        self, client: Any, rank: int, excluded: Sequence[str], backends: Sequence[str]
+    ) -> Any | None:
         from planner.client import AllBusy
 
         deadline = time.monotonic() + 30.0
@@ -514,6 +577,7 @@ class Loader:
             deadline=deadline,
             progress=self.progress,
         )
+        self._last_phases = puller.phases
         return puller.run()
 
     def _pull_nccl(self, cand: Any, rank: int, manifest: RankManifest) -> RankWeights:
@@ -543,6 +607,7 @@ class Loader:
             if ok
             else ("checksum_mismatch" if isinstance(error, ChecksumMismatch) else type(error).__name__)
         )
+        t0 = time.perf_counter()
         try:
             client.report_transfer(
                 assignment.id,
@@ -555,6 +620,8 @@ class Loader:
             )
         except Exception as exc:  # noqa: BLE001 - the data is here; a lost report must not fail the load
             log.warning("could not report transfer %s: %s", assignment.id, exc)
+        finally:
+            self._planner_s += time.perf_counter() - t0
 
     def _from_disk(self, rank: int, attempts: list[Attempt]) -> RankWeights:
         if self.checkpoint is None:
@@ -565,14 +632,23 @@ class Loader:
         log.info("rank %d: loading from disk %s", rank, self.checkpoint.directory)
         t0 = time.perf_counter()
         layout, buffers, tensors = load_rank_from_disk(self.checkpoint, tp=self.identity.tp, rank=rank)
+        t_read = time.perf_counter()
         weights = RankWeights(rank=rank, layout=layout, buffers=buffers, tensors=tensors)
         weights.compute_checksums()
         seconds = time.perf_counter() - t0
+        phases = {"read": t_read - t0, "verify": seconds - (t_read - t0)}
+        log.info("rank %d from disk: read %.3f s, verify %.3f s", rank, phases["read"], phases["verify"])
         if self.progress is not None:
             self.progress(layout.total_bytes, layout.total_bytes)
         attempts.append(
             Attempt(
-                source="disk", instance_id=None, rank=rank, ok=True, bytes=layout.total_bytes, seconds=seconds
+                source="disk",
+                instance_id=None,
+                rank=rank,
+                ok=True,
+                bytes=layout.total_bytes,
+                seconds=seconds,
+                phases=phases,
             )
         )
         return weights

@@ -113,6 +113,7 @@ def _scenario(
             "verified": res["verified"],
             "bytes": res["bytes"],
             "since_process_start_s": round(res["since_start_s"], 3),
+            "phases": res.get("phases", {}),
             **extra,
         }
         rows.append(row)

@@ -133,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         "since_start_s": verified_at - started,
         "verified_at": verified_at,
         "attempts": [a.__dict__ for a in result.attempts],
+        "phases": result.phases,
         "instance_ids": result.seed.instance_ids if result.seed else [],
     }
     if args.json:
