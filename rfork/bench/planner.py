@@ -44,8 +44,10 @@ def _free_port() -> int:
 def _fresh_db(url: str | None) -> tuple[str, Any]:
     """A fresh database URL and a cleanup function."""
     if url is None or url.startswith("sqlite"):
+        import shutil
+
         tmp = tempfile.mkdtemp(prefix="rfork-bench-")
-        return f"sqlite:///{tmp}/planner.db", lambda: None
+        return f"sqlite:///{tmp}/planner.db", lambda: shutil.rmtree(tmp, ignore_errors=True)
     from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
 

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,17 +25,25 @@ def _free_port() -> int:
 
 def _serve(url: str, port: int) -> subprocess.Popen:
     env = {**os.environ, "RFORK_REAPER_INTERVAL_S": "3600"}
-    return subprocess.Popen(
+    # the log goes to a file, never an unread pipe: a full pipe blocks the server inside logging
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the process
+    proc = subprocess.Popen(
         [sys.executable, "-m", "rfork", "planner", "serve", "--db", url, "--port", str(port), "--insecure"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+        env=env,
     )
+    setattr(proc, "rfork_log", log)  # noqa: B010
+    return proc
 
 
 def _wait(base: str, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"planner exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+            log = getattr(proc, "rfork_log")  # noqa: B009
+            log.seek(0)
+            raise RuntimeError(f"planner exited: {log.read().decode()[-2000:]}")
         try:
             if httpx.get(base + "/healthz", timeout=1).status_code == 200:
                 return
