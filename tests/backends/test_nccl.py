@@ -211,7 +211,10 @@ def test_sender_killed_mid_stream_fails_receiver_within_timeout() -> None:
 
 
 def test_stalled_receiver_times_out_sender() -> None:
-    rdv = Rendezvous(host="127.0.0.1", timeout_s=2.0)
+    # The timeout bounds group setup too, and a spawned receiver importing torch on a loaded 2-core
+    # machine can take seconds to join: 6 s keeps setup safe while still proving a bounded stall.
+    stall_timeout_s = 6.0
+    rdv = Rendezvous(host="127.0.0.1", timeout_s=stall_timeout_s)
     progressed = CTX.Event()
     proc = CTX.Process(target=_receiver_main, args=(rdv.port, 5, 8, 0.2, progressed), daemon=True)
     proc.start()
@@ -228,7 +231,7 @@ def test_stalled_receiver_times_out_sender() -> None:
     try:
         with pytest.raises(NcclTimeoutError, match="no progress|timed out|Timed out"):
             send_tensors(rdv.store, mixed_tensors(5, 8), session_id="s", local_host="127.0.0.1",
-                         timeout_s=2.0,
+                         timeout_s=stall_timeout_s,
                          bucket_bytes=BUCKET, max_in_flight=1)
         failed = time.monotonic()
     finally:
@@ -237,4 +240,4 @@ def test_stalled_receiver_times_out_sender() -> None:
         proc.join(10)
         rdv.close()
     assert stopped
-    assert failed - stopped[0] < 2.0 + 2.0
+    assert failed - stopped[0] < stall_timeout_s + 2.0
