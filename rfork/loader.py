@@ -70,7 +70,8 @@ class LoadResult:
     # Seconds per phase, summed over ranks: planner (assignment + report round trips), alloc (destination
     # buffers), register (main thread blocked on registration), transfer (first read posted -> last read
     # done), verify (checksum work on the verifier thread, mostly overlapped with transfer), verify_tail
-    # (waiting for the verifier after the last read), read (disk), other (the rest of `seconds`).
+    # (waiting for the verifier after the last read), engine (opening the transfer engine), read (disk),
+    # other (the rest of `seconds`: manifest parsing, views, ...).
     phases: dict[str, float] = field(default_factory=dict)
 
     def state_dict(self, rank: int = 0) -> dict[str, torch.Tensor]:
@@ -289,6 +290,10 @@ class LoadOptions:
     labels: Mapping[str, str] | None = None
     become_seed: bool = True
     allow_nccl: bool = True
+    # torch intra-op threads while a one-sided pull runs (restored after; None: leave as is). The
+    # checksum gains little from a second thread but takes the core the transport's progress thread
+    # (and, on one box, the seed's) needs; measured in docs/benchmarks.md.
+    pull_torch_threads: int | None = 1
 
 
 class Loader:
@@ -372,7 +377,8 @@ class Loader:
         for a in attempts:
             for k, v in a.phases.items():
                 phases[k] = phases.get(k, 0.0) + v
-        phases["other"] = max(0.0, seconds - sum(v for k, v in phases.items() if k != "verify"))
+        overlapped = {"verify"} if "transfer" in phases else set()  # pulls verify during the transfer
+        phases["other"] = max(0.0, seconds - sum(v for k, v in phases.items() if k not in overlapped))
         phases = {k: round(v, 4) for k, v in phases.items()}
         result = LoadResult(
             identity=self.identity,
@@ -568,8 +574,11 @@ class Loader:
         deadline = time.monotonic() + self.options.rank_deadline_s
         if source == "nccl":
             return self._pull_nccl(cand, rank, manifest), None
+        t_engine = time.perf_counter()
+        engine = self._get_engine()
+        engine_s = time.perf_counter() - t_engine
         puller = _Puller(
-            engine=self._get_engine(),
+            engine=engine,
             manifest=manifest,
             rank=rank,
             chunk_bytes=self.options.chunk_bytes,
@@ -578,7 +587,14 @@ class Loader:
             progress=self.progress,
         )
         self._last_phases = puller.phases
-        return puller.run()
+        puller.phases["engine"] = engine_s
+        before = torch.get_num_threads()
+        if self.options.pull_torch_threads:
+            torch.set_num_threads(self.options.pull_torch_threads)
+        try:
+            return puller.run()
+        finally:
+            torch.set_num_threads(before)
 
     def _pull_nccl(self, cand: Any, rank: int, manifest: RankManifest) -> RankWeights:
         from rfork.nccl_pull import pull_over_nccl  # type: ignore[import-not-found,unused-ignore]
