@@ -27,7 +27,7 @@ def serve(
     from backends import MemoryRegionDescriptor, TransferEngine, TransferError
 
     eng = TransferEngine(
-        provider, domains, timeout_s=3.0, reorder_for_test=reorder, **engine_kwargs(provider)
+        provider, domains, timeout_s=8.0, reorder_for_test=reorder, **engine_kwargs(provider)
     )
     bufs: dict[str, np.ndarray] = {}
     regs = {}
