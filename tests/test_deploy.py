@@ -65,6 +65,8 @@ def test_dockerfile_installs_what_setup_script_installs() -> None:
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     script = (DEPLOY.parent / "scripts" / "dev.sh").read_text()
     for package in ("libfabric1", "libfabric-dev"):
-        assert package in dockerfile and package in script
+        assert package in dockerfile
+        assert package in script
     torch_pin = re.search(r"torch==[\d.]+", script)
-    assert torch_pin and torch_pin.group(0) in dockerfile
+    assert torch_pin
+    assert torch_pin.group(0) in dockerfile
