@@ -142,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
         tmp.replace(args.json)
     print(
         f"loaded {result.bytes} bytes from {result.source} in {result.seconds:.2f} s "
-        f"({out['gb_per_s']:.2f} GB/s), checksums verified",
+        f"({out['gb_per_s']:.2f} GB/s), "
+        + ("checksums verified" if result.verified else "not verified (disk: no digests to compare)"),
         flush=True,
     )
     try:
