@@ -213,10 +213,12 @@ class _Puller:
         max_inflight: int,
         deadline: float,
         progress: ProgressFn | None,
+        prefault: bool = True,
     ) -> None:
         self.engine = engine
         self.manifest = manifest
         self.dest = dest
+        self.prefault = prefault
         self.rank = dest.rank
         self.chunk_bytes = chunk_bytes
         self.max_inflight = max_inflight
@@ -291,7 +293,10 @@ class _Puller:
         reg_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rfork-register")
         verify_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rfork-verify")
         verify_futs: list[Future[None]] = []
-        reg_futs = [reg_pool.submit(self._register, target) for target in dest.registrables()]
+        targets = dest.registrables()
+        reg_futs: list[Future[Any]] = [Future() for _ in targets]
+        stop_prefault = threading.Event()
+        reg_pool.submit(self._register_all, targets, reg_futs, stop_prefault)
         frontier = [0] * len(plan)  # per region: reads[:frontier] are all done
         final_at = [0] * len(plan)  # per region: bytes below this are final
         t_first = time.perf_counter()
@@ -359,6 +364,7 @@ class _Puller:
         except TimeoutError as exc:
             raise PullError(f"rank {self.rank}: deadline passed") from exc
         finally:
+            stop_prefault.set()
             for fut, _ in inflight:
                 fut.cancel()
             if not ok:
@@ -373,14 +379,32 @@ class _Puller:
             reg_pool.shutdown(wait=not ok)
             verify_pool.shutdown(wait=True, cancel_futures=not ok)
 
-    def _register(self, target: Any) -> Any:
-        """Register one destination region read-only, then pre-fault it (off the receive path)."""
-        region = self.engine.register(target, access="read")
-        if isinstance(target, tuple):
-            prefault(*target)
-        elif getattr(target, "device", None) is not None and target.device.type == "cpu":
-            prefault(int(target.data_ptr()), target.numel() * target.element_size())
-        return region
+    def _register_all(
+        self, targets: Sequence[Any], futs: Sequence[Future[Any]], stop: threading.Event
+    ) -> None:
+        """Register every destination region read-only (in order: reads of region i start as soon as it
+        is), then pre-fault the host ones in order, a piece at a time, ahead of the reads."""
+        for target, fut in zip(targets, futs, strict=True):
+            try:
+                fut.set_result(self.engine.register(target, access="read"))
+            except BaseException as exc:  # noqa: BLE001 - handed to the puller, which fails the attempt
+                fut.set_exception(exc)
+                for rest in futs:
+                    if not rest.done():
+                        rest.set_exception(PullError(f"rank {self.rank}: an earlier region did not register"))
+                return
+        if not self.prefault:
+            return
+        piece = 16 << 20
+        for target in targets:
+            span = _host_span(target)
+            if span is None:
+                continue
+            ptr, nbytes = span
+            for off in range(0, nbytes, piece):
+                if stop.is_set():
+                    return
+                prefault(ptr + off, min(piece, nbytes - off))
 
     def _left(self) -> float:
         left = self.deadline - time.monotonic()
@@ -391,6 +415,15 @@ class _Puller:
     def _report(self, done: int, total: int) -> None:
         if self.progress is not None:
             self.progress(done, total)
+
+
+def _host_span(target: Any) -> tuple[int, int] | None:
+    """(ptr, nbytes) of a registration target in host memory; None for device memory."""
+    if isinstance(target, tuple):
+        return int(target[0]), int(target[1])
+    if isinstance(target, torch.Tensor) and target.device.type == "cpu":
+        return int(target.data_ptr()), target.numel() * target.element_size()
+    return None
 
 
 def prefault(ptr: int, nbytes: int) -> None:
@@ -439,6 +472,9 @@ class LoadOptions:
     # checksum gains little from a second thread but takes the core the transport's progress thread
     # (and, on one box, the seed's) needs; measured in docs/benchmarks.md.
     pull_torch_threads: int | None = 1
+    # Fault destination pages in (MADV_POPULATE_WRITE) on the registration thread, ahead of the reads,
+    # instead of inside the transport's receive copy.
+    prefault: bool = True
 
 
 class Loader:
@@ -477,9 +513,11 @@ class Loader:
         if self.planner_url is None:
             return None
         if self._client is None:
+            t0 = time.perf_counter()
             from planner.client import PlannerClient
 
             self._client = PlannerClient(self.planner_url, token=self.token)
+            self._planner_s += time.perf_counter() - t0
         return self._client
 
     def _get_engine(self) -> Any:
@@ -525,8 +563,10 @@ class Loader:
         threading.Thread(target=opener, name="rfork-engine-open", daemon=True).start()
 
     def prepare(self) -> None:
-        """Open the engine and the planner client early (overlaps with building the model)."""
-        self._get_engine()
+        """Start opening the engine (helper thread) and create the planner client now, so both overlap
+        with whatever the caller does next (building the model); load/pull_into use them."""
+        if self._one_sided() and self.planner_url is not None:
+            self._open_engine_soon()
         self._planner()
 
     # --- the load
@@ -810,6 +850,7 @@ class Loader:
             max_inflight=self.options.max_inflight,
             deadline=deadline,
             progress=self.progress,
+            prefault=self.options.prefault,
         )
         before = torch.get_num_threads()
         if self.options.pull_torch_threads:

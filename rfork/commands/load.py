@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.json:
         tmp = args.json.with_suffix(".tmp")
-        tmp.write_text(json.dumps(out))
+        tmp.write_text(json.dumps(out, allow_nan=False))
         tmp.replace(args.json)
     print(
         f"loaded {result.bytes} bytes from {result.source} in {result.seconds:.2f} s "
