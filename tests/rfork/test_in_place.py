@@ -304,7 +304,7 @@ RSS_CHILD = textwrap.dedent(
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     nbytes = int(sys.argv[2])
-    tensors = {f"layer{i}.weight": torch.ones(nbytes // 8 // 4, dtype=torch.float32) for i in range(8)}
+    tensors = {f"layer{i}.weight": torch.full((nbytes // 8 // 4,), float(i)) for i in range(8)}
     server = RankServer(engine=open_engine("tcp"))
     before = rss()
     weights = RankWeights.from_tensors(tensors=tensors)
@@ -313,27 +313,42 @@ RSS_CHILD = textwrap.dedent(
     seed = Seed(weights=[weights], identity=ident, planner_url=sys.argv[1], servers=[server], control=False)
     seed.start()
     after = rss()
-    seed.close()
     total = sum(t.numel() * 4 for t in tensors.values())
-    print(json.dumps({"before": before, "after": after, "weights": total}))
+    print(json.dumps({"before": before, "after": after, "weights": total}), flush=True)
+    sys.stdin.readline()  # serve until the parent has pulled
+    seed.close()
     """
 )
 
 
 @pytest.mark.slow
-def test_serving_in_place_adds_at_most_one_percent_of_the_weights_to_rss(planner, tmp_path):
-    nbytes = 512 << 20
-    proc = subprocess.run(
+def test_seed_process_serves_in_place_adding_at_most_one_percent_rss_and_a_loader_pulls_it(planner):
+    nbytes = 256 << 20
+    proc = subprocess.Popen(
         [sys.executable, "-c", RSS_CHILD, planner, str(nbytes)],
-        capture_output=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
         text=True,
-        timeout=300,
-        check=False,
         env={**os.environ, "RFORK_TCP_HOST": "127.0.0.1"},
         cwd=Path(__file__).resolve().parents[2],
     )
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["weights"] == nbytes
-    grew = out["after"] - out["before"]
-    assert grew <= 0.01 * out["weights"], f"serving grew RSS by {grew} bytes for {out['weights']} of weights"
+    try:
+        assert proc.stdout is not None
+        assert proc.stdin is not None
+        out = json.loads(proc.stdout.readline())
+        assert out["weights"] == nbytes
+        grew = out["after"] - out["before"]
+        assert grew <= 0.01 * out["weights"], f"serving grew RSS by {grew} bytes for {nbytes} of weights"
+        ident = SourceIdentity(model="rss", revision="r", dtype="float32", fingerprint="f" * 64)
+        dest = {f"layer{i}.weight": torch.zeros(nbytes // 8 // 4) for i in range(8)}
+        result = pull_into(identity=ident, planner_url=planner, tensors=dest, options=opts(become_seed=False))
+        assert result.source == "rfork-tcp"
+        assert result.verified
+        assert all(bool((t == float(i)).all()) for i, t in enumerate(dest.values()))
+        proc.stdin.write("stop\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
