@@ -214,6 +214,7 @@ class _Puller:
         deadline: float,
         progress: ProgressFn | None,
         prefault: bool = True,
+        staged: bool = False,
     ) -> None:
         self.engine = engine
         self.manifest = manifest
@@ -227,7 +228,9 @@ class _Puller:
         self.phases: dict[str, float] = {}
         self._verify_s = 0.0
         self._expected = {t.name: t.checksum for t in manifest.tensors}
-        self._streaming = dest.checksum_algorithm == ck.XXH3_128
+        # GPU destinations (no FI_HMEM on these providers) read through pinned host bounce slots.
+        self.staged = staged or dest.device.type == "cuda"
+        self._streaming = dest.checksum_algorithm == ck.XXH3_128 and not self.staged
         self._spans = self._span_table()
 
     def _span_table(self) -> list[list[_Span]]:
@@ -278,8 +281,9 @@ class _Puller:
                 )
             self.dest.checksums[name] = got
 
-    def run(self) -> list[Any]:
-        """Pull and verify every tensor; returns the local registrations (one per destination region)."""
+    def run(self) -> list[Any] | None:
+        """Pull and verify every tensor; returns the local registrations (one per destination region),
+        or None when the pull went through bounce slots."""
         from backends import MemoryRegionDescriptor
 
         dest = self.dest
@@ -287,6 +291,9 @@ class _Puller:
             if not p.nbytes:
                 verify_tensors(dest, self._expected, [p.name])
         remote = {r.index: MemoryRegionDescriptor.from_bytes(r.descriptor) for r in self.manifest.regions}
+        if self.staged:
+            self._run_staged(remote)
+            return None  # nothing registered: a seed it becomes registers (or mirrors) afresh
         plan = plan_reads(dest, self.manifest, self.chunk_bytes)
         total = sum(r.nbytes for reads in plan for r in reads)
         done_bytes = 0
@@ -378,6 +385,39 @@ class _Puller:
                         self.engine.deregister(reg)
             reg_pool.shutdown(wait=not ok)
             verify_pool.shutdown(wait=True, cancel_futures=not ok)
+
+    def _run_staged(self, remote: Mapping[int, Any]) -> None:
+        """Each distinct destination tensor through a StagedReader (pinned bounce slots, then a device
+        copy), verified on its device as it lands. Nothing of the destination is registered."""
+        from backends.staging import StagedReader
+
+        src = {t.name: t for t in self.manifest.tensors}
+        spans = [span for region in self._spans for span in region]
+        total = sum(span.end - span.offset for span in spans)
+        device = self.dest.device if self.dest.device.type == "cuda" else None
+        reader = StagedReader(self.engine, device=device)
+        t_first = time.perf_counter()
+        futs: list[tuple[_Span, Future[int]]] = []
+        try:
+            for span in spans:
+                entry = src[span.names[0]]
+                tensor = self.dest.tensors[span.names[0]]
+                futs.append(
+                    (span, reader.read_into(tensor, 0, entry.nbytes, remote[entry.region], entry.offset))
+                )
+            done = 0
+            for span, fut in futs:
+                fut.result(timeout=self._left())
+                done += span.end - span.offset
+                self._report(done, total)
+                t = time.perf_counter()
+                self._check(span)
+                self._verify_s += time.perf_counter() - t
+        except TimeoutError as exc:
+            raise PullError(f"rank {self.rank}: deadline passed") from exc
+        finally:
+            reader.close()  # waits out whatever is still queued: the bounce slots are quiet after
+        self.phases.update(transfer=time.perf_counter() - t_first - self._verify_s, verify=self._verify_s)
 
     def _register_all(
         self, targets: Sequence[Any], futs: Sequence[Future[Any]], stop: threading.Event
@@ -475,6 +515,9 @@ class LoadOptions:
     # Fault destination pages in (MADV_POPULATE_WRITE) on the registration thread, ahead of the reads,
     # instead of inside the transport's receive copy.
     prefault: bool = True
+    # Read through pinned host bounce slots (backends.staging). Automatic for GPU destinations, as tcp
+    # and shm cannot register device memory; setting it for host destinations exercises that path.
+    staged_reads: bool = False
 
 
 class Loader:
@@ -851,6 +894,7 @@ class Loader:
             deadline=deadline,
             progress=self.progress,
             prefault=self.options.prefault,
+            staged=self.options.staged_reads,
         )
         before = torch.get_num_threads()
         if self.options.pull_torch_threads:

@@ -352,3 +352,49 @@ def test_seed_process_serves_in_place_adding_at_most_one_percent_rss_and_a_loade
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+# ---------------------------------------------------------------- the GPU paths, with host tensors
+
+
+def test_host_mirrors_hold_each_regions_bytes():
+    backing = torch.arange(4096, dtype=torch.int32)
+    tensors = {"a": backing[:1000], "b": backing[1000:3000], "tied": backing[:1000], "c": torch.ones(7)}
+    w = RankWeights.from_tensors(tensors=tensors)
+    mirrors = w.host_mirrors()
+    assert [m.numel() for m in mirrors] == list(w.layout.region_sizes)
+    for p in w.layout.placements:
+        got = mirrors[p.region][p.offset : p.offset + p.nbytes]
+        assert torch.equal(got, tensors[p.name].reshape(-1).view(torch.uint8)), p.name
+    assert mirrors[0].data_ptr() != backing.data_ptr()  # a copy (only GPU weights on tcp need one)
+
+
+@pytest.mark.slow
+def test_staged_pull_path_used_for_gpu_destinations_runs_with_host_tensors(planner):
+    """The bounce-slot path GPU destinations take (tcp/shm cannot register device memory), run here
+    with host tensors standing in for device memory; then the loaded instance serves."""
+    model = tied_model(0)
+    ident = identity_for(model)
+    with Seed(
+        weights=[RankWeights.from_tensors(tensors=model.state_dict())], identity=ident, planner_url=planner
+    ) as seed:
+        target = tied_model(2)
+        a = Loader(identity=ident, planner_url=planner, options=opts(staged_reads=True)).load_into(target)
+        try:
+            assert a.source == "rfork-tcp"
+            assert a.verified
+            for name, t in model.state_dict().items():
+                assert torch.equal(target.state_dict()[name], t), name
+            assert a.seed is not None  # registered afresh after a staged pull
+            third = {n: torch.empty_like(t) for n, t in model.state_dict().items()}
+            b = pull_into(
+                identity=ident,
+                planner_url=planner,
+                tensors=third,
+                options=opts(exclude=seed.instance_ids, become_seed=False),
+            )
+            assert b.attempts[0].instance_id == a.seed.instance_ids[0]
+            assert all(torch.equal(third[n], t) for n, t in model.state_dict().items())
+            b.close()
+        finally:
+            a.close()
