@@ -117,53 +117,83 @@ def build_receiver_schedule(
             raise RLError(
                 f"schedule: {who}'s layout has {len(shard.layout.placements)} tensors, specs {len(specs)}"
             )
-    load = [0] * len(trainers)
-    order = {t: (t - receiver_index) % len(trainers) for t in range(len(trainers))}
-    runs: list[Run] = []
+    # Pass 1: elementary pieces (a tensor's rows [a, b) of the split dim) and who holds each.
+    pieces: list[tuple[int, int, int, tuple[int, ...]]] = []
     for i, spec in enumerate(specs):
         dst = receiver.layout.placements[i]
         if dst.name != spec.name:
             raise RLError(f"schedule: receiver's tensor {i} is {dst.name!r}, specs say {spec.name!r}")
+        for t, shard in enumerate(trainers):
+            if shard.layout.placements[i].name != spec.name:
+                raise RLError(f"schedule: trainer {t}'s tensor {i} is not {spec.name!r}")
         if dst.nbytes == 0:
             continue
-        outer, mid, inner = _geometry(spec)
+        _, mid, _ = _geometry(spec)
         dlo, dhi = _held(spec, mid, receiver)
         held = [_held(spec, mid, t) for t in trainers]
         cuts = sorted({dlo, dhi, *(min(max(x, dlo), dhi) for rng in held for x in rng)})
         for a, b in zip(cuts, cuts[1:], strict=False):
-            holders = [t for t, (lo, hi) in enumerate(held) if lo <= a and b <= hi]
+            holders = tuple(t for t, (lo, hi) in enumerate(held) if lo <= a and b <= hi)
             if not holders:
                 raise RLError(
                     f"schedule: no trainer holds {spec.name!r} rows [{a}, {b}) of dim "
                     f"{spec.split_dim or 0} for receiver {receiver_index} "
                     f"(tp {receiver.tp_rank}/{receiver.tp_size})"
                 )
-            holders.sort(key=lambda t: (load[t], order[t]))
-            size = (b - a) * inner * outer
-            parts = min(len(holders), b - a) if size >= split_min_bytes else 1
-            for k in range(parts):
-                pa, pb = a + (b - a) * k // parts, a + (b - a) * (k + 1) // parts
-                t = holders[k]
-                slo, shi = held[t]
-                src = trainers[t].layout.placements[i]
-                if src.name != spec.name:
-                    raise RLError(
-                        f"schedule: trainer {t}'s tensor {i} is {src.name!r}, specs say {spec.name!r}"
-                    )
-                run = Run(
-                    trainer=t,
-                    src_region=src.region,
-                    src_offset=src.offset + (pa - slo) * inner,
-                    dst_region=dst.region,
-                    dst_offset=dst.offset + (pa - dlo) * inner,
-                    length=(pb - pa) * inner,
-                    count=outer,
-                    src_stride=(shi - slo) * inner,
-                    dst_stride=(dhi - dlo) * inner,
-                )
-                load[t] += run.nbytes
-                runs.append(_contiguous(run))
+            pieces.append((i, a, b, holders))
+    # Pass 2: bytes held by several trainers are dealt out in contiguous stripes, an equal quota
+    # per holder (starting at a different holder per receiver), so each trainer's share stays a
+    # few long writes; a stripe boundary splits a piece only where both parts are big enough.
+    totals: dict[tuple[int, ...], int] = {}
+    for i, a, b, holders in pieces:
+        outer, _, inner = _geometry(specs[i])
+        totals[holders] = totals.get(holders, 0) + (b - a) * outer * inner
+    turn: dict[tuple[int, ...], list[int]] = {h: [0, 0] for h in totals}  # [holders filled, bytes]
+    runs: list[Run] = []
+    for i, a, b, holders in pieces:
+        spec = specs[i]
+        outer, _, inner = _geometry(spec)
+        row = outer * inner
+        k = len(holders)
+        quota = -(-totals[holders] // k)
+        state = turn[holders]
+        while a < b:
+            t = holders[(receiver_index + state[0]) % k]
+            take = b - a
+            if state[0] < k - 1:  # the last holder takes whatever remains
+                fit = max(1, round((quota - state[1]) / row))
+                if fit < take and min(fit, take - fit) * row >= split_min_bytes:
+                    take = fit
+            runs.append(_run(spec, trainers, receiver, t, i, a, a + take))
+            a += take
+            state[1] += take * row
+            if state[0] < k - 1 and state[1] >= quota:
+                state[0] += 1
+                state[1] = 0
     return ReceiverSchedule(receiver=receiver_index, runs=tuple(_merge(runs, receiver.layout)))
+
+
+def _run(
+    spec: TensorSpec, trainers: Sequence[RankShard], receiver: RankShard, t: int, i: int, a: int, b: int
+) -> Run:
+    """Rows [a, b) of tensor i's split dim, from trainer t to the receiver."""
+    outer, mid, inner = _geometry(spec)
+    slo, shi = _held(spec, mid, trainers[t])
+    dlo, dhi = _held(spec, mid, receiver)
+    src = trainers[t].layout.placements[i]
+    dst = receiver.layout.placements[i]
+    run = Run(
+        trainer=t,
+        src_region=src.region,
+        src_offset=src.offset + (a - slo) * inner,
+        dst_region=dst.region,
+        dst_offset=dst.offset + (a - dlo) * inner,
+        length=(b - a) * inner,
+        count=outer,
+        src_stride=(shi - slo) * inner,
+        dst_stride=(dhi - dlo) * inner,
+    )
+    return _contiguous(run)
 
 
 def _contiguous(run: Run) -> Run:
