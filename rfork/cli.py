@@ -27,6 +27,7 @@ COMMANDS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("bench", "cold-start"), "rfork.bench.cold_start"),
     (("bench", "planner"), "rfork.bench.planner"),
     (("bench", "gpu"), "rfork.bench.gpu"),
+    (("bench", "rl"), "rfork.bench.rl"),
 )
 
 GROUP_HELP = {
