@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import math
 import multiprocessing as mp
 import os
 import platform
@@ -36,7 +35,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size-gib", type=float, default=0.25, help="model size (default 0.25 GiB)")
     parser.add_argument("--trainers", type=int, default=1, help="trainer processes (default 1)")
     parser.add_argument("--repeat", type=int, default=3, help="updates/broadcasts per N after a first one")
-    parser.add_argument("--provider", default="tcp", choices=["tcp", "shm"], help="one-sided provider")
+    parser.add_argument(
+        "--providers",
+        nargs="+",
+        default=["tcp", "shm"],
+        choices=["tcp", "shm"],
+        help="one-sided providers to measure, each against its own gloo run (default tcp shm)",
+    )
+    parser.add_argument("--domains", type=int, default=1, help="engine domains per process (default 1)")
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
 
 
@@ -47,7 +53,9 @@ def _specs(size_bytes: int) -> Any:  # noqa: ANN401
     return model_specs(config_for_size(size_bytes).tensor_specs("bfloat16"))
 
 
-def _worker(conn: Connection, role: str, index: int, size_bytes: int, provider: str, store_port: int) -> None:
+def _worker(
+    conn: Connection, role: str, index: int, size_bytes: int, provider: str, domains: int, store_port: int
+) -> None:
     """A trainer or receiver process: rfork session first, then the gloo group, driven by commands."""
     import torch
     import torch.distributed as dist
@@ -62,7 +70,7 @@ def _worker(conn: Connection, role: str, index: int, size_bytes: int, provider: 
     buffers = allocate(layout)
     for b in buffers:
         b.fill_(0)  # pre-fault
-    eng = TransferEngine(provider, 1, timeout_s=30.0, host="127.0.0.1" if provider == "tcp" else None)
+    eng = TransferEngine(provider, domains, timeout_s=30.0, host="127.0.0.1" if provider == "tcp" else None)
     conn.send(eng.address)
     roster, n_trainers, n_receivers = conn.recv()
     node: Any
@@ -127,7 +135,9 @@ def _worker(conn: Connection, role: str, index: int, size_bytes: int, provider: 
         os._exit(0)  # skip the interpreter's final collection (seconds with torch loaded)
 
 
-def _measure(n: int, args: argparse.Namespace, target_bytes: int, size_bytes: int) -> dict[str, Any]:
+def _measure(
+    provider: str, n: int, args: argparse.Namespace, target_bytes: int, size_bytes: int
+) -> dict[str, Any]:
     import torch.distributed as dist
 
     from rfork.rl import TrainerRank
@@ -143,7 +153,7 @@ def _measure(n: int, args: argparse.Namespace, target_bytes: int, size_bytes: in
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_worker,
-                args=(child, role, index, target_bytes, args.provider, store.port),
+                args=(child, role, index, target_bytes, provider, args.domains, store.port),
                 daemon=True,
             )
             p.start()
@@ -194,6 +204,7 @@ def _measure(n: int, args: argparse.Namespace, target_bytes: int, size_bytes: in
     steady = statistics.median(updates[1:])
     base = statistics.median(gloo[1:])
     return {
+        "provider": provider,
         "receivers": n,
         "trainers": args.trainers,
         "bytes_per_receiver": size_bytes,
@@ -231,51 +242,57 @@ def run(args: argparse.Namespace) -> int:
     target = int(args.size_gib * (1 << 30))
     size_bytes = shard_layout(_specs(target), tp_size=1, tp_rank=0).total_bytes
     rows = []
-    for n in args.receivers:
-        with console.status(f"{n} receiver(s)"):
-            rows.append(_measure(n, args, target, size_bytes))
+    for provider in args.providers:
+        for n in args.receivers:
+            with console.status(f"{provider}, {n} receiver(s)"):
+                rows.append(_measure(provider, n, args, target, size_bytes))
+    load = os.getloadavg()
     table = Table(
-        title=f"RL weight update, {size_bytes / 1e9:.2f} GB per receiver, {args.trainers} trainer(s), "
-        f"{args.provider}; median of {args.repeat}"
+        title=f"RL weight update: {size_bytes / 1e9:.2f} GB per receiver, {args.trainers} trainer(s), "
+        f"{args.domains} domain(s), median of {args.repeat}; load average {load[0]:.1f}"
     )
-    for col in (
-        "receivers",
-        "setup (s)",
-        "schedule (s)",
-        "first (s)",
-        "update (s)",
+    cols = (
+        "provider",
+        "N",
+        "setup s",
+        "sched s",
+        "first s",
+        "update s",
         "GB/s",
-        "gloo bcast (s)",
+        "gloo s",
         "gloo GB/s",
         "× gloo",
-        "verified",
-    ):
+    )
+    for col in cols:
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
+            r["provider"],
             str(r["receivers"]),
-            f"{r['setup_s']:.3f}",
+            f"{r['setup_s']:.2f}",
             f"{r['schedule_build_s']:.4f}",
             f"{r['first_update_s']:.3f}",
             f"{r['update_s']:.3f}",
             f"{r['update_gb_per_s']:.2f}",
             f"{r['gloo_broadcast_s']:.3f}",
             f"{r['gloo_gb_per_s']:.2f}",
-            f"{r['speedup_vs_gloo']:.2f}",
-            "yes" if r["verified"] else "NO",
+            f"{r['speedup_vs_gloo']:.2f}" + ("" if r["verified"] else " UNVERIFIED"),
         )
     console.print(table)
-    console.print("× gloo = gloo broadcast seconds / update seconds (higher: rfork faster)")
-    load = os.getloadavg()
+    console.print(
+        "update: first post until every receiver serves the new version; gloo: broadcast of the same "
+        "bytes between barriers; × gloo = gloo s / update s (higher: rfork faster); "
+        "sched: schedule build, once per session (not in update)"
+    )
     doc = {
-        "provider": args.provider,
+        "providers": args.providers,
         "trainers": args.trainers,
+        "domains": args.domains,
         "repeat": args.repeat,
         "load_average": [round(x, 2) for x in load],
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "rows": rows,
     }
-    assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))
     return 0
