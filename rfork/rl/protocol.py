@@ -3,7 +3,8 @@
 receiver -> trainers  HELLO  join: TP position, layout parameters, model digest, the descriptors of
                              both parameter slots, its immediate tag, version and free slot
 receiver -> trainers  READY  "I serve `version`; slot `slot` is free to write" (after a flip or an
-                             abandoned update, once no reader uses that slot)
+                             abandoned update, once no reader uses that slot); slot null: "I serve
+                             `version`, but a reader still holds the other slot" (a confirmation)
 trainer -> receiver   BEGIN  "version `version` is being written into the free slot"
 trainer -> receiver   REJECT the HELLO disagrees with the trainer (model, layout, contributors)
 Completion is not a message: each contributing trainer sends one immediate `imm_for(tag, version)`

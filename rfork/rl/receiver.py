@@ -132,6 +132,7 @@ class RLReceiver:
         self._pending: _Pending | None = None
         self._abandoned_up_to = version
         self._announce = False
+        self._confirmed = version  # the last version a READY told the trainers about
         self._inbox: deque[bytes] = deque()
         self._closed = False
         self.rejected: str | None = None
@@ -211,8 +212,12 @@ class RLReceiver:
     def _control_loop(self) -> None:
         while True:
             with self._cond:
-                while (
-                    not self._closed and not self._inbox and not self._announce_due() and not self._overdue()
+                while not (
+                    self._closed
+                    or self._inbox
+                    or self._announce_due()
+                    or self._confirm_due()
+                    or self._overdue()
                 ):
                     self._cond.wait(self._wait_s())
                 if self._closed:
@@ -221,14 +226,21 @@ class RLReceiver:
                 self._inbox.clear()
                 if self._overdue():
                     self._abandon()
-                announce = self._announce_due()
-                if announce:
+                ready: tuple[int, int | None] | None = None
+                if self._announce_due():
                     self._announce = False
                     ready = (self._version, 1 - self._active)
+                elif self._confirm_due():  # flipped, but a reader still holds the old slot
+                    ready = (self._version, None)
+                if ready is not None:
+                    self._confirmed = ready[0]
             for data in inbox:
                 self._handle(data)
-            if announce:
+            if ready is not None:
                 self._broadcast(protocol.READY, version=ready[0], slot=ready[1])
+
+    def _confirm_due(self) -> bool:
+        return self._confirmed != self._version
 
     def _wait_s(self) -> float:
         if self._pending is None:

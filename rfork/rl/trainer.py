@@ -372,7 +372,7 @@ class RLTrainer:
             if rec is None or not rec.alive:
                 return
             rec.version = protocol.field(msg, "version", int)
-            rec.free_slot = protocol.field(msg, "slot", int) & 1
+            rec.free_slot = None if msg.get("slot") is None else protocol.field(msg, "slot", int) & 1
             self._cond.notify_all()
 
     def _hello(self, msg: dict[str, object]) -> None:
