@@ -82,6 +82,10 @@ class RLTrainer:
             raise RLError(f"trainer index {index} is not in the roster of {len(trainers)}")
         me = trainers[index]
         check_tp(me.tp_size, me.tp_rank, f"trainer {index}")
+        if engine.provider == "shm" and engine.domains > 1:
+            # shm completes plain writes when queued: only one endpoint (FIFO to the peer) keeps the
+            # completion immediate behind the data it announces.
+            raise RLError(f"trainer {index}: an shm engine needs exactly one domain, not {engine.domains}")
         if me.address != engine.address:
             raise RLError(f"trainer {index}: the roster's address is not this engine's address")
         self.engine = engine
