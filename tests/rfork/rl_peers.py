@@ -56,7 +56,9 @@ def shard_bytes(spec: TensorSpec, version: int, tp: int, rank: int) -> torch.Ten
 def _engine() -> Any:  # noqa: ANN401
     from backends import TransferEngine
 
-    return TransferEngine("tcp", 1, timeout_s=3.0, host="127.0.0.1")
+    # 8 s: a live peer on a loaded 2-core box is never mistaken for a dead one; a killed peer is
+    # seen at once anyway (its connection resets).
+    return TransferEngine("tcp", 1, timeout_s=8.0, host="127.0.0.1")
 
 
 def trainer_main(conn: Connection, index: int, tp: int, rank: int) -> None:

@@ -128,7 +128,7 @@ def test_a_receiver_killed_mid_update_is_dropped_and_the_others_finish(sessions:
     for res in results:
         assert res["applied"] == [0, 2]
         assert res["dropped"] == [1]
-    assert took < 20, f"dropping a dead receiver took {took:.1f}s"
+    assert took < 30, f"dropping a dead receiver took {took:.1f}s"
     assert not s.receivers[1].proc.is_alive()
     for j in (0, 2):
         s.verify(j, 2)
