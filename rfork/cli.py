@@ -23,6 +23,7 @@ COMMANDS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("seed",), "rfork.commands.seed"),
     (("load",), "rfork.commands.load"),
     (("demo",), "rfork.commands.demo"),
+    (("sglang",), "rfork.commands.sglang"),
     (("bench", "transport"), "rfork.bench.transport"),
     (("bench", "cold-start"), "rfork.bench.cold_start"),
     (("bench", "planner"), "rfork.bench.planner"),

@@ -269,6 +269,7 @@ class Publication:
             max_concurrent_pulls=max_concurrent_pulls,
         )
         self.instance_id: str = str(reg.id)
+        self.instance_token: str | None = getattr(reg, "token", None)  # acts as this instance only
         if getattr(reg, "token", None):
             self.client.use_token(reg.token)
         self._stop = threading.Event()
