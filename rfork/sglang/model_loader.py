@@ -35,10 +35,10 @@ from sglang.srt.model_loader.utils import set_default_torch_dtype
 
 from rfork.errors import CheckpointError
 from rfork.identity import SourceIdentity
-from rfork.loader import LoadOptions, load
+from rfork.loader import LoadOptions, load, pull_into
 from rfork.seed import RankWeights, Seed
 from rfork.sglang.identity import checkpoint_identity, parameters_identity
-from rfork.sglang.serving import in_place_weights, keep_signal_handlers, publish_seed
+from rfork.sglang.serving import keep_signal_handlers, publish_seed
 from rfork.sglang.settings import HookSettings, default_loader_extra
 
 log = logging.getLogger(__name__)
@@ -152,24 +152,18 @@ class RforkModelLoader(BaseModelLoader):
     def _pull_into(
         self, params: Mapping[str, torch.Tensor], *, identity: SourceIdentity, rank: int
     ) -> tuple[int, str]:
-        """Pull one rank into `params` (checked, verified); raises on no source or any failure."""
-        options = self._options()
+        """Pull one rank straight into the parameters' storage (checked against the manifest first,
+        verified); raises on no source or any failure, leaving the parameters undefined."""
         with keep_signal_handlers():
-            result = load(
+            result = pull_into(
                 identity=identity,
                 planner_url=self.settings.planner_url,
                 token=self.settings.token,
-                ranks=[rank],
-                options=options,
+                tensors=params,
+                rank=rank,
+                options=self._options(),
             )
         try:
-            pulled = result.state_dict(rank)
-            missing = set(params) ^ set(pulled)
-            if missing:
-                raise CheckpointError(f"seed and model disagree on parameters {sorted(missing)[:5]}")
-            with torch.no_grad():
-                for name, p in params.items():
-                    p.copy_(pulled[name])
             return result.bytes, result.source
         finally:
             result.close()
@@ -192,7 +186,7 @@ class RforkModelLoader(BaseModelLoader):
                 assert identity is not None
                 if self.outcome.source == "sglang-default":  # the model SGLang built, post-processed
                     identity = dataclasses.replace(identity, fingerprint=_fingerprint(params))
-                weights = in_place_weights(rank=self.outcome.rank, tensors=params)
+                weights = RankWeights.from_tensors(rank=self.outcome.rank, tensors=params)
             else:
                 if self.outcome.served is None or self.outcome.identity is None:
                     return None

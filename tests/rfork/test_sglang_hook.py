@@ -20,9 +20,10 @@ from hypothesis import strategies as st
 from rfork.commands import sglang as launcher
 from rfork.loader import LoadOptions, load
 from rfork.model import LlamaForCausalLM
+from rfork.seed import RankWeights
 from rfork.sglang import lifecycle
 from rfork.sglang.identity import parameters_fingerprint, parameters_identity
-from rfork.sglang.serving import ServeError, in_place_weights, publish_seed
+from rfork.sglang.serving import publish_seed
 from rfork.sglang.settings import HookSettings, SettingsError, default_loader_extra
 from tests.rfork.conftest import SMALL
 
@@ -219,11 +220,6 @@ def test_parameters_identity_tracks_shapes_and_layout():
     assert one.key() != two.key()
 
 
-def test_in_place_weights_refuse_non_contiguous():
-    with pytest.raises(ServeError, match="'t'"):
-        in_place_weights(rank=0, tensors={"t": torch.zeros(4, 4).t()})
-
-
 @pytest.mark.slow
 def test_parameters_served_in_place_are_pulled_bit_identical_then_drained(tmp_path, planner, monkeypatch):
     from planner.client import PlannerClient
@@ -232,8 +228,7 @@ def test_parameters_served_in_place_are_pulled_bit_identical_then_drained(tmp_pa
     model = LlamaForCausalLM(SMALL)
     params = dict(model.named_parameters())
     ptrs = {n: p.data_ptr() for n, p in params.items()}
-    weights = in_place_weights(rank=0, tensors=params)
-    assert [b.data_ptr() for b in weights.buffers] == list(ptrs.values())  # no copy
+    weights = RankWeights.from_tensors(rank=0, tensors=params)  # served where they live, no copy
     ident = parameters_identity(
         model="small", revision="main", tensors=params, dtype=torch.bfloat16, quantization=None,
         tp=1, pp=1, ep=1, dp=1, framework_version="test", device="cpu",
