@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.sglang.conftest import SglangServer
+from tests.sglang.servers import SglangServer
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(1500)]
 

@@ -18,11 +18,11 @@ TINY = LlamaConfig(
 SPECIAL = ["<unk>", "<s>", "</s>"]
 
 
-def write_tiny_llama(directory: Path, *, name: str = "tiny-llama") -> Path:
-    """Write the model to `directory` (no hub access) and return it."""
+def write_tiny_llama(directory: Path, *, name: str = "tiny-llama", config: LlamaConfig = TINY) -> Path:
+    """Write the model (default: TINY) to `directory` (no hub access) and return it."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    write_synthetic_checkpoint(directory, config=TINY, model_name=name, seed=11)
+    write_synthetic_checkpoint(directory, config=config, model_name=name, seed=11)
     cfg = json.loads((directory / "config.json").read_text())
     cfg.update(
         max_position_embeddings=512,
@@ -31,11 +31,11 @@ def write_tiny_llama(directory: Path, *, name: str = "tiny-llama") -> Path:
         hidden_act="silu",
         initializer_range=0.02,
         use_cache=True,
-        head_dim=TINY.head_dim,
+        head_dim=config.head_dim,
     )
     (directory / "config.json").write_text(json.dumps(cfg, indent=1))
     vocab = {tok: i for i, tok in enumerate(SPECIAL)}
-    vocab.update({f"w{i}": i for i in range(len(SPECIAL), TINY.vocab_size)})
+    vocab.update({f"w{i}": i for i in range(len(SPECIAL), config.vocab_size)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(directory / "tokenizer.json"))
