@@ -75,7 +75,8 @@ ensure_sglang_env() {
 run_sglang_tests() {
   ensure_sglang_env
   log "pytest (SGLang integration, $SGLANG_VENV)"
-  "$SGLANG_VENV/bin/python" -m pytest -m sglang tests/sglang "$@"
+  [ $# -gt 0 ] || set -- tests/sglang
+  "$SGLANG_VENV/bin/python" -m pytest -m sglang "$@"
 }
 
 cmd=${1:-setup}; [ $# -gt 0 ] && shift
