@@ -182,10 +182,9 @@ class RforkModelLoader(BaseModelLoader):
                 if device.type != "cpu":
                     log.warning("rfork: not serving %s parameters (GPU serving is not wired yet)", device)
                     return None
-                identity = self.outcome.identity
-                assert identity is not None
-                if self.outcome.source == "sglang-default":  # the model SGLang built, post-processed
-                    identity = dataclasses.replace(identity, fingerprint=_fingerprint(params))
+                identity = self.outcome.identity  # of the final, post-processed parameters
+                if identity is None:
+                    return None
                 weights = RankWeights.from_tensors(rank=self.outcome.rank, tensors=params)
             else:
                 if self.outcome.served is None or self.outcome.identity is None:
@@ -263,12 +262,6 @@ class RforkModelLoader(BaseModelLoader):
             framework_version=str(sglang.__version__),
             device=device,
         )
-
-
-def _fingerprint(params: Mapping[str, torch.Tensor]) -> str:
-    from rfork.sglang.identity import parameters_fingerprint
-
-    return parameters_fingerprint(params)
 
 
 def _local_checkpoint(model_path: str) -> Any | None:

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 DOUBLES = Path(__file__).parent / "doubles"  # the test-only vllm._custom_ops stand-in
-READY_TIMEOUT_S = float(os.environ.get("RFORK_SGLANG_READY_TIMEOUT_S", "420"))
+# a server start takes about a minute on 2 quiet cores, several on a shared, loaded box
+READY_TIMEOUT_S = float(os.environ.get("RFORK_SGLANG_READY_TIMEOUT_S", "900"))
 PROMPT = [1, 17, 42, 99, 256, 7, 311, 64]  # token ids (the tiny tokenizer's words w3..w511)
 NEW_TOKENS = 12
 
