@@ -177,11 +177,9 @@ class RforkModelLoader(BaseModelLoader):
             return None
         try:
             if s.mode == "parameters":
+                # CUDA parameters: the seed serves them through host mirrors when the provider cannot
+                # register device memory (rfork.seed; not run here, no GPU)
                 params = dict(model.named_parameters())
-                device = next((p.device for p in params.values()), torch.device("cpu"))
-                if device.type != "cpu":
-                    log.warning("rfork: not serving %s parameters (GPU serving is not wired yet)", device)
-                    return None
                 identity = self.outcome.identity  # of the final, post-processed parameters
                 if identity is None:
                     return None

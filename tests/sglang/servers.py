@@ -42,7 +42,9 @@ def cpu_server_args(model: Path, port: int) -> list[str]:
         "--device", "cpu",
         "--attention-backend", "torch_native",
         "--disable-cuda-graph",
-        "--mem-fraction-static", "0.05",
+        # SGLang on CPU sizes its pools from the host's free memory, which other processes move on a
+        # shared box; the pool is capped by --max-total-tokens, so a large fraction costs nothing
+        "--mem-fraction-static", "0.8",
         "--max-total-tokens", "2048",
         "--context-length", "256",
         "--host", "127.0.0.1",
