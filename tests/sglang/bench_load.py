@@ -4,8 +4,8 @@
 
 Run it in .venv-sglang. The baseline is measured in the same run: an SGLang server started with
 `--load-format auto` (the page cache is warmed first, so "disk" is at its best). Then come:
-- A: `rfork sglang`, no seed yet, so rfork reads the disk and A becomes a seed;
-- B: `rfork sglang`, which pulls from A over tcp;
+- R: `rfork sglang` in checkpoint mode, pulling over tcp from a seed of the same checkpoint (an
+  in-process `rfork.seed.Seed`, as `rfork seed` runs it);
 - with `parameters` in --modes, P1 (SGLang's own loader, then a parameters seed) and P2 (pulls into
   its parameters from P1).
 Each figure is SGLang's own `Load weight end. elapsed` (the whole ModelRunner.load_model) and rfork's
@@ -65,6 +65,15 @@ def _row(
     }
 
 
+def _checkpoint_seed(model: Path, planner_url: str) -> Any:
+    from rfork.checkpoint import load_state_dict, read_checkpoint_info
+    from rfork.seed import RankWeights, Seed
+
+    info = read_checkpoint_info(model)
+    weights = RankWeights.from_tensors(rank=0, tensors=load_state_dict(model))
+    return Seed(weights=[weights], identity=info.identity(tp=1), planner_url=planner_url)
+
+
 def _start(fleet: ServerFleet, name: str, planner_url: str, mode: str) -> SglangServer:
     return fleet.start_rfork(name, planner_url=planner_url, mode=mode).wait_ready()
 
@@ -72,6 +81,7 @@ def _start(fleet: ServerFleet, name: str, planner_url: str, mode: str) -> Sglang
 def run(size_mib: int, modes: list[str], workdir: Path) -> dict[str, Any]:
     from planner.server import PlannerServer
 
+    os.environ.setdefault("RFORK_TCP_HOST", "127.0.0.1")  # loopback, as the servers use
     config = config_for_size(size_mib << 20)
     model = write_tiny_llama(workdir / "model", name=f"bench-llama-{size_mib}mib", config=config)
     model_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
@@ -88,12 +98,10 @@ def run(size_mib: int, modes: list[str], workdir: Path) -> dict[str, Any]:
             rows.append(_row("auto", auto, None, reference, base_s))
             auto.stop()
             if "checkpoint" in modes:
-                a = _start(fleet, "A", planner.url, "checkpoint")
-                rows.append(_row("A (no seed)", a, "checkpoint", reference, base_s))
-                b = _start(fleet, "B", planner.url, "checkpoint")
-                rows.append(_row("B (pull from A)", b, "checkpoint", reference, base_s))
-                a.stop()
-                b.stop()
+                with _checkpoint_seed(model, planner.url):
+                    r = _start(fleet, "R", planner.url, "checkpoint")
+                    rows.append(_row("R (pull from seed)", r, "checkpoint", reference, base_s))
+                    r.stop()
             if "parameters" in modes:
                 p1 = _start(fleet, "P1", planner.url, "parameters")
                 rows.append(_row("P1 (no seed)", p1, "parameters", reference, base_s))
