@@ -71,7 +71,7 @@ def transfers(planner: Any) -> list[dict[str, Any]]:
     return list(planner.transfers(limit=100)["items"])
 
 
-def test_1_pull_from_an_rfork_seed_and_tokens_equal_auto(server_fleet, planner, flow, tiny_model):
+def test_1_pull_from_an_rfork_seed_and_tokens_equal_auto(planner, server_fleet, flow, tiny_model):
     from rfork.checkpoint import load_state_dict, read_checkpoint_info
     from rfork.seed import RankWeights, Seed
 
