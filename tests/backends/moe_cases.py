@@ -1,0 +1,68 @@
+"""Deterministic MoE test cases (tokens, routings, weights, experts) that every process can regenerate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ROUTINGS = ("uniform", "skewed", "sparse", "masked")
+
+
+@dataclass(frozen=True)
+class Case:
+    world: int
+    num_experts: int
+    hidden: int
+    topk: int
+    max_tokens: int
+    routing: str = "uniform"
+    seed: int = 0
+    wire: str = "bf16"
+
+
+def routing_ids(g: torch.Generator, t: int, case: Case) -> torch.Tensor:
+    """[t, k] distinct expert ids per token (-1 where masked), drawn by the case's routing.
+
+    uniform: any experts; skewed: a few hot experts take most tokens (Zipf-like scores); sparse:
+    only a quarter of the experts are ever chosen, so whole ranks may get nothing; masked: like
+    uniform with about a third of the slots set to -1.
+    """
+    e, k = case.num_experts, case.topk
+    if case.routing == "sparse":
+        allowed = torch.randperm(e, generator=g)[: max(k, e // 4)]
+        scores = torch.rand(t, allowed.numel(), generator=g)
+        return allowed[scores.topk(k, dim=1).indices]
+    scores = torch.rand(t, e, generator=g)
+    if case.routing == "skewed":
+        scores = scores * (1.0 / torch.arange(1, e + 1, dtype=torch.float32)) ** 2
+    ids = scores.topk(k, dim=1).indices
+    if case.routing == "masked":
+        ids = torch.where(torch.rand(t, k, generator=g) < 0.35, -1, ids)
+    return ids
+
+
+def rank_inputs(case: Case, rank: int, round_: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [T, H] bf16, topk_ids [T, k], weights [T, k] fp32) for one rank and round; T varies, 0 included."""
+    g = torch.Generator().manual_seed(case.seed * 1_000_003 + round_ * 1009 + rank)
+    t = int(torch.randint(0, case.max_tokens + 1, (1,), generator=g))
+    if round_ % 3 == 0:
+        t = case.max_tokens  # the full capacity at least every third round
+    x = (torch.randn(t, case.hidden, generator=g) * 4).to(torch.bfloat16)
+    ids = routing_ids(g, t, case)
+    weights = torch.softmax(torch.randn(t, case.topk, generator=g), dim=1)
+    return x, ids, weights
+
+
+def expert_tables(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-expert scale and bias rows [E, H]: expert e computes x * a[e] + b[e] in fp32, row by row."""
+    g = torch.Generator().manual_seed(case.seed + 77)
+    a = torch.rand(case.num_experts, case.hidden, generator=g) + 0.5
+    b = torch.randn(case.num_experts, case.hidden, generator=g)
+    return a, b
+
+
+def apply_expert(tables: tuple[torch.Tensor, torch.Tensor], e: int, rows: torch.Tensor) -> torch.Tensor:
+    """Expert e on rows [n, H] (bf16 in, bf16 out); row-wise, so batch composition cannot matter."""
+    a, b = tables
+    return (rows.to(torch.float32) * a[e] + b[e]).to(torch.bfloat16)
