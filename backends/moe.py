@@ -304,11 +304,12 @@ class ExpertParallel:
             self._round += 1
             plan = plan_dispatch(topk_ids, self.expert_to_rank, self.world_size)
             self._send_plan = plan
-            rows = x.contiguous().view(torch.uint8)
             scales = None
             if self.wire == "fp8":
                 q, scales = quantize_fp8(x)
-                rows = q.view(torch.uint8)
+                rows = self._as_row_bytes(q)
+            else:
+                rows = self._as_row_bytes(x)
             imm = self.imm_base + self.rank
             for dest in self._peer_order():
                 # Our own tokens go straight into our receive buffer; the others into send slot `dest`.
@@ -475,6 +476,10 @@ class ExpertParallel:
             [self._round, n, plan.combine_offsets[dest], plan.pair_counts[dest]], dtype=torch.int64
         )
         views.headers[dest] = header
+
+    def _as_row_bytes(self, t: torch.Tensor) -> torch.Tensor:
+        """[T, row_bytes] uint8 view of token rows (flattened first: a size-1 dim may carry any stride)."""
+        return t.contiguous().reshape(-1).view(torch.uint8).view(t.shape[0], self._row_bytes)
 
     def _header(self, views: _RecordViews, slot: int) -> tuple[int, int, int, int]:
         rnd, n, offset, pairs = views.headers[slot].tolist()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 ROUTINGS = ("uniform", "skewed", "sparse", "masked")
+MIXED = "mixed"  # a different routing each round, in ROUTINGS order
 
 
 @dataclass(frozen=True)
@@ -16,12 +17,12 @@ class Case:
     hidden: int
     topk: int
     max_tokens: int
-    routing: str = "uniform"
+    routing: str = MIXED
     seed: int = 0
     wire: str = "bf16"
 
 
-def routing_ids(g: torch.Generator, t: int, case: Case) -> torch.Tensor:
+def routing_ids(g: torch.Generator, t: int, case: Case, routing: str) -> torch.Tensor:
     """[t, k] distinct expert ids per token (-1 where masked), drawn by the case's routing.
 
     uniform: any experts; skewed: a few hot experts take most tokens (Zipf-like scores); sparse:
@@ -29,27 +30,33 @@ def routing_ids(g: torch.Generator, t: int, case: Case) -> torch.Tensor:
     uniform with about a third of the slots set to -1.
     """
     e, k = case.num_experts, case.topk
-    if case.routing == "sparse":
+    if routing == "sparse":
         allowed = torch.randperm(e, generator=g)[: max(k, e // 4)]
         scores = torch.rand(t, allowed.numel(), generator=g)
         return allowed[scores.topk(k, dim=1).indices]
     scores = torch.rand(t, e, generator=g)
-    if case.routing == "skewed":
+    if routing == "skewed":
         scores = scores * (1.0 / torch.arange(1, e + 1, dtype=torch.float32)) ** 2
     ids = scores.topk(k, dim=1).indices
-    if case.routing == "masked":
+    if routing == "masked":
         ids = torch.where(torch.rand(t, k, generator=g) < 0.35, -1, ids)
     return ids
 
 
 def rank_inputs(case: Case, rank: int, round_: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x [T, H] bf16, topk_ids [T, k], weights [T, k] fp32) for one rank and round; T varies, 0 included."""
+    """(x [T, H] bf16, topk_ids [T, k], weights [T, k] fp32) for one rank and round.
+
+    T varies: max_tokens every third round, 0 for rank 1 in round 1, random otherwise.
+    """
     g = torch.Generator().manual_seed(case.seed * 1_000_003 + round_ * 1009 + rank)
     t = int(torch.randint(0, case.max_tokens + 1, (1,), generator=g))
     if round_ % 3 == 0:
-        t = case.max_tokens  # the full capacity at least every third round
+        t = case.max_tokens
+    if round_ == 1 and rank == 1:
+        t = 0
     x = (torch.randn(t, case.hidden, generator=g) * 4).to(torch.bfloat16)
-    ids = routing_ids(g, t, case)
+    routing = ROUTINGS[round_ % len(ROUTINGS)] if case.routing == MIXED else case.routing
+    ids = routing_ids(g, t, case, routing)
     weights = torch.softmax(torch.randn(t, case.topk, generator=g), dim=1)
     return x, ids, weights
 

@@ -1,0 +1,416 @@
+"""Expert-parallel dispatch/combine (backends.moe): exact against the single-process reference.
+
+Three layers: the routing-plan math alone (hypothesis, no transport); the real transport with P
+engines in this process (hypothesis over T, k, P, hidden); and 4 spawned ranks on tcp and shm.
+Plus misuse, bad input, a stalled peer and a SIGKILLed rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import multiprocessing as mp
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from backends import TransferEngine, provider_available
+from backends.moe import ExpertParallel, MoEError, MoETimeout
+from backends.moe_routing import (
+    combine_reduce,
+    expert_placement,
+    group_by_expert,
+    moe_reference,
+    plan_dispatch,
+    plan_receive,
+)
+from tests.backends.moe_cases import ROUTINGS, Case, apply_expert, expert_tables, rank_inputs, routing_ids
+from tests.backends.moe_worker import run_rank
+
+PROVIDERS = [p.strip() for p in os.environ.get("RFORK_TEST_PROVIDERS", "tcp,shm").split(",") if p.strip()]
+CTX = mp.get_context("spawn")
+_imm_bases = itertools.count(0x10000000, 64)  # a fresh imm range per group: no leftovers between examples
+
+
+def _skip_unless(provider: str) -> None:
+    if provider not in ("tcp", "shm"):
+        pytest.skip(f"{provider} is not exercised by the MoE tests")
+    if not provider_available(provider, "127.0.0.1" if provider == "tcp" else None):
+        pytest.skip(f"provider {provider} is not available on this machine")
+
+
+def _reference(case: Case, round_: int) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Reference outputs per rank, and per rank the pair count of each of its local experts."""
+    inputs = [rank_inputs(case, r, round_) for r in range(case.world)]
+    tables = expert_tables(case)
+    ref = moe_reference(
+        [i[0] for i in inputs],
+        [i[1] for i in inputs],
+        [i[2] for i in inputs],
+        lambda e, rows: apply_expert(tables, e, rows),
+        wire=case.wire,
+    )
+    to_rank, _ = expert_placement(case.num_experts, case.world)
+    ids = torch.cat([i[1] for i in inputs]).flatten()
+    per_expert = torch.bincount(ids[ids >= 0], minlength=case.num_experts)
+    counts = [per_expert[to_rank == r].tolist() for r in range(case.world)]
+    return ref, counts
+
+
+# ----- 1. the routing-plan math, no transport -------------------------------------------------------
+@st.composite
+def moe_cases(draw: st.DrawFn, max_world: int = 6) -> Case:
+    world = draw(st.integers(1, max_world))
+    topk = draw(st.integers(1, 6))
+    num_experts = draw(st.integers(topk, 24))
+    return Case(
+        world=world,
+        num_experts=num_experts,
+        hidden=draw(st.integers(1, 40)),
+        topk=topk,
+        max_tokens=draw(st.integers(1, 12)),
+        routing=draw(st.sampled_from(ROUTINGS)),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def _simulate(case: Case, round_: int, placement: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Dispatch and combine through the plans alone: what the wire would carry, moved by torch ops."""
+    to_rank, to_local = expert_placement(case.num_experts, case.world, placement)
+    tables = expert_tables(case)
+    inputs = [rank_inputs(case, r, round_) for r in range(case.world)]
+    plans = [plan_dispatch(ids, to_rank, case.world) for _, ids, _ in inputs]
+    outs: list[torch.Tensor] = []
+    recv_plans = []
+    for r in range(case.world):
+        rows = torch.cat([inputs[s][0][plans[s].dest_tokens[r]] for s in range(case.world)])
+        sizes = [int(plans[s].dest_tokens[r].numel()) for s in range(case.world)]
+        bases = [sum(sizes[:s]) for s in range(case.world)]
+        rp = plan_receive([plans[s].dest_ids[r] for s in range(case.world)], bases, to_rank, to_local, r)
+        assert rp.source_pairs == [plans[s].pair_counts[r] for s in range(case.world)]
+        mine = (to_rank == r).nonzero().squeeze(1).tolist()
+        out = torch.zeros(rp.total_pairs, case.hidden, dtype=torch.bfloat16)
+        for local, pairs in enumerate(group_by_expert(rp.pair_expert, len(mine))):
+            if pairs.numel():
+                out[pairs] = apply_expert(tables, mine[local], rows[rp.pair_row[pairs]])
+        outs.append(out)
+        recv_plans.append(rp)
+    results = []
+    for s in range(case.world):
+        back = torch.zeros(plans[s].total_pairs, case.hidden, dtype=torch.bfloat16)
+        for r in range(case.world):
+            start = sum(recv_plans[r].source_pairs[:s])
+            n = plans[s].pair_counts[r]
+            off = plans[s].combine_offsets[r]
+            back[off : off + n] = outs[r][start : start + n]
+        results.append(combine_reduce(back, plans[s].pair_slot, inputs[s][2], torch.bfloat16))
+    return results
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=moe_cases(), round_=st.integers(0, 5))
+def test_plan_math_matches_reference(case: Case, round_: int) -> None:
+    got = _simulate(case, round_)
+    ref, _ = _reference(case, round_)
+    for r, (a, b) in enumerate(zip(got, ref, strict=True)):
+        assert torch.equal(a, b), f"rank {r} differs from the reference"
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=moe_cases(), round_=st.integers(0, 5), data=st.data())
+def test_plan_math_with_any_placement(case: Case, round_: int, data: st.DataObject) -> None:
+    """Arbitrary expert → rank maps, ranks owning no expert included."""
+    placement = data.draw(
+        st.lists(st.integers(0, case.world - 1), min_size=case.num_experts, max_size=case.num_experts)
+    )
+    got = _simulate(case, round_, torch.tensor(placement))
+    ref, _ = _reference(case, round_)
+    for a, b in zip(got, ref, strict=True):
+        assert torch.equal(a, b)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    t=st.integers(0, 20),
+    k=st.integers(1, 8),
+    world=st.integers(1, 8),
+    seed=st.integers(0, 999),
+    routing=st.sampled_from(ROUTINGS),
+)
+def test_send_plan_invariants(t: int, k: int, world: int, seed: int, routing: str) -> None:
+    case = Case(world=world, num_experts=max(k, 2 * world), hidden=1, topk=k, max_tokens=max(t, 1))
+    ids = routing_ids(torch.Generator().manual_seed(seed), t, case, routing)
+    to_rank, _ = expert_placement(case.num_experts, world)
+    plan = plan_dispatch(ids, to_rank, world)
+    valid = ids >= 0
+    assert plan.total_pairs == int(valid.sum())
+    slots = plan.pair_slot[valid]
+    assert sorted(slots.tolist()) == list(range(plan.total_pairs)), "every pair gets exactly one slot"
+    assert bool((plan.pair_slot[~valid] == -1).all())
+    for r in range(world):
+        hit = (to_rank[ids.clamp(min=0)] == r) & valid
+        assert plan.dest_tokens[r].tolist() == hit.any(1).nonzero().squeeze(1).tolist()
+        block = plan.pair_slot[hit]  # row-major: (t, j) order
+        assert block.tolist() == list(range(plan.combine_offsets[r], plan.combine_offsets[r] + len(block)))
+
+
+def test_receiver_refuses_experts_it_does_not_own() -> None:
+    to_rank, to_local = expert_placement(8, 2)
+    with pytest.raises(ValueError, match="source rank 0 sent tokens for experts this rank does not own"):
+        plan_receive([torch.tensor([[0, 5]], dtype=torch.int32)], [0], to_rank, to_local, 1)
+
+
+def test_placement_is_checked() -> None:
+    with pytest.raises(ValueError, match="3 entries for 4 experts"):
+        expert_placement(4, 2, [0, 1, 1])
+    with pytest.raises(ValueError, match="outside"):
+        expert_placement(4, 2, [0, 1, 2, 1])
+
+
+# ----- 2. the real transport, P engines in this process -------------------------------------------
+@pytest.fixture(scope="module", params=PROVIDERS)
+def engines(request: pytest.FixtureRequest) -> Iterator[list[TransferEngine]]:
+    provider = str(request.param)
+    _skip_unless(provider)
+    kw: dict[str, Any] = {"host": "127.0.0.1"} if provider == "tcp" else {}
+    engs = [
+        TransferEngine(provider, 1, timeout_s=5.0, chunk_bytes=64 << 20, reorder_for_test=True, **kw)
+        for _ in range(5)
+    ]
+    yield engs
+    for e in engs:
+        e.close()
+
+
+def _group(engs: list[TransferEngine], case: Case, **kw: Any) -> list[ExpertParallel]:
+    base = next(_imm_bases)
+    eps = [
+        ExpertParallel(
+            engs[r],
+            rank=r,
+            world_size=case.world,
+            num_experts=case.num_experts,
+            hidden=case.hidden,
+            topk=case.topk,
+            max_tokens=case.max_tokens,
+            wire=case.wire,
+            imm_base=base,
+            **kw,
+        )
+        for r in range(case.world)
+    ]
+    _connect_all(eps, [ep.setup_blob() for ep in eps])
+    return eps
+
+
+def _connect_all(eps: list[ExpertParallel], blobs: list[bytes]) -> None:
+    errors: list[BaseException] = []
+
+    def go(ep: ExpertParallel) -> None:
+        try:
+            ep.connect(blobs)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(ep,)) for ep in eps]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+
+
+def _round(eps: list[ExpertParallel], case: Case, round_: int) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """One full round driven from this thread (sends never block, so sequential calls are fine)."""
+    tables = expert_tables(case)
+    inputs = [rank_inputs(case, r, round_) for r in range(case.world)]
+    for ep, (x, ids, _) in zip(eps, inputs, strict=True):
+        ep.dispatch_send(x, ids)
+    received = [ep.dispatch_recv() for ep in eps]
+    for r, (ep, d) in enumerate(zip(eps, received, strict=True)):
+        mine = (ep.expert_to_rank == r).nonzero().squeeze(1).tolist()
+        for local, pairs in enumerate(d.expert_pairs()):
+            if pairs.numel():
+                d.out[pairs] = apply_expert(tables, mine[local], d.gather(pairs))
+        ep.combine_send(d)
+    ys = [ep.combine_recv(w) for ep, (_, _, w) in zip(eps, inputs, strict=True)]
+    return ys, [d.expert_counts() for d in received]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=moe_cases(max_world=5), wire=st.sampled_from(["bf16", "fp8"]))
+def test_transport_matches_reference(engines: list[TransferEngine], case: Case, wire: str) -> None:
+    case = replace(case, wire=wire)
+    eps = _group(engines, case, timeout_s=20.0)
+    try:
+        for round_ in range(2):
+            ys, counts = _round(eps, case, round_)
+            ref, ref_counts = _reference(case, round_)
+            assert counts == ref_counts
+            for r, (a, b) in enumerate(zip(ys, ref, strict=True)):
+                assert torch.equal(a, b), f"rank {r} round {round_} differs from the reference"
+    finally:
+        for ep in eps:
+            ep.close()
+
+
+def test_misuse_and_bad_input_leave_the_group_usable(engines: list[TransferEngine]) -> None:
+    case = Case(world=2, num_experts=4, hidden=16, topk=2, max_tokens=4, routing="uniform")
+    eps = _group(engines, case)
+    x, ids, w = rank_inputs(case, 0, 0)
+    with pytest.raises(MoEError, match="dispatch_recv called in state 'idle'"):
+        eps[0].dispatch_recv()
+    with pytest.raises(ValueError, match="x must be bf16"):
+        eps[0].dispatch_send(x.float(), ids)
+    with pytest.raises(ValueError, match="topk_ids must be"):
+        eps[0].dispatch_send(x, ids[:, :1])
+    with pytest.raises(ValueError, match="expert ids outside"):
+        eps[0].dispatch_send(x, ids + 10)
+    with pytest.raises(ValueError, match="exceed max_tokens"):
+        eps[0].dispatch_send(torch.cat([x, x]), torch.cat([ids, ids]))
+    ys, _ = _round(eps, case, 0)  # still works, and still exact
+    ref, _ = _reference(case, 0)
+    assert all(torch.equal(a, b) for a, b in zip(ys, ref, strict=True))
+    for ep in eps:
+        ep.close()
+
+
+def test_connect_names_the_mismatched_setting(engines: list[TransferEngine]) -> None:
+    base = next(_imm_bases)
+    a = ExpertParallel(
+        engines[0], rank=0, world_size=2, num_experts=4, hidden=16, topk=2, max_tokens=4, imm_base=base
+    )
+    b = ExpertParallel(
+        engines[1], rank=1, world_size=2, num_experts=4, hidden=32, topk=2, max_tokens=4, imm_base=base
+    )
+    with pytest.raises(MoEError, match="rank 1 has hidden=32, rank 0 has 16"):
+        a.connect([a.setup_blob(), b.setup_blob()])
+    with pytest.raises(MoEError, match="malformed"):
+        a.connect([a.setup_blob(), b"{not json"])
+    with pytest.raises(MoEError, match="blob 0 belongs to rank 1"):
+        a.connect([b.setup_blob(), b.setup_blob()])
+    a.close()
+    b.close()
+
+
+def test_stalled_peer_is_a_timeout_naming_it(engines: list[TransferEngine]) -> None:
+    case = Case(world=3, num_experts=6, hidden=8, topk=2, max_tokens=4, routing="uniform")
+    eps = _group(engines, case, timeout_s=1.0)
+    inputs = [rank_inputs(case, r, 0) for r in range(3)]
+    eps[0].dispatch_send(inputs[0][0], inputs[0][1])
+    eps[1].dispatch_send(inputs[1][0], inputs[1][1])  # rank 2 never sends
+    t0 = time.monotonic()
+    with pytest.raises(MoETimeout, match=r"tokens from rank\(s\) \[2\] not complete within 1s"):
+        eps[0].dispatch_recv()
+    assert time.monotonic() - t0 < 5.0
+    with pytest.raises(MoEError, match="broken group"):
+        eps[0].combine_recv(inputs[0][2])
+    # Rank 2 catches up: its data reaches rank 1, which is still healthy.
+    eps[2].dispatch_send(inputs[2][0], inputs[2][1])
+    eps[1].dispatch_recv()
+    for ep in eps:
+        ep.close()
+
+
+# ----- 3. four real processes ----------------------------------------------------------------------
+class Ranks:
+    """world spawned ranks (tests/backends/moe_worker.py), blobs exchanged through their pipes."""
+
+    def __init__(self, case: Case, provider: str, rounds: int, **opts: Any) -> None:
+        self.pipes = []
+        self.procs = []
+        for r in range(case.world):
+            parent, child = CTX.Pipe()
+            proc = CTX.Process(target=run_rank, args=(child, case, r, provider, rounds, opts), daemon=True)
+            proc.start()
+            child.close()
+            self.pipes.append(parent)
+            self.procs.append(proc)
+        blobs = [self.recv(r, 120) for r in range(case.world)]
+        assert all(b[0] == "blobs" for b in blobs), blobs
+        per_group = list(zip(*[b[1] for b in blobs], strict=True))  # [group][rank]
+        for p in self.pipes:
+            p.send([list(g) for g in per_group])
+
+    def recv(self, r: int, timeout: float) -> Any:
+        if not self.pipes[r].poll(timeout):
+            raise TimeoutError(f"rank {r} said nothing within {timeout}s")
+        msg = self.pipes[r].recv()
+        if msg[0] == "error" and not getattr(self, "expect_errors", False):
+            raise AssertionError(f"rank {r}: {msg[1]}\n{msg[2]}")
+        return msg
+
+    def stop(self) -> None:
+        for p in self.pipes:
+            with contextlib.suppress(OSError):
+                p.send("exit")
+        for proc in self.procs:
+            proc.join(15)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("provider", ["tcp", "shm"])
+def test_four_processes_match_reference(provider: str) -> None:
+    """4 spawned ranks, a bf16 and an fp8 group on each engine, 6 rounds each cycling uniform,
+    skewed, sparse (empty experts) and masked routings, token counts from 0 to max_tokens."""
+    if provider not in PROVIDERS:
+        pytest.skip(f"{provider} not in RFORK_TEST_PROVIDERS")
+    _skip_unless(provider)
+    case = Case(world=4, num_experts=16, hidden=96, topk=4, max_tokens=24, seed=3)
+    rounds, wires = 6, ["bf16", "fp8"]
+    ranks = Ranks(case, provider, rounds, wires=wires)
+    saw_empty_expert = saw_empty_rank = False
+    try:
+        for wire in wires:
+            wcase = replace(case, wire=wire)
+            for round_ in range(rounds):
+                ref, ref_counts = _reference(wcase, round_)
+                for r in range(case.world):
+                    kind, got_wire, got_round, y, counts, source_tokens = ranks.recv(r, 60)
+                    assert (kind, got_wire, got_round) == ("round", wire, round_)
+                    assert torch.equal(y, ref[r]), (
+                        f"{wire} rank {r} round {round_} differs from the reference"
+                    )
+                    assert counts == ref_counts[r]
+                    saw_empty_expert |= 0 in counts
+                    saw_empty_rank |= 0 in source_tokens
+        assert all(ranks.recv(r, 30) == ("done",) for r in range(case.world))
+    finally:
+        ranks.stop()
+    assert saw_empty_expert, "the routings should leave some expert without tokens"
+    assert saw_empty_rank, "some rank should send no tokens in some round"
+
+
+@pytest.mark.slow
+def test_killed_rank_fails_the_others_within_bounded_time() -> None:
+    """Rank 3 is SIGKILLed before round 2: the other ranks' round fails naming it, within the bound."""
+    _skip_unless("tcp")
+    case = Case(world=4, num_experts=8, hidden=32, topk=2, max_tokens=8, seed=5)
+    ranks = Ranks(case, "tcp", 4, stall_rank=3, stall_after=2, timeout_s=3.0)
+    ranks.expect_errors = True  # type: ignore[attr-defined]
+    try:
+        for round_ in range(2):
+            for r in range(4):
+                assert ranks.recv(r, 60)[0] == "round", f"round {round_} rank {r}"
+        assert ranks.recv(3, 30) == ("stalled",)
+        ranks.procs[3].kill()
+        t0 = time.monotonic()
+        for r in range(3):
+            msg = ranks.recv(r, 30)
+            assert msg[0] == "error", msg
+            assert "rank 3" in msg[1] or "[3]" in msg[1], msg[1]
+        assert time.monotonic() - t0 < 20.0
+    finally:
+        ranks.stop()
