@@ -29,6 +29,7 @@ COMMANDS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("bench", "planner"), "rfork.bench.planner"),
     (("bench", "gpu"), "rfork.bench.gpu"),
     (("bench", "rl"), "rfork.bench.rl"),
+    (("bench", "moe"), "rfork.bench.moe"),
 )
 
 GROUP_HELP = {
