@@ -130,6 +130,13 @@ def _rank_main(
             t3 = time.perf_counter()
             return t1 - t0, t3 - t2, y
 
+        # The baseline gets the same courtesy as rfork: buffers allocated once, not per iteration.
+        g_send_x = torch.empty(world * tokens, hidden, dtype=torch.bfloat16)
+        g_recv_x = torch.empty(world * tokens, hidden, dtype=torch.bfloat16)
+        g_recv_ids = torch.empty(world * tokens, topk, dtype=torch.int32)
+        g_out = torch.empty(world * tokens * topk, hidden, dtype=torch.bfloat16)
+        g_back = torch.empty(tokens * topk, hidden, dtype=torch.bfloat16)
+
         def run_gloo(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> Any:
             dist.barrier()
             t0 = time.perf_counter()
@@ -138,19 +145,19 @@ def _rank_main(
             recv_counts = torch.empty_like(send_counts)
             dist.all_to_all_single(recv_counts, send_counts)
             sizes_in, sizes_out = send_counts.tolist(), recv_counts.tolist()
-            send_x = x.index_select(0, torch.cat(plan.dest_tokens))
-            recv_x = torch.empty(sum(sizes_out), hidden, dtype=x.dtype)
+            n_in, n_out = sum(sizes_in), sum(sizes_out)
+            send_x = torch.index_select(x, 0, torch.cat(plan.dest_tokens), out=g_send_x[:n_in])
+            recv_x = g_recv_x[:n_out]
             dist.all_to_all_single(recv_x, send_x, sizes_out, sizes_in)
-            recv_ids = torch.empty(sum(sizes_out), topk, dtype=torch.int32)
+            recv_ids = g_recv_ids[:n_out]
             dist.all_to_all_single(recv_ids, torch.cat(plan.dest_ids), sizes_out, sizes_in)
             bases = [sum(sizes_out[:s]) for s in range(world)]
-            chunks = list(torch.split(recv_ids, sizes_out))
-            rplan = plan_receive(chunks, bases, to_rank, to_local, rank)
+            rplan = plan_receive(list(torch.split(recv_ids, sizes_out)), bases, to_rank, to_local, rank)
             t1 = time.perf_counter()
-            out = recv_x.index_select(0, rplan.pair_row)
+            out = torch.index_select(recv_x, 0, rplan.pair_row, out=g_out[: rplan.total_pairs])
             dist.barrier()
             t2 = time.perf_counter()
-            back = torch.empty(plan.total_pairs, hidden, dtype=x.dtype)
+            back = g_back[: plan.total_pairs]
             dist.all_to_all_single(back, out, plan.pair_counts, rplan.source_pairs)
             y = combine_reduce(back, plan.pair_slot, w, torch.bfloat16)
             t3 = time.perf_counter()

@@ -25,7 +25,7 @@ def test_version_matches_package_metadata() -> None:
 @pytest.mark.parametrize("path", [
     (), ("planner",), ("planner", "serve"), ("planner", "migrate"), ("seed",), ("load",),
     ("demo",), ("bench",), ("bench", "transport"), ("bench", "cold-start"), ("bench", "planner"),
-    ("bench", "gpu"),
+    ("bench", "gpu"), ("bench", "moe"),
 ])
 def test_every_command_has_help(path: tuple[str, ...]) -> None:
     out = rfork(*path, "--help")
