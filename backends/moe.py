@@ -190,12 +190,16 @@ class ExpertParallel:
         p = world_size
         self._send_buf = torch.zeros(p * self._slot_bytes, dtype=torch.uint8)
         self._recv_buf = torch.zeros(p * self._slot_bytes, dtype=torch.uint8)
-        self._out_buf = torch.zeros(max_pairs_in, hidden, dtype=torch.bfloat16)
-        self._back_buf = torch.zeros(max_tokens * topk, hidden, dtype=torch.bfloat16)
+        # Expert outputs we send (out) and those we get back (back) share one tensor, registered as
+        # two regions, so the reduction reads our own experts' outputs in place instead of copying them.
+        self._pair_rows = torch.zeros(max_pairs_in + max_tokens * topk, hidden, dtype=torch.bfloat16)
+        self._out_buf = self._pair_rows[:max_pairs_in]
+        self._back_buf = self._pair_rows[max_pairs_in:]
+        self._self_block = (0, 0, 0)  # (offset in back, start in out, rows) of our pairs for ourselves
         self._send_reg = engine.register(self._send_buf, "read")
         self._recv_reg = engine.register(self._recv_buf, "write")
-        self._out_reg = engine.register(self._out_buf, "read")
-        self._back_reg = engine.register(self._back_buf, "write")
+        self._out_reg = engine.register((self._out_buf.data_ptr(), self._out_buf.nbytes), "read")
+        self._back_reg = engine.register((self._back_buf.data_ptr(), self._back_buf.nbytes), "write")
 
         self._send = self._record_views(self._send_buf)
         self._recv = self._record_views(self._recv_buf)
@@ -393,7 +397,7 @@ class ExpertParallel:
                 if pairs != n:
                     raise MoEError(f"rank {src}'s header promised {pairs} pairs, its ids hold {n}")
                 if src == self.rank:
-                    self._back_buf[offset : offset + n].copy_(self._out_buf[start[src] : start[src] + n])
+                    self._self_block = (offset, start[src], n)
                     continue
                 remote = self._peer_descs[src][1]
                 if n:
@@ -421,8 +425,13 @@ class ExpertParallel:
             self._wait(self._arrivals, "combine_recv", "expert outputs from")
             self._wait(self._inflight, "combine_recv", "write of expert outputs to")
             self._arrivals, self._inflight = [], []
-            rows = self._back_buf[: plan.total_pairs]
-            return combine_reduce(rows, plan.pair_slot, topk_weights, torch.bfloat16)
+            # Pairs we served ourselves are read from out; the rest from back, behind it.
+            slot = plan.pair_slot
+            offset, start, n = self._self_block
+            mine = (slot >= offset) & (slot < offset + n)
+            rows = torch.where(mine, slot - offset + start, slot + self._out_buf.shape[0])
+            rows = torch.where(slot >= 0, rows, -1)
+            return combine_reduce(self._pair_rows, rows, topk_weights, torch.bfloat16)
 
     def close(self) -> None:
         """Deregister the buffers (the engine stays open: it belongs to the caller)."""
