@@ -120,11 +120,10 @@ class Dispatched:
     def gather(self, pairs: torch.Tensor) -> torch.Tensor:
         """The bf16 input rows of these pairs (dequantised when the wire is fp8); a copy."""
         rows = self.pair_row.index_select(0, pairs)
+        picked = self.x.index_select(0, rows)
         if self.scales is None:
-            return self.x.index_select(0, rows)
-        # index_select has no float8 kernel on CPU: gather the bytes, then reinterpret them.
-        q = self.x.view(torch.uint8).index_select(0, rows).view(self.x.dtype)
-        return dequantize_fp8(q, self.scales.index_select(0, rows))
+            return picked
+        return dequantize_fp8(picked, self.scales.index_select(0, rows))
 
     def expert_counts(self) -> list[int]:
         """Pairs per local expert (0 for an expert no token chose)."""
@@ -203,9 +202,8 @@ class ExpertParallel:
 
         self._send = self._record_views(self._send_buf)
         self._recv = self._record_views(self._recv_buf)
-        self._peer_descs: list[
-            tuple[MemoryRegionDescriptor, MemoryRegionDescriptor]
-        ] = []  # (dispatch, combine)
+        # Per rank: (its dispatch receive buffer, its combine receive buffer); filled by connect.
+        self._peer_descs: list[tuple[MemoryRegionDescriptor, MemoryRegionDescriptor]] = []
         self._round = 0
         self._state = "idle"
         self._broken: str | None = None
@@ -258,43 +256,46 @@ class ExpertParallel:
                 f"rank {self.rank}: connect got {len(blobs)} blobs for a world of {self.world_size}"
             )
         mine = self._settings()
-        peers: list[tuple[MemoryRegionDescriptor, MemoryRegionDescriptor]] = []
-        for r, blob in enumerate(blobs):
-            try:
-                doc = json.loads(blob)
-                if doc.get("v") != _BLOB_VERSION:
-                    raise MoEError(
-                        f"rank {r}'s set-up blob has version {doc.get('v')!r}, not {_BLOB_VERSION}"
-                    )
-                if doc["rank"] != r:
-                    raise MoEError(f"blob {r} belongs to rank {doc['rank']}")
-                for name, value in mine.items():
-                    theirs = doc["settings"].get(name)
-                    if theirs != value:
-                        raise MoEError(f"rank {r} has {name}={theirs!r}, rank {self.rank} has {value!r}")
-                dispatch = MemoryRegionDescriptor.from_bytes(base64.b64decode(doc["dispatch"]))
-                combine = MemoryRegionDescriptor.from_bytes(base64.b64decode(doc["combine"]))
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise MoEError(f"rank {self.rank}: rank {r}'s set-up blob is malformed: {exc}") from exc
-            if dispatch.length != self._recv_buf.numel() or combine.length != self._back_buf.numel() * 2:
-                raise MoEError(f"rank {r}'s buffers have sizes this rank's settings do not produce")
-            peers.append((dispatch, combine))
+        peers = [self._peer_from_blob(r, blob, mine) for r, blob in enumerate(blobs)]
         self._peer_descs = peers
         hello = self.imm_base + 2 * self.world_size
         others = [r for r in range(self.world_size) if r != self.rank]
-        sent = [(r, self.engine.write_imm(hello + self.rank, peers[r][0])) for r in others]
-        arrived = [(r, self.engine.expect(hello + r, 1)) for r in others]
-        self._wait(sent, "connect", "handshake write to")
-        self._wait(arrived, "connect", "handshake from")
+        with self._step("connect", "idle"):
+            sent = [(r, self.engine.write_imm(hello + self.rank, peers[r][0])) for r in others]
+            arrived = [(r, self.engine.expect(hello + r, 1)) for r in others]
+            self._wait(sent, "connect", "handshake write to")
+            self._wait(arrived, "connect", "handshake from")
         log.info("moe rank %d/%d connected (%s)", self.rank, self.world_size, self.engine.provider)
+
+    def _peer_from_blob(
+        self, r: int, blob: bytes, mine: dict[str, object]
+    ) -> tuple[MemoryRegionDescriptor, MemoryRegionDescriptor]:
+        """Rank r's (dispatch, combine) descriptors, once its blob is well formed and agrees with ours."""
+        try:
+            doc = json.loads(blob)
+            version, rank, settings = doc.get("v"), doc["rank"], dict(doc["settings"])
+            dispatch = MemoryRegionDescriptor.from_bytes(base64.b64decode(doc["dispatch"]))
+            combine = MemoryRegionDescriptor.from_bytes(base64.b64decode(doc["combine"]))
+        except (ValueError, KeyError, TypeError, AttributeError, TransferError) as exc:
+            raise MoEError(f"rank {self.rank}: rank {r}'s set-up blob is malformed: {exc}") from exc
+        if version != _BLOB_VERSION:
+            raise MoEError(f"rank {r}'s set-up blob has version {version!r}, not {_BLOB_VERSION}")
+        if rank != r:
+            raise MoEError(f"blob {r} belongs to rank {rank}")
+        for name, value in mine.items():
+            if settings.get(name) != value:
+                raise MoEError(f"rank {r} has {name}={settings.get(name)!r}, rank {self.rank} has {value!r}")
+        if dispatch.length != self._recv_buf.numel() or combine.length != self._back_buf.numel() * 2:
+            raise MoEError(f"rank {r}'s buffers have sizes this rank's settings do not produce")
+        return dispatch, combine
 
     # ----- the round ----------------------------------------------------------------------------
     def dispatch_send(self, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
         """Send tokens x [T, hidden] (bf16) to the ranks owning their experts topk_ids [T, k] (-1 = none).
 
-        Packs every destination's records, then posts one write per peer and returns; the self part
-        is copied in place. T may differ between ranks and rounds (0 <= T <= max_tokens). Bad input
-        raises ValueError and leaves the group usable.
+        Packs every destination's records, then posts one write per peer and returns; our own
+        tokens are packed straight into our receive buffer. T may differ between ranks and rounds
+        (0 <= T <= max_tokens). Bad input raises ValueError and leaves the group usable.
         """
         self._enter("dispatch_send", "idle")
         if x.dim() != 2 or x.shape[1] != self.hidden or x.dtype != torch.bfloat16:
