@@ -24,6 +24,8 @@ from typing import Any, cast
 log = logging.getLogger(__name__)
 
 PHASES = ("dispatch", "combine")
+# CPU work both sides do, timed inside the gloo run: routing plan (dispatch), fp32 reduction (combine).
+SHARED = "shared"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -141,6 +143,7 @@ def _rank_main(
             dist.barrier()
             t0 = time.perf_counter()
             plan = plan_dispatch(ids, to_rank, world)
+            t_plan = time.perf_counter() - t0
             send_counts = torch.tensor([int(t.numel()) for t in plan.dest_tokens], dtype=torch.int64)
             recv_counts = torch.empty_like(send_counts)
             dist.all_to_all_single(recv_counts, send_counts)
@@ -159,12 +162,13 @@ def _rank_main(
             t2 = time.perf_counter()
             back = g_back[: plan.total_pairs]
             dist.all_to_all_single(back, out, plan.pair_counts, rplan.source_pairs)
+            t_reduce = time.perf_counter()
             y = combine_reduce(back, plan.pair_slot, w, torch.bfloat16)
             t3 = time.perf_counter()
-            return t1 - t0, t3 - t2, y
+            return t1 - t0, t3 - t2, y, (t_plan, t3 - t_reduce)
 
         names = [*providers, "gloo"]
-        samples: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+        samples: dict[str, list[tuple[float, float]]] = {n: [] for n in [*names, SHARED]}
         equal = True
         for it in range(args["warmup"] + args["iters"]):
             x, ids, w = variants[it % len(variants)]
@@ -178,6 +182,7 @@ def _rank_main(
             if it >= args["warmup"]:
                 for name in names:
                     samples[name].append((results[name][0], results[name][1]))
+                samples[SHARED].append(results["gloo"][3])
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, (samples, equal))
         if rank == 0:
@@ -256,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
         raise RuntimeError(f"moe benchmark failed: {reply[1]}")
     load_after = os.getloadavg()
     names = [*providers, "gloo"]
-    stats, equal = _summarise(reply[1], names)
+    stats, equal = _summarise(reply[1], [*names, SHARED])
     rows: list[dict[str, Any]] = []
     for provider in providers:
         for phase in PHASES:
@@ -292,6 +297,11 @@ def run(args: argparse.Namespace) -> int:
         )
     console = Console()
     console.print(table)
+    shared = stats[SHARED]
+    console.print(
+        f"shared CPU work inside both (p50): routing plan {shared['dispatch']['p50_us']:.0f} µs, "
+        f"fp32 reduction {shared['combine']['p50_us']:.0f} µs"
+    )
     equal_text = "yes" if equal else "NO"
     if args.wire != "bf16":
         equal_text = "not compared (fp8 wire)"
@@ -305,6 +315,7 @@ def run(args: argparse.Namespace) -> int:
                 {
                     "config": plain | {"providers": providers},
                     "rows": rows,
+                    "shared_cpu_us": {"plan": shared["dispatch"], "reduce": shared["combine"]},
                     "outputs_equal": equal if args.wire == "bf16" else None,
                     "load_average": {"before": load_before[0], "after": load_after[0]},
                     "cpus": os.cpu_count(),
