@@ -202,6 +202,14 @@ class ExpertParallel:
 
         self._send = self._record_views(self._send_buf)
         self._recv = self._record_views(self._recv_buf)
+        if engine.chunk_bytes < self.largest_write:
+            log.warning(
+                "moe rank %d: engine chunk_bytes=%d splits writes of up to %d bytes into chunks "
+                "(correct, but slower: each chunk then needs delivery-complete)",
+                rank,
+                engine.chunk_bytes,
+                self.largest_write,
+            )
         # Per rank: (its dispatch receive buffer, its combine receive buffer); filled by connect.
         self._peer_descs: list[tuple[MemoryRegionDescriptor, MemoryRegionDescriptor]] = []
         self._round = 0

@@ -263,6 +263,26 @@ def test_transport_matches_reference(engines: list[TransferEngine], case: Case, 
             ep.close()
 
 
+def test_writes_split_into_chunks_stay_exact(caplog: pytest.LogCaptureFixture) -> None:
+    """An engine with 4 KiB chunks splits every write (data first, then the immediate): still exact."""
+    case = Case(world=3, num_experts=6, hidden=512, topk=3, max_tokens=16, seed=9)
+    engs = [TransferEngine("tcp", 2, timeout_s=5.0, chunk_bytes=4096, reorder_for_test=True, host="127.0.0.1")
+            for _ in range(case.world)]
+    try:
+        with caplog.at_level("WARNING", logger="backends.moe"):
+            eps = _group(engs, case)
+        assert "splits writes" in caplog.text
+        for round_ in range(2):
+            ys, _ = _round(eps, case, round_)
+            ref, _ = _reference(case, round_)
+            assert all(torch.equal(a, b) for a, b in zip(ys, ref, strict=True))
+        for ep in eps:
+            ep.close()
+    finally:
+        for e in engs:
+            e.close()
+
+
 def test_misuse_and_bad_input_leave_the_group_usable(engines: list[TransferEngine]) -> None:
     case = Case(world=2, num_experts=4, hidden=16, topk=2, max_tokens=4, routing="uniform")
     eps = _group(engines, case)
