@@ -30,6 +30,7 @@ from backends.errors import (
     TransferTimeout,
 )
 from backends.imm import ImmCounter
+from backends.lane import SHM_INJECT_BYTES, FastLane
 from backends.provider import EAGAIN, Completion, Domain, LocalRegistration
 
 log = logging.getLogger(__name__)
@@ -459,7 +460,8 @@ class TransferEngine:
         self.reorder_for_test = bool(reorder_for_test)
         self.imm = ImmCounter()
         # Writes complete only once delivered (so a resolved write is visible to the peer). shm's
-        # FI_DELIVERY_COMPLETE serialises ops (~2 ms each here), so there only imm-carrying chunks use it.
+        # FI_DELIVERY_COMPLETE serialises ops (~2 ms each here), so there only chunks followed by an
+        # imm that are small enough to complete when queued (inject size) use it.
         self._delivery_complete = provider != "shm"
         self._lock = threading.Lock()
         self._closed = False
@@ -470,6 +472,8 @@ class TransferEngine:
         self._early_messages: list[bytes] = []
         self._domains: list[Domain] = []
         self._workers: list[_Worker] = []
+        self._lanes: list[FastLane] = []
+        self._host = host if provider == "tcp" else None
         try:
             for _ in range(domains):
                 self._domains.append(LibfabricDomain(provider, host=host if provider == "tcp" else None))
@@ -515,6 +519,8 @@ class TransferEngine:
                 return
             region.closed = True
             self._regions.discard(region)
+        for lane in list(self._lanes):
+            lane._forget(region)
         for dom, reg in zip(self._domains, region.regs, strict=True):
             dom.deregister(reg)
         region.regs = []
@@ -607,6 +613,44 @@ class TransferEngine:
         op, peer = self._new_op("write_paged", rdesc)
         return self._submit(op, peer, _WRITE, region, spans, rdesc, imm)
 
+    def write_spans(
+        self,
+        region: Region,
+        spans: Sequence[tuple[int, int, int]],
+        remote_desc: MemoryRegionDescriptor | bytes,
+        imm: int | None = None,
+    ) -> Future[None]:
+        """Write many (local_offset, remote_offset, length) spans into one remote region: one future.
+
+        The batched form of write(): one call, one future for all spans; imm (if any) arrives once,
+        after every span landed. Spans are not merged or reordered here (write_paged merges pages).
+        """
+        rdesc = _desc(remote_desc)
+        _check_imm(imm)
+        checked: list[tuple[int, int, int]] = []
+        for lo, ro, n in spans:
+            self._check_local(region, lo, n, "write_spans")
+            self._check_remote(rdesc, ro, n, "write_spans")
+            if n:
+                checked.append((int(lo), int(ro), int(n)))
+        op, peer = self._new_op("write_spans", rdesc)
+        return self._submit(op, peer, _WRITE, region, checked, rdesc, imm)
+
+    def open_lane(self) -> FastLane:
+        """A caller-driven endpoint for small ops and batches, owned by the calling thread (backends.lane)."""
+        from backends.libfabric import LibfabricDomain
+
+        self._check_open("open_lane")
+        lane = FastLane(self, LibfabricDomain(self.provider, host=self._host))
+        with self._lock:
+            self._lanes.append(lane)
+        return lane
+
+    def _forget_lane(self, lane: FastLane) -> None:
+        with self._lock:
+            if lane in self._lanes:
+                self._lanes.remove(lane)
+
     def write_imm(self, imm: int, remote_desc: MemoryRegionDescriptor | bytes) -> Future[None]:
         """Deliver an immediate with no payload to the region's owner (needs write access)."""
         rdesc = _desc(remote_desc)
@@ -674,6 +718,8 @@ class TransferEngine:
 
     def _shutdown(self) -> None:
         self._closed = True
+        for lane in list(getattr(self, "_lanes", ())):
+            lane.close()
         for w in self._workers:
             w.stop()
         for w in self._workers:
@@ -780,7 +826,7 @@ class TransferEngine:
                     desc.keys[rd],
                     imm=None if multi else imm,
                     delivery_complete=kind == _WRITE
-                    and (self._delivery_complete or (multi and imm is not None)),
+                    and (self._delivery_complete or (multi and imm is not None and n <= SHM_INJECT_BYTES)),
                 )
             )
         if imm is not None and (multi or not pieces):
