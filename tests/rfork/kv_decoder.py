@@ -18,14 +18,14 @@ from rfork.checkpoint import LlamaConfig, synthetic_tensor
 from rfork.model import LlamaForCausalLM, PagedKvCache, greedy_decode
 
 TINY = LlamaConfig(
-    hidden_size=128,
-    intermediate_size=352,
+    hidden_size=256,
+    intermediate_size=704,
     num_hidden_layers=4,
-    num_attention_heads=4,
+    num_attention_heads=2,
     num_key_value_heads=2,
     vocab_size=512,
 )
-PAGE_TOKENS = 4
+PAGE_TOKENS = 16  # 16 tokens x 2 KV heads x 128 dims x bf16 = 8 KiB pages (above shm's 4 KiB inject size)
 
 
 def build_model(cfg: LlamaConfig = TINY) -> LlamaForCausalLM:

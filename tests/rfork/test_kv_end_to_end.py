@@ -134,7 +134,7 @@ def test_decode_from_transferred_pages_equals_local_decode(provider: str, prefil
     b = start_decoder(provider, "b")
     try:
         assert b.call("join", a.sender.address) is True
-        prompt = _prompt(1, 37)
+        prompt = _prompt(1, 77)
         src_pages, first = a.run(prompt)
         dst_pages = _dst_pages(len(src_pages), 11)
         b.conn.send(("decode", a.sender.address, "req-1", dst_pages, first, len(prompt), STEPS))
@@ -165,7 +165,7 @@ def test_two_receivers_at_once(provider: str, prefill_instance: Prefill) -> None
         assert sorted(a.sender.receivers()) == ["r0", "r1"]
         jobs = []
         for i, d in enumerate(decoders):
-            prompt = _prompt(20 + i, 29 + 6 * i)
+            prompt = _prompt(20 + i, 50 + 19 * i)
             src_pages, first = a.run(prompt)
             dst = _dst_pages(len(src_pages), 30 + i)
             d.conn.send(("decode", a.sender.address, f"req-{i}", dst, first, len(prompt), STEPS))
@@ -193,7 +193,7 @@ def test_receiver_killed_mid_request_fails_only_its_own(provider: str, prefill_i
     try:
         for d in (live, doomed):
             assert d.call("join", a.sender.address) is True
-        prompt = _prompt(40, 33)
+        prompt = _prompt(40, 70)
         src_pages, first = a.run(prompt)
         requests = {}
         for i, d in enumerate((live, doomed)):
@@ -221,7 +221,7 @@ def test_receiver_killed_mid_request_fails_only_its_own(provider: str, prefill_i
         assert time.monotonic() - t0 < TIMEOUT_S * 3
         assert "doomed" in str(err.value) and "k-1" in str(err.value)
         # The sender still serves the live receiver afterwards.
-        prompt2 = _prompt(41, 21)
+        prompt2 = _prompt(41, 40)
         src2, first2 = a.run(prompt2)
         live.conn.send(("decode", a.sender.address, "after", _dst_pages(len(src2), 60), first2, len(prompt2), STEPS))
         assert live.answer() == "requested"
