@@ -1,0 +1,148 @@
+"""backends.kv: page-span planning (property tests) and the handshake/request protocol on real engines.
+
+The cross-process end-to-end runs (prefill -> decode with the small Llama, two receivers, a killed
+receiver) are in tests/rfork/test_kv_end_to_end.py; here both engines live in this process, which
+is enough to check the protocol's answers to good and bad input.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backends import TransferEngine
+from backends.kv import KvError, KvGeometry, KvPool, KvReceiver, KvSender, _parts, _runs, _unruns, layer_spans
+from tests.backends.peer import engine_kwargs
+
+
+@st.composite
+def _mapping(draw: st.DrawFn) -> tuple[KvGeometry, list[int], KvGeometry, list[int], int]:
+    layers = draw(st.integers(1, 4))
+    page = draw(st.sampled_from([1, 8, 64]))
+    sp_n, dp_n = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    n = draw(st.integers(0, min(sp_n, dp_n)))
+    src = draw(st.permutations(range(sp_n)))[:n]
+    dst = draw(st.permutations(range(dp_n)))[:n]
+    if draw(st.booleans()):  # runs, as allocators often hand out
+        src, dst = sorted(src), sorted(dst)
+    layer = draw(st.integers(0, layers - 1))
+    return KvGeometry(layers, sp_n, page), list(src), KvGeometry(layers, dp_n, page), list(dst), layer
+
+
+@settings(max_examples=300, deadline=None)
+@given(_mapping())
+def test_layer_spans_move_exactly_the_mapped_pages(case: tuple[KvGeometry, list[int], KvGeometry, list[int], int]) -> None:
+    sg, sp, dg, dp, layer = case
+    src = np.arange(sg.nbytes, dtype=np.int64)
+    dst = np.full(dg.nbytes, -1, dtype=np.int64)
+    spans = layer_spans(sg, sp, dg, dp, layer)
+    for lo, ro, n in spans:
+        assert n > 0
+        dst[ro : ro + n] = src[lo : lo + n]
+    want = np.full(dg.nbytes, -1, dtype=np.int64)
+    for kv in (0, 1):
+        for s, d in zip(sp, dp, strict=True):
+            so, do = sg.offset(layer, kv, s), dg.offset(layer, kv, d)
+            want[do : do + sg.page_bytes] = src[so : so + sg.page_bytes]
+    assert np.array_equal(dst, want)
+    if sp == list(range(sp[0], sp[0] + len(sp))) and dp == list(range(dp[0], dp[0] + len(dp))) if sp else False:
+        assert len(spans) == 2  # one run per half when both sides are contiguous
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 100_000), max_size=3000))
+def test_page_runs_round_trip_and_fit_in_small_messages(pages: list[int]) -> None:
+    runs = _runs(pages)
+    assert _unruns(runs) == pages
+    parts = _parts(runs)
+    assert [r for p in parts for r in p] == runs
+    import json
+
+    assert all(len(json.dumps(p)) < 3500 for p in parts)
+
+
+def test_geometry_refuses_bad_shapes() -> None:
+    with pytest.raises(ValueError, match="layers"):
+        KvGeometry(0, 4, 16)
+    with pytest.raises(ValueError, match="layers"):
+        KvGeometry(5000, 4, 16)
+    with pytest.raises(ValueError, match="positive"):
+        KvGeometry(2, 0, 16)
+    with pytest.raises(KvError, match="page id 9"):
+        KvGeometry(2, 8, 16).check_pages([1, 9], "test")
+
+
+@pytest.fixture
+def pair(provider: str) -> Iterator[tuple[TransferEngine, TransferEngine]]:
+    kw = engine_kwargs(provider)
+    with TransferEngine(provider, 1, timeout_s=5.0, reorder_for_test=True, **kw) as a, TransferEngine(
+        provider, 1, timeout_s=5.0, reorder_for_test=True, **kw
+    ) as b:
+        yield a, b
+
+
+@pytest.mark.timeout(120)
+def test_protocol_good_and_bad_requests(pair: tuple[TransferEngine, TransferEngine]) -> None:
+    a, b = pair
+    page = 8192
+    sender = KvSender(KvPool(a, layers=3, pages=4000, page_bytes=page))
+    sp = sender.pool.buffer
+    sp[:] = np.random.default_rng(1).integers(0, 256, sp.size, dtype=np.uint8)
+    rpool = KvPool(b, layers=3, pages=3000, page_bytes=page)
+    receiver = KvReceiver(rpool, name="dec-0", timeout_s=10)
+
+    wrong = KvReceiver(KvPool(TransferEngine(a.provider, 1, **engine_kwargs(a.provider)), layers=2, pages=8,
+                              page_bytes=page), timeout_s=10)
+    try:
+        with pytest.raises(KvError, match="does not match"):
+            wrong.join(sender.address)
+    finally:
+        wrong.engine.close()
+
+    receiver.join(sender.address)
+    assert sender.receivers() == ["dec-0"]
+
+    # A long scattered page list travels in several small messages (shm stalls on large sends).
+    n = 1200
+    src = random.Random(2).sample(range(4000), n)
+    dst = random.Random(3).sample(range(3000), n)
+    inc = receiver.request(sender.address, "big", dst)
+    sender.start("big", src).send_all().wait(30)
+    inc.wait(10)
+    g = sender.pool.geometry
+    for layer in (0, 2):
+        for kv in (0, 1):
+            for s, d in list(zip(src, dst, strict=True))[::97]:
+                so, do = g.offset(layer, kv, s), rpool.geometry.offset(layer, kv, d)
+                assert np.array_equal(rpool.buffer[do : do + page], sp[so : so + page])
+
+    # The sender starting first works too; out-of-range and mismatched page lists fail clearly.
+    out = sender.start("late-want", [1, 2, 3])
+    inc = receiver.request(sender.address, "late-want", [7, 8, 9])
+    out.send_all().wait(30)
+    inc.wait(10)
+    with pytest.raises(KvError, match="page id 4000"):
+        sender.start("bad-src", [4000])
+    bad = sender.start("count", [1, 2, 3])
+    inc = receiver.request(sender.address, "count", [5, 6])
+    with pytest.raises(KvError, match="2 pages"):
+        inc.wait(10)
+    with pytest.raises(KvError, match="2 pages"):
+        bad.wait(10)
+
+    # Elastic: a receiver leaves (its pending request fails on the sender) and joins again.
+    pending = sender.start("orphan", [10, 11])
+    receiver.request(sender.address, "orphan", [20, 21])
+    receiver.leave(sender.address)
+    with pytest.raises(KvError, match="left"):
+        pending.wait(10)
+    assert sender.receivers() == []
+    receiver.join(sender.address)
+    inc = receiver.request(sender.address, "again", [30])
+    sender.start("again", [31]).send_all().wait(30)
+    inc.wait(10)
