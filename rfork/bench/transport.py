@@ -23,6 +23,8 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any
 
+from rfork.bench import small_ops
+
 log = logging.getLogger(__name__)
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -282,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     fresh_rows: list[dict[str, Any]] = []
     lat: list[float] = []
+    small: dict[str, Any] = {}
     try:
         src, dst = MemoryRegionDescriptor.from_bytes(src_b), MemoryRegionDescriptor.from_bytes(dst_b)
         kw: dict[str, Any] = {"host": "127.0.0.1"} if provider == "tcp" else {}
@@ -342,6 +345,7 @@ def run(args: argparse.Namespace) -> int:
             fresh_rows.append(
                 _row("read (fresh memory)", MiB, _engine_fresh(eng, src, MiB, fresh_total), base)
             )
+            small = small_ops.measure(eng, reg, src, dst, provider, seconds=args.seconds)
     finally:
         stop_peer(peer, parent)
     lat.sort()
@@ -370,6 +374,8 @@ def run(args: argparse.Namespace) -> int:
             f"ratio {r['ratio']:.2f}"
         )
     console.print(f"small-op (64 B read) latency: p50 {p50:.0f} us, p99 {p99:.0f} us")
+    for line in small_ops.report_lines(small):
+        console.print(line)
     if args.json_file:
         with open(args.json_file, "w") as f:
             json.dump(
@@ -379,6 +385,7 @@ def run(args: argparse.Namespace) -> int:
                     "rows": rows,
                     "fresh_memory": fresh_rows,
                     "latency_us": {"p50": p50, "p99": p99},
+                    "small_ops": small,
                 },
                 f,
                 indent=1,
