@@ -30,6 +30,7 @@ COMMANDS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("bench", "gpu"), "rfork.bench.gpu"),
     (("bench", "rl"), "rfork.bench.rl"),
     (("bench", "moe"), "rfork.bench.moe"),
+    (("bench", "kv"), "rfork.bench.kv"),
 )
 
 GROUP_HELP = {
