@@ -27,6 +27,7 @@ Thread-safety: both classes may be used from any thread; they own the engine's o
 from __future__ import annotations
 
 import base64
+import functools
 import itertools
 import json
 import logging
@@ -447,17 +448,22 @@ class KvSender:
         for layer in todo:
             spans = layer_spans(geo, req.src_pages, rec.geometry, want.pages, layer)
             try:
-                fut = self.engine.write_spans(self.pool.region, spans, rec.desc, imm=imm_for(want.slot, layer))
+                fut = self.engine.write_spans(
+                    self.pool.region, spans, rec.desc, imm=imm_for(want.slot, layer)
+                )
             except TransferError as exc:
                 _fail(req.done, KvError(f"KV request {req.request_id} layer {layer} to {rec.label}: {exc}"))
                 return
-            fut.add_done_callback(lambda f, layer=layer: self._layer_done(req, rec, layer, f))
+            fut.add_done_callback(functools.partial(self._layer_done, req, rec, layer))
 
     def _layer_done(self, req: OutgoingRequest, rec: _Receiver, layer: int, fut: Future[None]) -> None:
         exc = fut.exception()
         if exc is not None:
             err_type = PeerUnreachable if isinstance(exc, PeerUnreachable) else KvError
-            _fail(req.done, err_type(f"KV request {req.request_id} layer {layer} to receiver {rec.label}: {exc}"))
+            _fail(
+                req.done,
+                err_type(f"KV request {req.request_id} layer {layer} to receiver {rec.label}: {exc}"),
+            )
             return
         with self._lock:
             req._landed += 1
@@ -484,7 +490,9 @@ class KvSender:
 class IncomingRequest:
     """The receiver's side of one request: wait for layers or for the whole request."""
 
-    def __init__(self, receiver: KvReceiver, request_id: str, sender: bytes, slot: int, pages: list[int]) -> None:
+    def __init__(
+        self, receiver: KvReceiver, request_id: str, sender: bytes, slot: int, pages: list[int]
+    ) -> None:
         self.request_id = request_id
         self.pages = pages
         self.slot = slot
@@ -562,7 +570,9 @@ class KvReceiver:
         try:
             fut.result(timeout)
         except TimeoutError as exc:
-            raise TransferTimeout(f"KV join: sender {self._label(sender)} did not answer within {timeout:g}s") from exc
+            raise TransferTimeout(
+                f"KV join: sender {self._label(sender)} did not answer within {timeout:g}s"
+            ) from exc
 
     def leave(self, sender: bytes) -> None:
         """Tell a sender this receiver is gone; its requests there fail on the sender side."""
@@ -581,7 +591,9 @@ class KvReceiver:
         for i, part in enumerate(parts):
             msg = _encode("want", rid=request_id, slot=slot, part=i, parts=len(parts), pages=part, addr=addr)
             self.engine.send(sender, msg).add_done_callback(
-                lambda f: _settle_error(req.done, f, f"KV request {request_id}: want to {self._label(sender)}")
+                lambda f: _settle_error(
+                    req.done, f, f"KV request {request_id}: want to {self._label(sender)}"
+                )
             )
         return req
 
@@ -612,7 +624,9 @@ class KvReceiver:
             elif kind == "welcome":
                 fut.set_result(None)
             else:
-                fut.set_exception(KvError(f"KV join: sender {self._label(sender)} refused: {msg.get('reason')}"))
+                fut.set_exception(
+                    KvError(f"KV join: sender {self._label(sender)} refused: {msg.get('reason')}")
+                )
         elif kind == "failed":
             with self._lock:
                 req = self._requests.get(str(msg.get("rid")))

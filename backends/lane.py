@@ -71,7 +71,11 @@ class Batch:
 
     # ----- building -----------------------------------------------------------------------------
     def read(
-        self, region: Region, offset: int, length: int, remote_desc: MemoryRegionDescriptor | bytes,
+        self,
+        region: Region,
+        offset: int,
+        length: int,
+        remote_desc: MemoryRegionDescriptor | bytes,
         remote_offset: int,
     ) -> Batch:
         """Add a read of remote [remote_offset, +length) into region[offset, +length)."""
@@ -79,7 +83,11 @@ class Batch:
         return self
 
     def write(
-        self, region: Region, offset: int, length: int, remote_desc: MemoryRegionDescriptor | bytes,
+        self,
+        region: Region,
+        offset: int,
+        length: int,
+        remote_desc: MemoryRegionDescriptor | bytes,
         remote_offset: int,
     ) -> Batch:
         """Add a write of region[offset, +length) to remote [remote_offset, +length)."""
@@ -87,7 +95,10 @@ class Batch:
         return self
 
     def write_spans(
-        self, region: Region, spans: Sequence[tuple[int, int, int]], remote_desc: MemoryRegionDescriptor | bytes
+        self,
+        region: Region,
+        spans: Sequence[tuple[int, int, int]],
+        remote_desc: MemoryRegionDescriptor | bytes,
     ) -> Batch:
         """Add writes of (local_offset, remote_offset, length) spans into one remote region."""
         self._add(_WRITE, region, spans, remote_desc, "write_spans")
@@ -101,9 +112,7 @@ class Batch:
         rdesc = lane._remote(remote_desc, 0, 0, "write_imm")
         peer, rd, label = lane._peer_for(rdesc, 0)
         self._peers.add(label)
-        self._after.append(
-            _LaneOp(self, _WRITE, 0, 0, None, peer, rdesc.base, rdesc.keys[rd], imm, False)
-        )
+        self._after.append(_LaneOp(self, _WRITE, 0, 0, None, peer, rdesc.base, rdesc.keys[rd], imm, False))
         return self
 
     def _add(
@@ -118,8 +127,10 @@ class Batch:
             raise TransferError(f"{self.name}: batch already submitted")
         lane = self._lane
         engine = lane.engine
-        rdesc = remote_desc if isinstance(remote_desc, MemoryRegionDescriptor) else (
-            MemoryRegionDescriptor.from_bytes(remote_desc)
+        rdesc = (
+            remote_desc
+            if isinstance(remote_desc, MemoryRegionDescriptor)
+            else (MemoryRegionDescriptor.from_bytes(remote_desc))
         )
         local_desc = lane._local_desc(region)
         csize = engine.chunk_bytes
@@ -132,8 +143,20 @@ class Batch:
             lane._remote(rdesc, ro, n, what)
             for k in range(0, n, csize):
                 m = min(csize, n - k)
-                ops.append(_LaneOp(self, kind, region.ptr + lo + k, m, local_desc, peer, base + ro + k, key, None,
-                                   kind == _WRITE and lane._delivery_complete))
+                ops.append(
+                    _LaneOp(
+                        self,
+                        kind,
+                        region.ptr + lo + k,
+                        m,
+                        local_desc,
+                        peer,
+                        base + ro + k,
+                        key,
+                        None,
+                        kind == _WRITE and lane._delivery_complete,
+                    )
+                )
 
     # ----- completion ---------------------------------------------------------------------------
     @property
@@ -229,14 +252,22 @@ class FastLane:
         return batch
 
     def read(
-        self, region: Region, offset: int, length: int, remote_desc: MemoryRegionDescriptor | bytes,
+        self,
+        region: Region,
+        offset: int,
+        length: int,
+        remote_desc: MemoryRegionDescriptor | bytes,
         remote_offset: int,
     ) -> Batch:
         """Submit one read; wait on the returned handle."""
         return self.submit(self.batch("read").read(region, offset, length, remote_desc, remote_offset))
 
     def write(
-        self, region: Region, offset: int, length: int, remote_desc: MemoryRegionDescriptor | bytes,
+        self,
+        region: Region,
+        offset: int,
+        length: int,
+        remote_desc: MemoryRegionDescriptor | bytes,
         remote_offset: int,
     ) -> Batch:
         """Submit one write; wait on the returned handle."""
@@ -257,10 +288,12 @@ class FastLane:
                 continue  # its batch already failed (timeout); a late completion
             b = op.batch
             if c.error:
-                b._fail(PeerUnreachable(
-                    f"{b.name} ({'read' if op.kind == _READ else 'write'} of {op.length} bytes) "
-                    f"with peer {self._label(op.peer)} failed: {c.message}"
-                ))
+                b._fail(
+                    PeerUnreachable(
+                        f"{b.name} ({'read' if op.kind == _READ else 'write'} of {op.length} bytes) "
+                        f"with peer {self._label(op.peer)} failed: {c.message}"
+                    )
+                )
             elif b.error is None:
                 b._finish_one()
         if comps and self._backlog:
@@ -321,9 +354,12 @@ class FastLane:
     def _expire(self, batch: Batch, limit: float | None = None) -> None:
         limit = self.engine.timeout_s if limit is None else limit
         peers = ", ".join(sorted(batch._peers)) or "no peer"
-        batch._fail(TransferTimeout(
-            f"{batch.name} with peer {peers} timed out after {limit:g}s ({batch.remaining} ops not completed)"
-        ))
+        batch._fail(
+            TransferTimeout(
+                f"{batch.name} with peer {peers} timed out after {limit:g}s "
+                f"({batch.remaining} ops not completed)"
+            )
+        )
         for ctx in [c for c, op in self._inflight.items() if op.batch is batch]:
             del self._inflight[ctx]  # a late completion for these is dropped
         self._backlog = deque(op for op in self._backlog if op.batch is not batch)
@@ -335,8 +371,10 @@ class FastLane:
     def _remote(
         self, remote_desc: MemoryRegionDescriptor | bytes, offset: int, length: int, what: str
     ) -> MemoryRegionDescriptor:
-        rdesc = remote_desc if isinstance(remote_desc, MemoryRegionDescriptor) else (
-            MemoryRegionDescriptor.from_bytes(remote_desc)
+        rdesc = (
+            remote_desc
+            if isinstance(remote_desc, MemoryRegionDescriptor)
+            else (MemoryRegionDescriptor.from_bytes(remote_desc))
         )
         self.engine._check_remote(rdesc, offset, length, what)
         return rdesc
@@ -380,4 +418,3 @@ class FastLane:
             reg = self._regs.pop(id(region), None)
         if reg is not None:
             self._dom.deregister(reg)
-

@@ -7,6 +7,7 @@ Used by the end-to-end tests: identical weights must give bit-identical logits.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -130,13 +131,17 @@ class PagedKvCache:
 
     def __init__(self, pool: torch.Tensor, page_ids: list[int]) -> None:
         if pool.dim() != 6 or pool.shape[1] != 2:
-            raise ValueError(f"pool must be (layers, 2, pages, page_tokens, kv_heads, head_dim), not {tuple(pool.shape)}")
+            raise ValueError(
+                f"pool must be (layers, 2, pages, page_tokens, kv_heads, head_dim), not {tuple(pool.shape)}"
+            )
         self.pool = pool
         self.page_ids = list(page_ids)
         self.page_tokens = int(pool.shape[3])
 
     @staticmethod
-    def allocate(cfg: LlamaConfig, pages: int, page_tokens: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    def allocate(
+        cfg: LlamaConfig, pages: int, page_tokens: int, dtype: torch.dtype = torch.bfloat16
+    ) -> torch.Tensor:
         """A zeroed pool tensor for cfg's layers and KV heads."""
         shape = (cfg.num_hidden_layers, 2, pages, page_tokens, cfg.num_key_value_heads, cfg.head_dim)
         return torch.zeros(shape, dtype=dtype)
@@ -169,11 +174,15 @@ class PagedKvCache:
         return k.transpose(0, 1), v.transpose(0, 1)
 
 
+def _decoder_layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
+    return [cast(DecoderLayer, m) for m in model.model.layers]
+
+
 @torch.no_grad()
 def prefill(model: LlamaForCausalLM, ids: torch.Tensor, cache: PagedKvCache) -> torch.Tensor:
     """Run the prompt ids (1-D) through the model, keeping every layer's K/V in cache; last logits."""
     x = model.model.embed_tokens(ids.unsqueeze(0))
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(_decoder_layers(model)):
         attn = layer.self_attn
         q, k, v = attn.qkv(layer.input_layernorm(x))
         cache.write(i, 0, k[0], v[0])
@@ -196,7 +205,7 @@ def decode_step(
     layer i to land, so decoding starts while later layers are still in flight.
     """
     x = model.model.embed_tokens(torch.tensor([[token]]))
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(_decoder_layers(model)):
         if before_layer is not None:
             before_layer(i)
         attn = layer.self_attn

@@ -30,7 +30,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
     parser.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128; bf16)")
     parser.add_argument(
-        "--prompts", type=_int_list, default=[256, 1024, 2048], help="prompt lengths in tokens (default 256,1024,2048)"
+        "--prompts",
+        type=_int_list,
+        default=[256, 1024, 2048],
+        help="prompt lengths in tokens (default 256,1024,2048)",
     )
     parser.add_argument("--seconds", type=float, default=2.0, help="rough time per measurement")
     parser.add_argument("--domains", type=int, default=1, help="domains (parallel endpoints) per engine")
@@ -47,7 +50,9 @@ def _int_list(text: str) -> list[int]:
     return out
 
 
-def _decode_main(conn: Connection, provider: str, domains: int, geometry: dict[str, int], contiguous: int) -> None:
+def _decode_main(
+    conn: Connection, provider: str, domains: int, geometry: dict[str, int], contiguous: int
+) -> None:
     """Receiver process: a pool and a contiguous region; answers ("want", sender, rid, pages) when landed."""
     os.environ.setdefault("FI_TCP_IFACE", "lo")
     import numpy as np
@@ -57,7 +62,9 @@ def _decode_main(conn: Connection, provider: str, domains: int, geometry: dict[s
 
     kw: dict[str, Any] = {"host": "127.0.0.1"} if provider == "tcp" else {}
     with TransferEngine(provider, domains, timeout_s=30.0, **kw) as eng:
-        pool = KvPool(eng, **geometry)
+        pool = KvPool(
+            eng, layers=geometry["layers"], pages=geometry["pages"], page_bytes=geometry["page_bytes"]
+        )
         pool.buffer.fill(0)  # fault the pages in: timed writes should not pay for that
         flat = np.zeros(contiguous, dtype=np.uint8)
         flat_region = eng.register(flat, "write")
@@ -120,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         _addr, flat_b = parent.recv()
         flat_desc = MemoryRegionDescriptor.from_bytes(flat_b)
         with TransferEngine(args.provider, args.domains, timeout_s=30.0, **kw) as eng:
-            pool = KvPool(eng, **geometry)
+            pool = KvPool(eng, layers=args.layers, pages=pool_pages, page_bytes=page_bytes)
             pool.buffer[:] = np.random.default_rng(0).integers(0, 256, pool.buffer.size, dtype=np.uint8)
             flat = np.ones(max_request, dtype=np.uint8)
             flat_region = eng.register(flat, "read")
@@ -180,8 +187,9 @@ def run(args: argparse.Namespace) -> int:
             peer.kill()
     table = Table(
         title=(
-            f"rfork KV transfer, provider={args.provider}, {args.layers} layers, {args.page_tokens}-token pages "
-            f"({page_bytes // 1024} KiB), scattered page ids; baseline: one contiguous write of the same bytes"
+            f"rfork KV transfer, provider={args.provider}, {args.layers} layers, "
+            f"{args.page_tokens}-token pages ({page_bytes // 1024} KiB), scattered page ids; "
+            "baseline: one contiguous write of the same bytes"
         )
     )
     for col in ("prompt tokens", "MiB/request", "requests/s", "KV GB/s", "contiguous GB/s", "ratio"):
@@ -198,6 +206,9 @@ def run(args: argparse.Namespace) -> int:
     Console().print(table)
     if args.json_file:
         with open(args.json_file, "w") as f:
-            json.dump({"provider": args.provider, "geometry": geometry, "domains": args.domains, "rows": rows}, f,
-                      indent=1)
+            json.dump(
+                {"provider": args.provider, "geometry": geometry, "domains": args.domains, "rows": rows},
+                f,
+                indent=1,
+            )
     return 0

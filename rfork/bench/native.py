@@ -33,7 +33,9 @@ def parse_pingpong(output: str, size: int) -> float:
     raise ValueError(f"no {size}-byte row in fi_pingpong output: {output.strip()[-200:]!r}")
 
 
-def native_round_trip_us(provider: str, size: int = 64, iterations: int = 2000, timeout_s: float = 60.0) -> float:
+def native_round_trip_us(
+    provider: str, size: int = 64, iterations: int = 2000, timeout_s: float = 60.0
+) -> float:
     """Round-trip microseconds of `size`-byte messages between two fi_pingpong processes.
 
     Raises RuntimeError (with the tool's output) when fi_pingpong is missing or fails.
@@ -46,12 +48,19 @@ def native_round_trip_us(provider: str, size: int = 64, iterations: int = 2000, 
     last = ""
     for _attempt in range(3):  # the control port is picked free, then bound by the server: retry a race
         port = str(_free_port())
-        server = subprocess.Popen([exe, *common, "-B", port], env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True)
+        server = subprocess.Popen(
+            [exe, *common, "-B", port], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         try:
             time.sleep(0.3)
-            client = subprocess.run([exe, *common, "-P", port, "127.0.0.1"], env=env, capture_output=True,
-                                    text=True, timeout=timeout_s, check=False)
+            client = subprocess.run(
+                [exe, *common, "-P", port, "127.0.0.1"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                check=False,
+            )
             last = client.stdout + client.stderr
             if client.returncode == 0:
                 return 2 * parse_pingpong(client.stdout, size)

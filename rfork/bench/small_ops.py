@@ -54,7 +54,10 @@ def measure(eng: Any, reg: Any, src: Any, dst: Any, provider: str, *, seconds: f
 
         n = SPAN // PAGE
         rng = np.random.default_rng(1)
-        spans = [(int(s) * PAGE, int(d) * PAGE, PAGE) for s, d in zip(rng.permutation(n), rng.permutation(n), strict=True)]
+        spans = [
+            (int(s) * PAGE, int(d) * PAGE, PAGE)
+            for s, d in zip(rng.permutation(n), rng.permutation(n), strict=True)
+        ]
         reps = max(2, int(seconds * 2e9 // SPAN))
 
         def pages_batch() -> None:

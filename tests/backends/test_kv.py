@@ -36,7 +36,9 @@ def _mapping(draw: st.DrawFn) -> tuple[KvGeometry, list[int], KvGeometry, list[i
 
 @settings(max_examples=300, deadline=None)
 @given(_mapping())
-def test_layer_spans_move_exactly_the_mapped_pages(case: tuple[KvGeometry, list[int], KvGeometry, list[int], int]) -> None:
+def test_layer_spans_move_exactly_the_mapped_pages(
+    case: tuple[KvGeometry, list[int], KvGeometry, list[int], int],
+) -> None:
     sg, sp, dg, dp, layer = case
     src = np.arange(sg.nbytes, dtype=np.int64)
     dst = np.full(dg.nbytes, -1, dtype=np.int64)
@@ -50,7 +52,11 @@ def test_layer_spans_move_exactly_the_mapped_pages(case: tuple[KvGeometry, list[
             so, do = sg.offset(layer, kv, s), dg.offset(layer, kv, d)
             want[do : do + sg.page_bytes] = src[so : so + sg.page_bytes]
     assert np.array_equal(dst, want)
-    if sp == list(range(sp[0], sp[0] + len(sp))) and dp == list(range(dp[0], dp[0] + len(dp))) if sp else False:
+    if (
+        sp == list(range(sp[0], sp[0] + len(sp))) and dp == list(range(dp[0], dp[0] + len(dp)))
+        if sp
+        else False
+    ):
         assert len(spans) == 2  # one run per half when both sides are contiguous
 
 
@@ -80,9 +86,10 @@ def test_geometry_refuses_bad_shapes() -> None:
 @pytest.fixture
 def pair(provider: str) -> Iterator[tuple[TransferEngine, TransferEngine]]:
     kw = engine_kwargs(provider)
-    with TransferEngine(provider, 1, timeout_s=5.0, reorder_for_test=True, **kw) as a, TransferEngine(
-        provider, 1, timeout_s=5.0, reorder_for_test=True, **kw
-    ) as b:
+    with (
+        TransferEngine(provider, 1, timeout_s=5.0, reorder_for_test=True, **kw) as a,
+        TransferEngine(provider, 1, timeout_s=5.0, reorder_for_test=True, **kw) as b,
+    ):
         yield a, b
 
 
@@ -96,8 +103,12 @@ def test_protocol_good_and_bad_requests(pair: tuple[TransferEngine, TransferEngi
     rpool = KvPool(b, layers=3, pages=3000, page_bytes=page)
     receiver = KvReceiver(rpool, name="dec-0", timeout_s=10)
 
-    wrong = KvReceiver(KvPool(TransferEngine(a.provider, 1, **engine_kwargs(a.provider)), layers=2, pages=8,
-                              page_bytes=page), timeout_s=10)
+    wrong = KvReceiver(
+        KvPool(
+            TransferEngine(a.provider, 1, **engine_kwargs(a.provider)), layers=2, pages=8, page_bytes=page
+        ),
+        timeout_s=10,
+    )
     try:
         with pytest.raises(KvError, match="does not match"):
             wrong.join(sender.address)

@@ -61,7 +61,9 @@ def test_small_reads_and_writes_byte_for_byte(engine: TransferEngine, lane: Fast
 
 
 @pytest.mark.timeout(90)
-def test_batch_immediate_arrives_after_all_its_data(engine: TransferEngine, lane: FastLane, peer: Peer) -> None:
+def test_batch_immediate_arrives_after_all_its_data(
+    engine: TransferEngine, lane: FastLane, peer: Peer
+) -> None:
     small = peer.descs["small"]
     for page in (512, 16 << 10):  # below and above shm's inject size
         data = np.random.default_rng(page).integers(0, 256, 64 * page, dtype=np.uint8)
@@ -111,7 +113,10 @@ def test_bad_input_is_refused_before_posting(engine: TransferEngine, lane: FastL
 def test_dead_peer_fails_the_batch_within_the_timeout(provider: str, peer: Peer) -> None:
     if provider == "shm":
         pytest.skip("shm 1.17: after a peer dies the provider can stall its endpoint (docs/transport.md)")
-    with TransferEngine(provider, 1, timeout_s=3.0, **engine_kwargs(provider)) as eng, eng.open_lane() as lane:
+    with (
+        TransferEngine(provider, 1, timeout_s=3.0, **engine_kwargs(provider)) as eng,
+        eng.open_lane() as lane,
+    ):
         victim = start_peer(provider, [("src", 64 * MiB, "read")], domains=1, reorder=False)
         buf = np.zeros(64 * MiB, dtype=np.uint8)
         region = eng.register(buf, "write")

@@ -102,4 +102,3 @@ def serve(conn: Connection, provider: str, pages: int, name: str) -> None:
                     conn.send(f"unknown command {cmd}")
             except TransferError as exc:
                 conn.send(("error", type(exc).__name__, str(exc)))
-
