@@ -68,6 +68,7 @@ class Batch:
         self.error: TransferError | None = None
         self.submitted = False
         self.deadline = 0.0
+        self.timeout_s = 0.0
 
     # ----- building -----------------------------------------------------------------------------
     def read(
@@ -169,7 +170,7 @@ class Batch:
         if not self.done:
             self._lane.progress()
             if not self.done and self.deadline and time.monotonic() > self.deadline:
-                self._lane._expire(self)
+                self._lane._expire(self, self.timeout_s)
         if self.error is not None:
             raise self.error
         return self.done
@@ -213,6 +214,7 @@ class FastLane:
         self._owner = threading.get_ident()
         self._delivery_complete = engine.provider != "shm"
         self._small_write_dc = engine.provider == "shm"
+        self._mr_local = bool(getattr(domain, "mr_local", False))
         self._inflight: dict[int, _LaneOp] = {}
         self._backlog: deque[_LaneOp] = deque()
         self._next_ctx = 1
@@ -235,7 +237,8 @@ class FastLane:
         if batch.submitted:
             raise TransferError(f"{batch.name}: batch already submitted")
         batch.submitted = True
-        batch.deadline = time.monotonic() + (self.engine.timeout_s if timeout_s is None else timeout_s)
+        batch.timeout_s = self.engine.timeout_s if timeout_s is None else timeout_s
+        batch.deadline = time.monotonic() + batch.timeout_s
         ops = batch._ops
         batch._ops = []
         if self._small_write_dc and batch._after:
@@ -403,7 +406,7 @@ class FastLane:
 
     def _local_desc(self, region: Region) -> Any:
         """The lane's local descriptor for region: None unless the provider needs FI_MR_LOCAL."""
-        if not getattr(self._dom, "mr_local", False):
+        if not self._mr_local:
             return None
         with self._lock:
             reg = self._regs.get(id(region))
