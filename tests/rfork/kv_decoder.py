@@ -92,6 +92,7 @@ def serve(conn: Connection, provider: str, pages: int, name: str) -> None:
                         # Decode starts on layer i as soon as it landed, while later layers travel.
                         req.wait_layer(i)
                         seen.append(i)
+                        conn.send(("layer", i))
 
                     tokens = greedy_decode(model, first, prompt_len, steps, cache, before_layer=before_layer)
                     req.wait()

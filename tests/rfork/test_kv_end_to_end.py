@@ -130,7 +130,11 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 @pytest.mark.timeout(240)
-def test_decode_from_transferred_pages_equals_local_decode(provider: str, prefill_instance: Prefill) -> None:
+@pytest.mark.parametrize("layer_order", ["in order", "reversed"])
+def test_decode_from_transferred_pages_equals_local_decode(
+    provider: str, prefill_instance: Prefill, layer_order: str
+) -> None:
+    """Both engines shuffle chunks and batches (reorder_for_test); "reversed" also sends layers last-first."""
     a = prefill_instance
     b = start_decoder(provider, "b")
     try:
@@ -141,8 +145,16 @@ def test_decode_from_transferred_pages_equals_local_decode(provider: str, prefil
         b.conn.send(("decode", a.sender.address, "req-1", dst_pages, first, len(prompt), STEPS))
         assert b.answer() == "requested"
         out = a.sender.start("req-1", src_pages)
-        for layer in range(TINY.num_hidden_layers):  # layer by layer, as prefill would produce them
-            out.send_layer(layer)
+        layers = list(range(TINY.num_hidden_layers))  # layer by layer, as prefill would produce them
+        if layer_order == "in order":
+            for layer in layers:
+                out.send_layer(layer)
+                # B decodes layer `layer` before the sender has even started the next one: streaming.
+                assert b.answer(60) == ("layer", layer)
+        else:
+            for layer in layers[::-1]:
+                out.send_layer(layer)
+            assert [b.answer(60) for _ in layers] == [("layer", i) for i in layers]
         out.wait(30)
         kind, tokens, layers_seen, digest = b.answer(120)
         assert kind == "tokens"
@@ -173,10 +185,12 @@ def test_two_receivers_at_once(provider: str, prefill_instance: Prefill) -> None
             jobs.append((d, prompt, src_pages, first))
         for d, *_ in jobs:
             assert d.answer() == "requested"
+        n_layers = TINY.num_hidden_layers
         outs = [a.sender.start(f"req-{i}", job[2]).send_all() for i, job in enumerate(jobs)]
         for out in outs:
             out.wait(30)
         for d, prompt, src_pages, first in jobs:
+            assert [d.answer(120) for _ in range(n_layers)] == [("layer", i) for i in range(n_layers)]
             kind, tokens, _seen, digest = d.answer(120)
             assert kind == "tokens"
             assert digest == pages_digest(a.pool, src_pages, len(prompt))
@@ -214,6 +228,9 @@ def test_receiver_killed_mid_request_fails_only_its_own(provider: str, prefill_i
             for layer in range(2, TINY.num_hidden_layers):
                 requests[i].send_layer(layer)
         requests[0].wait(30)
+        assert [live.answer(120) for _ in range(TINY.num_hidden_layers)] == [
+            ("layer", i) for i in range(TINY.num_hidden_layers)
+        ]
         kind, tokens, _seen, _digest = live.answer(120)
         assert kind == "tokens"
         assert tokens == a.local_decode(src_pages, first, len(prompt))
@@ -230,6 +247,9 @@ def test_receiver_killed_mid_request_fails_only_its_own(provider: str, prefill_i
         )
         assert live.answer() == "requested"
         a.sender.start("after", src2).send_all().wait(30)
+        assert [live.answer(120)[0] for _ in range(TINY.num_hidden_layers)] == [
+            "layer"
+        ] * TINY.num_hidden_layers
         kind, tokens2, _seen, _digest = live.answer(120)
         assert tokens2 == a.local_decode(src2, first2, len(prompt2))
     finally:
