@@ -33,7 +33,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -390,7 +390,13 @@ class KvSender:
             rec = self._receivers.get(address)
         runs = [r for i in range(parts) for r in got[i]]
         if rec is None:
-            self._reply(address, "failed", rid=rid, reason="receiver has not joined this sender")
+            # Messages may be reordered: a want can arrive after its receiver's bye.
+            reason = "receiver left or never joined this sender"
+            self._reply(address, "failed", rid=rid, reason=reason)
+            with self._lock:
+                orphan = self._outgoing.get(rid)
+            if orphan is not None and orphan._want is None:
+                _fail(orphan.done, KvError(f"KV request {rid}: {reason}"))
             return
         try:
             pages = rec.geometry.check_pages(_unruns(runs), f"KV request {rid} (receiver {rec.label})")
@@ -403,9 +409,14 @@ class KvSender:
         want = _Want(address, slot, pages)
         with self._lock:
             req = self._outgoing.get(rid)
-            if req is None:
+            duplicate = rid in self._wants or (req is not None and req._want is not None)
+            if req is None and not duplicate:
                 self._wants[rid] = want
                 return
+        if duplicate:
+            self._reply(address, "failed", rid=rid, reason=f"KV request {rid} was already asked for")
+            return
+        assert req is not None
         self._pair(req, want)
 
     def _pair(self, req: OutgoingRequest, want: _Want) -> None:
@@ -510,8 +521,6 @@ class IncomingRequest:
         """Block until layer `layer` of this request landed in the pool (or the request failed)."""
         timeout = self._receiver.timeout_s if timeout_s is None else timeout_s
         fut = self._layers[layer]
-        from concurrent.futures import FIRST_COMPLETED, wait
-
         wait([fut, self.done], timeout, return_when=FIRST_COMPLETED)
         if fut.done():
             return
@@ -581,9 +590,11 @@ class KvReceiver:
     def request(self, sender: bytes, request_id: str, dst_pages: Sequence[int]) -> IncomingRequest:
         """Ask `sender` for request_id's K/V into dst_pages of every layer of this pool."""
         pages = self.pool.geometry.check_pages(dst_pages, f"KV request {request_id}")
-        slot = next(self._slots) % _SLOTS
-        req = IncomingRequest(self, request_id, sender, slot, pages)
         with self._lock:
+            if request_id in self._requests:
+                raise KvError(f"KV request {request_id} is already pending on this receiver")
+            slot = next(self._slots) % _SLOTS
+            req = IncomingRequest(self, request_id, sender, slot, pages)
             self._requests[request_id] = req
         req.done.add_done_callback(lambda _f: self._forget(request_id))
         parts = _parts(_runs(pages))
@@ -616,7 +627,11 @@ class KvReceiver:
             return
         kind = msg.get("t")
         if kind in ("welcome", "reject"):
-            sender = _unb64(str(msg.get("addr", "")))
+            try:
+                sender = _unb64(str(msg.get("addr", "")))
+            except ValueError:
+                log.warning("KV receiver: %s with a malformed sender address", kind)
+                return
             with self._lock:
                 fut = self._joins.pop(sender, None)
             if fut is None:

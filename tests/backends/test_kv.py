@@ -135,6 +135,10 @@ def test_protocol_good_and_bad_requests(pair: tuple[TransferEngine, TransferEngi
     # The sender starting first works too; out-of-range and mismatched page lists fail clearly.
     out = sender.start("late-want", [1, 2, 3])
     inc = receiver.request(sender.address, "late-want", [7, 8, 9])
+    with pytest.raises(KvError, match="already pending"):
+        receiver.request(sender.address, "late-want", [10])
+    with pytest.raises(KvError, match="already being sent"):
+        sender.start("late-want", [4])
     out.send_all().wait(30)
     inc.wait(10)
     with pytest.raises(KvError, match="page id 4000"):
