@@ -718,13 +718,13 @@ class TransferEngine:
 
     def _shutdown(self) -> None:
         self._closed = True
-        for lane in list(getattr(self, "_lanes", ())):
-            lane.close()
         for w in self._workers:
             w.stop()
         for w in self._workers:
             if w.is_alive():
                 w.join(timeout=10)
+        for lane in list(getattr(self, "_lanes", ())):
+            lane.close()  # after the progress threads: no provider call runs beside the close
         self.imm.fail_all(EngineClosed("engine closed"))
         for region in list(self._regions):
             self.deregister(region)

@@ -167,13 +167,13 @@ class Batch:
 
     def poll(self) -> bool:
         """Drive the lane once; True when the batch is done. Raises the batch's error, if any."""
-        if not self.done:
+        if self.remaining and self.error is None and self.submitted:
             self._lane.progress()
-            if not self.done and self.deadline and time.monotonic() > self.deadline:
+            if self.remaining and self.error is None and time.monotonic() > self.deadline:
                 self._lane._expire(self, self.timeout_s)
         if self.error is not None:
             raise self.error
-        return self.done
+        return self.submitted and not self.remaining
 
     def wait(self, timeout_s: float | None = None, *, spin_s: float = 0.002) -> None:
         """Spin on the caller's thread until done; after spin_s, yield the CPU between polls.
@@ -181,6 +181,8 @@ class Batch:
         timeout_s defaults to the engine's; past it the batch fails with TransferTimeout naming
         the op and the peers (the lane stays usable).
         """
+        if self.poll():  # the common case for small ops: done at the first look
+            return
         limit = self._lane.engine.timeout_s if timeout_s is None else timeout_s
         start = time.monotonic()
         deadline = start + limit
@@ -283,6 +285,10 @@ class FastLane:
             raise EngineClosed("lane is closed")
         if self._backlog:
             self._post_backlog()
+        return self._reap()
+
+    def _reap(self) -> int:
+        """Reap completions (no posting beyond what finished batches queue); returns how many."""
         comps = self._dom.poll()
         inflight = self._inflight
         for c in comps:
@@ -307,6 +313,14 @@ class FastLane:
         """Release the endpoint (and any local registrations); batches still running fail."""
         if self.closed:
             return
+        # Let posted ops finish first (bounded): closing an endpoint under in-flight ops is where
+        # providers are least tested.
+        deadline = time.monotonic() + min(self.engine.timeout_s, 2.0)
+        while self._inflight and time.monotonic() < deadline:
+            try:
+                self._reap()
+            except TransferError:
+                break
         self.closed = True
         for op in [*self._inflight.values(), *self._backlog]:
             op.batch._fail(EngineClosed(f"{op.batch.name}: lane closed"))
@@ -327,32 +341,44 @@ class FastLane:
 
     # ----- internals ----------------------------------------------------------------------------
     def _queue(self, ops: list[_LaneOp]) -> None:
+        if not self._backlog and len(ops) <= self._dom.max_inflight - len(self._inflight):
+            rest = self._post(ops)  # the common case: straight to the provider, no queueing
+            if rest:
+                self._backlog.extend(rest)
+            return
         self._backlog.extend(ops)
         self._post_backlog()
 
     def _post_backlog(self) -> None:
-        room = self._dom.max_inflight - len(self._inflight)
         backlog = self._backlog
-        while backlog and room > 0:
-            n = min(room, len(backlog))
-            batch = [backlog.popleft() for _ in range(n)]
-            batch = [op for op in batch if op.batch.error is None]
-            for op in batch:
-                op.ctx = self._next_ctx
-                self._next_ctx += 1
-            k, rc, message = self._dom.post_batch(batch)
-            for op in batch[:k]:
-                self._inflight[op.ctx] = op
-            room -= k
-            if rc == 0:
-                continue
-            rest = batch[k:]
-            if rc == EAGAIN:
+        while backlog:
+            room = self._dom.max_inflight - len(self._inflight)
+            if room <= 0:
+                return
+            batch = [backlog.popleft() for _ in range(min(room, len(backlog)))]
+            rest = self._post([op for op in batch if op.batch.error is None])
+            if rest:
                 backlog.extendleft(reversed(rest))  # queue full or still connecting: retry on the next poll
                 return
-            first = rest[0]
-            first.batch._fail(TransferError(f"{first.batch.name} to {self._label(first.peer)}: {message}"))
-            backlog.extendleft(reversed(rest[1:]))
+
+    def _post(self, ops: list[_LaneOp]) -> list[_LaneOp]:
+        """Post ops in one native call; returns those to retry later (EAGAIN)."""
+        ctx = self._next_ctx
+        for op in ops:
+            op.ctx = ctx
+            ctx += 1
+        self._next_ctx = ctx
+        k, rc, message = self._dom.post_batch(ops)
+        inflight = self._inflight
+        for op in ops[:k] if k < len(ops) else ops:
+            inflight[op.ctx] = op
+        if rc == 0:
+            return []
+        if rc == EAGAIN:
+            return ops[k:]
+        first = ops[k]
+        first.batch._fail(TransferError(f"{first.batch.name} to {self._label(first.peer)}: {message}"))
+        return [op for op in ops[k + 1 :] if op.batch is not first.batch]
 
     def _expire(self, batch: Batch, limit: float | None = None) -> None:
         limit = self.engine.timeout_s if limit is None else limit
