@@ -27,6 +27,7 @@ ensure_system_packages() {
   local need=()
   pkg-config --exists libfabric 2>/dev/null || [ -n "${RFORK_LIBFABRIC_PREFIX:-}" ] \
     || need+=(libfabric1 libfabric-dev libfabric-bin)
+  command -v fi_pingpong >/dev/null 2>&1 || [ -n "${RFORK_LIBFABRIC_PREFIX:-}" ] || need+=(libfabric-bin)
   command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
   command -v cc >/dev/null 2>&1 || need+=(gcc)
   "$PYTHON" -c 'import ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
