@@ -265,11 +265,16 @@ class OutgoingRequest:
         return self
 
     def wait(self, timeout_s: float | None = None) -> None:
-        """Block until delivered; raises the request's error, or TransferTimeout."""
+        """Block until delivered; raises the request's error, or TransferTimeout.
+
+        timeout_s defaults to the engine's; it also bounds waiting for a receiver that never asked.
+        """
+        timeout = self.sender.engine.timeout_s if timeout_s is None else timeout_s
         try:
-            self.done.result(timeout_s)
+            self.done.result(timeout)
         except TimeoutError as exc:
-            raise TransferTimeout(f"KV request {self.request_id} not delivered within {timeout_s}s") from exc
+            state = "no receiver asked for it" if self._want is None else "not delivered"
+            raise TransferTimeout(f"KV request {self.request_id}: {state} within {timeout:g}s") from exc
 
 
 class KvSender:

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends import TransferEngine
+from backends import TransferEngine, TransferTimeout
 from backends.kv import KvError, KvGeometry, KvPool, KvReceiver, KvSender, _parts, _runs, _unruns, layer_spans
 from tests.backends.peer import engine_kwargs
 
@@ -143,6 +143,8 @@ def test_protocol_good_and_bad_requests(pair: tuple[TransferEngine, TransferEngi
     inc.wait(10)
     with pytest.raises(KvError, match="page id 4000"):
         sender.start("bad-src", [4000])
+    with pytest.raises(TransferTimeout, match="no receiver asked"):
+        sender.start("lonely", [1]).send_all().wait(0.5)
     bad = sender.start("count", [1, 2, 3])
     inc = receiver.request(sender.address, "count", [5, 6])
     with pytest.raises(KvError, match="2 pages"):
