@@ -34,6 +34,7 @@ def test_native_round_trip_is_measured(provider: str) -> None:
     assert 0 < rtt < 1e6
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("provider", ["tcp", "shm"])
 def test_bench_kv_tiny(provider: str, tmp_path: Path) -> None:
@@ -54,6 +55,7 @@ def test_bench_kv_refuses_bad_prompt_list() -> None:
         main(["bench", "kv", "--prompts", "12,abc"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("provider", ["tcp", "shm"])
 def test_small_ops_measure(provider: str) -> None:

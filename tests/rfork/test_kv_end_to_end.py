@@ -129,6 +129,7 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [random.Random(seed).randrange(TINY.vocab_size) for _ in range(n)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("layer_order", ["in order", "reversed"])
 def test_decode_from_transferred_pages_equals_local_decode(
