@@ -53,6 +53,20 @@ class ImmCounter:
             fut.set_result(None)
         return fut
 
+    def discard(self, imm: int, fut: Future[None]) -> bool:
+        """Withdraw a waiter that is no longer wanted (its request failed); True if it was waiting."""
+        with self._lock:
+            queue = self._waiters.get(imm)
+            if not queue:
+                return False
+            for i, (_need, f) in enumerate(queue):
+                if f is fut:
+                    del queue[i]
+                    if not queue:
+                        del self._waiters[imm]
+                    return True
+        return False
+
     def pending(self, imm: int) -> int:
         """Arrivals of imm not yet consumed by an expect."""
         with self._lock:

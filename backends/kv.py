@@ -518,9 +518,18 @@ class IncomingRequest:
         self._layers = [eng.expect(imm_for(slot, layer)) for layer in range(receiver.pool.geometry.layers)]
         self.done: Future[None] = Future()
         self.done.set_running_or_notify_cancel()
-        eng.expect(imm_for(slot, _DONE_LAYER)).add_done_callback(
-            lambda f: _settle(self.done, f, f"KV request {request_id}")
-        )
+        self._complete = eng.expect(imm_for(slot, _DONE_LAYER))
+        self._complete.add_done_callback(lambda f: _settle(self.done, f, f"KV request {request_id}"))
+        self.done.add_done_callback(self._withdraw)
+
+    def _withdraw(self, done: Future[None]) -> None:
+        """A failed request stops waiting in the ImmCounter (no waiters pile up for dead requests)."""
+        if done.exception() is None:
+            return
+        imm = self._receiver.engine.imm
+        for layer, fut in enumerate(self._layers):
+            imm.discard(imm_for(self.slot, layer), fut)
+        imm.discard(imm_for(self.slot, _DONE_LAYER), self._complete)
 
     def wait_layer(self, layer: int, timeout_s: float | None = None) -> None:
         """Block until layer `layer` of this request landed in the pool (or the request failed)."""

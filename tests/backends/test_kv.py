@@ -8,6 +8,7 @@ is enough to check the protocol's answers to good and bad input.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -151,6 +152,10 @@ def test_protocol_good_and_bad_requests(pair: tuple[TransferEngine, TransferEngi
         inc.wait(10)
     with pytest.raises(KvError, match="2 pages"):
         bad.wait(10)
+    deadline = time.monotonic() + 5  # done-callbacks run just after the waiter woke
+    while [w for w in b.imm._waiters if (w >> 12) & 0x7FFFF == inc.slot] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not [w for w in b.imm._waiters if (w >> 12) & 0x7FFFF == inc.slot]  # failed: waiters withdrawn
 
     # Elastic: a receiver leaves (its pending request fails on the sender) and joins again.
     pending = sender.start("orphan", [10, 11])
@@ -163,3 +168,16 @@ def test_protocol_good_and_bad_requests(pair: tuple[TransferEngine, TransferEngi
     inc = receiver.request(sender.address, "again", [30])
     sender.start("again", [31]).send_all().wait(30)
     inc.wait(10)
+
+
+def test_imm_counter_discard_withdraws_only_that_waiter() -> None:
+    from backends.imm import ImmCounter
+
+    c = ImmCounter()
+    a, b = c.expect(5, 1), c.expect(5, 1)
+    assert c.discard(5, a) is True
+    assert c.discard(5, a) is False
+    c.arrive(5)
+    assert b.done()
+    assert not a.done()
+    assert c.discard(6, b) is False
