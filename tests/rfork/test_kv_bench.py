@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing as mp
 import os
 import shutil
 from pathlib import Path
@@ -64,15 +63,10 @@ def test_small_ops_measure(provider: str) -> None:
 
     from backends import MemoryRegionDescriptor, TransferEngine
     from rfork.bench import small_ops
-    from rfork.bench.transport import REGION, _peer_main
+    from rfork.bench.transport import REGION, start_peer, stop_peer
 
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    peer = ctx.Process(target=_peer_main, args=(child, provider, 1), daemon=True)
-    peer.start()
+    peer, conn, src_b, dst_b = start_peer(provider, 1)
     try:
-        assert parent.poll(90)
-        src_b, dst_b = parent.recv()
         kw: dict[str, Any] = {"host": "127.0.0.1"} if provider == "tcp" else {}
         with TransferEngine(provider, 1, **kw) as eng:
             reg = eng.register(np.ones(REGION, dtype=np.uint8), "rw")
@@ -94,7 +88,4 @@ def test_small_ops_measure(provider: str) -> None:
         assert all(math.isfinite(v) for v in res.values())
         assert len(small_ops.report_lines(res)) == 2
     finally:
-        parent.send("exit")
-        peer.join(10)
-        if peer.is_alive():
-            peer.kill()
+        stop_peer(peer, conn)
