@@ -144,7 +144,14 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(PlannerError)
     async def _planner_error(_req: Request, exc: PlannerError) -> JSONResponse:
         if isinstance(exc, AllBusy):
-            return _error(429, str(exc), reason="all_busy", retry_after_s=exc.retry_after_s)
+            return _error(
+                429,
+                str(exc),
+                reason="all_busy",
+                retry_after_s=exc.retry_after_s,
+                expected_pull_s=exc.expected_pull_s,
+                fallback=exc.fallback,
+            )
         status = {NotFound: 404, Conflict: 409, BadRequest: 422, AuthError: 403}
         code = next((c for t, c in status.items() if isinstance(exc, t)), 400)
         extra = {"reason": exc.reason} if exc.reason else {}

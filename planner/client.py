@@ -180,10 +180,14 @@ class PlannerClient:
         backends: Sequence[str] = ("tcp", "nccl"),
         requester_id: str | None = None,
         exclude: Iterable[str] = (),
+        fallback_s: float | None = None,
+        serves_after: int = 0,
+        waited_s: float = 0.0,
     ) -> Assignment | None:
         """Ranked candidates for `rank` with a lease on the first; None = no source (load from disk).
 
-        Raises AllBusy(retry_after_s) when every source is at its pull limit.
+        Raises AllBusy(retry_after_s, expected_pull_s, fallback) when every source is at its pull
+        limit; `fallback` is true when `fallback_s` (this requester's disk/hub estimate) beats waiting.
         """
         body = {
             "identity": dict(identity),
@@ -194,6 +198,12 @@ class PlannerClient:
             "requester_id": requester_id,
             "exclude": list(exclude),
         }
+        if fallback_s is not None:
+            body["fallback_s"] = fallback_s
+        if serves_after:
+            body["serves_after"] = serves_after
+        if waited_s > 0:
+            body["waited_s"] = waited_s
         try:
             data = self._call("POST", "/v1/assignments", f"request assignment rank {rank}", json=body)
         except NotFound as exc:
@@ -275,7 +285,13 @@ class PlannerClient:
         reason = payload.get("reason")
         code = resp.status_code
         if code == 429:
-            raise AllBusy(msg, retry_after_s=float(payload.get("retry_after_s") or 1.0))
+            pull = payload.get("expected_pull_s")
+            raise AllBusy(
+                msg,
+                retry_after_s=float(payload.get("retry_after_s") or 1.0),
+                expected_pull_s=float(pull) if isinstance(pull, (int, float)) else None,
+                fallback=payload.get("fallback") is True,
+            )
         cls: type[PlannerError]
         if code in (401, 403):
             cls = AuthError

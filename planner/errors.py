@@ -31,9 +31,20 @@ class Conflict(PlannerError):
 class AllBusy(PlannerError):
     """Sources exist but every one is at its pull limit (429); retry after `retry_after_s` seconds."""
 
-    def __init__(self, message: str, *, retry_after_s: float) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after_s: float,
+        expected_pull_s: float | None = None,
+        fallback: bool = False,
+    ) -> None:
         super().__init__(message, status=429, reason="all_busy")
         self.retry_after_s = retry_after_s
+        # planner.burst: how long a pull is expected to take once a seed is free, and whether the
+        # requester's stated fallback (disk, hub) would finish sooner than waiting for one
+        self.expected_pull_s = expected_pull_s
+        self.fallback = fallback
 
 
 class PlannerUnavailable(PlannerError):

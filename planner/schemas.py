@@ -221,6 +221,14 @@ class AssignmentIn(Strict):
     exclude: Annotated[
         list[Annotated[str, StringConstraints(max_length=64, pattern=NO_NUL)]], Field(max_length=1024)
     ] = []
+    # the requester's own estimate of loading this rank without a seed (disk, hub), in seconds: when
+    # every seed is busy and waiting for one would take longer, the 429 says `fallback: true`
+    fallback_s: Annotated[float, Field(gt=0, le=1e7)] | None = None
+    # the pull limit this requester will serve at once it is READY (0: it will not serve); the 429
+    # estimate counts those future slots for the waiters behind it
+    serves_after: Annotated[int, Field(ge=0, le=10_000)] = 0
+    # seconds this requester has already waited for this rank (after 429s): it keeps its place in line
+    waited_s: Annotated[float, Field(ge=0, le=1e7)] = 0.0
 
 
 class CandidateOut(BaseModel):

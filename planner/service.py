@@ -18,6 +18,7 @@ from sqlalchemy import and_, delete, func, insert, or_, select, update
 
 from planner import schemas
 from planner.auth import new_instance_token
+from planner.burst import BusyEstimate, WaitingRoom, estimate_busy, pull_rate_bps
 from planner.db import Database
 from planner.errors import AllBusy, Conflict, NotFound
 from planner.models import Instance, InstanceRank, Lease, Manifest
@@ -76,6 +77,8 @@ class Planner:
         self.db = db
         self.settings = settings
         self.policy = policy
+        self._rank_bytes_cache: dict[tuple[str, int], int] = {}
+        self.waiting = WaitingRoom()
 
     # ---- instances -------------------------------------------------------------------------
     def register(self, body: schemas.InstanceIn, now: float) -> dict[str, Any]:
@@ -319,9 +322,13 @@ class Planner:
             )
             ranked = self.policy.rank(req, views)[: st.max_candidates]
             if not ranked:
+                est = self._busy_estimate(s, key, body, [v.instance_id for v in views], now)
                 raise AllBusy(
-                    f"all {len(views)} sources for rank {body.rank} are at their pull limit",
-                    retry_after_s=st.retry_after_s,
+                    f"all {len(views)} sources for rank {body.rank} are at their pull limit; "
+                    f"a slot is expected in {est.retry_after_s:.2f} s",
+                    retry_after_s=est.retry_after_s,
+                    expected_pull_s=est.expected_pull_s,
+                    fallback=est.fallback,
                 )
             lease_id = uuid.uuid4().hex
             expires_at = now + st.lease_ttl_s
@@ -366,6 +373,64 @@ class Planner:
             f'{{"id": "{lease_id}", "expires_at": "{expires}", "expires_at_unix": {expires_at!r}, '
             f'"candidates": [{", ".join(parts)}]}}'
         )
+
+    def _busy_estimate(
+        self, s: Any, key: str, body: schemas.AssignmentIn, seed_ids: Sequence[str], now: float
+    ) -> BusyEstimate:
+        """planner.burst's estimate from the busy seeds' live leases and this identity's recorded pulls."""
+        st = self.settings
+        starts = s.execute(
+            select(Lease.created_at).where(
+                Lease.instance_id.in_(seed_ids),
+                Lease.rank == body.rank,
+                Lease.ended_at.is_(None),
+                Lease.expires_at > now,
+            )
+        ).scalars().all()
+        recent = s.execute(
+            select(Lease.bytes, Lease.seconds)
+            .where(Lease.identity_key == key, Lease.rank == body.rank, Lease.outcome == "success")
+            .order_by(Lease.ended_at.desc())
+            .limit(st.rate_window)
+        ).all()
+        if not recent:  # a new identity: what pulls of any identity achieved here
+            recent = s.execute(
+                select(Lease.bytes, Lease.seconds)
+                .where(Lease.outcome == "success")
+                .order_by(Lease.ended_at.desc())
+                .limit(st.rate_window)
+            ).all()
+        rate = pull_rate_bps(((r[0], r[1]) for r in recent), default_bps=st.assumed_pull_gbps * 1e9)
+        room = (key, body.rank)
+        since = now - body.waited_s
+        est = estimate_busy(
+            lease_starts=list(starts),
+            rank_bytes=self._rank_bytes(s, key, body.rank, seed_ids[0]),
+            rate_bps=rate,
+            now=now,
+            position=self.waiting.position(room, now, since),
+            serves_after=body.serves_after,
+            fallback_s=body.fallback_s,
+            min_s=st.retry_after_min_s,
+            max_s=st.retry_after_max_s,
+        )
+        if not est.fallback:
+            self.waiting.promise(room, now + est.retry_after_s, since)
+        return est
+
+    def _rank_bytes(self, s: Any, key: str, rank: int, instance_id: str) -> int:
+        """Bytes of one rank of an identity (from a seed's manifest; fixed by the identity, so cached)."""
+        cached = self._rank_bytes_cache.get((key, rank))
+        if cached is not None:
+            return cached
+        raw = s.execute(
+            select(Manifest.body).where(Manifest.instance_id == instance_id, Manifest.rank == rank)
+        ).scalar()
+        nbytes = sum(int(r.get("nbytes", 0)) for r in json.loads(raw).get("regions", ())) if raw else 0
+        if len(self._rank_bytes_cache) > 4096:
+            self._rank_bytes_cache.clear()
+        self._rank_bytes_cache[(key, rank)] = nbytes
+        return nbytes
 
     def report(
         self, lease_id: str, body: schemas.ReportIn, now: float, reporter_instance: str | None = None

@@ -33,6 +33,11 @@ class PlannerSettings(BaseSettings):
     db_pool_size: int = Field(default=16, ge=1)
     threadpool_size: int | None = Field(default=None, ge=1, le=1024)  # None: 4 on SQLite, else 8
     heartbeat_batch_s: float = Field(default=0.01, ge=0, le=1)
+    # 429 all_busy (planner.burst): Retry-After from the live leases and recorded pull rates
+    retry_after_min_s: float = Field(default=0.05, gt=0)
+    retry_after_max_s: float = Field(default=60.0, gt=0)
+    assumed_pull_gbps: float = Field(default=1.0, gt=0)  # until a pull of the identity is recorded
+    rate_window: int = Field(default=16, ge=1, le=1024)  # recent successful pulls that give the rate
 
     def has_tokens(self) -> bool:
         """True when at least one bearer token is configured."""

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from rfork import checksum as ck
+from rfork.busy_wait import BusyWait, ask_with_wait, fallback_seconds
 from rfork.checkpoint import CheckpointInfo, load_rank_from_disk, read_rank_into
 from rfork.errors import ChecksumMismatch, DestinationMismatch, LoadFailed, ManifestError, PullError
 from rfork.identity import SourceIdentity
@@ -518,6 +519,11 @@ class LoadOptions:
     # Read through pinned host bounce slots (backends.staging). Automatic for GPU destinations, as tcp
     # and shm cannot register device memory; setting it for host destinations exercises that path.
     staged_reads: bool = False
+    # 429 all_busy (rfork.busy_wait): wait for a seed unless the planner says the checkpoint, read at
+    # `fallback_gbps` GB/s, would be sooner (None: never compare, just wait)
+    busy_wait: BusyWait = field(default_factory=BusyWait)
+    fallback_gbps: float | None = 2.0
+    max_concurrent_pulls: int = 2  # the pull limit this instance publishes once it is a seed
 
 
 class Loader:
@@ -713,6 +719,7 @@ class Loader:
             token=self.token,
             labels=self.options.labels,
             servers=[server],
+            max_concurrent_pulls=self.options.max_concurrent_pulls,
         )
         seed.start()
         self._engine = None  # the seed owns it now
@@ -806,39 +813,39 @@ class Loader:
     ) -> Any | None:
         from planner.client import AllBusy
 
-        deadline = time.monotonic() + 30.0
-        while True:
-            try:
-                a = client.request_assignment(
-                    identity=self.identity.to_dict(),
-                    rank=rank,
-                    labels=dict(self.options.labels or default_labels()),
-                    providers=self._one_sided(),
-                    backends=list(backends),
-                    requester_id=None,
-                    exclude=list(excluded),
-                )
-            except AllBusy as busy:
-                wait = float(getattr(busy, "retry_after_s", 1.0) or 1.0)
-                if time.monotonic() + wait > deadline:
-                    log.warning("rank %d: every seed busy for 30 s; giving up on R-Fork", rank)
-                    return None
-                log.info("rank %d: all seeds busy, retrying in %.1f s", rank, wait)
-                time.sleep(min(wait, 5.0))
-                continue
-            except Exception as exc:  # noqa: BLE001 - a planner outage must still end in the disk fallback
-                log.warning("rank %d: planner assignment failed: %s", rank, exc)
-                return None
-            if a is None:
-                log.info("rank %d: planner has no source for identity %s", rank, self.identity.key()[:12])
-            else:
-                log.info(
-                    "rank %d: assigned %s (%d candidate(s))",
-                    rank,
-                    a.candidates[0].instance_id,
-                    len(a.candidates),
-                )
-            return a
+        def ask(waited_s: float) -> Any:
+            return client.request_assignment(
+                identity=self.identity.to_dict(),
+                rank=rank,
+                labels=dict(self.options.labels or default_labels()),
+                providers=self._one_sided(),
+                backends=list(backends),
+                requester_id=None,
+                exclude=list(excluded),
+                fallback_s=self._fallback_s(),
+                serves_after=self.options.max_concurrent_pulls if self.options.become_seed else 0,
+                waited_s=waited_s,
+            )
+
+        try:
+            a = ask_with_wait(ask, policy=self.options.busy_wait, busy_type=AllBusy, what=f"rank {rank}")
+        except Exception as exc:  # noqa: BLE001 - a planner outage must still end in the disk fallback
+            log.warning("rank %d: planner assignment failed: %s", rank, exc)
+            return None
+        if a is None:
+            log.info("rank %d: no seed for identity %s (or waiting loses)", rank, self.identity.key()[:12])
+        else:
+            log.info(
+                "rank %d: assigned %s (%d candidate(s))", rank, a.candidates[0].instance_id, len(a.candidates)
+            )
+        return a
+
+    def _fallback_s(self) -> float | None:
+        """Estimated seconds to load one rank from the checkpoint (None: no fallback to compare)."""
+        if self.checkpoint is None:
+            return None
+        per_rank = self.checkpoint.total_bytes // max(self.identity.world_size, 1)
+        return fallback_seconds(per_rank, self.options.fallback_gbps)
 
     def _one_sided(self) -> list[str]:
         """The one-sided providers asked for ("nccl" in `providers` means: the NCCL fallback only)."""

@@ -52,6 +52,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=5.0, help="dead-peer timeout for transfers, seconds")
     parser.add_argument("--chunk-mib", type=int, default=8, help="bytes per read (MiB, default 8)")
     parser.add_argument("--inflight", type=int, default=8, help="reads in flight (default 8)")
+    parser.add_argument(
+        "--fallback-gbps",
+        type=float,
+        default=2.0,
+        help="checkpoint read rate, GB/s, that the planner weighs against waiting for a busy seed "
+        "(0: never fall back while seeds are busy; default 2)",
+    )
+    parser.add_argument(
+        "--max-concurrent-pulls", type=int, default=2, help="pull limit once this instance is a seed"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the outcome as JSON here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -101,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
         transfer_timeout_s=args.timeout,
         exclude=args.exclude,
         become_seed=args.then == "serve",
+        fallback_gbps=args.fallback_gbps or None,
+        max_concurrent_pulls=args.max_concurrent_pulls,
     )
     stop = threading.Event()
 
