@@ -31,11 +31,14 @@ COMMANDS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("bench", "rl"), "rfork.bench.rl"),
     (("bench", "moe"), "rfork.bench.moe"),
     (("bench", "kv"), "rfork.bench.kv"),
+    (("bench", "scale-out"), "rfork.bench.scale_out"),
+    (("simulate", "scale-out"), "rfork.simulate.scale_out"),
 )
 
 GROUP_HELP = {
     "planner": "run or migrate the planner service",
     "bench": "benchmarks; each measures its baseline in the same run and prints the ratio",
+    "simulate": "simulations that drive the real planner on a bandwidth model",
 }
 
 log = logging.getLogger("rfork")
