@@ -1,0 +1,195 @@
+"""Burst behaviour: Retry-After from live leases and recorded rates, the waiting room, the fallback advice."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner import schemas
+from planner.burst import WaitingRoom, estimate_busy, pull_rate_bps, slot_time
+from planner.errors import AllBusy
+from tests.planner.conftest import identity, make_planner, manifest, ranks
+
+GB = 10**9
+
+
+# ---- the arithmetic ---------------------------------------------------------------------------
+
+
+def test_pull_rate_is_total_bytes_over_total_seconds_and_skips_empty_records():
+    assert pull_rate_bps([(100, 1.0), (300, 1.0), (None, 5.0), (50, 0.0)], default_bps=7) == 200
+    assert pull_rate_bps([], default_bps=7) == 7
+
+
+def test_slot_time_without_new_seeds_serves_limit_per_pull():
+    # two leases ending at 10, pulls of 5 s, nobody becomes a seed: waiters 0,1 at 10; 2,3 at 15; 4,5 at 20
+    got = [slot_time(lease_ends=[10, 10], position=p, pull_s=5, serves_after=0) for p in range(6)]
+    assert got == [10, 10, 15, 15, 20, 20]
+
+
+def test_slot_time_with_new_seeds_grows_like_a_tree():
+    # one lease ending at 10; each finisher then serves 1: slots double every pull
+    got = [slot_time(lease_ends=[10], position=p, pull_s=5, serves_after=1) for p in range(8)]
+    assert got == [10, 10, 15, 15, 15, 15, 20, 20]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    starts=st.lists(st.floats(0, 100), min_size=1, max_size=8),
+    rank_gb=st.floats(0.001, 1000),
+    rate_gbps=st.floats(0.01, 100),
+    now=st.floats(0, 200),
+    position=st.integers(0, 50),
+    serves_after=st.integers(0, 4),
+    fallback_s=st.none() | st.floats(0.01, 10_000),
+)
+def test_estimate_properties(starts, rank_gb, rate_gbps, now, position, serves_after, fallback_s):
+    kw = {
+        "lease_starts": starts,
+        "rank_bytes": int(rank_gb * GB),
+        "rate_bps": rate_gbps * GB,
+        "now": now,
+        "serves_after": serves_after,
+        "fallback_s": fallback_s,
+        "min_s": 0.05,
+        "max_s": 60.0,
+    }
+    est = estimate_busy(position=position, **kw)
+    later = estimate_busy(position=position + 1, **kw)
+    pull = int(rank_gb * GB) / (rate_gbps * GB)
+    assert est.expected_pull_s == pytest.approx(pull)
+    assert 0.05 <= est.retry_after_s <= 60.0
+    assert later.retry_after_s >= est.retry_after_s  # a later place in line never comes back sooner
+    if fallback_s is None:
+        assert not est.fallback
+    elif est.fallback:
+        assert later.fallback  # whoever is behind a waiter told to fall back is told so too
+    # unclamped: the first slot opens when the earliest lease is expected to end
+    first = estimate_busy(position=0, **{**kw, "min_s": 1e-9, "max_s": 1e9})
+    assert first.retry_after_s == pytest.approx(max(min(starts) + pull - now, 1e-9), rel=1e-9, abs=1e-6)
+
+
+def test_fallback_exactly_when_waiting_plus_pull_is_not_sooner():
+    kw = {"lease_starts": [0.0], "rank_bytes": 10 * GB, "rate_bps": 1 * GB, "now": 4.0, "min_s": 0.01}
+    # slot at 10 (6 s from now) + 10 s pull = 16 s
+    assert not estimate_busy(fallback_s=16.5, max_s=60, **kw).fallback
+    assert estimate_busy(fallback_s=15.5, max_s=60, **kw).fallback
+    assert estimate_busy(fallback_s=None, max_s=60, **kw).retry_after_s == pytest.approx(6.0)
+    assert estimate_busy(fallback_s=None, max_s=2, **kw).retry_after_s == 2  # clamped
+    assert estimate_busy(lease_starts=[], rank_bytes=1, rate_bps=1, now=0, min_s=0.3, max_s=9).retry_after_s == 0.3
+    with pytest.raises(ValueError, match="rate_bps"):
+        estimate_busy(lease_starts=[0], rank_bytes=1, rate_bps=0, now=0, min_s=0.1, max_s=1)
+
+
+def test_waiting_room_is_first_come_first_served_and_forgets_past_promises():
+    room = WaitingRoom()
+    key = ("k", 0)
+    assert room.position(key, now=0, since=0) == 0
+    room.promise(key, at=10, since=0)
+    assert room.position(key, now=0, since=0) == 1  # a newcomer at the same instant queues behind
+    room.promise(key, at=12, since=0)
+    room.promise(key, at=14, since=1)
+    assert room.position(key, now=2, since=2) == 3
+    # the first waiter comes back at 10 and must wait again: it keeps its place ahead of the others
+    assert room.position(key, now=10, since=-1) == 0
+    assert room.position(key, now=10, since=0.5) == 1  # one that started at 0.5: behind the one at 0
+    assert room.position(key, now=20, since=20) == 0  # every promise has passed
+    assert room.position(("other", 0), now=0, since=0) == 0
+
+
+# ---- the service, on moving time ------------------------------------------------------------
+
+
+def _seed(svc, now: float, *, limit: int, nbytes: int = 64) -> str:
+    body = schemas.InstanceIn.model_validate(
+        {
+            "identity": identity(),
+            "labels": {"node": "s", "rack": "r", "zone": "z"},
+            "ranks": [{**r, "address": "YWRkcg=="} for r in ranks(0, 1)],
+            "max_concurrent_pulls": limit,
+        }
+    )
+    iid = svc.register(body, now)["id"]
+    m = manifest(0)
+    m["regions"][0]["nbytes"] = nbytes
+    import json
+
+    svc.put_manifest(iid, 0, json.dumps(m), now)
+    svc.set_status(iid, "READY", now)
+    return iid
+
+
+def _ask(**over):
+    return schemas.AssignmentIn.model_validate(
+        {"identity": identity(), "rank": 0, "providers": ["tcp"], "backends": ["tcp"], **over}
+    )
+
+
+def test_retry_after_from_live_leases_and_recorded_rate(sqlite_url):
+    from planner.db import migrate
+
+    migrate(sqlite_url)
+    svc = make_planner(sqlite_url, assumed_pull_gbps=1.0, retry_after_min_s=0.01)
+    try:
+        now = 1000.0
+        _seed(svc, now, limit=1, nbytes=4 * GB)
+        import json
+
+        lease = json.loads(svc.assign(_ask(), now))["id"]
+        # nothing recorded yet: 4 GB at the assumed 1 GB/s; the lease started at 1000, so ends at 1004
+        with pytest.raises(AllBusy) as busy:
+            svc.assign(_ask(), now + 1)
+        assert busy.value.retry_after_s == pytest.approx(3.0)
+        assert busy.value.expected_pull_s == pytest.approx(4.0)
+        assert not busy.value.fallback
+        # the next newcomer is second in line: the lease's slot at 1004, then that waiter's pull: 1008
+        with pytest.raises(AllBusy) as second:
+            svc.assign(_ask(), now + 1)
+        assert second.value.retry_after_s == pytest.approx(7.0)
+        # ... unless the waiter says it will serve once loaded: nothing changes for the second in line
+        # here (one slot), but a requester whose disk load is sooner is told to fall back
+        with pytest.raises(AllBusy) as hurry:
+            svc.assign(_ask(fallback_s=5.0), now + 1)
+        assert hurry.value.fallback
+        svc.report(lease, schemas.ReportIn(outcome="success", bytes=4 * GB, seconds=2.0), now + 2)
+        # a recorded pull: 2 GB/s from now on
+        lease2 = json.loads(svc.assign(_ask(), now + 2))["id"]
+        with pytest.raises(AllBusy) as busy2:
+            svc.assign(_ask(waited_s=100.0), now + 2.5)  # waited longest: first in line
+        assert busy2.value.expected_pull_s == pytest.approx(2.0)
+        assert busy2.value.retry_after_s == pytest.approx(1.5)
+        assert lease2
+    finally:
+        svc.db.close()
+
+
+def test_http_429_carries_the_estimate_and_a_retry_after_header(server):
+    from planner.client import PlannerClient
+
+    with PlannerClient(server.url) as c:
+        reg = c.register_instance(identity=identity(), ranks=ranks(0, 1), max_concurrent_pulls=1)
+        big = manifest(0)
+        big["regions"][0]["nbytes"] = 100 * GB  # 100 s at the assumed 1 GB/s
+        c.put_manifest(reg.id, 0, big)
+        c.set_status(reg.id, "READY")
+        assert c.request_assignment(identity=identity(), rank=0) is not None
+        with pytest.raises(AllBusy) as busy:
+            c.request_assignment(identity=identity(), rank=0, fallback_s=50, serves_after=2, waited_s=1.0)
+        assert busy.value.fallback
+        assert busy.value.expected_pull_s == pytest.approx(100.0)
+    body = {"identity": identity(), "rank": 0, "providers": ["tcp"], "backends": ["tcp"]}
+    r = httpx.post(f"{server.url}/v1/assignments", json=body)
+    assert r.status_code == 429
+    doc = r.json()
+    assert doc["reason"] == "all_busy"
+    assert doc["fallback"] is False
+    assert doc["retry_after_s"] == 60.0  # the lease ends in ~100 s; clamped to retry_after_max_s
+    assert int(r.headers["Retry-After"]) == max(1, round(doc["retry_after_s"]))
+    bad = httpx.post(f"{server.url}/v1/assignments", json={**body, "fallback_s": -1, "serves_after": -2})
+    assert bad.status_code == 422
+    assert "fallback_s" in bad.text
+    assert math.isfinite(doc["expected_pull_s"])
