@@ -80,7 +80,8 @@ def test_fallback_exactly_when_waiting_plus_pull_is_not_sooner():
     assert estimate_busy(fallback_s=15.5, max_s=60, **kw).fallback
     assert estimate_busy(fallback_s=None, max_s=60, **kw).retry_after_s == pytest.approx(6.0)
     assert estimate_busy(fallback_s=None, max_s=2, **kw).retry_after_s == 2  # clamped
-    assert estimate_busy(lease_starts=[], rank_bytes=1, rate_bps=1, now=0, min_s=0.3, max_s=9).retry_after_s == 0.3
+    gone = estimate_busy(lease_starts=[], rank_bytes=1, rate_bps=1, now=0, min_s=0.3, max_s=9)
+    assert gone.retry_after_s == 0.3
     with pytest.raises(ValueError, match="rate_bps"):
         estimate_busy(lease_starts=[0], rank_bytes=1, rate_bps=0, now=0, min_s=0.1, max_s=1)
 

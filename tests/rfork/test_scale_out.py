@@ -1,4 +1,4 @@
-"""Scale-out: the simulator against the real planner, the simulated tree, and a real burst of loader processes."""
+"""Scale-out: the simulator against the real planner, the simulated tree, a real burst of loaders."""
 
 from __future__ import annotations
 
