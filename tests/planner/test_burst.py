@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import httpx
 import pytest
@@ -74,7 +75,13 @@ def test_estimate_properties(starts, rank_gb, rate_gbps, now, position, serves_a
 
 
 def test_fallback_exactly_when_waiting_plus_pull_is_not_sooner():
-    kw = {"lease_starts": [0.0], "rank_bytes": 10 * GB, "rate_bps": 1 * GB, "now": 4.0, "min_s": 0.01}
+    kw: dict[str, Any] = {
+        "lease_starts": [0.0],
+        "rank_bytes": 10 * GB,
+        "rate_bps": 1 * GB,
+        "now": 4.0,
+        "min_s": 0.01,
+    }
     # slot at 10 (6 s from now) + 10 s pull = 16 s
     assert not estimate_busy(fallback_s=16.5, max_s=60, **kw).fallback
     assert estimate_busy(fallback_s=15.5, max_s=60, **kw).fallback
