@@ -1,0 +1,88 @@
+"""The loader's 429 wait policy on a real planner: wait for the computed slot, fall back only when told."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from planner.client import AllBusy, PlannerClient
+from planner.server import PlannerServer
+from rfork.busy_wait import BusyWait, ask_with_wait, fallback_seconds
+from tests.planner.conftest import identity, manifest, ranks
+
+GB = 10**9
+
+
+@pytest.fixture
+def busy_planner(sqlite_url):
+    """A planner with one READY seed (limit 1, a 10 GB rank) whose only slot is leased."""
+    with PlannerServer(db_url=sqlite_url, insecure=True, assumed_pull_gbps=10.0) as srv:
+        c = PlannerClient(srv.url)
+        reg = c.register_instance(identity=identity(), ranks=ranks(0, 1), max_concurrent_pulls=1)
+        m = manifest(0)
+        m["regions"][0]["nbytes"] = 10 * GB  # 1 s at the assumed 10 GB/s
+        c.put_manifest(reg.id, 0, m)
+        c.set_status(reg.id, "READY")
+        held = c.request_assignment(identity=identity(), rank=0)
+        assert held is not None
+        yield c, held
+        c.close()
+
+
+def test_waits_the_planners_retry_after_then_gets_the_freed_seed(busy_planner):
+    client, held = busy_planner
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        client.report_transfer(held.id, outcome="success", bytes=10 * GB, seconds=1.0, backend="tcp")
+
+    waits: list[float] = []
+
+    def ask(waited_s: float):
+        waits.append(waited_s)
+        return client.request_assignment(identity=identity(), rank=0, fallback_s=600.0, waited_s=waited_s)
+
+    got = ask_with_wait(ask, policy=BusyWait(jitter=0.1), busy_type=AllBusy, what="rank 0", sleep=sleep)
+    assert got is not None
+    assert got.candidates[0].instance_id
+    assert len(slept) == 1
+    assert 0.05 <= slept[0] <= 1.0 * 1.1 + 0.01  # the lease's expected end (<= 1 s away), plus jitter
+    assert waits[0] < 0.5
+    assert waits[1] >= waits[0]
+
+
+def test_falls_back_at_once_when_the_planner_says_disk_is_sooner(busy_planner):
+    client, _ = busy_planner
+
+    def never(_s: float) -> None:
+        raise AssertionError("must not sleep when told to fall back")
+
+    got = ask_with_wait(
+        lambda w: client.request_assignment(identity=identity(), rank=0, fallback_s=0.5, waited_s=w),
+        policy=BusyWait(),
+        busy_type=AllBusy,
+        what="rank 0",
+        sleep=never,
+    )
+    assert got is None
+
+
+def test_policy_bounds_and_estimate():
+    class Answer:
+        retry_after_s = 2.0
+        fallback = False
+
+    rng = random.Random(1)
+    p = BusyWait(max_wait_s=10.0, jitter=0.5)
+    for _ in range(50):
+        s = p.decide(Answer(), 0.0, rng)
+        assert s is not None
+        assert 2.0 <= s <= 3.0
+    assert p.decide(Answer(), 8.5, rng) is None  # would pass max_wait_s
+    with pytest.raises(ValueError, match="jitter"):
+        BusyWait(jitter=2.0)
+    assert fallback_seconds(4 * GB, 2.0) == pytest.approx(2.0)
+    assert fallback_seconds(4 * GB, None) is None
+    assert fallback_seconds(0, 2.0) is None
