@@ -9,12 +9,13 @@ import base64
 import datetime as dt
 import json
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, delete, func, insert, or_, select, update
+from sqlalchemy import and_, bindparam, delete, func, insert, or_, select, update
 
 from planner import schemas
 from planner.auth import new_instance_token
@@ -245,11 +246,13 @@ class Planner:
         return body
 
     # ---- assignments -----------------------------------------------------------------------
-    def assign(self, body: schemas.AssignmentIn, now: float) -> str:
+    def assign(self, body: schemas.AssignmentIn, now: float | None) -> str:
         """Lease the best free seed for one rank; returns the 201 JSON text (manifests spliced verbatim).
 
         Raises NoSource (404) or AllBusy (429). Atomic across planner processes: the candidate seeds'
         rows are locked (PostgreSQL) or the whole write is serialised (SQLite) while leases are counted.
+        `now` None (the routes): the clock is read once the write lock is held, so recorded lease times
+        follow the order of the decisions (see `_now`).
         """
         key = body.identity.key()
         excluded = set(body.exclude)
@@ -272,8 +275,8 @@ class Planner:
             .where(
                 Instance.identity_key == key,
                 Instance.status == "READY",
-                Instance.last_heartbeat >= now - st.heartbeat_ttl_s,
-                or_(Instance.quarantined_until.is_(None), Instance.quarantined_until <= now),
+                Instance.last_heartbeat >= bindparam("oldest_beat"),
+                or_(Instance.quarantined_until.is_(None), Instance.quarantined_until <= bindparam("now")),
             )
             .order_by(Instance.id)
         )
@@ -283,11 +286,15 @@ class Planner:
             q = q.with_for_update(of=Instance)
         with self.db.write() as session:
             s = session.connection()  # Core on the hot path: no ORM compile/unit of work
+            clock = now is None
+            now = _now(now)
             rows = []
-            for r in s.execute(q).all():
+            for r in s.execute(q, {"oldest_beat": now - st.heartbeat_ttl_s, "now": now}).all():
                 provider = choose_provider(body.providers, body.backends, r.backends)
                 if provider is not None:
                     rows.append((r, provider))
+            if clock:  # again, now that PostgreSQL's row locks on the seeds are held too
+                now = _now(None)
             if not rows:
                 raise NoSource(f"no READY source for identity {key[:12]} rank {body.rank}")
             counts = dict(
@@ -433,7 +440,7 @@ class Planner:
         return nbytes
 
     def report(
-        self, lease_id: str, body: schemas.ReportIn, now: float, reporter_instance: str | None = None
+        self, lease_id: str, body: schemas.ReportIn, now: float | None, reporter_instance: str | None = None
     ) -> dict[str, Any]:
         """End a lease with the pull's outcome; failures count against the seed (quarantine)."""
         quarantined = False
@@ -451,6 +458,9 @@ class Planner:
                 raise PermissionError(f"assignment {lease_id} belongs to requester {lease.requester_id}")
             if lease.outcome in ("success", "failure"):
                 raise Conflict(f"assignment {lease_id} was already reported ({lease.outcome})")
+            if not self.db.sqlite:  # serialise with assign() on the seed's row, then read the clock
+                s.execute(select(Instance.id).where(Instance.id == lease.instance_id).with_for_update())
+            now = _now(now)
             s.execute(
                 update(Lease)
                 .where(Lease.id == lease_id)
@@ -609,6 +619,13 @@ def reap(db: Database, settings: PlannerSettings, now: float) -> ReapResult:
     if stale or expired:
         log.info("reaper: %d instances STALE, %d leases expired", stale, expired)
     return ReapResult(stale=stale, expired=expired)
+
+
+def _now(now: float | None) -> float:
+    """`now`, or the clock read now: call it with the write lock held. A time read before waiting for
+    the lock could predate a lease end that the decision already saw, and the record would show a seed
+    over its limit that never was."""
+    return time.time() if now is None else now
 
 
 def _rowcount(result: Any) -> int:

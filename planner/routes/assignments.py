@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response
@@ -38,7 +37,7 @@ def request_assignment(
     """Ranked candidates for one rank, with a lease on the first."""
     if principal.instance_id is not None and body.requester_id not in (None, principal.instance_id):
         raise HTTPException(403, f"requester_id: this token acts for instance {principal.instance_id}")
-    text = planner.assign(body, time.time())
+    text = planner.assign(body, None)  # the clock is read under the write lock
     request.app.state.metrics.assignments.labels(result="leased").inc()
     return Response(text, status_code=201, media_type="application/json")
 
@@ -57,7 +56,7 @@ def report(
 ) -> dict[str, Any]:
     """End the lease with the pull's outcome and figures; failures count against the seed."""
     try:
-        out = planner.report(assignment_id, body, time.time(), reporter_instance=principal.instance_id)
+        out = planner.report(assignment_id, body, None, reporter_instance=principal.instance_id)
     except PermissionError as exc:
         raise HTTPException(403, f"assignment: {exc}") from exc
     m = request.app.state.metrics

@@ -164,6 +164,15 @@ def summarize(
         "verified": all(t["verified"] for t in tree),
         "tree": tree,
         "max_pulls_per_seed": concurrency,
+        "leases": [
+            {
+                "seed": names.get(x["seed_id"], x["seed_id"]),
+                "start_s": round(x["created_at"] - t0, 3),
+                "end_s": round(x["ended_at"] - t0, 3) if x.get("ended_at") is not None else None,
+                "outcome": x.get("outcome"),
+            }
+            for x in sorted(leases, key=lambda x: x["created_at"])
+        ],
         "max_pulls": max_pulls,
         "within_limit": all(c <= max_pulls for c in concurrency.values()),
     }

@@ -188,6 +188,8 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     ax.plot(xs, [r["ideal_tree_s"] for r in rows], "k--", label="ideal tree (log2 doubling)")
     ax.plot(xs, [1.5 * r["ideal_tree_s"] for r in rows], "k:", label="1.5 × ideal")
     ax.plot(xs, [r["all_from_hub_s"] for r in rows], color="grey", label="all from hub")
+    disk = [r["all_from_disk_s"] for r in rows]
+    ax.plot(xs, disk, color="brown", linestyle="-.", label="each from own disk")
     m = doc["model"]
     ax.set(
         xscale="log",

@@ -201,3 +201,44 @@ def test_http_429_carries_the_estimate_and_a_retry_after_header(server):
     assert bad.status_code == 422
     assert "fallback_s" in bad.text
     assert math.isfinite(doc["expected_pull_s"])
+
+
+def test_recorded_leases_never_show_a_seed_over_its_limit(server):
+    """Many threads lease and report at once: lease times are read under the write lock, so the
+    recorded history follows the order of the decisions and never overlaps beyond the limit."""
+    import threading
+
+    from planner.client import PlannerClient
+    from rfork.bench.scale_out import max_concurrent
+
+    with PlannerClient(server.url) as c:
+        reg = c.register_instance(identity=identity(), ranks=ranks(0, 1), max_concurrent_pulls=2)
+        c.put_manifest(reg.id, 0, manifest(0))
+        c.set_status(reg.id, "READY")
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        with PlannerClient(server.url) as client:
+            done = 0
+            while done < 6:
+                try:
+                    a = client.request_assignment(identity=identity(), rank=0)
+                except AllBusy:
+                    continue
+                except BaseException as exc:  # surfaced by the assertion below
+                    errors.append(exc)
+                    return
+                assert a is not None
+                client.report_transfer(a.id, outcome="success", bytes=64, seconds=0.001, backend="tcp")
+                done += 1
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors
+    with PlannerClient(server.url) as c:
+        items = c.transfers(limit=1000)["items"]
+    assert len(items) == 36
+    assert max_concurrent([(t["created_at"], t["ended_at"]) for t in items]) <= 2
