@@ -161,3 +161,17 @@ def test_bench_burst_of_six_loaders_against_one_seed_with_limit_two(tmp_path):
     assert disk["sources"] == {"disk": 6}
     assert disk["verified"]
     assert doc["load_average"]
+
+
+def test_racks_with_thin_uplinks_favour_the_topology_aware_policy(template, tmp_path):
+    m = BandwidthModel(racks=4, uplink_gbit_s=400.0)
+    runs = {
+        name: FleetSim(
+            model=m, scenario=SCENARIOS[name], instances=16, template=template, workdir=tmp_path
+        ).run()
+        for name in ("tree-load-aware", "tree-random")
+    }
+    for r in runs.values():
+        assert r.sources["seed"] == 16
+        assert r.max_pulls_per_seed <= 2
+    assert runs["tree-load-aware"].all_ready_s < runs["tree-random"].all_ready_s
