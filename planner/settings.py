@@ -29,7 +29,7 @@ class PlannerSettings(BaseSettings):
     failure_threshold: int = Field(default=3, ge=1)
     quarantine_s: float = Field(default=300.0, ge=0)
     max_manifest_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
-    retry_after_s: float = Field(default=1.0, gt=0)
+    retry_after_s: float = Field(default=1.0, gt=0)  # unused since planner.burst computes Retry-After
     db_pool_size: int = Field(default=16, ge=1)
     threadpool_size: int | None = Field(default=None, ge=1, le=1024)  # None: 4 on SQLite, else 8
     heartbeat_batch_s: float = Field(default=0.01, ge=0, le=1)
