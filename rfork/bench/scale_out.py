@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
             ", ".join(f"{k} {v}" for k, v in r["sources"].items()),
             str(max(r["max_pulls_per_seed"].values(), default=0)),
             f"{ratio:.2f}" if ratio is not None else "-",
-            "yes" if r["verified"] else "NO",
+            "yes" if r["verified"] else ("no digests" if mode == "disk" else "NO"),
         )
     console.print(table)
     if "tree" in modes:
