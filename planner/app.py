@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from planner.auth import Authenticator
 from planner.db import Database
 from planner.errors import AllBusy, AuthError, BadRequest, Conflict, NotFound, PlannerError
+from planner.guard import RequestGuard
 from planner.heartbeats import HeartbeatBatcher, HeartbeatFastPath
 from planner.metrics import MetricsMiddleware, PlannerMetrics
 from planner.selection import make_policy
@@ -34,7 +35,8 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
     """The planner app over `settings.db_url` (the schema must already be migrated)."""
     if not settings.has_tokens() and not settings.insecure:
         raise InsecureRefused(
-            "no token configured (RFORK_ADMIN_TOKEN, RFORK_INSTANCE_TOKEN or RFORK_READER_TOKEN);"
+            "no token configured (RFORK_ADMIN_TOKEN, RFORK_REGISTER_TOKEN, RFORK_LOAD_TOKEN,"
+            " RFORK_READER_TOKEN or the legacy RFORK_INSTANCE_TOKEN);"
             " refusing to start without auth; pass --insecure to run without it"
         )
     database = db or Database(settings.db_url, pool_size=settings.db_pool_size)
@@ -73,8 +75,10 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
         Authenticator(
             db=database,
             admin=settings.admin_token,
-            instance=settings.instance_token,
+            register=settings.register_token,
+            load=settings.load_token,
             reader=settings.reader_token,
+            instance=settings.instance_token,
         )
         if settings.has_tokens()
         else None
@@ -87,6 +91,12 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
     _add_error_handlers(app)
     _add_manifest_schema(app)
     app.add_middleware(HeartbeatFastPath, batcher=app.state.heartbeats, state=app.state)
+    app.add_middleware(
+        RequestGuard,
+        state=app.state,
+        body_limit=settings.max_body_bytes,
+        manifest_limit=settings.max_manifest_bytes,
+    )
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # added last: outermost, so it counts both
     return app
 

@@ -20,6 +20,14 @@ InstanceId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
 Rank = Annotated[int, Field(ge=0, le=1_000_000)]
 ParallelSize = Annotated[int, Field(ge=1, le=65_536)]
 ONE_SIDED = ("tcp", "shm", "efa", "verbs")
+# A seed's control endpoint: http(s)://host[:port][/], host a name, an IPv4 address (not 0.0.0.0) or
+# a bracketed IPv6 address; no credentials, path, query or fragment. The pattern is the whole rule,
+# so the OpenAPI schema states exactly what is accepted.
+_PORT = r"(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})"
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,62})"
+_HOST = rf"((?!0\.0\.0\.0(:|/|$)){_LABEL}(\.{_LABEL})*|\[[0-9A-Fa-f:.]{{2,45}}\])"
+CONTROL_URL = rf"^https?://{_HOST}(:{_PORT})?/?$"
+ControlKey = Annotated[str, StringConstraints(min_length=32, max_length=128, pattern=r"^[0-9a-f]+$")]
 
 
 class Strict(BaseModel):
@@ -97,9 +105,12 @@ class RankIn(Strict):
 class InstanceIn(Strict):
     """POST /v1/instances."""
 
+    model_config = ConfigDict(extra="forbid", regex_engine="python-re")  # CONTROL_URL uses a look-ahead
+
     identity: Identity
     labels: Labels = Labels()
-    control_url: Annotated[str, StringConstraints(max_length=2048, pattern=NO_NUL)] | None = None
+    control_url: Annotated[str, StringConstraints(max_length=2048, pattern=CONTROL_URL)] | None = None
+    control_key: ControlKey | None = None  # hex; signs per-assignment control tokens; never shown
     ranks: Annotated[list[RankIn], Field(max_length=65_536)] = []
     max_concurrent_pulls: Annotated[int, Field(ge=1, le=10_000)] = 2
 
@@ -195,6 +206,9 @@ class ManifestIn(BaseModel):
     checksum_algorithm: Annotated[str, StringConstraints(min_length=1, max_length=128)]
     regions: list[RegionIn]
     tensors: list[TensorIn]
+    # "disk": the publisher loaded these weights from a checkpoint (may anchor the identity's digests);
+    # "peer": it pulled them from another instance (never anchors)
+    origin: Literal["disk", "peer"] = "peer"
 
     @model_validator(mode="after")
     def _tensors_fit(self) -> ManifestIn:
@@ -223,6 +237,14 @@ class AssignmentIn(Strict):
     ] = []
 
 
+class AnchorOut(BaseModel):
+    """The identity's anchored digest set for this rank (planner.integrity.digest_set)."""
+
+    checksum_algorithm: str
+    digest_set: str
+    instance_id: str
+
+
 class CandidateOut(BaseModel):
     """One ranked source for a rank (manifest included)."""
 
@@ -234,6 +256,9 @@ class CandidateOut(BaseModel):
     control_url: str | None
     labels: Labels
     manifest: dict[str, Any]
+    anchor: AnchorOut
+    control_token: str | None = None  # leased candidate only: present it to its control endpoint
+
 
 
 class AssignmentOut(BaseModel):

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from rfork import checksum as ck
+from rfork.anchoring import check_anchor
 from rfork.checkpoint import CheckpointInfo, load_rank_from_disk
 from rfork.errors import ChecksumMismatch, LoadFailed, ManifestError, PullError
 from rfork.identity import SourceIdentity
@@ -308,10 +309,12 @@ class Loader:
         checkpoint: CheckpointInfo | Path | str | None = None,
         options: LoadOptions | None = None,
         progress: ProgressFn | None = None,
+        register_token: str | None = None,
     ) -> None:
         self.identity = identity
         self.planner_url = planner_url
-        self.token = token
+        self.token = token  # load role: request assignments, report
+        self.register_token = register_token or token  # register role: become a seed
         if checkpoint is not None and not isinstance(checkpoint, CheckpointInfo):
             from rfork.checkpoint import read_checkpoint_info
 
@@ -421,9 +424,10 @@ class Loader:
             weights=list(result.weights.values()),
             identity=self.identity,
             planner_url=self.planner_url,
-            token=self.token,
+            token=self.register_token,
             labels=self.options.labels,
             servers=[server],
+            retry_publish=True,  # a planner outage must not throw the verified weights away
         )
         seed.start()
         self._engine = None  # the seed owns it now
@@ -495,6 +499,7 @@ class Loader:
                 source,
                 seconds,
             )
+            weights.origin = "peer"
             return weights, regs, source
         return self._from_disk(rank, attempts), None, "disk"
 
@@ -571,6 +576,7 @@ class Loader:
                 f"seed {cand.instance_id}: checksum algorithm {manifest.checksum_algorithm!r} "
                 f"is not {ck.ALGORITHM!r}"
             )
+        check_anchor(cand.instance_id, getattr(cand, "anchor", None), manifest)
         deadline = time.monotonic() + self.options.rank_deadline_s
         if source == "nccl":
             return self._pull_nccl(cand, rank, manifest), None
@@ -603,7 +609,13 @@ class Loader:
         buffers = [torch.empty(n, dtype=torch.uint8) for n in layout.region_sizes]
         weights = RankWeights(rank=rank, layout=layout, buffers=buffers, tensors=views(layout, buffers))
         dest = [weights.tensors[t.name] for t in manifest.tensors if t.nbytes]
-        pull_over_nccl(cand.control_url, rank, dest, timeout_s=self.options.rank_deadline_s)
+        pull_over_nccl(
+            cand.control_url,
+            rank,
+            dest,
+            timeout_s=self.options.rank_deadline_s,
+            control_token=getattr(cand, "control_token", None),
+        )
         verify_tensors(weights, {t.name: t.checksum for t in manifest.tensors})
         return weights
 
@@ -679,12 +691,14 @@ def load(
     token: str | None = None,
     options: LoadOptions | None = None,
     progress: ProgressFn | None = None,
+    register_token: str | None = None,
 ) -> LoadResult:
     """One-call API for framework hooks: returns the weights (and the seed it became, if asked)."""
     return Loader(
         identity=identity,
         planner_url=planner_url,
         token=token,
+        register_token=register_token,
         checkpoint=checkpoint,
         options=options,
         progress=progress,

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response
 
 from planner import schemas
 from planner.auth import Principal
-from planner.deps import get_planner, writer
+from planner.deps import get_planner, leaser
 from planner.service import Planner
 
 router = APIRouter(prefix="/v1/assignments", tags=["assignments"])
@@ -33,12 +33,14 @@ def request_assignment(
     body: schemas.AssignmentIn,
     request: Request,
     planner: Planner = Depends(get_planner),
-    principal: Principal = Depends(writer),
+    principal: Principal = Depends(leaser),
 ) -> Response:
-    """Ranked candidates for one rank, with a lease on the first."""
-    if principal.instance_id is not None and body.requester_id not in (None, principal.instance_id):
-        raise HTTPException(403, f"requester_id: this token acts for instance {principal.instance_id}")
-    text = planner.assign(body, time.time())
+    """Ranked candidates for one rank, with a lease on the first (reported on only by its requester)."""
+    if principal.instance_id is not None:
+        if body.requester_id not in (None, principal.instance_id):
+            raise HTTPException(403, f"requester_id: this token acts for instance {principal.instance_id}")
+        body.requester_id = principal.instance_id
+    text = planner.assign(body, time.time(), holder=principal.holder)
     request.app.state.metrics.assignments.labels(result="leased").inc()
     return Response(text, status_code=201, media_type="application/json")
 
@@ -53,11 +55,12 @@ def report(
     body: schemas.ReportIn,
     request: Request,
     planner: Planner = Depends(get_planner),
-    principal: Principal = Depends(writer),
+    principal: Principal = Depends(leaser),
 ) -> dict[str, Any]:
-    """End the lease with the pull's outcome and figures; failures count against the seed."""
+    """End the lease with the pull's outcome and figures (its requester only; 409 once it has ended)."""
+    reporter = None if principal.has("admin") else principal.holder
     try:
-        out = planner.report(assignment_id, body, time.time(), reporter_instance=principal.instance_id)
+        out = planner.report(assignment_id, body, time.time(), reporter=reporter)
     except PermissionError as exc:
         raise HTTPException(403, f"assignment: {exc}") from exc
     m = request.app.state.metrics

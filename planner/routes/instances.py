@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any
 
@@ -10,8 +11,8 @@ from pydantic import ValidationError
 
 from planner import schemas
 from planner.auth import Principal
-from planner.deps import get_planner, get_principal, owner_of, writer
-from planner.errors import NotFound
+from planner.deps import get_planner, get_principal, owner_of, registrar, writer
+from planner.errors import DigestMismatch, NotFound
 from planner.service import Planner
 
 router = APIRouter(prefix="/v1/instances", tags=["instances"])
@@ -22,7 +23,9 @@ ERRORS: dict[int | str, dict[str, Any]] = {401: {}, 403: {}, 404: {}, 422: {}}
 
 @router.post("", status_code=201, response_model=schemas.Registered, responses=ERRORS)
 def register(
-    body: schemas.InstanceIn, planner: Planner = Depends(get_planner), principal: Principal = Depends(writer)
+    body: schemas.InstanceIn,
+    planner: Planner = Depends(get_planner),
+    principal: Principal = Depends(registrar),
 ) -> dict[str, Any]:
     """Register an instance (INITIALIZING); the answer carries a token scoped to it."""
     return planner.register(body, time.time())
@@ -154,7 +157,16 @@ async def put_manifest(
         raise HTTPException(422, "body: manifest must not contain NUL characters")
     if manifest.rank != rank:
         raise HTTPException(422, f"rank: manifest rank {manifest.rank} differs from the path's rank {rank}")
-    await run_in_threadpool(planner.put_manifest, instance_id, rank, text, time.time())
+    metrics = request.app.state.metrics
+    try:
+        anchored = await run_in_threadpool(
+            planner.put_manifest, instance_id, rank, text, time.time(), manifest
+        )
+    except DigestMismatch:
+        metrics.integrity_refusals.inc()
+        raise
+    if anchored:
+        metrics.anchors.inc()
     return Response(status_code=204)
 
 
@@ -171,8 +183,14 @@ def get_manifest(
     planner: Planner = Depends(get_planner),
     principal: Principal = Depends(get_principal),
 ) -> Response:
-    """The manifest exactly as the seed stored it."""
-    return Response(planner.get_manifest(instance_id, rank), media_type="application/json")
+    """The manifest as the seed stored it; descriptors (data-plane keys) only for admins and its owner."""
+    text = planner.get_manifest(instance_id, rank)
+    if not principal.sees_descriptors(instance_id):
+        doc = json.loads(text)
+        for region in doc.get("regions", []):
+            region["descriptor"] = ""
+        text = json.dumps(doc)
+    return Response(text, media_type="application/json")
 
 
 def _errors(exc: ValidationError) -> list[dict[str, Any]]:

@@ -38,7 +38,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tp", type=int, default=None, help="tensor-parallel size (default: identity's or 1)"
     )
-    parser.add_argument("--token", default=os.environ.get("RFORK_TOKEN"), help="planner token ($RFORK_TOKEN)")
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("RFORK_TOKEN"),
+        help="planner token with the load role ($RFORK_TOKEN)",
+    )
+    parser.add_argument(
+        "--register-token",
+        default=os.environ.get("RFORK_REGISTER_TOKEN"),
+        help="planner token with the register role, to become a seed"
+        " ($RFORK_REGISTER_TOKEN; default --token)",
+    )
     parser.add_argument(
         "--insecure-ok", action="store_true", help="allow talking to the planner without a token"
     )
@@ -112,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         identity=identity,
         planner_url=args.planner,
         token=args.token or None,
+        register_token=args.register_token or None,
         checkpoint=info,
         options=options,
         progress=progress,

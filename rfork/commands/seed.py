@@ -254,4 +254,4 @@ def _start_tp(
     except BaseException:
         close()
         raise
-    return [p.instance_id for p in pubs], close
+    return [str(p.instance_id) for p in pubs], close
