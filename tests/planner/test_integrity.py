@@ -91,7 +91,9 @@ def test_checksum_mismatch_report_quarantines_at_once(server):
 def test_reports_on_expired_leases_are_refused(planner_url):
     from planner.server import PlannerServer
 
-    with PlannerServer(db_url=planner_url, port=0, insecure=True, lease_ttl_s=0.5, reaper_interval_s=3600) as s:
+    with PlannerServer(
+        db_url=planner_url, port=0, insecure=True, lease_ttl_s=0.5, reaper_interval_s=3600
+    ) as s:
         c = PlannerClient(s.url)
         _instance(c, manifest(0))
         lease = c.request_assignment(identity=identity(), rank=0)
@@ -149,7 +151,9 @@ def test_control_url_is_validated(server, url):
 
 @given(
     st.lists(
-        st.tuples(st.text(min_size=1, max_size=8), st.sampled_from(["float32", "bfloat16"]), st.text(max_size=8)),
+        st.tuples(
+            st.text(min_size=1, max_size=8), st.sampled_from(["float32", "bfloat16"]), st.text(max_size=8)
+        ),
         min_size=1,
         max_size=8,
         unique_by=lambda t: t[0],
