@@ -339,7 +339,13 @@ class _Handler(BaseHTTPRequestHandler):
             raise _HttpError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                              f"body of {length} bytes; limit {_MAX_BODY}")
         try:
-            body = json.loads(self.rfile.read(length) or b"null")
+            raw = self.rfile.read(length)
+        except (TimeoutError, OSError) as exc:
+            self.close_connection = True
+            raise _HttpError(HTTPStatus.REQUEST_TIMEOUT,
+                             f"body not received within the timeout: {exc}") from exc
+        try:
+            body = json.loads(raw or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise _HttpError(HTTPStatus.BAD_REQUEST, f"body is not JSON: {exc}") from exc
         if not isinstance(body, dict):

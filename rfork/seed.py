@@ -307,7 +307,7 @@ class Publication:
         log.info("published instance %s (%d rank(s)) as %s", reg.id, len(self._manifests), self._status)
 
     def _beat(self) -> None:
-        from planner.client import NotFound
+        from planner.client import AuthError, NotFound
 
         interval = 2.0 if self.published else self._retry_interval_s
         while not self._stop.wait(interval):
@@ -322,11 +322,15 @@ class Publication:
                 if resp.get("status") == "STALE" and not self._stop.is_set():
                     self.client.set_status(self.instance_id, self._status)
                     log.warning("instance %s was STALE; set %s again", self.instance_id, self._status)
-            except NotFound:
-                log.warning("planner forgot instance %s; registering again", self.instance_id)
-                with self._lock:
-                    self.instance_id = None
-                interval = 0.0 if not self._stop.is_set() else interval
+            except (NotFound, AuthError) as exc:
+                # 404, or 401 for our instance token: the planner no longer knows this instance (deleted,
+                # or a new database); anything else (e.g. 403) is a real refusal, retried like an outage
+                forgotten = self.instance_id is not None and (isinstance(exc, NotFound) or exc.status == 401)
+                log.warning("%s: %s", "planner forgot us; registering again" if forgotten else "refused", exc)
+                if forgotten:
+                    with self._lock:
+                        self.instance_id = None
+                interval = 0.0 if forgotten else self._retry_interval_s
             except Exception as exc:  # noqa: BLE001 - keep beating; a planner restart must not kill the seed
                 log.warning("heartbeat/publish for %s failed: %s", self.instance_id, exc)
                 interval = self._retry_interval_s
