@@ -131,6 +131,19 @@ def run(args: argparse.Namespace) -> int:
         result = loader.load()
     finally:
         finish()
+    try:
+        _report_and_serve(args, result, started, stop, on_signal)
+    except KeyboardInterrupt:
+        log.info("interrupted: draining")
+    finally:
+        result.close()  # also on an error (e.g. a full disk for --json): drain, never leave a stray seed
+    return 0
+
+
+def _report_and_serve(
+    args: argparse.Namespace, result: Any, started: float, stop: Any, on_signal: Any
+) -> None:
+    """Write --json, print the outcome, then serve as a seed until told to stop."""
     verified_at = time.time()
     # after the engine opened: libfabric may have replaced the handlers (see rfork.commands.seed)
     signal.signal(signal.SIGTERM, on_signal)
@@ -149,23 +162,21 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.json:
         tmp = args.json.with_suffix(".tmp")
-        tmp.write_text(json.dumps(out))
-        tmp.replace(args.json)
+        try:
+            tmp.write_text(json.dumps(out))
+            tmp.replace(args.json)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
     print(
         f"loaded {result.bytes} bytes from {result.source} in {result.seconds:.2f} s "
         f"({out['gb_per_s']:.2f} GB/s), checksums verified",
         flush=True,
     )
-    try:
-        if result.seed is not None:
-            print(f"serving as seed {', '.join(result.seed.instance_ids)}; Ctrl-C to stop", flush=True)
-            while not stop.wait(0.5):
-                pass
-    except KeyboardInterrupt:
-        log.info("interrupted: draining")
-    finally:
-        result.close()
-    return 0
+    if result.seed is not None:
+        print(f"serving as seed {', '.join(result.seed.instance_ids)}; Ctrl-C to stop", flush=True)
+        while not stop.wait(0.5):
+            pass
 
 
 def _progress_bar(*, enabled: bool) -> tuple[Any, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,7 +48,7 @@ def medium_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # The end-to-end tests run with auth on, each process with the least privilege it needs: seeds
 # register; loaders request assignments and report (load) and register to become seeds.
 ADMIN, REGISTER, LOAD, READER = "e2e-admin", "e2e-register", "e2e-load", "e2e-reader"
-AUTH = {"token": LOAD, "register_token": REGISTER}  # a loader's credentials
+AUTH: dict[str, Any] = {"token": LOAD, "register_token": REGISTER}  # a loader's credentials
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, text
@@ -24,7 +25,9 @@ from tests.rfork.conftest import ADMIN, AUTH, LOAD, READER, REGISTER
 from tests.rfork.test_end_to_end import assert_same
 
 pytestmark = pytest.mark.slow
-TOKENS = {"admin_token": ADMIN, "register_token": REGISTER, "load_token": LOAD, "reader_token": READER}
+TOKENS: dict[str, Any] = {
+    "admin_token": ADMIN, "register_token": REGISTER, "load_token": LOAD, "reader_token": READER
+}
 
 
 def opts(**kw) -> LoadOptions:
@@ -144,6 +147,7 @@ def test_control_endpoint_needs_the_lease_token_and_works_across_two_addresses(s
     info = read_checkpoint_info(small_ckpt)
     with Seed(weights=[_weights(small_ckpt)], identity=info.identity(), planner_url=planner,
               control_host="127.0.0.2", token=REGISTER) as seed:
+        assert seed.control_server is not None
         control_url = seed.control_server.url
         assert control_url.startswith("http://127.0.0.2:")  # bound to its routable address, published
         published = PlannerClient(planner, token=READER).get_instance(seed.instance_ids[0])
