@@ -13,7 +13,7 @@ import json
 import logging
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ import torch
 from rfork.errors import CheckpointError
 from rfork.identity import SourceIdentity, fingerprint
 from rfork.layout import DEFAULT_MAX_REGION_BYTES, Layout, allocate, plan_layout, views
+from rfork.manifest import dtype_from_name, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -388,37 +389,58 @@ def load_rank_from_disk(
     layout = rank_layout(info, tp=tp, rank=rank, max_region_bytes=max_region_bytes)
     buffers = allocate(layout)
     placed = views(layout, buffers)
+    read_rank_into(info, placed, tp=tp, rank=rank)
+    return layout, buffers, placed
+
+
+def read_rank_into(
+    info: CheckpointInfo, tensors: Mapping[str, torch.Tensor], *, tp: int = 1, rank: int = 0
+) -> None:
+    """Read one TP rank's slice into the caller's host tensors (same names, dtypes and shapes).
+
+    Raises CheckpointError naming the first tensor that is missing, extra, or of another dtype/shape.
+    """
     by_name = {t.name: t for t in info.tensors}
+    for name in tensors:
+        if name not in by_name:
+            raise CheckpointError(f"{info.directory}: destination tensor {name!r} is not in the checkpoint")
+    for t in info.tensors:
+        dest = tensors.get(t.name)
+        want = shard_shape(t.name, t.shape, tp, rank)
+        if dest is None:
+            raise CheckpointError(f"{info.directory}: tensor {t.name!r} has no destination")
+        if dtype_name(dest.dtype) != t.dtype or tuple(dest.shape) != want:
+            raise CheckpointError(
+                f"{info.directory}: tensor {t.name!r} is {t.dtype}{list(want)} on disk, "
+                f"the destination {dtype_name(dest.dtype)}{list(dest.shape)}"
+            )
+        if dest.device.type != "cpu" or not dest.is_contiguous():
+            raise CheckpointError(f"tensor {t.name!r}: the disk loader reads into contiguous host tensors")
     handles: dict[Path, Any] = {}
+    total = 0
     try:
-        for p in layout.placements:
-            if p.nbytes == 0:
+        for t in info.tensors:
+            dest = tensors[t.name]
+            nbytes = dest.numel() * dest.element_size()
+            if nbytes == 0:
                 continue
-            t = by_name[p.name]
+            total += nbytes
             f = handles.get(t.file)
             if f is None:
                 f = handles[t.file] = t.file.open("rb", buffering=0)
             if tp == 1 or split_dim(t.name, len(t.shape)) is None:
-                _read_exact(f, t.data_offset, buffers[p.region][p.offset : p.offset + p.nbytes], t)
+                _read_exact(f, t.data_offset, dest.detach().reshape(-1).view(torch.uint8), t)
             else:
                 full = torch.empty(t.nbytes, dtype=torch.uint8)
                 _read_exact(f, t.data_offset, full, t)
-                from rfork.manifest import dtype_from_name
-
                 full_t = full.view(dtype_from_name(t.dtype)).view(t.shape)
-                placed[p.name].copy_(shard_tensor(t.name, full_t, tp, rank))
+                dest.detach().copy_(shard_tensor(t.name, full_t, tp, rank))
     finally:
         for f in handles.values():
             f.close()
     log.info(
-        "loaded rank %d/%d from %s: %d bytes in %d region(s)",
-        rank,
-        tp,
-        info.directory,
-        layout.total_bytes,
-        len(layout.region_sizes),
+        "read rank %d/%d from %s: %d bytes into %d tensor(s)", rank, tp, info.directory, total, len(tensors)
     )
-    return layout, buffers, placed
 
 
 def _read_exact(f: Any, offset: int, dest: torch.Tensor, t: TensorInfo) -> None:

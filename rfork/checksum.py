@@ -1,5 +1,11 @@
-"""Per-tensor weight checksums computable with torch ops on any device (CPU or CUDA), same result on both.
+"""Per-tensor weight digests: xxh3-128 for host tensors, pwsum64 on the GPU.
 
+Host (CPU) tensors use `xxh3-128` (the xxHash library's XXH3 128-bit hash of the tensor's raw bytes,
+32 hex digits). It is non-linear (no combination of changed words cancels out, unlike a sum) and runs
+at memory speed; `StreamingDigest` computes the same value chunk by chunk as the bytes arrive, so
+the loader hashes each chunk while it is still in cache.
+
+CUDA tensors keep a device-side digest so no weight byte crosses to the host:
 Algorithm `pwsum64-v1`: the tensor's bytes are read as little-endian 64-bit words w_0 .. w_{n-1}
 (a final partial word is zero-padded). The digest is the pair
 
@@ -15,11 +21,15 @@ and accumulators live on the tensor's device: no weight byte is copied to the ho
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import torch
+import xxhash
 
-ALGORITHM = "pwsum64-v1"
+PWSUM64 = "pwsum64-v1"
+XXH3_128 = "xxh3-128"
+ALGORITHMS = (XXH3_128, PWSUM64)
 CHUNK_WORDS = 1 << 15  # 256 KiB of data per chunk: data + product stay in L2 (measured best here)
 _MASK = (1 << 64) - 1
 
@@ -100,9 +110,50 @@ def checksum_bytes(data: torch.Tensor) -> str:
     return f"{a:016x}{b:016x}"
 
 
+def algorithm_for(device: torch.device | str) -> str:
+    """The digest used for tensors on `device`: xxh3-128 on the host, pwsum64 on a GPU."""
+    return PWSUM64 if torch.device(device).type == "cuda" else XXH3_128
+
+
 def tensor_checksum(tensor: torch.Tensor) -> str:
-    """Digest of a tensor's raw bytes, whatever its dtype and shape (32 hex digits)."""
+    """Digest of a tensor's raw bytes under algorithm_for(tensor.device) (32 hex digits)."""
+    if algorithm_for(tensor.device) == XXH3_128:
+        return xxh3_bytes(_as_bytes(tensor))
     return checksum_bytes(_as_bytes(tensor))
+
+
+def xxh3_bytes(data: torch.Tensor) -> str:
+    """xxh3-128 of a flat uint8 host tensor (zero-copy: hashed where it lies)."""
+    if data.numel() == 0:
+        return xxhash.xxh3_128_hexdigest(b"")
+    return xxhash.xxh3_128_hexdigest(_host_view(int(data.data_ptr()), data.numel()))
+
+
+def _host_view(ptr: int, nbytes: int) -> memoryview:
+    """A memoryview of host memory [ptr, +nbytes) without copying (the caller keeps it alive)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(ptr)).cast("B")
+
+
+class StreamingDigest:
+    """xxh3-128 of one host tensor's bytes fed in order, chunk by chunk, as they land.
+
+    `update(ptr, n)` hashes host memory [ptr, +n); the bytes must arrive in address order and add
+    up to the tensor. Not thread-safe: one feeder (the loader's verifier thread).
+    """
+
+    __slots__ = ("_hasher", "fed")
+
+    def __init__(self) -> None:
+        self._hasher = xxhash.xxh3_128()
+        self.fed = 0
+
+    def update(self, ptr: int, nbytes: int) -> None:
+        if nbytes:
+            self._hasher.update(_host_view(ptr, nbytes))
+            self.fed += nbytes
+
+    def hexdigest(self) -> str:
+        return str(self._hasher.hexdigest())
 
 
 def reference_checksum(raw: bytes) -> str:

@@ -25,3 +25,11 @@ class PullError(RforkError):
 
 class LoadFailed(RforkError):
     """Every candidate failed and there was no disk fallback."""
+
+
+class LayoutError(RforkError, ValueError):
+    """Tensors cannot be served or pulled in place (not contiguous, mixed devices, ...)."""
+
+
+class DestinationMismatch(RforkError, ValueError):
+    """The caller's destination tensors disagree with the manifest (names, dtypes or shapes)."""

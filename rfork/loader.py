@@ -1,21 +1,27 @@
 """The loader: a rank's weights from a seed (one-sided reads), else NCCL, else disk; verify; seed.
 
-Pipeline for one rank from one candidate:
-  1. parse the candidate's manifest, allocate one flat destination buffer per seed region;
-  2. a registration thread registers region i+1 while region i is on the wire (regions are registered
-     with remote *read* access from the start: the engine allows any registered region as the local
-     destination of our own reads, and the same registrations are what we serve once READY, so
-     becoming a seed costs no second registration and writes are never granted to anyone);
-  3. reads of `chunk_bytes` each, up to `max_inflight` in flight across regions;
-  4. as each region completes, a verifier thread checksums its tensors while later regions transfer;
-  5. report to the planner. Any failure (transport error, peer timeout, checksum mismatch, deadline)
-     reports failure, excludes that seed and asks again; after `max_attempts` or no source: disk.
-Nothing is published as a seed until every tensor of every rank verified.
+Weights land where the caller wants them: `pull_into(named_tensors)` / `load_into(module)` read
+straight into tensors the caller allocated (checked against the manifest's names, dtypes and shapes
+before any byte moves); `load()` allocates flat buffers per the seed's manifest first and is a thin
+layer over the same pull. Pipeline for one rank from one candidate:
+  1. the destination's covering address ranges (`cover`) are the local regions; a registration
+     thread registers (and pre-faults) region i+1 while region i is on the wire. They are
+     registered with remote *read* access only: the same registrations are served once READY, so
+     becoming a seed costs no second registration and writes are never granted to anyone;
+  2. reads of `chunk_bytes` each, up to `max_inflight` in flight, in address order; shared or tied
+     destination bytes are read once;
+  3. a verifier thread digests each region's bytes in order as soon as they are final (xxh3-128
+     on the host: the chunk is hashed while it is still in cache) and compares each tensor;
+  4. report to the planner. Any failure (transport error, peer timeout, checksum mismatch, deadline)
+     reports failure, excludes that seed and asks again; then NCCL, then disk into the same tensors.
+Nothing is published as a seed until every tensor of every rank verified. A disk load has nothing to
+compare with: its result says `verified=False`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib.util
 import logging
 import threading
@@ -31,10 +37,10 @@ import torch
 
 from rfork import checksum as ck
 from rfork.anchoring import check_anchor
-from rfork.checkpoint import CheckpointInfo, load_rank_from_disk
-from rfork.errors import ChecksumMismatch, LoadFailed, ManifestError, PullError
+from rfork.checkpoint import CheckpointInfo, load_rank_from_disk, read_rank_into
+from rfork.errors import ChecksumMismatch, DestinationMismatch, LoadFailed, ManifestError, PullError
 from rfork.identity import SourceIdentity
-from rfork.layout import Layout, Placement, views
+from rfork.layout import Layout, Placement, allocate, views
 from rfork.manifest import RankManifest
 from rfork.seed import RankServer, RankWeights, Seed, default_labels, open_engine
 
@@ -57,7 +63,8 @@ class Attempt:
 
 @dataclass(kw_only=True)
 class LoadResult:
-    """What a load produced: weights per rank (region buffers + views), how, and the seed it became."""
+    """What a load produced: weights per rank (the caller's tensors, or buffers + views), how, and
+    the seed it became. `verified` is true only when every tensor's digest was compared with a seed's."""
 
     identity: SourceIdentity
     weights: dict[int, RankWeights]
@@ -79,7 +86,10 @@ class LoadResult:
         return self.weights[rank].tensors
 
     def load_into(self, module: torch.nn.Module, rank: int = 0) -> None:
-        """Point the module's parameters at the loaded views (no copy): `load_state_dict(assign=True)`."""
+        """Point the module's parameters at the loaded views (no copy): `load_state_dict(assign=True)`.
+
+        For `load()` results; `Loader.load_into(module)` pulls into the module's own tensors instead.
+        """
         module.load_state_dict(self.state_dict(rank), strict=True, assign=True)
 
     def close(self) -> None:
@@ -117,15 +127,89 @@ def verify_tensors(
         weights.checksums[name] = got
 
 
+def check_destination(dest: RankWeights, manifest: RankManifest) -> None:
+    """Names, dtypes and shapes of the caller's tensors against the manifest, before any byte moves.
+
+    Raises DestinationMismatch naming the first bad tensor (manifest order, then extra names).
+    """
+    have = {p.name: p for p in dest.layout.placements}
+    for t in manifest.tensors:
+        p = have.get(t.name)
+        if p is None:
+            raise DestinationMismatch(
+                f"rank {dest.rank}: tensor {t.name!r} is in the manifest but has no destination"
+            )
+        if p.dtype != t.dtype or tuple(p.shape) != tuple(t.shape):
+            raise DestinationMismatch(
+                f"rank {dest.rank}: tensor {t.name!r} is {t.dtype}{list(t.shape)} at the seed, "
+                f"the destination {p.dtype}{list(p.shape)}"
+            )
+    published = {t.name for t in manifest.tensors}
+    for p in dest.layout.placements:
+        if p.name not in published:
+            raise DestinationMismatch(
+                f"rank {dest.rank}: destination tensor {p.name!r} is not in the manifest"
+            )
+
+
+@dataclass(slots=True)
+class _Span:
+    """A distinct destination byte span (tied names share one) and its running digest."""
+
+    offset: int
+    end: int
+    names: list[str]
+    digest: ck.StreamingDigest | None
+    done: bool = False
+
+
+@dataclass(slots=True)
+class _Read:
+    """One read: destination region/offset, source region/offset, length."""
+
+    region: int
+    offset: int
+    src_region: int
+    src_offset: int
+    nbytes: int
+    done: bool = False
+
+
+def plan_reads(dest: RankWeights, manifest: RankManifest, chunk_bytes: int) -> list[list[_Read]]:
+    """Reads per destination region, in address order, at most `chunk_bytes` each; bytes that several
+    destination tensors share (tied or overlapping) are read once."""
+    src = {t.name: t for t in manifest.tensors}
+    per_region: list[list[tuple[int, int, int, int]]] = [[] for _ in dest.layout.region_sizes]
+    for p in dest.layout.placements:
+        if p.nbytes:
+            t = src[p.name]
+            per_region[p.region].append((p.offset, -p.nbytes, t.region, t.offset))
+    plan: list[list[_Read]] = []
+    for region, spans in enumerate(per_region):
+        reads: list[_Read] = []
+        covered = 0
+        for offset, neg, src_region, src_offset in sorted(spans):
+            end = offset - neg
+            if end <= covered:
+                continue
+            start = max(offset, covered)
+            for lo in range(start, end, chunk_bytes):
+                n = min(chunk_bytes, end - lo)
+                reads.append(_Read(region, lo, src_region, src_offset + (lo - offset), n))
+            covered = end
+        plan.append(reads)
+    return plan
+
+
 class _Puller:
-    """One rank from one candidate over one-sided reads (see the module docstring for the pipeline)."""
+    """One rank from one candidate over one-sided reads, into `dest` (see the module docstring)."""
 
     def __init__(
         self,
         *,
         engine: Any,
         manifest: RankManifest,
-        rank: int,
+        dest: RankWeights,
         chunk_bytes: int,
         max_inflight: int,
         deadline: float,
@@ -133,82 +217,123 @@ class _Puller:
     ) -> None:
         self.engine = engine
         self.manifest = manifest
-        self.rank = rank
+        self.dest = dest
+        self.rank = dest.rank
         self.chunk_bytes = chunk_bytes
         self.max_inflight = max_inflight
         self.deadline = deadline
         self.progress = progress
         self.phases: dict[str, float] = {}
         self._verify_s = 0.0
+        self._expected = {t.name: t.checksum for t in manifest.tensors}
+        self._streaming = dest.checksum_algorithm == ck.XXH3_128
+        self._spans = self._span_table()
 
-    def _verify(self, weights: RankWeights, expected: Mapping[str, str], names: Sequence[str]) -> None:
+    def _span_table(self) -> list[list[_Span]]:
+        by_key: dict[tuple[int, int, int], _Span] = {}
+        table: list[list[_Span]] = [[] for _ in self.dest.layout.region_sizes]
+        for p in self.dest.layout.placements:
+            if not p.nbytes:
+                continue
+            key = (p.region, p.offset, p.nbytes)
+            span = by_key.get(key)
+            if span is None:
+                digest = ck.StreamingDigest() if self._streaming else None
+                span = by_key[key] = _Span(p.offset, p.offset + p.nbytes, [], digest)
+                table[p.region].append(span)
+            span.names.append(p.name)
+        for spans in table:
+            spans.sort(key=lambda sp: sp.offset)
+        return table
+
+    def _verify_upto(self, region: int, lo: int, hi: int) -> None:
+        """Digest region bytes [lo, hi) (final now, fed in order) and check every span that ends by hi."""
         t = time.perf_counter()
         try:
-            verify_tensors(weights, expected, names)
+            base = self.dest.ranges[region].ptr
+            for span in self._spans[region]:
+                if span.done or span.offset >= hi:
+                    continue
+                if span.digest is not None:
+                    start = max(span.offset, lo, span.offset + span.digest.fed)
+                    span.digest.update(base + start, min(span.end, hi) - start)
+                if span.end <= hi:
+                    self._check(span)
         finally:
             self._verify_s += time.perf_counter() - t
 
-    def run(self) -> tuple[RankWeights, list[Any]]:
+    def _check(self, span: _Span) -> None:
+        span.done = True
+        first = span.names[0]
+        got = (
+            span.digest.hexdigest()
+            if span.digest is not None
+            else ck.tensor_checksum(self.dest.tensors[first])
+        )
+        for name in span.names:
+            if got != self._expected[name]:
+                raise ChecksumMismatch(
+                    f"tensor {name!r} of rank {self.rank}: checksum {got} != published {self._expected[name]}"
+                )
+            self.dest.checksums[name] = got
+
+    def run(self) -> list[Any]:
+        """Pull and verify every tensor; returns the local registrations (one per destination region)."""
         from backends import MemoryRegionDescriptor
 
-        m = self.manifest
-        layout = _layout_from_manifest(m)
-        t_alloc = time.perf_counter()
-        buffers = [torch.empty(n, dtype=torch.uint8) for n in layout.region_sizes]
-        self.phases["alloc"] = time.perf_counter() - t_alloc
-        weights = RankWeights(rank=self.rank, layout=layout, buffers=buffers, tensors=views(layout, buffers))
-        expected = {t.name: t.checksum for t in m.tensors}
-        by_region: dict[int, list[str]] = {}
-        for t in m.tensors:
-            if t.nbytes:
-                by_region.setdefault(t.region, []).append(t.name)
-            else:
-                weights.checksums[t.name] = ck.tensor_checksum(weights.tensors[t.name])
-                if weights.checksums[t.name] != t.checksum:
-                    raise ChecksumMismatch(f"zero-byte tensor {t.name!r}: checksum {t.checksum} is not empty")
-        remote = {r.index: MemoryRegionDescriptor.from_bytes(r.descriptor) for r in m.regions}
-        total = sum(layout.region_sizes)
+        dest = self.dest
+        for p in dest.layout.placements:
+            if not p.nbytes:
+                verify_tensors(dest, self._expected, [p.name])
+        remote = {r.index: MemoryRegionDescriptor.from_bytes(r.descriptor) for r in self.manifest.regions}
+        plan = plan_reads(dest, self.manifest, self.chunk_bytes)
+        total = sum(r.nbytes for reads in plan for r in reads)
         done_bytes = 0
-        local_regions: list[Any] = []
         reg_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rfork-register")
         verify_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rfork-verify")
         verify_futs: list[Future[None]] = []
-        reg_futs = [reg_pool.submit(self.engine.register, buf, access="read") for buf in buffers]
+        reg_futs = [reg_pool.submit(self._register, target) for target in dest.registrables()]
+        frontier = [0] * len(plan)  # per region: reads[:frontier] are all done
+        final_at = [0] * len(plan)  # per region: bytes below this are final
         t_first = time.perf_counter()
         reg_wait = 0.0
-        inflight: deque[tuple[Future[Any], int, int]] = deque()
-        pending_per_region = [0] * len(buffers)
+        inflight: deque[tuple[Future[Any], _Read]] = deque()
+        local_regions: list[Any] = []
         ok = False
+
+        def retire() -> int:
+            fut, rd = inflight.popleft()
+            fut.result(timeout=self._left())
+            rd.done = True
+            reads, k = plan[rd.region], frontier[rd.region]
+            while k < len(reads) and reads[k].done:
+                k += 1
+            if k != frontier[rd.region]:
+                frontier[rd.region] = k
+                lo, hi = final_at[rd.region], reads[k - 1].offset + reads[k - 1].nbytes
+                if k == len(reads):
+                    hi = dest.layout.region_sizes[rd.region]
+                final_at[rd.region] = hi
+                verify_futs.append(verify_pool.submit(self._verify_upto, rd.region, lo, hi))
+            return rd.nbytes
+
         try:
-            for i, size in enumerate(layout.region_sizes):
+            for region, reads in enumerate(plan):
                 t_reg = time.perf_counter()
-                local = reg_futs[i].result(timeout=self._left())
+                local = reg_futs[region].result(timeout=self._left())
                 reg_wait += time.perf_counter() - t_reg
                 local_regions.append(local)
-                for off in range(0, size, self.chunk_bytes):
-                    n = min(self.chunk_bytes, size - off)
+                if not reads:
+                    size = dest.layout.region_sizes[region]
+                    verify_futs.append(verify_pool.submit(self._verify_upto, region, 0, size))
+                for rd in reads:
                     while len(inflight) >= self.max_inflight:
-                        done_bytes += self._retire(
-                            inflight,
-                            pending_per_region,
-                            weights,
-                            expected,
-                            by_region,
-                            verify_pool,
-                            verify_futs,
-                        )
+                        done_bytes += retire()
                         self._report(done_bytes, total)
-                    fut = self.engine.read(local, off, n, remote[i], off)
-                    inflight.append((fut, i, n))
-                    pending_per_region[i] += 1
-                if size == 0:
-                    verify_futs.append(
-                        verify_pool.submit(self._verify, weights, expected, by_region.get(i, []))
-                    )
+                    fut = self.engine.read(local, rd.offset, rd.nbytes, remote[rd.src_region], rd.src_offset)
+                    inflight.append((fut, rd))
             while inflight:
-                done_bytes += self._retire(
-                    inflight, pending_per_region, weights, expected, by_region, verify_pool, verify_futs
-                )
+                done_bytes += retire()
                 self._report(done_bytes, total)
             t_last = time.perf_counter()
             for vf in verify_futs:
@@ -221,10 +346,9 @@ class _Puller:
                 verify_tail=t_end - t_last,
             )
             log.info(
-                "rank %d: alloc %.3f s, register wait %.3f s, transfer %.3f s (%.2f GB/s), "
+                "rank %d: register wait %.3f s, transfer %.3f s (%.2f GB/s), "
                 "verify %.3f s on the verifier thread, %.3f s of it after the last read",
                 self.rank,
-                self.phases["alloc"],
                 reg_wait,
                 self.phases["transfer"],
                 total / max(t_last - t_first, 1e-9) / 1e9,
@@ -232,15 +356,15 @@ class _Puller:
                 t_end - t_last,
             )
             ok = True
-            return weights, local_regions
+            return local_regions
         except TimeoutError as exc:
             raise PullError(f"rank {self.rank}: deadline passed") from exc
         finally:
-            for fut, _, _ in inflight:
+            for fut, _ in inflight:
                 fut.cancel()
             if not ok:
-                # outstanding reads may still land in these buffers: wait them out before freeing
-                for fut, _, _ in inflight:
+                # outstanding reads may still land in these buffers: wait them out before releasing
+                for fut, _ in inflight:
                     with contextlib.suppress(Exception):
                         fut.exception(timeout=max(self._left(), 1.0))
                 for f in reg_futs:
@@ -250,32 +374,53 @@ class _Puller:
             reg_pool.shutdown(wait=not ok)
             verify_pool.shutdown(wait=True, cancel_futures=not ok)
 
+    def _register(self, target: Any) -> Any:
+        """Register one destination region read-only, then pre-fault it (off the receive path)."""
+        region = self.engine.register(target, access="read")
+        if isinstance(target, tuple):
+            prefault(*target)
+        elif getattr(target, "device", None) is not None and target.device.type == "cpu":
+            prefault(int(target.data_ptr()), target.numel() * target.element_size())
+        return region
+
     def _left(self) -> float:
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("deadline")
         return left
 
-    def _retire(
-        self,
-        inflight: deque[tuple[Future[Any], int, int]],
-        pending: list[int],
-        weights: RankWeights,
-        expected: Mapping[str, str],
-        by_region: Mapping[int, list[str]],
-        pool: ThreadPoolExecutor,
-        verify_futs: list[Future[None]],
-    ) -> int:
-        fut, region, n = inflight.popleft()
-        fut.result(timeout=self._left())
-        pending[region] -= 1
-        if pending[region] == 0:
-            verify_futs.append(pool.submit(self._verify, weights, expected, by_region.get(region, [])))
-        return n
-
     def _report(self, done: int, total: int) -> None:
         if self.progress is not None:
             self.progress(done, total)
+
+
+def prefault(ptr: int, nbytes: int) -> None:
+    """Fault in host pages [ptr, +nbytes) for writing without changing them (MADV_POPULATE_WRITE).
+
+    Fresh memory otherwise takes a page fault per 4 KiB inside the transport's receive copy. Best
+    effort: kernels before 5.14 (or memory that cannot be populated) are left as they are.
+    """
+    libc = _libc()
+    if libc is None or nbytes <= 0:
+        return
+    page = 4096
+    start = ptr - ptr % page
+    length = ptr + nbytes - start
+    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_WRITE) != 0:
+        log.debug("MADV_POPULATE_WRITE failed (errno %d); pages fault in during the pull", ctypes.get_errno())
+
+
+_MADV_POPULATE_WRITE = 23
+_LIBC: list[Any] = []
+
+
+def _libc() -> Any | None:
+    if not _LIBC:
+        try:
+            _LIBC.append(ctypes.CDLL(None, use_errno=True))
+        except OSError:
+            _LIBC.append(None)
+    return _LIBC[0]
 
 
 @dataclass(kw_only=True)
@@ -325,6 +470,7 @@ class Loader:
         self._client: Any | None = None
         self._engine: Any | None = None
         self._engine_lock = threading.Lock()
+        self._engine_future: Future[Any] | None = None
         self._last_phases: dict[str, float] = {}
         self._planner_s = 0.0
 
@@ -341,13 +487,45 @@ class Loader:
 
     def _get_engine(self) -> Any:
         with self._engine_lock:
+            pending, self._engine_future = self._engine_future, None
+        if pending is not None:
+            try:
+                engine = pending.result()
+            except Exception:  # noqa: BLE001 - opened again below, where the error surfaces to the caller
+                log.warning("opening the engine in the background failed; trying again", exc_info=True)
+            else:
+                with self._engine_lock:
+                    if self._engine is None:
+                        self._engine = engine
+                        return engine
+                engine.close()
+        with self._engine_lock:
             if self._engine is None:
-                self._engine = open_engine(
-                    (self._one_sided() or ["tcp"])[0],
-                    domains=self.options.domains,
-                    timeout_s=self.options.transfer_timeout_s,
-                )
+                self._engine = self._open_engine()
             return self._engine
+
+    def _open_engine(self) -> Any:
+        return open_engine(
+            (self._one_sided() or ["tcp"])[0],
+            domains=self.options.domains,
+            timeout_s=self.options.transfer_timeout_s,
+        )
+
+    def _open_engine_soon(self) -> None:
+        """Open the engine on a helper thread while the planner round trip and allocation run."""
+        with self._engine_lock:
+            if self._engine is not None or self._engine_future is not None:
+                return
+            fut: Future[Any] = Future()
+            self._engine_future = fut
+
+        def opener() -> None:
+            try:
+                fut.set_result(self._open_engine())
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                fut.set_exception(exc)
+
+        threading.Thread(target=opener, name="rfork-engine-open", daemon=True).start()
 
     def prepare(self) -> None:
         """Open the engine and the planner client early (overlaps with building the model)."""
@@ -357,17 +535,38 @@ class Loader:
     # --- the load
 
     def load(self, ranks: Sequence[int] | None = None) -> LoadResult:
-        """Load every rank (default all of the identity's world), verify, and (by default) become a seed."""
-        t0 = time.perf_counter()
+        """Load every rank (default all of the identity's world) into buffers allocated per the seed's
+        manifest, verify, and (by default) become a seed. Prefer `pull_into` when the tensors exist."""
         ranks = list(range(self.identity.world_size)) if ranks is None else list(ranks)
+        return self._run(dict.fromkeys(ranks))
+
+    def pull_into(self, named_tensors: Mapping[str, torch.Tensor], *, rank: int = 0) -> LoadResult:
+        """Pull one rank straight into the caller's tensors (no copy, nothing allocated), verify, and
+        (by default) serve them as a seed.
+
+        The tensors must be contiguous, on one device, and match the manifest's names, dtypes and
+        shapes (else DestinationMismatch naming the first bad tensor, before any byte moves). Tied or
+        shared tensors are pulled once. On failure: the next candidate, then NCCL, then the disk
+        checkpoint, all into the same tensors; the tensors' contents are undefined after an error.
+        """
+        return self._run({rank: RankWeights.from_tensors(rank=rank, tensors=named_tensors)})
+
+    def load_into(self, module: torch.nn.Module, *, rank: int = 0) -> LoadResult:
+        """`pull_into` the module's own parameters and persistent buffers (its state dict names)."""
+        return self.pull_into(module.state_dict(keep_vars=True), rank=rank)
+
+    def _run(self, dests: Mapping[int, RankWeights | None]) -> LoadResult:
+        t0 = time.perf_counter()
         self._planner_s = 0.0
+        if self._one_sided() and self.planner_url is not None:
+            self._open_engine_soon()
         weights: dict[int, RankWeights] = {}
         regions: dict[int, list[Any] | None] = {}
         attempts: list[Attempt] = []
         sources: set[str] = set()
         try:
-            for rank in ranks:
-                w, regs, src = self._load_rank(rank, attempts)
+            for rank, dest in dests.items():
+                w, regs, src = self._load_rank(rank, attempts, dest)
                 weights[rank], regions[rank] = w, regs
                 sources.add(src)
         except BaseException:
@@ -375,6 +574,7 @@ class Loader:
             raise
         seconds = time.perf_counter() - t0
         total = sum(w.layout.total_bytes for w in weights.values())
+        verified = "disk" not in sources
         source = sources.pop() if len(sources) == 1 else "mixed"
         phases: dict[str, float] = {"planner": self._planner_s}
         for a in attempts:
@@ -389,18 +589,19 @@ class Loader:
             source=source,
             bytes=total,
             seconds=seconds,
-            verified=True,
+            verified=verified,
             attempts=attempts,
             phases=phases,
         )
         log.info("load phases (s): %s", ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
         log.info(
-            "loaded %d rank(s), %d bytes, from %s in %.3f s (%.2f GB/s), all checksums verified",
-            len(ranks),
+            "loaded %d rank(s), %d bytes, from %s in %.3f s (%.2f GB/s), %s",
+            len(weights),
             total,
             source,
             seconds,
             total / max(seconds, 1e-9) / 1e9,
+            "all checksums verified" if verified else "not verified (disk: nothing to compare with)",
         )
         if self.options.become_seed and self.planner_url is not None:
             self._become_seed(result, regions)
@@ -409,6 +610,11 @@ class Loader:
         return result
 
     def _close_engine(self) -> None:
+        with self._engine_lock:
+            pending, self._engine_future = self._engine_future, None
+        if pending is not None:
+            with contextlib.suppress(Exception):
+                pending.result().close()
         if self._engine is not None:
             with contextlib.suppress(Exception):
                 self._engine.close()
@@ -434,7 +640,10 @@ class Loader:
         result.seed = seed
         log.info("now serving as seed %s", ",".join(seed.instance_ids))
 
-    def _load_rank(self, rank: int, attempts: list[Attempt]) -> tuple[RankWeights, list[Any] | None, str]:
+    def _load_rank(
+        self, rank: int, attempts: list[Attempt], dest: RankWeights | None
+    ) -> tuple[RankWeights, list[Any] | None, str]:
+        """One rank into `dest` (the caller's tensors), or into buffers allocated per the manifest."""
         client = self._planner()
         excluded = list(self.options.exclude)
         self._last_phases = {}
@@ -448,7 +657,11 @@ class Loader:
             cand = assignment.candidates[0]
             source, started = self._source_name(cand), time.perf_counter()
             try:
-                weights, regs = self._pull(cand, rank, source)
+                weights, regs = self._pull(cand, rank, source, dest)
+            except DestinationMismatch as exc:
+                # The caller's tensors disagree with a manifest of the same identity: every source would.
+                self._report(client, assignment, ok=False, nbytes=0, seconds=0.0, source=source, error=exc)
+                raise
             except Exception as exc:  # noqa: BLE001 - any failure moves on to the next candidate
                 seconds = time.perf_counter() - started
                 log.warning(
@@ -501,7 +714,7 @@ class Loader:
             )
             weights.origin = "peer"
             return weights, regs, source
-        return self._from_disk(rank, attempts), None, "disk"
+        return self._from_disk(rank, attempts, dest), None, "disk"
 
     def _ask(self, client: Any, rank: int, excluded: Sequence[str], backends: Sequence[str]) -> Any | None:
         t0 = time.perf_counter()
@@ -564,60 +777,68 @@ class Loader:
             return "nccl"
         return f"rfork-{cand.provider}"
 
-    def _pull(self, cand: Any, rank: int, source: str) -> tuple[RankWeights, list[Any] | None]:
+    def _pull(
+        self, cand: Any, rank: int, source: str, dest: RankWeights | None = None
+    ) -> tuple[RankWeights, list[Any] | None]:
         try:
             manifest = RankManifest.from_dict(cand.manifest)
         except ManifestError as exc:
             raise PullError(f"seed {cand.instance_id}: bad manifest: {exc}") from exc
         if manifest.rank != rank:
             raise PullError(f"seed {cand.instance_id}: manifest is for rank {manifest.rank}, wanted {rank}")
-        if manifest.checksum_algorithm != ck.ALGORITHM:
+        if dest is not None:
+            check_destination(dest, manifest)
+        deadline = time.monotonic() + self.options.rank_deadline_s
+        self._last_phases = phases = {}
+        if dest is None:
+            t_alloc = time.perf_counter()
+            layout = _layout_from_manifest(manifest)
+            buffers = allocate(layout)
+            dest = RankWeights(rank=rank, layout=layout, buffers=buffers, tensors=views(layout, buffers))
+            phases["alloc"] = time.perf_counter() - t_alloc
+        if manifest.checksum_algorithm != dest.checksum_algorithm:
             raise PullError(
                 f"seed {cand.instance_id}: checksum algorithm {manifest.checksum_algorithm!r} "
-                f"is not {ck.ALGORITHM!r}"
+                f"is not {dest.checksum_algorithm!r} (the digest for {dest.device} tensors)"
             )
         check_anchor(cand.instance_id, getattr(cand, "anchor", None), manifest)
-        deadline = time.monotonic() + self.options.rank_deadline_s
         if source == "nccl":
-            return self._pull_nccl(cand, rank, manifest), None
+            self._pull_nccl(cand, manifest, dest)
+            return dest, None
         t_engine = time.perf_counter()
         engine = self._get_engine()
-        engine_s = time.perf_counter() - t_engine
+        phases["engine"] = time.perf_counter() - t_engine
         puller = _Puller(
             engine=engine,
             manifest=manifest,
-            rank=rank,
+            dest=dest,
             chunk_bytes=self.options.chunk_bytes,
             max_inflight=self.options.max_inflight,
             deadline=deadline,
             progress=self.progress,
         )
-        self._last_phases = puller.phases
-        puller.phases["engine"] = engine_s
         before = torch.get_num_threads()
         if self.options.pull_torch_threads:
             torch.set_num_threads(self.options.pull_torch_threads)
         try:
-            return puller.run()
+            regions = puller.run()
         finally:
             torch.set_num_threads(before)
+            phases.update(puller.phases)
+        return dest, regions
 
-    def _pull_nccl(self, cand: Any, rank: int, manifest: RankManifest) -> RankWeights:
+    def _pull_nccl(self, cand: Any, manifest: RankManifest, dest: RankWeights) -> None:
         from rfork.nccl_pull import pull_over_nccl  # type: ignore[import-not-found,unused-ignore]
 
-        layout = _layout_from_manifest(manifest)
-        buffers = [torch.empty(n, dtype=torch.uint8) for n in layout.region_sizes]
-        weights = RankWeights(rank=rank, layout=layout, buffers=buffers, tensors=views(layout, buffers))
-        dest = [weights.tensors[t.name] for t in manifest.tensors if t.nbytes]
+        tensors = [dest.tensors[t.name] for t in manifest.tensors if t.nbytes]
         pull_over_nccl(
             cand.control_url,
-            rank,
-            dest,
+            dest.rank,
+            tensors,
             timeout_s=self.options.rank_deadline_s,
             control_token=getattr(cand, "control_token", None),
         )
-        verify_tensors(weights, {t.name: t.checksum for t in manifest.tensors})
-        return weights
+        verify_tensors(dest, {t.name: t.checksum for t in manifest.tensors})
 
     def _report(
         self,
@@ -651,32 +872,38 @@ class Loader:
         finally:
             self._planner_s += time.perf_counter() - t0
 
-    def _from_disk(self, rank: int, attempts: list[Attempt]) -> RankWeights:
+    def _from_disk(self, rank: int, attempts: list[Attempt], dest: RankWeights | None) -> RankWeights:
+        """Read the rank from the checkpoint (into `dest` when given). Nothing to compare digests
+        with, so the result is not verified; a seed it becomes computes its digests on start."""
         if self.checkpoint is None:
+            last = next((a.error for a in reversed(attempts) if a.error), None)
             raise LoadFailed(
                 f"rank {rank}: no seed could serve it and no checkpoint directory to fall back to "
-                f"({len(attempts)} failed attempt(s))"
+                f"({len(attempts)} failed attempt(s){'; last: ' + last if last else ''})"
             )
         log.info("rank %d: loading from disk %s", rank, self.checkpoint.directory)
         t0 = time.perf_counter()
-        layout, buffers, tensors = load_rank_from_disk(self.checkpoint, tp=self.identity.tp, rank=rank)
-        t_read = time.perf_counter()
-        weights = RankWeights(rank=rank, layout=layout, buffers=buffers, tensors=tensors)
-        weights.compute_checksums()
+        if dest is None:
+            layout, buffers, tensors = load_rank_from_disk(self.checkpoint, tp=self.identity.tp, rank=rank)
+            weights = RankWeights(rank=rank, layout=layout, buffers=buffers, tensors=tensors)
+        else:
+            read_rank_into(self.checkpoint, dest.tensors, tp=self.identity.tp, rank=rank)
+            weights = dest
+            weights.checksums.clear()  # whatever a failed pull left there is not these bytes'
         seconds = time.perf_counter() - t0
-        phases = {"read": t_read - t0, "verify": seconds - (t_read - t0)}
-        log.info("rank %d from disk: read %.3f s, verify %.3f s", rank, phases["read"], phases["verify"])
+        total = weights.layout.total_bytes
+        log.info("rank %d from disk: read %.3f s (not verified: no digests to compare)", rank, seconds)
         if self.progress is not None:
-            self.progress(layout.total_bytes, layout.total_bytes)
+            self.progress(total, total)
         attempts.append(
             Attempt(
                 source="disk",
                 instance_id=None,
                 rank=rank,
                 ok=True,
-                bytes=layout.total_bytes,
+                bytes=total,
                 seconds=seconds,
-                phases=phases,
+                phases={"read": seconds},
             )
         )
         return weights
@@ -703,3 +930,26 @@ def load(
         options=options,
         progress=progress,
     ).load(ranks)
+
+
+def pull_into(
+    *,
+    identity: SourceIdentity,
+    planner_url: str | None,
+    tensors: Mapping[str, torch.Tensor],
+    rank: int = 0,
+    checkpoint: CheckpointInfo | Path | str | None = None,
+    token: str | None = None,
+    options: LoadOptions | None = None,
+    register_token: str | None = None,
+) -> LoadResult:
+    """One-call API for framework hooks: pull one rank into the framework's own tensors (see
+    `Loader.pull_into`); returns how it went and the seed it became, if asked."""
+    return Loader(
+        identity=identity,
+        planner_url=planner_url,
+        token=token,
+        register_token=register_token,
+        checkpoint=checkpoint,
+        options=options,
+    ).pull_into(tensors, rank=rank)

@@ -1,12 +1,14 @@
 """Seeds: serve a rank's weights for one-sided reads and announce them to the planner.
 
-A seed process holds one or more ranks (`RankWeights`: a layout, its flat region buffers and the
-typed views into them). For each transport provider it opens one engine and registers every region
-with remote *read* access only, so the published descriptors never allow writes. It then publishes
-identity + rank manifests (one planner instance per provider), goes READY and heartbeats from a
-background thread. `close()` marks DRAINING, deletes the instance and deregisters. The weights must
-not change while READY (readers would see torn tensors); nothing here writes to them.
-"""
+A seed process holds one or more ranks (`RankWeights`). `RankWeights.from_tensors` serves tensors
+where they already live: the regions are the merged address ranges covering them, nothing is
+copied and the caller's module is never re-pointed (the checkpoint path `rfork seed --checkpoint`
+keeps its own flat regions, read straight from disk). For each transport provider the seed opens
+one engine and registers every region once with remote *read* access only, so the published
+descriptors never allow writes. It then publishes identity + rank manifests (one planner instance
+per provider), goes READY and heartbeats from a background thread. `close()` marks DRAINING,
+deletes the instance and deregisters. The weights must not change while READY (readers would see
+torn tensors and fail their digest check); nothing here writes to them."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import torch
 
 from rfork import checksum as ck
 from rfork.identity import SourceIdentity
-from rfork.layout import DEFAULT_MAX_REGION_BYTES, Layout, pack
+from rfork.layout import DEFAULT_MAX_REGION_BYTES, AddressRange, Layout, buffer_ranges, cover, pack
 from rfork.manifest import RankManifest, RegionEntry, TensorEntry
 
 log = logging.getLogger(__name__)
@@ -34,16 +36,42 @@ log = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class RankWeights:
-    """One global rank's weights laid out in regions. `checksums` fills in lazily (compute_checksums)."""
+    """One global rank's weights and the address ranges (regions) that cover them.
+
+    Two shapes, one interface: `from_tensors` serves tensors where they already live (no copy; the
+    regions are the merged ranges covering them), while the checkpoint path owns flat region
+    `buffers` with the tensors as views into them. `checksums` fills in lazily (compute_checksums).
+    """
 
     rank: int
     layout: Layout
-    buffers: list[torch.Tensor]
     tensors: dict[str, torch.Tensor]
+    buffers: list[torch.Tensor] = field(default_factory=list)  # owned flat regions; [] when in place
+    ranges: list[AddressRange] = field(default_factory=list)  # region i's memory; from buffers if empty
     checksums: dict[str, str] = field(default_factory=dict)
     # where the bytes came from: "disk" (a checkpoint, or the caller's own state dict) may anchor the
     # identity's digests at the planner; "peer" (pulled from another instance) never does
     origin: str = "disk"
+
+    def __post_init__(self) -> None:
+        if not self.ranges:
+            self.ranges = buffer_ranges(self.buffers)
+        if len(self.ranges) != len(self.layout.region_sizes):
+            raise ValueError(
+                f"rank {self.rank}: {len(self.ranges)} address ranges "
+                f"for {len(self.layout.region_sizes)} regions"
+            )
+
+    @classmethod
+    def from_tensors(cls, *, rank: int = 0, tensors: Mapping[str, torch.Tensor]) -> RankWeights:
+        """Serve `tensors` in place (a module's parameters and buffers, or a state dict): no copy.
+
+        The regions are the merged address ranges covering the tensors (tied or shared storage
+        once); the caller's tensors are kept as they are and must not change while served.
+        """
+        detached = {name: t.detach() for name, t in tensors.items()}
+        layout, ranges = cover(detached)
+        return cls(rank=rank, layout=layout, tensors=detached, ranges=ranges)
 
     @classmethod
     def from_state_dict(
@@ -53,11 +81,26 @@ class RankWeights:
         rank: int = 0,
         max_region_bytes: int = DEFAULT_MAX_REGION_BYTES,
     ) -> RankWeights:
-        """Copy a state dict into fresh regions (the caller may re-point its module at `.tensors`)."""
+        """Copy a state dict into fresh flat regions (prefer `from_tensors`, which copies nothing)."""
         layout, buffers, views = pack(
             {k: v.detach() for k, v in state_dict.items()}, max_region_bytes=max_region_bytes
         )
         return cls(rank=rank, layout=layout, buffers=buffers, tensors=views)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live (one rank, one device); cpu when there are none."""
+        return torch.device(self.ranges[0].device) if self.ranges else torch.device("cpu")
+
+    @property
+    def checksum_algorithm(self) -> str:
+        return ck.algorithm_for(self.device)
+
+    def registrables(self) -> list[Any]:
+        """What to hand `engine.register` per region: the flat buffer, else the covering range."""
+        if self.buffers:
+            return list(self.buffers)
+        return [_range_target(r, self.tensors) for r in self.ranges]
 
     def compute_checksums(self) -> dict[str, str]:
         for p in self.layout.placements:
@@ -87,16 +130,20 @@ class RankWeights:
             )
             for p in self.layout.placements
         )
-        return RankManifest(rank=self.rank, checksum_algorithm=ck.ALGORITHM, regions=regions, tensors=tensors)
+        return RankManifest(
+            rank=self.rank, checksum_algorithm=self.checksum_algorithm, regions=regions, tensors=tensors
+        )
 
 
-def adopt_module(
-    module: torch.nn.Module, *, rank: int = 0, max_region_bytes: int = DEFAULT_MAX_REGION_BYTES
-) -> RankWeights:
-    """Move a module's parameters and buffers into regions and point the module at the region views."""
-    weights = RankWeights.from_state_dict(module.state_dict(), rank=rank, max_region_bytes=max_region_bytes)
-    module.load_state_dict(weights.tensors, assign=True)
-    return weights
+def _range_target(r: AddressRange, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """engine.register's argument for a covering range: (ptr, nbytes) on the host; on a GPU the one
+    tensor spanning it exactly when there is one (CUDA registration needs a tensor), else the range."""
+    if r.device == "cpu":
+        return (r.ptr, r.nbytes)
+    for t in tensors.values():
+        if t.numel() and int(t.data_ptr()) == r.ptr and t.numel() * t.element_size() == r.nbytes:
+            return t
+    return (r.ptr, r.nbytes)
 
 
 def open_engine(provider: str, *, domains: int = 1, timeout_s: float = 10.0) -> Any:
@@ -127,7 +174,7 @@ class RankServer:
         """Register weights' regions read-only (or adopt registrations made already, e.g. by the loader)."""
         if regions is None:
             t0 = time.perf_counter()
-            regions = [self.engine.register(buf, access="read") for buf in weights.buffers]
+            regions = [self.engine.register(target, access="read") for target in weights.registrables()]
             log.info(
                 "registered %d region(s), %d bytes, for rank %d on %s in %.3f s",
                 len(regions),

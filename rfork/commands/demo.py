@@ -185,6 +185,6 @@ def _print_table(console: Any, rows: list[dict[str, Any]], model_bytes: int) -> 
             f"{r['seconds']:.2f}",
             f"{r['gb_per_s']:.2f}",
             f"{r['speedup_vs_disk']:.2f}x",
-            "yes" if r["verified"] else "NO",
+            "yes" if r["verified"] else ("n/a (disk)" if r["source"] == "disk" else "NO"),
         )
     console.print(table)

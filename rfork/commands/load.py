@@ -170,7 +170,8 @@ def _report_and_serve(
             raise
     print(
         f"loaded {result.bytes} bytes from {result.source} in {result.seconds:.2f} s "
-        f"({out['gb_per_s']:.2f} GB/s), checksums verified",
+        f"({out['gb_per_s']:.2f} GB/s), "
+        + ("checksums verified" if result.verified else "not verified (disk: no digests to compare)"),
         flush=True,
     )
     if result.seed is not None:

@@ -22,7 +22,7 @@ from rfork.errors import LoadFailed
 from rfork.harness import Child, load_args, seed_args
 from rfork.loader import Loader, LoadOptions, load
 from rfork.model import LlamaForCausalLM
-from rfork.seed import RankWeights, Seed, adopt_module
+from rfork.seed import RankWeights, Seed
 from tests.rfork.conftest import ADMIN, AUTH, LOAD, REGISTER, SMALL, identity_of
 
 pytestmark = pytest.mark.slow
@@ -77,7 +77,7 @@ def test_seed_process_to_loaded_model_bit_identical_then_drains_on_sigterm(fleet
 def test_in_process_seed_from_module_zero_byte_and_loaded_instance_serves(tmp_path, planner):
     model = LlamaForCausalLM(SMALL)
     model.register_buffer("empty_buf", torch.empty(0, 8))
-    weights = adopt_module(model, max_region_bytes=2 << 20)
+    weights = RankWeights.from_tensors(tensors=model.state_dict())  # served in place, no copy
     assert (
         model.model.embed_tokens.weight.data_ptr() == weights.tensors["model.embed_tokens.weight"].data_ptr()
     )
@@ -158,9 +158,9 @@ class KillFirstSeed(Loader):
         self.current: str | None = None
         self.killed: str | None = None
 
-    def _pull(self, cand, rank, source):
+    def _pull(self, cand, rank, source, dest=None):
         self.current = cand.instance_id
-        return super()._pull(cand, rank, source)
+        return super()._pull(cand, rank, source, dest)
 
     def _on_progress(self, done: int, total: int) -> None:
         if self.killed is None and 0 < done < total and self.current is not None:
@@ -232,6 +232,7 @@ def test_corrupted_seed_byte_caught_then_disk(small_ckpt, planner):
             options=opts(become_seed=False),
         )
         assert result.source == "disk"
+        assert not result.verified
         assert not result.attempts[0].ok
         assert "checksum" in (result.attempts[0].error or "")
         assert result.attempts[0].instance_id == seed.instance_ids[0]
@@ -321,7 +322,7 @@ def test_demo_runs_and_cleans_up(tmp_path):
     assert sources[:2] == ["disk", "rfork-tcp"]
     assert len(sources) == 3
     assert doc["rows"][2].get("chain") is True
-    assert all(r["verified"] for r in doc["rows"])
+    assert [r["verified"] for r in doc["rows"]] == [False, True, True]  # disk has nothing to compare
     assert doc["model_bytes"] > 0
     assert "speed-up" in proc.stdout
     assert set(Path("/tmp").glob("rfork-demo-*")) == before

@@ -58,9 +58,9 @@ class FaultOnProgress(Loader):
         self.fired: str | None = None
         self.current: str | None = None
 
-    def _pull(self, cand, rank, source):
+    def _pull(self, cand: Any, rank: int, source: str, dest: Any = None) -> Any:
         self.current = cand.instance_id
-        return super()._pull(cand, rank, source)
+        return super()._pull(cand, rank, source, dest)
 
     def _on_progress(self, done: int, total: int) -> None:
         if self.fired is None and 0 < done < total and self.current is not None:

@@ -115,7 +115,6 @@ def test_planner_down_during_load_keeps_weights_and_publishes_in_background(smal
     try:
         assert time.monotonic() - t0 < 60
         assert result.source == "disk"
-        assert result.verified
         assert_same(result.state_dict(), load_state_dict(small_ckpt))
         assert result.seed is not None
         assert result.seed.instance_ids == []  # not published yet: the planner is down

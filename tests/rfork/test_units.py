@@ -57,14 +57,15 @@ def test_checksum_is_dtype_and_view_independent_and_handles_unaligned():
     )
     buf = torch.zeros(4000, dtype=torch.uint8)
     buf[3 : 3 + 2002] = t.view(torch.uint8)
-    assert ck.checksum_bytes(buf[3 : 3 + 2002]) == ck.tensor_checksum(t)
+    assert ck.xxh3_bytes(buf[3 : 3 + 2002]) == ck.tensor_checksum(t)
+    assert ck.checksum_bytes(buf[3 : 3 + 2002]) == ck.checksum_bytes(t.view(torch.uint8))  # pwsum too
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 def test_checksum_same_on_cuda():
     t = torch.randn(3_000_001, dtype=torch.bfloat16)
-    assert ck.tensor_checksum(t.cuda()) == ck.tensor_checksum(t)
+    assert ck.tensor_checksum(t.cuda()) == ck.checksum_bytes(t.view(torch.uint8))  # pwsum64 on the GPU
 
 
 # ------------------------------------------------------------------ identity
@@ -114,7 +115,7 @@ def test_manifest_round_trip_from_any_layout(specs, max_region):
     layout = plan_layout([(n, d, s) for n, (d, s) in specs.items()], max_region_bytes=max_region)
     doc = {
         "rank": 3,
-        "checksum_algorithm": ck.ALGORITHM,
+        "checksum_algorithm": ck.XXH3_128,
         "regions": [
             {"index": i, "nbytes": n, "descriptor": base64.b64encode(b"d%d" % i).decode()}
             for i, n in enumerate(layout.region_sizes)
@@ -159,7 +160,7 @@ def test_manifest_parser_rejects_garbage_with_manifest_error(doc):
 def _good_doc():
     return {
         "rank": 0,
-        "checksum_algorithm": ck.ALGORITHM,
+        "checksum_algorithm": ck.XXH3_128,
         "regions": [{"index": 0, "nbytes": 16, "descriptor": base64.b64encode(b"x").decode()}],
         "tensors": [
             {
