@@ -149,7 +149,11 @@ def _error(status: int, detail: Any, **extra: Any) -> JSONResponse:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
+    from fastapi.exception_handlers import http_exception_handler
     from sqlalchemy.exc import DataError, IntegrityError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+    from starlette.responses import Response
+    from starlette.routing import Match
 
     @app.exception_handler(PlannerError)
     async def _planner_error(_req: Request, exc: PlannerError) -> JSONResponse:
@@ -167,6 +171,24 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(IntegrityError)
     async def _integrity_error(_req: Request, exc: IntegrityError) -> JSONResponse:
         return _error(409, f"conflicts with stored data: {str(exc.orig).splitlines()[0]}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(req: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code != 405:
+            return await http_exception_handler(req, exc)
+        # Starlette names only the methods of the first route whose path matched; a path served by
+        # several routes (GET and PUT of a manifest) must list them all, as the OpenAPI document does
+        allowed: set[str] = set()
+        for route in req.app.routes:
+            match, _ = route.matches(req.scope)
+            if match is not Match.NONE:
+                allowed |= set(getattr(route, "methods", None) or ())
+        allowed.discard("HEAD")
+        return JSONResponse(
+            {"detail": f"method {req.method} is not allowed here"},
+            status_code=405,
+            headers={"Allow": ", ".join(sorted(allowed))},
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req: Request, exc: RequestValidationError) -> JSONResponse:

@@ -19,13 +19,25 @@ router = APIRouter(prefix="/v1/assignments", tags=["assignments"])
     "",
     status_code=201,
     response_model=schemas.AssignmentOut,
+    operation_id="request_assignment",
     responses={
+        400: {"description": "the body is not JSON"},
         401: {},
         403: {},
+        413: {"description": "the body exceeds the size limit"},
         422: {},
         404: {"description": 'no READY identical source: `{"reason": "no_source"}` (load from disk)'},
         429: {
             "description": 'every source is at its pull limit: `{"reason": "all_busy", "retry_after_s": x}`'
+        },
+        201: {
+            "description": "a lease on candidates[0]",
+            "links": {
+                "Report": {
+                    "operationId": "report_transfer",
+                    "parameters": {"assignment_id": "$response.body#/id"},
+                }
+            },
         },
     },
 )
@@ -48,7 +60,8 @@ def request_assignment(
 @router.post(
     "/{assignment_id}/report",
     response_model=schemas.ReportOut,
-    responses={401: {}, 403: {}, 404: {}, 409: {}, 422: {}},
+    responses={400: {}, 401: {}, 403: {}, 404: {}, 409: {}, 413: {}, 422: {}},
+    operation_id="report_transfer",
 )
 def report(
     assignment_id: Annotated[str, Path(pattern=r"^[0-9a-f]{32}$")],
