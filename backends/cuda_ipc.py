@@ -7,6 +7,14 @@ serialisable ``CudaIpcDescriptor``. The loader *opens* a descriptor once
 (``UntypedStorage._new_shared_cuda``, i.e. cudaIpcOpenMemHandle), then every ``read`` is a
 ``copy_`` on the loader's own CUDA stream: the seed launches nothing and needs no progress thread.
 
+GPUs are named by UUID, not ordinal: the descriptor carries the exporter's GPU UUID and the opener
+maps it to its own ordinal, so two processes with different CUDA_VISIBLE_DEVICES agree. A region's
+IPC export (``_share_cuda_``) is taken only when its descriptor is first asked for: a loader's local
+destination, never handed to a peer, is not exported. Copies are ordered after the caller's work:
+``read``/``write`` record an event on the caller's current stream at submission, and the private
+copy stream waits on it; opening a peer's handle (which may wait on the exporter's event) happens on
+that copy stream too.
+
 Checks happen before any copy and raise the transport's error types: range and access
 (RemoteAccessError), a descriptor from another host or a garbled one (TransferError), no CUDA
 (BackendUnavailable). Within one process CUDA refuses to open its own handles, so a descriptor whose
@@ -46,7 +54,7 @@ log = logging.getLogger(__name__)
 
 PROVIDER = "cuda-ipc"
 _MAGIC = b"RFCI"
-_VERSION = 1
+_VERSION = 2  # 2: the exporter's GPU UUID travels with the descriptor
 _HEAD = "<4sBBBxiqQQQQQQQ"  # magic, version, access, event_sync, device, pid, key, length, offsets...
 
 
@@ -77,7 +85,9 @@ class CudaIpcDescriptor:
     """A region exported over CUDA IPC: where it lives (host, pid, device), its handles, size and access.
 
     ``region_offset`` is the region's first byte inside the shared storage; ``length`` its size.
-    ``key`` is a random 64-bit token naming the region within its owner process.
+    ``key`` is a random 64-bit token naming the region within its owner process. ``device`` is the
+    exporter's ordinal (informational: ordinals differ under CUDA_VISIBLE_DEVICES); ``device_uuid``
+    names the GPU, and the opener maps it to its own ordinal.
     """
 
     host: str
@@ -88,6 +98,7 @@ class CudaIpcDescriptor:
     length: int
     region_offset: int
     ipc: IpcExport
+    device_uuid: str = ""
 
     def __post_init__(self) -> None:
         if self.access not in ACCESS_NAMES:
@@ -116,7 +127,8 @@ class CudaIpcDescriptor:
                            self.region_offset,
                            x.storage_size, x.storage_offset, x.ref_counter_offset, 0)
         parts = [head]
-        for blob in (self.host.encode(), x.handle, x.ref_counter_handle, x.event_handle):
+        for blob in (self.host.encode(), x.handle, x.ref_counter_handle, x.event_handle,
+                     self.device_uuid.encode()):
             parts += [struct.pack("<I", len(blob)), blob]
         return b"".join(parts)
 
@@ -135,7 +147,7 @@ class CudaIpcDescriptor:
             raise bad("bad magic or version")
         pos = struct.calcsize(_HEAD)
         fields: list[bytes] = []
-        for _ in range(4):
+        for _ in range(5):
             if pos + 4 > len(blob):
                 raise bad("truncated")
             (n,) = struct.unpack_from("<I", blob, pos)
@@ -148,7 +160,8 @@ class CudaIpcDescriptor:
             raise bad("length mismatch")
         try:
             ipc = IpcExport(fields[1], ssize, soff, fields[2], rcoff, fields[3], bool(sync))
-            return cls(fields[0].decode(), pid, key, device, ACCESS_NAMES[access], length, roff, ipc)
+            return cls(fields[0].decode(), pid, key, device, ACCESS_NAMES[access], length, roff, ipc,
+                       fields[4].decode())
         except (IndexError, UnicodeDecodeError) as exc:
             raise bad(str(exc)) from exc
 
@@ -164,14 +177,24 @@ class IpcBackend(Protocol):
     def check_tensor(self, tensor: torch.Tensor) -> int:
         """Validate a tensor to register; return its device index."""
 
+    def device_uuid(self, index: int) -> str:
+        """The UUID of this process's GPU `index` (stable across CUDA_VISIBLE_DEVICES)."""
+
+    def local_index(self, uuid: str) -> int:
+        """This process's ordinal of the GPU with `uuid`; TransferError when it is not visible here."""
+
     def export(self, tensor: torch.Tensor) -> IpcExport:
         """IPC handles for the storage holding tensor."""
 
-    def open(self, desc: CudaIpcDescriptor) -> torch.Tensor:
-        """Open another process's export; a flat uint8 tensor of the whole storage."""
+    def caller_event(self) -> Any:
+        """An event recorded now on the calling thread's current stream (None: nothing to wait for)."""
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Waitable:
-        """Launch dst.copy_(src) on the loader's stream; the handle completes with the copy."""
+    def open(self, desc: CudaIpcDescriptor, index: int) -> torch.Tensor:
+        """Open another process's export on local GPU `index`; a flat uint8 tensor of the whole storage."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> Waitable:
+        """Launch dst.copy_(src) on the loader's stream once `after` (a caller_event) has happened;
+        the handle completes with the copy."""
 
     def close(self) -> None:
         """Release streams and anything else the backend holds."""
@@ -196,11 +219,24 @@ class TorchCudaIpc:
             dev = torch.device("cuda", int(dev.index or 0))
         self.device = dev
         self.stream = torch.cuda.Stream(device=dev)
+        count = torch.cuda.device_count()
+        self._uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(count)]
 
     def check_tensor(self, tensor: torch.Tensor) -> int:
         if tensor.device.type != "cuda":
             raise TransferError(f"cuda-ipc register: tensor is on {tensor.device}, not a CUDA device")
         return int(tensor.device.index or 0)
+
+    def device_uuid(self, index: int) -> str:
+        return self._uuids[index]
+
+    def local_index(self, uuid: str) -> int:
+        try:
+            return self._uuids.index(uuid)
+        except ValueError:
+            raise TransferError(
+                f"GPU {uuid or '(no UUID)'} is not visible in this process (CUDA_VISIBLE_DEVICES?)"
+            ) from None
 
     def export(self, tensor: torch.Tensor) -> IpcExport:
         storage: Any = tensor.untyped_storage()
@@ -208,19 +244,32 @@ class TorchCudaIpc:
         return IpcExport(bytes(handle), int(size), int(offset), bytes(rc_handle), int(rc_offset),
                          bytes(ev_handle or b""), bool(ev_sync))
 
-    def open(self, desc: CudaIpcDescriptor) -> torch.Tensor:
+    def caller_event(self) -> Any:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def open(self, desc: CudaIpcDescriptor, index: int) -> torch.Tensor:
         x = desc.ipc
         torch.cuda._lazy_init()
         storage_cls: Any = torch.UntypedStorage
-        storage = storage_cls._new_shared_cuda(desc.device, x.handle, x.storage_size, x.storage_offset,
-                                               x.ref_counter_handle, x.ref_counter_offset,
-                                               x.event_handle or None, x.event_sync_required)
-        out = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", desc.device))
+        # On the copy stream: _new_shared_cuda waits on the exporter's event on the current stream, and
+        # the copies that read this storage run on the copy stream.
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            storage = storage_cls._new_shared_cuda(index, x.handle, x.storage_size, x.storage_offset,
+                                                   x.ref_counter_handle, x.ref_counter_offset,
+                                                   x.event_handle or None, x.event_sync_required)
+        out = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index))
         return out.set_(storage, 0, (x.storage_size,), (1,))
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Waitable:
-        with torch.cuda.stream(self.stream):
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> Waitable:
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after)  # the caller's prior work on these tensors comes first
             dst.copy_(src, non_blocking=True)
+            # the caching allocator must not hand these blocks out again before the copy is done
+            dst.record_stream(self.stream)
+            src.record_stream(self.stream)
             event = torch.cuda.Event()
             event.record(self.stream)
         return _Event(event)
@@ -230,23 +279,40 @@ class TorchCudaIpc:
 
 
 class IpcRegion:
-    """A registered tensor: its bytes, access and the descriptor peers open."""
+    """A registered tensor: its bytes, access and (exported on first use) the descriptor peers open."""
 
-    def __init__(self, engine: CudaIpcEngine, data: torch.Tensor, access: str,
-                 descriptor: CudaIpcDescriptor) -> None:
+    def __init__(self, engine: CudaIpcEngine, tensor: torch.Tensor, data: torch.Tensor, access: str,
+                 device: int) -> None:
         self.engine = engine
+        self.tensor = tensor
         self.data = data  # flat uint8 view of the registered tensor
         self.nbytes = int(data.numel())
         self.access = access
-        self.descriptor = descriptor
+        self.device = device
+        self.key = secrets.randbits(63)
         self.closed = False
+        self._descriptor: CudaIpcDescriptor | None = None
+        self._export_lock = threading.Lock()
+
+    @property
+    def exported(self) -> bool:
+        """Whether the IPC export was taken (only once the descriptor was asked for)."""
+        return self._descriptor is not None
+
+    @property
+    def descriptor(self) -> CudaIpcDescriptor:
+        """Export on first use (``_share_cuda_``): a local-only region never pays for or exposes it."""
+        with self._export_lock:
+            if self._descriptor is None:
+                self._descriptor = self.engine._export(self)
+            return self._descriptor
 
     def close(self) -> None:
         """Deregister (same as engine.deregister(region))."""
         self.engine.deregister(self)
 
     def __repr__(self) -> str:
-        return f"IpcRegion(nbytes={self.nbytes}, access={self.access!r}, key={self.descriptor.key:#x})"
+        return f"IpcRegion(nbytes={self.nbytes}, access={self.access!r}, key={self.key:#x})"
 
 
 # Regions registered by engines in this process, by key: CUDA cannot open a process's own handles.
@@ -292,15 +358,21 @@ class CudaIpcEngine:
         if nbytes <= 0:
             raise TransferError(f"cannot register an empty buffer ({nbytes} bytes)")
         data = tensor.reshape(-1).view(torch.uint8) if tensor.dtype != torch.uint8 else tensor.reshape(-1)
-        ipc = self._backend.export(tensor)
-        desc = CudaIpcDescriptor(self.host, self.pid, secrets.randbits(63), device, access, nbytes,
-                                 int(tensor.storage_offset()) * tensor.element_size(), ipc)
-        region = IpcRegion(self, data, access, desc)
+        region = IpcRegion(self, tensor, data, access, device)
         with self._lock:
             self._regions.add(region)
         with _LOCAL_LOCK:
-            _LOCAL[desc.key] = region
+            _LOCAL[region.key] = region
         return region
+
+    def _export(self, region: IpcRegion) -> CudaIpcDescriptor:
+        self._check_open("export")
+        if region.closed:
+            raise TransferError("export: region is deregistered")
+        t = region.tensor
+        return CudaIpcDescriptor(self.host, self.pid, region.key, region.device, region.access, region.nbytes,
+                                 int(t.storage_offset()) * t.element_size(), self._backend.export(t),
+                                 self._backend.device_uuid(region.device))
 
     def deregister(self, region: IpcRegion) -> None:
         """Stop serving a region; peers that opened it keep torch's reference until they close."""
@@ -310,7 +382,7 @@ class CudaIpcEngine:
             region.closed = True
             self._regions.discard(region)
         with _LOCAL_LOCK:
-            _LOCAL.pop(region.descriptor.key, None)
+            _LOCAL.pop(region.key, None)
 
     # ----- one-sided ops ------------------------------------------------------------------------
     def read(self, region: IpcRegion, offset: int, length: int, remote_desc: CudaIpcDescriptor | bytes,
@@ -393,8 +465,9 @@ class CudaIpcEngine:
         with self._lock:
             cached = self._opened.get(ident)
         if cached is None:
+            index = self._backend.local_index(desc.device_uuid)
             try:
-                storage_bytes = self._backend.open(desc)
+                storage_bytes = self._backend.open(desc, index)
             except (RuntimeError, OSError) as exc:
                 raise PeerGone(f"opening the CUDA IPC handle of pid {desc.owner_pid} failed: {exc}") from exc
             cached = storage_bytes[desc.region_offset:desc.region_offset + desc.length]
@@ -427,12 +500,13 @@ class CudaIpcEngine:
         def launch() -> None:
             try:
                 dst, src = pick(self._remote_bytes(desc))
-                handle = self._backend.copy(dst, src)
+                handle = self._backend.copy(dst, src, after)
             except Exception as exc:  # noqa: BLE001 - surfaces through the future
                 fail(exc)
                 return
             self._complete.submit(wait, handle)
 
+        after = self._backend.caller_event()  # on the submitting thread: its current stream
         with self._lock:
             self._check_open(name)
             self._launch.submit(launch)

@@ -129,9 +129,17 @@ def xxh3_bytes(data: torch.Tensor) -> str:
     return xxhash.xxh3_128_hexdigest(_host_view(int(data.data_ptr()), data.numel()))
 
 
+_memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
+_memory_view.restype = ctypes.py_object
+_memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_PYBUF_READ = 0x100
+
+
 def _host_view(ptr: int, nbytes: int) -> memoryview:
-    """A memoryview of host memory [ptr, +nbytes) without copying (the caller keeps it alive)."""
-    return memoryview((ctypes.c_char * nbytes).from_address(ptr)).cast("B")
+    """A read-only memoryview of host memory [ptr, +nbytes) without copying (the caller keeps the
+    memory alive while the view is used)."""
+    view: memoryview = _memory_view(ptr, nbytes, _PYBUF_READ)
+    return view
 
 
 class StreamingDigest:

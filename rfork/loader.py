@@ -214,10 +214,13 @@ class _Puller:
         max_inflight: int,
         deadline: float,
         progress: ProgressFn | None,
+        prefault: bool = True,
+        staged: bool = False,
     ) -> None:
         self.engine = engine
         self.manifest = manifest
         self.dest = dest
+        self.prefault = prefault
         self.rank = dest.rank
         self.chunk_bytes = chunk_bytes
         self.max_inflight = max_inflight
@@ -226,7 +229,9 @@ class _Puller:
         self.phases: dict[str, float] = {}
         self._verify_s = 0.0
         self._expected = {t.name: t.checksum for t in manifest.tensors}
-        self._streaming = dest.checksum_algorithm == ck.XXH3_128
+        # GPU destinations (no FI_HMEM on these providers) read through pinned host bounce slots.
+        self.staged = staged or dest.device.type == "cuda"
+        self._streaming = dest.checksum_algorithm == ck.XXH3_128 and not self.staged
         self._spans = self._span_table()
 
     def _span_table(self) -> list[list[_Span]]:
@@ -277,8 +282,9 @@ class _Puller:
                 )
             self.dest.checksums[name] = got
 
-    def run(self) -> list[Any]:
-        """Pull and verify every tensor; returns the local registrations (one per destination region)."""
+    def run(self) -> list[Any] | None:
+        """Pull and verify every tensor; returns the local registrations (one per destination region),
+        or None when the pull went through bounce slots."""
         from backends import MemoryRegionDescriptor
 
         dest = self.dest
@@ -286,13 +292,19 @@ class _Puller:
             if not p.nbytes:
                 verify_tensors(dest, self._expected, [p.name])
         remote = {r.index: MemoryRegionDescriptor.from_bytes(r.descriptor) for r in self.manifest.regions}
+        if self.staged:
+            self._run_staged(remote)
+            return None  # nothing registered: a seed it becomes registers (or mirrors) afresh
         plan = plan_reads(dest, self.manifest, self.chunk_bytes)
         total = sum(r.nbytes for reads in plan for r in reads)
         done_bytes = 0
         reg_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rfork-register")
         verify_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rfork-verify")
         verify_futs: list[Future[None]] = []
-        reg_futs = [reg_pool.submit(self._register, target) for target in dest.registrables()]
+        targets = dest.registrables()
+        reg_futs: list[Future[Any]] = [Future() for _ in targets]
+        stop_prefault = threading.Event()
+        reg_pool.submit(self._register_all, targets, reg_futs, stop_prefault)
         frontier = [0] * len(plan)  # per region: reads[:frontier] are all done
         final_at = [0] * len(plan)  # per region: bytes below this are final
         t_first = time.perf_counter()
@@ -360,6 +372,7 @@ class _Puller:
         except TimeoutError as exc:
             raise PullError(f"rank {self.rank}: deadline passed") from exc
         finally:
+            stop_prefault.set()
             for fut, _ in inflight:
                 fut.cancel()
             if not ok:
@@ -374,14 +387,65 @@ class _Puller:
             reg_pool.shutdown(wait=not ok)
             verify_pool.shutdown(wait=True, cancel_futures=not ok)
 
-    def _register(self, target: Any) -> Any:
-        """Register one destination region read-only, then pre-fault it (off the receive path)."""
-        region = self.engine.register(target, access="read")
-        if isinstance(target, tuple):
-            prefault(*target)
-        elif getattr(target, "device", None) is not None and target.device.type == "cpu":
-            prefault(int(target.data_ptr()), target.numel() * target.element_size())
-        return region
+    def _run_staged(self, remote: Mapping[int, Any]) -> None:
+        """Each distinct destination tensor through a StagedReader (pinned bounce slots, then a device
+        copy), verified on its device as it lands. Nothing of the destination is registered."""
+        from backends.staging import StagedReader
+
+        src = {t.name: t for t in self.manifest.tensors}
+        spans = [span for region in self._spans for span in region]
+        total = sum(span.end - span.offset for span in spans)
+        device = self.dest.device if self.dest.device.type == "cuda" else None
+        reader = StagedReader(self.engine, device=device)
+        t_first = time.perf_counter()
+        futs: list[tuple[_Span, Future[int]]] = []
+        try:
+            for span in spans:
+                entry = src[span.names[0]]
+                tensor = self.dest.tensors[span.names[0]]
+                futs.append(
+                    (span, reader.read_into(tensor, 0, entry.nbytes, remote[entry.region], entry.offset))
+                )
+            done = 0
+            for span, fut in futs:
+                fut.result(timeout=self._left())
+                done += span.end - span.offset
+                self._report(done, total)
+                t = time.perf_counter()
+                self._check(span)
+                self._verify_s += time.perf_counter() - t
+        except TimeoutError as exc:
+            raise PullError(f"rank {self.rank}: deadline passed") from exc
+        finally:
+            reader.close()  # waits out whatever is still queued: the bounce slots are quiet after
+        self.phases.update(transfer=time.perf_counter() - t_first - self._verify_s, verify=self._verify_s)
+
+    def _register_all(
+        self, targets: Sequence[Any], futs: Sequence[Future[Any]], stop: threading.Event
+    ) -> None:
+        """Register every destination region read-only (in order: reads of region i start as soon as it
+        is), then pre-fault the host ones in order, a piece at a time, ahead of the reads."""
+        for target, fut in zip(targets, futs, strict=True):
+            try:
+                fut.set_result(self.engine.register(target, access="read"))
+            except BaseException as exc:  # noqa: BLE001 - handed to the puller, which fails the attempt
+                fut.set_exception(exc)
+                for rest in futs:
+                    if not rest.done():
+                        rest.set_exception(PullError(f"rank {self.rank}: an earlier region did not register"))
+                return
+        if not self.prefault:
+            return
+        piece = 16 << 20
+        for target in targets:
+            span = _host_span(target)
+            if span is None:
+                continue
+            ptr, nbytes = span
+            for off in range(0, nbytes, piece):
+                if stop.is_set():
+                    return
+                prefault(ptr + off, min(piece, nbytes - off))
 
     def _left(self) -> float:
         left = self.deadline - time.monotonic()
@@ -392,6 +456,15 @@ class _Puller:
     def _report(self, done: int, total: int) -> None:
         if self.progress is not None:
             self.progress(done, total)
+
+
+def _host_span(target: Any) -> tuple[int, int] | None:
+    """(ptr, nbytes) of a registration target in host memory; None for device memory."""
+    if isinstance(target, tuple):
+        return int(target[0]), int(target[1])
+    if isinstance(target, torch.Tensor) and target.device.type == "cpu":
+        return int(target.data_ptr()), target.numel() * target.element_size()
+    return None
 
 
 def prefault(ptr: int, nbytes: int) -> None:
@@ -440,6 +513,12 @@ class LoadOptions:
     # checksum gains little from a second thread but takes the core the transport's progress thread
     # (and, on one box, the seed's) needs; measured in docs/benchmarks.md.
     pull_torch_threads: int | None = 1
+    # Fault destination pages in (MADV_POPULATE_WRITE) on the registration thread, ahead of the reads,
+    # instead of inside the transport's receive copy.
+    prefault: bool = True
+    # Read through pinned host bounce slots (backends.staging). Automatic for GPU destinations, as tcp
+    # and shm cannot register device memory; setting it for host destinations exercises that path.
+    staged_reads: bool = False
 
 
 class Loader:
@@ -480,9 +559,11 @@ class Loader:
         if self.planner_url is None:
             return None
         if self._client is None:
+            t0 = time.perf_counter()
             from planner.client import PlannerClient
 
             self._client = PlannerClient(self.planner_url, token=self.token)
+            self._planner_s += time.perf_counter() - t0
         return self._client
 
     def _get_engine(self) -> Any:
@@ -528,8 +609,10 @@ class Loader:
         threading.Thread(target=opener, name="rfork-engine-open", daemon=True).start()
 
     def prepare(self) -> None:
-        """Open the engine and the planner client early (overlaps with building the model)."""
-        self._get_engine()
+        """Start opening the engine (helper thread) and create the planner client now, so both overlap
+        with whatever the caller does next (building the model); load/pull_into use them."""
+        if self._one_sided() and self.planner_url is not None:
+            self._open_engine_soon()
         self._planner()
 
     # --- the load
@@ -816,6 +899,8 @@ class Loader:
             max_inflight=self.options.max_inflight,
             deadline=deadline,
             progress=self.progress,
+            prefault=self.options.prefault,
+            staged=self.options.staged_reads,
         )
         before = torch.get_num_threads()
         if self.options.pull_torch_threads:

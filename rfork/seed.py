@@ -102,6 +102,17 @@ class RankWeights:
             return list(self.buffers)
         return [_range_target(r, self.tensors) for r in self.ranges]
 
+    def host_mirrors(self) -> list[torch.Tensor]:
+        """A host copy of each region (page-locked where CUDA exists): what a seed registers for GPU
+        weights when its provider cannot register device memory. Costs host memory equal to the weights."""
+        pinned = torch.cuda.is_available()
+        mirrors = [torch.empty(r.nbytes, dtype=torch.uint8, pin_memory=pinned) for r in self.ranges]
+        for p in self.layout.placements:
+            if p.nbytes:
+                flat = self.tensors[p.name].reshape(-1).view(torch.uint8)
+                mirrors[p.region][p.offset : p.offset + p.nbytes].copy_(flat)
+        return mirrors
+
     def compute_checksums(self) -> dict[str, str]:
         for p in self.layout.placements:
             if p.name not in self.checksums:
@@ -174,7 +185,10 @@ class RankServer:
         """Register weights' regions read-only (or adopt registrations made already, e.g. by the loader)."""
         if regions is None:
             t0 = time.perf_counter()
-            regions = [self.engine.register(target, access="read") for target in weights.registrables()]
+            targets = weights.registrables()
+            if weights.device.type == "cuda" and not getattr(self.engine, "device_memory", False):
+                targets = weights.host_mirrors()  # no FI_HMEM here: serve a host copy (not run on a GPU)
+            regions = [self.engine.register(target, access="read") for target in targets]
             log.info(
                 "registered %d region(s), %d bytes, for rank %d on %s in %.3f s",
                 len(regions),

@@ -234,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
                       f"{r['vs_d2d']:.2f}", f"{r['speedup_vs_disk_cold']:.1f}", str(r.get("verified", "")))
     Console().print(table)
     if args.json_file:
-        Path(args.json_file).write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
+        doc = {"machine": machine, "rows": rows}
+        Path(args.json_file).write_text(json.dumps(doc, indent=1, allow_nan=False))
     return 0 if all(r.get("verified", True) for r in rows) else 1
 
 

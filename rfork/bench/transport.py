@@ -89,7 +89,7 @@ def _socket_sink(port_conn: Connection, chunk: int, fresh: bool) -> None:
     else:
         buf = np.ones(REGION, dtype=np.uint8)  # touched: no page faults inside the timing
         slots = max(1, REGION // chunk)
-    view = memoryview(buf).cast("B")
+    view = memoryview(buf.data).cast("B")
     cli, _ = srv.accept()
     total = 0
     op = 0

@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
             fleet.close()
         _print_table(console, rows, model_bytes)
         if args.json:
-            args.json.write_text(json.dumps({"model_bytes": model_bytes, "rows": rows}, indent=1))
+            doc = {"model_bytes": model_bytes, "rows": rows}
+            args.json.write_text(json.dumps(doc, indent=1, allow_nan=False))
         return 0
     finally:
         fleet.close()

@@ -127,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
         options=options,
         progress=progress,
     )
+    # The engine opens on a helper thread and the planner client is built now, as a framework hook
+    # would do while it builds its model; `seconds` in the output counts from the load call on.
+    loader.prepare()
     try:
         result = loader.load()
     finally:
@@ -163,7 +166,7 @@ def _report_and_serve(
     if args.json:
         tmp = args.json.with_suffix(".tmp")
         try:
-            tmp.write_text(json.dumps(out))
+            tmp.write_text(json.dumps(out, allow_nan=False))
             tmp.replace(args.json)
         except OSError:
             tmp.unlink(missing_ok=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import secrets
+import threading
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
@@ -67,17 +68,34 @@ class _Done:
 
 
 class CpuStandIn:
-    """The IpcBackend steps on CPU tensors: export hands out a random handle, open looks it up."""
+    """The IpcBackend steps on CPU tensors: export hands out a random handle, open looks it up.
 
-    def __init__(self) -> None:
+    Its one "GPU" has UUID `uuid`; caller_event names the submitting thread, and copy records which
+    event each copy was ordered after (the real backend makes its copy stream wait on it)."""
+
+    def __init__(self, uuid: str = "GPU-standin-0") -> None:
         self.exports: dict[bytes, torch.Tensor] = {}
         self.opens = 0
         self.fail_copy = False
+        self.uuid = uuid
+        self.copied_after: list[object] = []
 
     def check_tensor(self, tensor: torch.Tensor) -> int:
         if tensor.device.type != "cpu":
             raise TransferError("stand-in takes CPU tensors")
         return 0
+
+    def device_uuid(self, index: int) -> str:
+        assert index == 0
+        return self.uuid
+
+    def local_index(self, uuid: str) -> int:
+        if uuid != self.uuid:
+            raise TransferError(f"GPU {uuid} is not visible in this process (CUDA_VISIBLE_DEVICES?)")
+        return 0
+
+    def caller_event(self) -> object:
+        return ("event recorded on the stream of thread", threading.get_ident())
 
     def export(self, tensor: torch.Tensor) -> IpcExport:
         storage = tensor.untyped_storage()
@@ -86,13 +104,15 @@ class CpuStandIn:
         self.exports[handle] = whole
         return IpcExport(handle, storage.nbytes(), 0, b"rc", 0, b"", False)
 
-    def open(self, desc: CudaIpcDescriptor) -> torch.Tensor:
+    def open(self, desc: CudaIpcDescriptor, index: int) -> torch.Tensor:
+        assert index == 0
         self.opens += 1
         if desc.ipc.handle not in self.exports:
             raise RuntimeError("invalid resource handle")
         return self.exports[desc.ipc.handle]
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> _Done:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: object) -> _Done:
+        self.copied_after.append(after)
         if self.fail_copy:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         dst.copy_(src)
@@ -130,6 +150,51 @@ def test_standin_read_write_through_open_path(pair: tuple) -> None:
     dst[:100] = 7
     loader.write(dreg, 0, 100, remote, 200).result(5)
     assert torch.equal(big[4096 + 200:4096 + 300], torch.full((100,), 7, dtype=torch.uint8))
+
+
+def test_write_only_destination_is_never_exported(pair: tuple) -> None:
+    seed, loader, backend = pair
+    src = seed.register(torch.arange(256, dtype=torch.uint8), "read")
+    remote = _as_other_process(src.descriptor)  # asking for the descriptor exports (once)
+    assert src.exported
+    assert len(backend.exports) == 1
+    dst = torch.zeros(256, dtype=torch.uint8)
+    dreg = loader.register(dst, "write")
+    loader.read(dreg, 0, 256, remote, 0).result(5)
+    assert torch.equal(dst, torch.arange(256, dtype=torch.uint8))
+    assert not dreg.exported  # a local destination: no _share_cuda_
+    assert len(backend.exports) == 1
+
+
+def test_descriptor_names_the_gpu_by_uuid_and_opener_maps_it(pair: tuple) -> None:
+    seed, loader, backend = pair
+    region = seed.register(torch.ones(64, dtype=torch.uint8), "read")
+    assert region.descriptor.device_uuid == "GPU-standin-0"
+    dreg = loader.register(torch.zeros(64, dtype=torch.uint8), "write")
+    elsewhere = dataclasses.replace(_desc_of(region), device_uuid="GPU-not-here")
+    with pytest.raises(TransferError, match="GPU-not-here is not visible in this process"):
+        loader.read(dreg, 0, 64, elsewhere.to_bytes(), 0).result(5)
+    assert backend.opens == 0
+
+
+def test_copies_wait_on_an_event_from_the_submitting_thread(pair: tuple) -> None:
+    seed, loader, backend = pair
+    region = seed.register(torch.ones(64, dtype=torch.uint8), "read")
+    dreg = loader.register(torch.zeros(64, dtype=torch.uint8), "write")
+    remote = _as_other_process(region.descriptor)
+    loader.read(dreg, 0, 64, remote, 0).result(5)
+
+    def submit_elsewhere() -> None:
+        loader.read(dreg, 0, 32, remote, 0).result(5)
+
+    t = threading.Thread(target=submit_elsewhere)
+    t.start()
+    t.join(10)
+    assert [a[1] for a in backend.copied_after] == [threading.get_ident(), t.ident]  # not the launcher's
+
+
+def _desc_of(region) -> CudaIpcDescriptor:
+    return dataclasses.replace(region.descriptor, owner_pid=region.descriptor.owner_pid + 100_000)
 
 
 def test_standin_same_process_uses_local_table(pair: tuple) -> None:

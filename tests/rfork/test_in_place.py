@@ -315,7 +315,7 @@ RSS_CHILD = textwrap.dedent(
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     nbytes = int(sys.argv[2])
-    tensors = {f"layer{i}.weight": torch.ones(nbytes // 8 // 4, dtype=torch.float32) for i in range(8)}
+    tensors = {f"layer{i}.weight": torch.full((nbytes // 8 // 4,), float(i)) for i in range(8)}
     server = RankServer(engine=open_engine("tcp"))
     before = rss()
     weights = RankWeights.from_tensors(tensors=tensors)
@@ -325,27 +325,95 @@ RSS_CHILD = textwrap.dedent(
                 token=os.environ["RFORK_REGISTER_TOKEN"])
     seed.start()
     after = rss()
-    seed.close()
     total = sum(t.numel() * 4 for t in tensors.values())
-    print(json.dumps({"before": before, "after": after, "weights": total}))
+    print(json.dumps({"before": before, "after": after, "weights": total}), flush=True)
+    sys.stdin.readline()  # serve until the parent has pulled
+    seed.close()
     """
 )
 
 
 @pytest.mark.slow
-def test_serving_in_place_adds_at_most_one_percent_of_the_weights_to_rss(planner, tmp_path):
-    nbytes = 512 << 20
-    proc = subprocess.run(
+def test_seed_process_serves_in_place_adding_at_most_one_percent_rss_and_a_loader_pulls_it(planner):
+    nbytes = 256 << 20
+    proc = subprocess.Popen(
         [sys.executable, "-c", RSS_CHILD, planner, str(nbytes)],
-        capture_output=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
         text=True,
-        timeout=300,
-        check=False,
         env={**os.environ, "RFORK_TCP_HOST": "127.0.0.1"},
         cwd=Path(__file__).resolve().parents[2],
     )
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["weights"] == nbytes
-    grew = out["after"] - out["before"]
-    assert grew <= 0.01 * out["weights"], f"serving grew RSS by {grew} bytes for {out['weights']} of weights"
+    try:
+        assert proc.stdout is not None
+        assert proc.stdin is not None
+        out = json.loads(proc.stdout.readline())
+        assert out["weights"] == nbytes
+        grew = out["after"] - out["before"]
+        assert grew <= 0.01 * out["weights"], f"serving grew RSS by {grew} bytes for {nbytes} of weights"
+        ident = SourceIdentity(model="rss", revision="r", dtype="float32", fingerprint="f" * 64)
+        dest = {f"layer{i}.weight": torch.zeros(nbytes // 8 // 4) for i in range(8)}
+        result = pull_into(
+            identity=ident, planner_url=planner, tensors=dest, options=opts(become_seed=False), **AUTH
+        )
+        assert result.source == "rfork-tcp"
+        assert result.verified
+        assert all(bool((t == float(i)).all()) for i, t in enumerate(dest.values()))
+        proc.stdin.write("stop\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+# ---------------------------------------------------------------- the GPU paths, with host tensors
+
+
+def test_host_mirrors_hold_each_regions_bytes():
+    backing = torch.arange(4096, dtype=torch.int32)
+    tensors = {"a": backing[:1000], "b": backing[1000:3000], "tied": backing[:1000], "c": torch.ones(7)}
+    w = RankWeights.from_tensors(tensors=tensors)
+    mirrors = w.host_mirrors()
+    assert [m.numel() for m in mirrors] == list(w.layout.region_sizes)
+    for p in w.layout.placements:
+        got = mirrors[p.region][p.offset : p.offset + p.nbytes]
+        assert torch.equal(got, tensors[p.name].reshape(-1).view(torch.uint8)), p.name
+    assert mirrors[0].data_ptr() != backing.data_ptr()  # a copy (only GPU weights on tcp need one)
+
+
+@pytest.mark.slow
+def test_staged_pull_path_used_for_gpu_destinations_runs_with_host_tensors(planner):
+    """The bounce-slot path GPU destinations take (tcp/shm cannot register device memory), run here
+    with host tensors standing in for device memory; then the loaded instance serves."""
+    model = tied_model(0)
+    ident = identity_for(model)
+    with Seed(
+        weights=[RankWeights.from_tensors(tensors=model.state_dict())],
+        identity=ident,
+        planner_url=planner,
+        token=REGISTER,
+    ) as seed:
+        target = tied_model(2)
+        loader = Loader(identity=ident, planner_url=planner, options=opts(staged_reads=True), **AUTH)
+        a = loader.load_into(target)
+        try:
+            assert a.source == "rfork-tcp"
+            assert a.verified
+            for name, t in model.state_dict().items():
+                assert torch.equal(target.state_dict()[name], t), name
+            assert a.seed is not None  # registered afresh after a staged pull
+            third = {n: torch.empty_like(t) for n, t in model.state_dict().items()}
+            b = pull_into(
+                identity=ident,
+                planner_url=planner,
+                tensors=third,
+                options=opts(exclude=seed.instance_ids, become_seed=False),
+                **AUTH,
+            )
+            assert b.attempts[0].instance_id == a.seed.instance_ids[0]
+            assert all(torch.equal(third[n], t) for n, t in model.state_dict().items())
+            b.close()
+        finally:
+            a.close()

@@ -13,6 +13,7 @@ import urllib.request
 from typing import Any
 
 import pytest
+import torch
 from sqlalchemy import create_engine, text
 
 from planner.client import Conflict, PlannerClient
@@ -20,6 +21,7 @@ from planner.server import PlannerServer
 from rfork.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
 from rfork.errors import LoadFailed
 from rfork.loader import LoadOptions, load
+from rfork.nccl_pull import pull_over_nccl
 from rfork.seed import RankWeights, Seed
 from tests.rfork.conftest import ADMIN, AUTH, LOAD, READER, REGISTER
 from tests.rfork.test_end_to_end import assert_same
@@ -168,7 +170,8 @@ def test_control_endpoint_needs_the_lease_token_and_works_across_two_addresses(s
         assert _post_session(control_url, 1, token)[0] == 403  # another rank
         forged = token[:-4] + ("0000" if not token.endswith("0000") else "1111")
         assert _post_session(control_url, 0, forged)[0] == 403
-        assert _post_session(control_url, 0, token)[0] == 201
+        dest = [torch.empty_like(t) for t in result.state_dict().values() if t.numel()]
+        assert pull_over_nccl(control_url, 0, dest, timeout_s=60.0, control_token=token) > 0
         status, body = _post_session(control_url, 0, token)  # one session per lease
         assert status == 403
         assert "already used" in body["error"]
