@@ -23,10 +23,12 @@ COMMANDS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("seed",), "rfork.commands.seed"),
     (("load",), "rfork.commands.load"),
     (("demo",), "rfork.commands.demo"),
+    (("sglang",), "rfork.commands.sglang"),
     (("bench", "transport"), "rfork.bench.transport"),
     (("bench", "cold-start"), "rfork.bench.cold_start"),
     (("bench", "planner"), "rfork.bench.planner"),
     (("bench", "gpu"), "rfork.bench.gpu"),
+    (("bench", "rl"), "rfork.bench.rl"),
 )
 
 GROUP_HELP = {

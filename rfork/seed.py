@@ -319,6 +319,7 @@ class Publication:
         self._retry_interval_s = retry_interval_s
         self._lock = threading.Lock()
         self.instance_id: str | None = None
+        self.instance_token: str | None = None  # acts as this instance only (set on registering)
         self._stop = threading.Event()
         self._on_error = on_heartbeat_error
         self._closed = False
@@ -365,6 +366,7 @@ class Publication:
             raise
         with self._lock:
             self.instance_id = str(reg.id)
+            self.instance_token = getattr(reg, "token", None)
         log.info("published instance %s (%d rank(s)) as %s", reg.id, len(self._manifests), self._status)
 
     def _beat(self) -> None:

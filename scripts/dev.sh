@@ -3,6 +3,9 @@
 #   scripts/dev.sh demo [ARGS]   runs `rfork demo`
 #   scripts/dev.sh test [ARGS]   runs lint (ruff), types (mypy) and the whole test suite (pytest)
 #   scripts/dev.sh setup         only installs
+#   scripts/dev.sh test-sglang [ARGS]  only the SGLang integration tests, in their own venv ($SGLANG_VENV)
+# `test` without ARGS also installs SGLang into its own venv (about 3 minutes and 11 GB the first time)
+# and runs tests/sglang there; the rest of the suite keeps the fast env (.venv, torch 2.13.0 CPU).
 # Re-running is cheap: the Python install is skipped while pyproject.toml and setup files are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +13,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${RFORK_VENV:-.venv}
 TORCH_PIN=torch==2.13.0
+SGLANG_VENV=${RFORK_SGLANG_VENV:-.venv-sglang}  # gets SGLang's own torch pin through `.[sglang]`
 
 log() { printf '[rfork setup] %s\n' "$*" >&2; }
 
@@ -55,6 +59,26 @@ ensure_python_env() {
   echo "$want" >"$stamp"
 }
 
+ensure_sglang_env() {
+  [ -x "$SGLANG_VENV/bin/python" ] || "$PYTHON" -m venv "$SGLANG_VENV"
+  local stamp="$SGLANG_VENV/.rfork-setup-stamp" want
+  want=$(cat pyproject.toml setup.py backends/_libfabric_build.py | sha256sum | cut -d' ' -f1)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    return 0
+  fi
+  log "installing SGLang and rfork into $SGLANG_VENV (first time: about 3 minutes, 11 GB)"
+  "$SGLANG_VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel cffi
+  "$SGLANG_VENV/bin/python" -m pip install -q -e ".[sglang,dev]"
+  echo "$want" >"$stamp"
+}
+
+run_sglang_tests() {
+  ensure_sglang_env
+  log "pytest (SGLang integration, $SGLANG_VENV)"
+  [ $# -gt 0 ] || set -- tests/sglang
+  "$SGLANG_VENV/bin/python" -m pytest -m sglang "$@"
+}
+
 cmd=${1:-setup}; [ $# -gt 0 ] && shift
 ensure_system_packages
 ensure_python_env
@@ -65,6 +89,11 @@ case "$cmd" in
   test)
     log "ruff"; ruff check .
     log "mypy"; mypy
-    log "pytest"; exec pytest "$@" ;;
-  *) log "usage: scripts/dev.sh setup|demo|test [ARGS]"; exit 2 ;;
+    log "pytest"
+    if [ $# -gt 0 ]; then exec pytest "$@"; fi
+    status=0; pytest || status=$?
+    run_sglang_tests || status=$?
+    exit $status ;;
+  test-sglang) run_sglang_tests "$@" ;;
+  *) log "usage: scripts/dev.sh setup|demo|test|test-sglang [ARGS]"; exit 2 ;;
 esac

@@ -1,0 +1,94 @@
+"""Seeds published from SGLang's scheduler processes, drained by SGLang's main process.
+
+SGLang shuts down by SIGKILLing its schedulers (`kill_process_tree`), so code there never runs on the
+way out. The process that starts SGLang (no multiprocessing parent) therefore picks a private run
+directory and exports it; each scheduler that publishes a seed writes a record there (instance id,
+instance token, planner URL; mode 0600). The main process drains every record, DRAINING then delete,
+right before SGLang calls `kill_process_tree` and again at exit. If the main process itself is
+SIGKILLed nothing drains: the planner's heartbeat TTL then marks the seeds STALE.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import multiprocessing
+import os
+import secrets
+import tempfile
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+RUN_DIR_ENV = "RFORK_SGLANG_RUN_DIR"
+_armed_pid: int | None = None
+
+
+def arm_drain_in_main_process() -> bool:
+    """In a root process (no multiprocessing parent): export a fresh run directory, drain it at exit.
+
+    Children (SGLang's schedulers) inherit the variable. Cheap: nothing is created on disk here.
+    Returns whether this process armed.
+    """
+    global _armed_pid
+    if multiprocessing.parent_process() is not None or _armed_pid == os.getpid():
+        return False
+    path = Path(tempfile.gettempdir()) / f"rfork-sglang-{os.getpid()}-{secrets.token_hex(6)}"
+    os.environ[RUN_DIR_ENV] = str(path)
+    _armed_pid = os.getpid()
+    atexit.register(drain_recorded)
+    return True
+
+
+def before_kill_process_tree(*_args: Any, **_kwargs: Any) -> None:
+    """SGLang BEFORE hook on `kill_process_tree`: drain this server's seeds before their schedulers die."""
+    if _armed_pid == os.getpid():
+        drain_recorded()
+
+
+def record_publication(*, instance_id: str, token: str | None, planner_url: str) -> Path | None:
+    """Leave a drain record for the main process; None when no run directory was exported."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        log.warning(
+            "no %s: seed %s will age out by heartbeat TTL, not drain", RUN_DIR_ENV, instance_id
+        )
+        return None
+    d = Path(run_dir)
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = d / f"{instance_id}.json"
+    tmp = d / f".{instance_id}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        record = {"instance_id": instance_id, "token": token, "planner_url": planner_url, "pid": os.getpid()}
+        json.dump(record, f)
+    tmp.replace(path)
+    return path
+
+
+def drain_recorded(run_dir: str | Path | None = None, *, timeout_s: float = 3.0) -> int:
+    """DRAINING + delete every recorded seed (best effort, bounded); returns how many drained."""
+    from planner.client import PlannerClient
+
+    d = Path(run_dir or os.environ.get(RUN_DIR_ENV) or "")
+    if not str(d) or not d.is_dir():
+        return 0
+    drained = 0
+    for path in sorted(d.glob("*.json")):
+        try:
+            rec = json.loads(path.read_text())
+            with PlannerClient(rec["planner_url"], token=rec.get("token"), timeout_s=timeout_s) as client:
+                client.set_status(rec["instance_id"], "DRAINING")
+                client.delete_instance(rec["instance_id"])
+            drained += 1
+            log.info("drained seed %s on %s", rec["instance_id"], rec["planner_url"])
+        except Exception as exc:  # noqa: BLE001 - on the way out: the heartbeat TTL is the backstop
+            log.warning("could not drain the seed recorded in %s: %s", path, exc)
+        with contextlib.suppress(OSError):
+            path.unlink()
+    with contextlib.suppress(OSError):
+        d.rmdir()
+    return drained

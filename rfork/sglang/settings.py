@@ -1,0 +1,151 @@
+"""Hook settings: `--model-loader-extra-config` keys first, then `RFORK_*` variables, then defaults.
+
+The planner token comes only from `$RFORK_TOKEN`: SGLang logs its whole argument list at startup, so a
+token in the extra config would end up in every log; it is refused with a message saying so.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rfork.errors import RforkError
+
+MODES = ("checkpoint", "parameters")
+# Keys SGLang's DefaultModelLoader accepts in the extra config; handed to it when rfork falls back.
+DEFAULT_LOADER_KEYS = frozenset({"enable_multithread_load", "num_threads"})
+# extra-config key -> environment variable
+ENV_FOR_KEY = {
+    "planner_url": "RFORK_PLANNER_URL",
+    "mode": "RFORK_MODE",
+    "providers": "RFORK_PROVIDERS",
+    "serve": "RFORK_SERVE",
+    "model": "RFORK_MODEL_NAME",
+    "revision": "RFORK_REVISION",
+    "transfer_timeout_s": "RFORK_TRANSFER_TIMEOUT_S",
+}
+TOKEN_ENV = "RFORK_TOKEN"
+
+
+class SettingsError(RforkError, ValueError):
+    """A hook setting is missing, unknown or malformed; the message names the key or variable."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class HookSettings:
+    """What the SGLang hook needs to find a source and to publish itself."""
+
+    planner_url: str | None = None
+    token: str | None = None
+    mode: str = "checkpoint"
+    providers: tuple[str, ...] = ("tcp",)
+    serve: bool = True  # become a seed after loading
+    model: str | None = None  # identity model name (default: config.json's name or the path's last part)
+    revision: str = "main"
+    transfer_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise SettingsError(f"rfork mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if not self.providers:
+            raise SettingsError("rfork providers: give at least one (tcp, shm, efa, verbs, nccl)")
+        if self.transfer_timeout_s <= 0:
+            raise SettingsError(f"rfork transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+
+    @classmethod
+    def resolve(
+        cls, extra_config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
+    ) -> HookSettings:
+        """Settings from SGLang's extra-config dict and the environment; raises SettingsError."""
+        env = os.environ if environ is None else environ
+        extra = dict(extra_config or {})
+        if "token" in extra:
+            raise SettingsError(
+                "do not put the planner token in --model-loader-extra-config (SGLang logs its "
+                f"arguments); set ${TOKEN_ENV} instead"
+            )
+        unknown = set(extra) - set(ENV_FOR_KEY) - DEFAULT_LOADER_KEYS
+        if unknown:
+            raise SettingsError(
+                f"unknown --model-loader-extra-config key(s) {sorted(unknown)} for --load-format rfork; "
+                f"known: {sorted(set(ENV_FOR_KEY) | DEFAULT_LOADER_KEYS)}"
+            )
+        raw: dict[str, Any] = {}
+        for key, var in ENV_FOR_KEY.items():
+            if key in extra:
+                raw[key] = extra[key]
+            elif env.get(var):
+                raw[key] = env[var]
+        kwargs: dict[str, Any] = {"token": env.get(TOKEN_ENV) or None}
+        if "planner_url" in raw:
+            kwargs["planner_url"] = _text(raw["planner_url"], "planner_url").rstrip("/") or None
+        if "mode" in raw:
+            kwargs["mode"] = _text(raw["mode"], "mode").lower()
+        if "providers" in raw:
+            kwargs["providers"] = _providers(raw["providers"])
+        if "serve" in raw:
+            kwargs["serve"] = _flag(raw["serve"], "serve")
+        if "model" in raw:
+            kwargs["model"] = _text(raw["model"], "model")
+        if "revision" in raw:
+            kwargs["revision"] = _text(raw["revision"], "revision")
+        if "transfer_timeout_s" in raw:
+            try:
+                kwargs["transfer_timeout_s"] = float(raw["transfer_timeout_s"])
+            except (TypeError, ValueError) as exc:
+                raise SettingsError(
+                    f"rfork transfer_timeout_s: not a number: {raw['transfer_timeout_s']!r}"
+                ) from exc
+        return cls(**kwargs)
+
+    def to_extra_config(self) -> dict[str, Any]:
+        """The extra-config keys for these settings (never the token); what the launcher passes on."""
+        out: dict[str, Any] = {
+            "mode": self.mode,
+            "providers": list(self.providers),
+            "serve": self.serve,
+            "revision": self.revision,
+            "transfer_timeout_s": self.transfer_timeout_s,
+        }
+        if self.planner_url:
+            out["planner_url"] = self.planner_url
+        if self.model:
+            out["model"] = self.model
+        return out
+
+
+def default_loader_extra(extra_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The part of the extra config SGLang's own DefaultModelLoader understands (it rejects the rest)."""
+    return {k: v for k, v in (extra_config or {}).items() if k in DEFAULT_LOADER_KEYS}
+
+
+def _text(value: Any, key: str) -> str:
+    if not isinstance(value, str):
+        raise SettingsError(f"rfork {key}: expected a string, got {value!r}")
+    return value.strip()
+
+
+def _providers(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        items = value.split(",")
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        items = list(value)
+    else:
+        raise SettingsError(f"rfork providers: expected a list or a comma-separated string, got {value!r}")
+    out = tuple(p.strip() for p in items if p.strip())
+    if not out:
+        raise SettingsError("rfork providers: empty")
+    return out
+
+
+def _flag(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"rfork {key}: expected true or false, got {value!r}")
