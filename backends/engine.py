@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from backends._signals import preserved_signal_handlers
 from backends.descriptor import ACCESS_NAMES, EngineAddress, MemoryRegionDescriptor
 from backends.errors import (
     EngineClosed,
@@ -65,6 +66,10 @@ class Region:
         self.descriptor = descriptor
         self._keepalive = keepalive
         self.closed = False
+        # chunks posted to the provider and not yet completed (even if their op already failed): the
+        # memory must stay registered and alive until this is 0 (see TransferEngine.deregister)
+        self.posted = 0
+        self.retiring = False
 
     def close(self) -> None:
         """Deregister (same as engine.deregister(region))."""
@@ -116,6 +121,7 @@ class _Chunk:
     keepalive: Any = None
     deadline: float = 0.0
     ctx: int = 0
+    region: Region | None = None  # the local region this chunk reads into / writes from
 
 
 @dataclass(slots=True)
@@ -139,6 +145,9 @@ class _Worker(threading.Thread):
         self._sleeping = False
         self._stop_flag = False
         self._inflight: dict[int, _Chunk] = {}
+        # posted chunks whose op already failed (timeout): the provider may still complete them, so
+        # they keep their region alive until it does (or the engine closes)
+        self._zombies: dict[int, _Chunk] = {}
         self._pending: deque[_Chunk] = deque()
         self._parked: list[_Chunk] = []
         self._recv_bufs: dict[int, tuple[bytearray, Any]] = {}
@@ -292,6 +301,7 @@ class _Worker(threading.Thread):
             k, rc, message = dom.post_batch(batch)
             for ch in batch[:k]:
                 inflight[ch.ctx] = ch
+                self.engine._posted(ch)
             if k:
                 posted = True
             if rc == 0:
@@ -334,6 +344,7 @@ class _Worker(threading.Thread):
             return 0
         if rc == 0:
             self._inflight[ch.ctx] = ch
+            self.engine._posted(ch)
         return rc
 
     def _handle(self, comps: list[Completion]) -> bool:
@@ -348,6 +359,7 @@ class _Worker(threading.Thread):
             ctx = c.context
             ch = inflight.pop(ctx, None)
             if ch is not None:
+                self.engine._unposted(ch)
                 if c.error:
                     self._fail_chunk(ch, c.error, c.message)
                 else:
@@ -360,6 +372,10 @@ class _Worker(threading.Thread):
                     self.engine._deliver_message(data)
                 if not self._stop_flag:
                     self._post_recv(ctx)
+                continue
+            zombie = self._zombies.pop(ctx, None) if self._zombies else None
+            if zombie is not None:  # completed after its op timed out: now its memory may go
+                self.engine._unposted(zombie)
                 continue
             if c.flags & cq_data:
                 self.engine.imm.arrive(c.data & 0xFFFFFFFF)
@@ -395,6 +411,7 @@ class _Worker(threading.Thread):
         for ctx, ch in list(self._inflight.items()):
             if ch.peer in dead_peers:
                 del self._inflight[ctx]
+                self._zombies[ctx] = ch  # still posted: keeps its region until the provider is done
                 self._timeout(ch)
         for ch in [*self._parked, *self._pending]:
             if ch.peer in dead_peers:
@@ -416,6 +433,7 @@ class _Worker(threading.Thread):
             self._queue.clear()
         for ch in itertools.chain(self._inflight.values(), self._parked, self._pending, rest):
             ch.op.fail(exc)
+        self._zombies.clear()  # the engine is closing: its endpoints go, so nothing lands any more
         self._inflight.clear()
         self._parked.clear()
         self._pending.clear()
@@ -475,8 +493,9 @@ class TransferEngine:
         self._lanes: list[FastLane] = []
         self._host = host if provider == "tcp" else None
         try:
-            for _ in range(domains):
-                self._domains.append(LibfabricDomain(provider, host=host if provider == "tcp" else None))
+            with preserved_signal_handlers():  # libfabric may install its own SIGINT/SIGTERM handlers
+                for _ in range(domains):
+                    self._domains.append(LibfabricDomain(provider, host=host if provider == "tcp" else None))
             self.address = EngineAddress(provider, tuple(d.name for d in self._domains)).to_bytes()
             for i, dom in enumerate(self._domains):
                 self._workers.append(_Worker(self, i, dom))
@@ -513,12 +532,41 @@ class TransferEngine:
         return region
 
     def deregister(self, region: Region) -> None:
-        """Release a region; ops still in flight on it must have completed first (caller's duty)."""
+        """Release a region. New ops on it are refused at once; if chunks are still posted on it (even
+        of ops that already failed, e.g. timed out), the registration and the memory (the region keeps
+        the tensor alive) are released only when the provider has completed them, or at close(): no
+        read ever lands in freed memory."""
         with self._lock:
             if region.closed:
                 return
             region.closed = True
+            if region.posted:
+                region.retiring = True
+                log.debug("deregistration of %r deferred: %d chunk(s) still posted", region, region.posted)
+                return
             self._regions.discard(region)
+        self._release(region)
+
+    def _posted(self, ch: _Chunk) -> None:
+        region = ch.region
+        if region is not None:
+            with self._lock:
+                region.posted += 1
+
+    def _unposted(self, ch: _Chunk) -> None:
+        region = ch.region
+        if region is None:
+            return
+        with self._lock:
+            region.posted -= 1
+            done = region.retiring and region.posted == 0
+            if done:
+                region.retiring = False
+                self._regions.discard(region)
+        if done:
+            self._release(region)
+
+    def _release(self, region: Region) -> None:
         for lane in list(self._lanes):
             lane._forget(region)
         for dom, reg in zip(self._domains, region.regs, strict=True):
@@ -726,7 +774,9 @@ class TransferEngine:
         for lane in list(getattr(self, "_lanes", ())):
             lane.close()  # after the progress threads: no provider call runs beside the close
         self.imm.fail_all(EngineClosed("engine closed"))
-        for region in list(self._regions):
+        for region in list(self._regions):  # progress threads are gone: nothing is posted any more
+            region.posted = 0
+            region.closed = False
             self.deregister(region)
         for dom in self._domains:
             dom.close()
@@ -827,6 +877,7 @@ class TransferEngine:
                     imm=None if multi else imm,
                     delivery_complete=kind == _WRITE
                     and (self._delivery_complete or (multi and imm is not None and n <= SHM_INJECT_BYTES)),
+                    region=region,
                 )
             )
         if imm is not None and (multi or not pieces):

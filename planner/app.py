@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from planner.auth import Authenticator
 from planner.db import Database
 from planner.errors import AllBusy, AuthError, BadRequest, Conflict, NotFound, PlannerError
+from planner.guard import RequestGuard
 from planner.heartbeats import HeartbeatBatcher, HeartbeatFastPath
 from planner.metrics import MetricsMiddleware, PlannerMetrics
 from planner.selection import make_policy
@@ -34,7 +35,8 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
     """The planner app over `settings.db_url` (the schema must already be migrated)."""
     if not settings.has_tokens() and not settings.insecure:
         raise InsecureRefused(
-            "no token configured (RFORK_ADMIN_TOKEN, RFORK_INSTANCE_TOKEN or RFORK_READER_TOKEN);"
+            "no token configured (RFORK_ADMIN_TOKEN, RFORK_REGISTER_TOKEN, RFORK_LOAD_TOKEN,"
+            " RFORK_READER_TOKEN or the legacy RFORK_INSTANCE_TOKEN);"
             " refusing to start without auth; pass --insecure to run without it"
         )
     database = db or Database(settings.db_url, pool_size=settings.db_pool_size)
@@ -73,8 +75,10 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
         Authenticator(
             db=database,
             admin=settings.admin_token,
-            instance=settings.instance_token,
+            register=settings.register_token,
+            load=settings.load_token,
             reader=settings.reader_token,
+            instance=settings.instance_token,
         )
         if settings.has_tokens()
         else None
@@ -87,6 +91,12 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
     _add_error_handlers(app)
     _add_manifest_schema(app)
     app.add_middleware(HeartbeatFastPath, batcher=app.state.heartbeats, state=app.state)
+    app.add_middleware(
+        RequestGuard,
+        state=app.state,
+        body_limit=settings.max_body_bytes,
+        manifest_limit=settings.max_manifest_bytes,
+    )
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # added last: outermost, so it counts both
     return app
 
@@ -139,7 +149,11 @@ def _error(status: int, detail: Any, **extra: Any) -> JSONResponse:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
+    from fastapi.exception_handlers import http_exception_handler
     from sqlalchemy.exc import DataError, IntegrityError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+    from starlette.responses import Response
+    from starlette.routing import Match
 
     @app.exception_handler(PlannerError)
     async def _planner_error(_req: Request, exc: PlannerError) -> JSONResponse:
@@ -164,6 +178,24 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(IntegrityError)
     async def _integrity_error(_req: Request, exc: IntegrityError) -> JSONResponse:
         return _error(409, f"conflicts with stored data: {str(exc.orig).splitlines()[0]}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(req: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code != 405:
+            return await http_exception_handler(req, exc)
+        # Starlette names only the methods of the first route whose path matched; a path served by
+        # several routes (GET and PUT of a manifest) must list them all, as the OpenAPI document does
+        allowed: set[str] = set()
+        for route in req.app.routes:
+            match, _ = route.matches(req.scope)
+            if match is not Match.NONE:
+                allowed |= set(getattr(route, "methods", None) or ())
+        allowed.discard("HEAD")
+        return JSONResponse(
+            {"detail": f"method {req.method} is not allowed here"},
+            status_code=405,
+            headers={"Allow": ", ".join(sorted(allowed))},
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req: Request, exc: RequestValidationError) -> JSONResponse:

@@ -1,4 +1,11 @@
-"""Bearer-token auth: roles admin (all), instance (register, assign, report, own instance), reader (GET)."""
+"""Bearer-token auth with least privilege.
+
+Static tokens (settings): admin (everything), register (POST /v1/instances only), load (request
+assignments and report on the leases it holds), reader (GET; manifests without descriptors). One
+string configured for several roles holds them all (e.g. a loader that becomes a seed: load+register).
+`instance_token` is the old combined token: register+load. A registration returns an instance token
+(`rfi_...`) that changes only its own instance and may request and report leases as that instance.
+"""
 
 from __future__ import annotations
 
@@ -15,28 +22,49 @@ from sqlalchemy import select
 from planner.db import Database
 from planner.models import Instance
 
-Role = Literal["admin", "instance", "reader"]
+Role = Literal["admin", "register", "load", "reader", "instance"]
 TOKEN_PREFIX = "rfi_"
 CACHE_S = 2.0  # an instance token stays valid at most this long after its instance is deleted
 
 
 @dataclass(frozen=True)
 class Principal:
-    """Who is calling; `instance_id` is set for a token that registration returned."""
+    """Who is calling: the roles a token holds; `instance_id` for a token that registration returned.
 
-    role: Role
+    `holder` names the caller for lease ownership: leases are reported on only by their holder.
+    """
+
+    roles: frozenset[Role]
     instance_id: str | None = None
+    holder: str = "admin"
+
+    @property
+    def role(self) -> str:
+        """The roles as one word for messages (e.g. "load+register")."""
+        return "+".join(sorted(self.roles))
+
+    def has(self, role: Role) -> bool:
+        """Admins hold every role."""
+        return "admin" in self.roles or role in self.roles
 
     def may_change(self, instance_id: str) -> bool:
         """Admins change anything; an instance token only its own instance."""
-        return self.role == "admin" or (self.role == "instance" and self.instance_id == instance_id)
+        return "admin" in self.roles or ("instance" in self.roles and self.instance_id == instance_id)
 
     def may_write(self) -> bool:
         """Readers may only GET."""
-        return self.role in ("admin", "instance")
+        return bool(self.roles - {"reader"})
+
+    def may_lease(self) -> bool:
+        """Request assignments: a load token, an instance token (for itself) or admin."""
+        return self.has("load") or "instance" in self.roles
+
+    def sees_descriptors(self, instance_id: str) -> bool:
+        """Descriptors (the data-plane keys) go to admins and to the instance that published them."""
+        return self.may_change(instance_id)
 
 
-INSECURE = Principal(role="admin")
+INSECURE = Principal(roles=frozenset({"admin"}))
 
 
 def new_instance_token() -> tuple[str, str]:
@@ -50,18 +78,40 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def _roles(admin: str | None, instance: str | None, reader: str | None) -> list[tuple[str | None, Role]]:
-    return [(admin, "admin"), (instance, "instance"), (reader, "reader")]
+def _static_principals(tokens: dict[Role, str | None]) -> list[tuple[str, Principal]]:
+    """One principal per distinct token string, holding every role configured with that string."""
+    by_token: dict[str, set[Role]] = {}
+    for role, tok in tokens.items():
+        if tok:
+            by_token.setdefault(tok, set()).update(("register", "load") if role == "instance" else (role,))
+    return [
+        (tok, Principal(roles=frozenset(roles), holder="token:" + hash_token(tok)[:24]))
+        for tok, roles in by_token.items()
+    ]
+
+
+def instance_principal(instance_id: str) -> Principal:
+    """The principal of a registered instance's own token."""
+    return Principal(roles=frozenset({"instance"}), instance_id=instance_id, holder="instance:" + instance_id)
 
 
 class Authenticator:
     """Turns a bearer token into a Principal; instance tokens are looked up by hash (briefly cached)."""
 
-    def __init__(self, *, db: Database, admin: str | None, instance: str | None, reader: str | None) -> None:
+    def __init__(
+        self,
+        *,
+        db: Database,
+        admin: str | None,
+        reader: str | None,
+        register: str | None = None,
+        load: str | None = None,
+        instance: str | None = None,
+    ) -> None:
         self._db = db
-        self._static: list[tuple[str, Principal]] = [
-            (tok, Principal(role=role)) for tok, role in _roles(admin, instance, reader) if tok
-        ]
+        self._static = _static_principals(
+            {"admin": admin, "register": register, "load": load, "reader": reader, "instance": instance}
+        )
         self._cache: dict[str, tuple[float, str]] = {}
         self._lock = threading.Lock()
 
@@ -77,7 +127,7 @@ class Authenticator:
         with self._lock:
             hit = self._cache.get(hash_token(token))
         if hit is not None and hit[0] > time.monotonic():
-            return Principal(role="instance", instance_id=hit[1])
+            return instance_principal(hit[1])
         return False
 
     def authenticate(self, token: str) -> Principal | None:
@@ -94,7 +144,7 @@ class Authenticator:
         with self._lock:
             hit = self._cache.get(digest)
         if hit is not None and hit[0] > now:
-            return Principal(role="instance", instance_id=hit[1])
+            return instance_principal(hit[1])
         with self._db.read() as s:
             instance_id = s.scalar(select(Instance.id).where(Instance.token_hash == digest))
         if instance_id is None:
@@ -103,7 +153,7 @@ class Authenticator:
             if len(self._cache) > 100_000:
                 self._cache.clear()
             self._cache[digest] = (now + CACHE_S, instance_id)
-        return Principal(role="instance", instance_id=instance_id)
+        return instance_principal(instance_id)
 
     def forget(self, instance_id: str) -> None:
         """Drop cached tokens of a deleted instance (this process; others expire within CACHE_S)."""

@@ -58,6 +58,9 @@ class Candidate:
     control_url: str | None
     labels: dict[str, str]
     manifest: dict[str, Any] = field(repr=False)
+    # the identity's anchored digest set for this rank: {checksum_algorithm, digest_set, instance_id}
+    anchor: dict[str, Any] | None = None
+    control_token: str | None = field(default=None, repr=False)  # for the leased candidate's control endpoint
 
 
 @dataclass(frozen=True)
@@ -104,12 +107,18 @@ class PlannerClient:
         control_url: str | None = None,
         ranks: Sequence[Mapping[str, Any]] = (),
         max_concurrent_pulls: int = 2,
+        control_key: str | None = None,
     ) -> Registration:
-        """Register an instance (INITIALIZING); ranks: {rank, provider, address (bytes or b64), backends}."""
+        """Register an instance (INITIALIZING); ranks: {rank, provider, address (bytes or b64), backends}.
+
+        `control_key` (hex, planner.control_token.new_control_key) lets the planner sign per-assignment
+        tokens for the instance's control endpoint; it is never shown back.
+        """
         body = {
             "identity": dict(identity),
             "labels": dict(labels or {}),
             "control_url": control_url,
+            "control_key": control_key,
             "ranks": [_rank_json(r) for r in ranks],
             "max_concurrent_pulls": max_concurrent_pulls,
         }
@@ -223,6 +232,8 @@ class PlannerClient:
                     control_url=c["control_url"],
                     labels=dict(c["labels"]),
                     manifest=c["manifest"],
+                    anchor=c.get("anchor"),
+                    control_token=c.get("control_token"),
                 )
                 for c in data["candidates"]
             ],

@@ -25,6 +25,9 @@ async def get_principal(
     auth: Authenticator | None = request.app.state.authenticator
     if auth is None:
         return INSECURE
+    guarded: Principal | None = getattr(request.state, "principal", None)  # planner.guard checked it
+    if guarded is not None:
+        return guarded
     if creds is None or not creds.credentials:
         raise HTTPException(
             401, "Authorization: a bearer token is required", headers={"WWW-Authenticate": "Bearer"}
@@ -45,6 +48,20 @@ async def writer(principal: Principal = Depends(get_principal)) -> Principal:
     """A principal allowed to change things (admin or instance)."""
     if not principal.may_write():
         raise HTTPException(403, f"Authorization: role {principal.role} may only read")
+    return principal
+
+
+async def leaser(principal: Principal = Depends(get_principal)) -> Principal:
+    """A principal allowed to request assignments (load role, an instance token, admin)."""
+    if not principal.may_lease():
+        raise HTTPException(403, f"Authorization: role {principal.role} may not request assignments")
+    return principal
+
+
+async def registrar(principal: Principal = Depends(get_principal)) -> Principal:
+    """A principal allowed to register instances (register role, admin)."""
+    if not principal.has("register"):
+        raise HTTPException(403, f"Authorization: role {principal.role} may not register instances")
     return principal
 
 

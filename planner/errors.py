@@ -49,3 +49,10 @@ class AllBusy(PlannerError):
 
 class PlannerUnavailable(PlannerError):
     """The planner could not be reached or failed (connection error, timeout, 5xx)."""
+
+
+class DigestMismatch(Conflict):
+    """A manifest's digest set differs from the identity's anchored one (409 `digest_mismatch`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=409, reason="digest_mismatch")

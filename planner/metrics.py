@@ -41,6 +41,16 @@ class PlannerMetrics:
         self.live_leases = Gauge(
             "rfork_planner_live_leases", "leases not ended nor expired", registry=self.registry
         )
+        self.integrity_refusals = Counter(
+            "rfork_planner_integrity_refusals_total",
+            "manifests refused because their digests differ from the identity's anchored set",
+            registry=self.registry,
+        )
+        self.anchors = Counter(
+            "rfork_planner_anchors_total",
+            "digest sets anchored (first disk-loaded publication of an identity's rank)",
+            registry=self.registry,
+        )
         self.reaped = Counter(
             "rfork_planner_reaped_total", "reaper actions", ["kind"], registry=self.registry
         )

@@ -34,6 +34,8 @@ class Instance(Base):
     last_heartbeat: Mapped[float] = mapped_column(Float)
     consecutive_failures: Mapped[int] = mapped_column(Integer, default=0)
     quarantined_until: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # secret the seed's control endpoint checks per-assignment tokens with (never shown by the API)
+    control_key: Mapped[str | None] = mapped_column(String(128), nullable=True)
 
     ranks: Mapped[list[InstanceRank]] = relationship(
         back_populates="instance",
@@ -72,6 +74,24 @@ class Manifest(Base):
     body: Mapped[str] = mapped_column(Text)
     nbytes: Mapped[int] = mapped_column(Integer)
     updated_at: Mapped[float] = mapped_column(Float)
+    checksum_algorithm: Mapped[str] = mapped_column(String(128), default="")
+    digest_set: Mapped[str] = mapped_column(String(64), default="")  # planner.integrity.digest_set
+
+
+class Anchor(Base):
+    """The digests an identity's rank must have: recorded from the first publication of an instance
+    that loaded from disk (and said so); later manifests must match (one row per checksum algorithm,
+    so a device-side digest for GPU tensors is anchored separately)."""
+
+    __tablename__ = "anchors"
+
+    identity_key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    checksum_algorithm: Mapped[str] = mapped_column(String(128), primary_key=True)
+    digest_set: Mapped[str] = mapped_column(String(64))
+    digests: Mapped[dict[str, str]] = mapped_column(JSON)  # tensor name -> checksum
+    instance_id: Mapped[str] = mapped_column(String(32))  # the disk-loaded instance that anchored it
+    created_at: Mapped[float] = mapped_column(Float)
 
 
 class Lease(Base):
@@ -89,6 +109,7 @@ class Lease(Base):
     rank: Mapped[int] = mapped_column(Integer)
     identity_key: Mapped[str] = mapped_column(String(64), index=True)
     requester_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    holder: Mapped[str | None] = mapped_column(String(80), nullable=True)  # planner.auth.Principal.holder
     provider: Mapped[str] = mapped_column(String(32))
     created_at: Mapped[float] = mapped_column(Float, index=True)
     expires_at: Mapped[float] = mapped_column(Float)

@@ -9,7 +9,30 @@ import json
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, field_validator
+
+
+def _json_int(value: Any) -> Any:
+    """JSON Schema's integer: a number with no fraction (5 or 5.0), never a boolean or a string."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("must be an integer")  # noqa: TRY004 - pydantic turns only ValueError into a 422
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError("must be an integer")  # noqa: TRY004 - pydantic turns only ValueError into a 422
+        return int(value)
+    return value
+
+
+def _json_number(value: Any) -> Any:
+    """JSON Schema's number: never a boolean or a string."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("must be a number")  # noqa: TRY004 - pydantic turns only ValueError into a 422
+    return value
+
+
+# placed after a Field's bounds, so the schema keeps them as minimum/maximum
+JSON_INT = BeforeValidator(_json_int)
+JSON_NUMBER = BeforeValidator(_json_number)
 
 # Text that PostgreSQL can store (no NUL) and that fits its column.
 NO_NUL = r"^[^\x00]*$"
@@ -17,9 +40,21 @@ Name = Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=NO
 Label = Annotated[str, StringConstraints(max_length=256, pattern=NO_NUL)]
 ProviderName = Annotated[str, StringConstraints(min_length=1, max_length=32, pattern=r"^[a-z0-9_+-]+$")]
 InstanceId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
-Rank = Annotated[int, Field(ge=0, le=1_000_000)]
-ParallelSize = Annotated[int, Field(ge=1, le=65_536)]
+Rank = Annotated[int, Field(ge=0, le=1_000_000), JSON_INT]
+ParallelSize = Annotated[int, Field(ge=1, le=65_536), JSON_INT]
 ONE_SIDED = ("tcp", "shm", "efa", "verbs")
+# Byte counts, sizes and offsets: at most 2**53 (8 PiB), the largest integer a JSON number carries exactly
+# (a larger bound would let a schema-valid value round past it).
+MAX_BYTES = 2**53
+BASE64 = r"^([A-Za-z0-9+/]{4})*([A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+# A seed's control endpoint: http(s)://host[:port][/], host a name, an IPv4 address (not 0.0.0.0) or
+# a bracketed IPv6 address; no credentials, path, query or fragment. The pattern is the whole rule,
+# so the OpenAPI schema states exactly what is accepted.
+_PORT = r"(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})"
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,62})"
+_HOST = rf"((?!0\.0\.0\.0(:|/|$)){_LABEL}(\.{_LABEL})*|\[[0-9A-Fa-f:.]{{2,45}}\])"
+CONTROL_URL = rf"^https?://{_HOST}(:{_PORT})?/?$"
+ControlKey = Annotated[str, StringConstraints(min_length=32, max_length=128, pattern=r"^[0-9a-f]+$")]
 
 
 class Strict(BaseModel):
@@ -62,6 +97,32 @@ class Identity(Strict):
         return identity_key(self.model_dump())
 
 
+def body_conflicts(body: InstanceIn) -> str | None:
+    """What a well-formed registration contradicts in itself (409; JSON Schema cannot say it), or None."""
+    world = body.identity.tp * body.identity.pp
+    seen: set[int] = set()
+    for r in body.ranks:
+        if r.rank >= world:
+            return f"ranks: rank {r.rank} is outside tp*pp = {world}"
+        if r.rank in seen:
+            return f"ranks: rank {r.rank} is listed twice"
+        seen.add(r.rank)
+    return None
+
+
+def manifest_conflicts(manifest: ManifestIn) -> str | None:
+    """What a well-formed manifest contradicts in itself (409; JSON Schema cannot say it), or None."""
+    sizes = {r.index: r.nbytes for r in manifest.regions}
+    if len(sizes) != len(manifest.regions):
+        return "regions: index values must be unique"
+    for i, t in enumerate(manifest.tensors):
+        if t.region not in sizes:
+            return f"tensors[{i}].region: no region {t.region}"
+        if t.offset + t.nbytes > sizes[t.region]:
+            return f"tensors[{i}]: offset+nbytes exceeds region {t.region}'s nbytes"
+    return None
+
+
 def identity_key(identity: dict[str, Any]) -> str:
     """The planner's identity_key of an identity dict."""
     canon = json.dumps(identity, sort_keys=True, separators=(",", ":"))
@@ -81,7 +142,7 @@ class RankIn(Strict):
 
     rank: Rank
     provider: ProviderName
-    address: Annotated[str, StringConstraints(max_length=65_536)]
+    address: Annotated[str, StringConstraints(max_length=65_536, pattern=BASE64)]
     backends: Annotated[list[ProviderName], Field(max_length=16)] = []
 
     @field_validator("address")
@@ -97,23 +158,14 @@ class RankIn(Strict):
 class InstanceIn(Strict):
     """POST /v1/instances."""
 
+    model_config = ConfigDict(extra="forbid", regex_engine="python-re")  # CONTROL_URL uses a look-ahead
+
     identity: Identity
     labels: Labels = Labels()
-    control_url: Annotated[str, StringConstraints(max_length=2048, pattern=NO_NUL)] | None = None
+    control_url: Annotated[str, StringConstraints(max_length=2048, pattern=CONTROL_URL)] | None = None
+    control_key: ControlKey | None = None  # hex; signs per-assignment control tokens; never shown
     ranks: Annotated[list[RankIn], Field(max_length=65_536)] = []
-    max_concurrent_pulls: Annotated[int, Field(ge=1, le=10_000)] = 2
-
-    @model_validator(mode="after")
-    def _ranks_fit(self) -> InstanceIn:
-        world = self.identity.tp * self.identity.pp
-        seen: set[int] = set()
-        for r in self.ranks:
-            if r.rank >= world:
-                raise ValueError(f"ranks: rank {r.rank} is outside tp*pp = {world}")
-            if r.rank in seen:
-                raise ValueError(f"ranks: rank {r.rank} is listed twice")
-            seen.add(r.rank)
-        return self
+    max_concurrent_pulls: Annotated[int, Field(ge=1, le=10_000), JSON_INT] = 2
 
 
 class RankOut(BaseModel):
@@ -171,8 +223,8 @@ class HeartbeatOut(BaseModel):
 class RegionIn(BaseModel):
     """One registered memory region of a rank."""
 
-    index: Annotated[int, Field(ge=0, le=1_000_000)]
-    nbytes: Annotated[int, Field(ge=0, le=2**62)]
+    index: Annotated[int, Field(ge=0, le=1_000_000), JSON_INT]
+    nbytes: Annotated[int, Field(ge=0, le=MAX_BYTES), JSON_INT]
     descriptor: Annotated[str, StringConstraints(max_length=1_048_576)]
 
 
@@ -181,10 +233,10 @@ class TensorIn(BaseModel):
 
     name: Annotated[str, StringConstraints(min_length=1, max_length=4096)]
     dtype: Annotated[str, StringConstraints(min_length=1, max_length=64)]
-    shape: Annotated[list[Annotated[int, Field(ge=0, le=2**62)]], Field(max_length=64)]
-    nbytes: Annotated[int, Field(ge=0, le=2**62)]
-    region: Annotated[int, Field(ge=0, le=1_000_000)]
-    offset: Annotated[int, Field(ge=0, le=2**62)]
+    shape: Annotated[list[Annotated[int, Field(ge=0, le=MAX_BYTES), JSON_INT]], Field(max_length=64)]
+    nbytes: Annotated[int, Field(ge=0, le=MAX_BYTES), JSON_INT]
+    region: Annotated[int, Field(ge=0, le=1_000_000), JSON_INT]
+    offset: Annotated[int, Field(ge=0, le=MAX_BYTES), JSON_INT]
     checksum: Annotated[str, StringConstraints(max_length=1024)]
 
 
@@ -195,18 +247,9 @@ class ManifestIn(BaseModel):
     checksum_algorithm: Annotated[str, StringConstraints(min_length=1, max_length=128)]
     regions: list[RegionIn]
     tensors: list[TensorIn]
-
-    @model_validator(mode="after")
-    def _tensors_fit(self) -> ManifestIn:
-        sizes = {r.index: r.nbytes for r in self.regions}
-        if len(sizes) != len(self.regions):
-            raise ValueError("regions: index values must be unique")
-        for i, t in enumerate(self.tensors):
-            if t.region not in sizes:
-                raise ValueError(f"tensors[{i}].region: no region {t.region}")
-            if t.offset + t.nbytes > sizes[t.region]:
-                raise ValueError(f"tensors[{i}]: offset+nbytes exceeds region {t.region}'s nbytes")
-        return self
+    # "disk": the publisher loaded these weights from a checkpoint (may anchor the identity's digests);
+    # "peer": it pulled them from another instance (never anchors)
+    origin: Literal["disk", "peer"] = "peer"
 
 
 class AssignmentIn(Strict):
@@ -231,6 +274,14 @@ class AssignmentIn(Strict):
     waited_s: Annotated[float, Field(ge=0, le=1e7)] = 0.0
 
 
+class AnchorOut(BaseModel):
+    """The identity's anchored digest set for this rank (planner.integrity.digest_set)."""
+
+    checksum_algorithm: str
+    digest_set: str
+    instance_id: str
+
+
 class CandidateOut(BaseModel):
     """One ranked source for a rank (manifest included)."""
 
@@ -242,6 +293,9 @@ class CandidateOut(BaseModel):
     control_url: str | None
     labels: Labels
     manifest: dict[str, Any]
+    anchor: AnchorOut
+    control_token: str | None = None  # leased candidate only: present it to its control endpoint
+
 
 
 class AssignmentOut(BaseModel):
@@ -257,8 +311,8 @@ class ReportIn(Strict):
     """POST /v1/assignments/{id}/report: how the pull went; ends the lease."""
 
     outcome: Literal["success", "failure"]
-    bytes: Annotated[int, Field(ge=0, le=2**62)] = 0
-    seconds: Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)] = 0.0
+    bytes: Annotated[int, Field(ge=0, le=MAX_BYTES), JSON_INT] = 0
+    seconds: Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False), JSON_NUMBER] = 0.0
     backend: Annotated[str, StringConstraints(max_length=32, pattern=NO_NUL)] = ""
     reason: Annotated[str, StringConstraints(max_length=1024, pattern=NO_NUL)] | None = None
     error: Annotated[str, StringConstraints(max_length=65_536, pattern=NO_NUL)] | None = None

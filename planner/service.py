@@ -17,12 +17,12 @@ from typing import Any
 
 from sqlalchemy import and_, bindparam, delete, func, insert, or_, select, update
 
-from planner import schemas
+from planner import control_token, integrity, schemas
 from planner.auth import new_instance_token
 from planner.burst import BusyEstimate, WaitingRoom, estimate_busy, pull_rate_bps
 from planner.db import Database
-from planner.errors import AllBusy, Conflict, NotFound
-from planner.models import Instance, InstanceRank, Lease, Manifest
+from planner.errors import AllBusy, Conflict, DigestMismatch, NotFound
+from planner.models import Anchor, Instance, InstanceRank, Lease, Manifest
 from planner.selection import Requester, SeedView, SelectionPolicy, choose_provider
 from planner.settings import PlannerSettings
 
@@ -96,6 +96,7 @@ class Planner:
             rack=body.labels.rack,
             zone=body.labels.zone,
             control_url=body.control_url,
+            control_key=body.control_key,
             status="INITIALIZING",
             max_concurrent_pulls=body.max_concurrent_pulls,
             token_hash=digest,
@@ -220,8 +221,22 @@ class Planner:
         return out
 
     # ---- manifests -------------------------------------------------------------------------
-    def put_manifest(self, instance_id: str, rank: int, raw: str, now: float) -> None:
-        """Store a validated manifest verbatim (replaces any earlier one for that rank)."""
+    def put_manifest(
+        self, instance_id: str, rank: int, raw: str, now: float, manifest: schemas.ManifestIn | None = None
+    ) -> bool:
+        """Store a validated manifest verbatim (replaces any earlier one for that rank); True if it anchored.
+
+        The first manifest of an identity's rank from an instance that loaded from disk anchors its digest
+        set; a manifest whose set differs from the anchor is refused (DigestMismatch, 409) and its
+        instance quarantined: its memory no longer holds the identity's weights.
+        """
+        if manifest is None:
+            manifest = schemas.ManifestIn.model_validate_json(raw)
+        algo = manifest.checksum_algorithm
+        tensors = [t.model_dump() for t in manifest.tensors]
+        dset = integrity.digest_set(algo, tensors)
+        refused: str | None = None
+        anchored = False
         with self.db.write() as s:
             inst = s.get(Instance, instance_id)
             if inst is None:
@@ -229,11 +244,48 @@ class Planner:
             world = inst.identity["tp"] * inst.identity["pp"]
             if rank >= world:
                 raise Conflict(f"rank: {rank} is outside this instance's tp*pp = {world}")
-            row = s.get(Manifest, (instance_id, rank))
-            if row is None:
-                s.add(Manifest(instance_id=instance_id, rank=rank, body=raw, nbytes=len(raw), updated_at=now))
-            else:
+            ikey = inst.identity_key
+            anchor = s.get(Anchor, (ikey, rank, algo))
+            if anchor is None and manifest.origin == "disk":
+                s.add(
+                    Anchor(
+                        identity_key=ikey,
+                        rank=rank,
+                        checksum_algorithm=algo,
+                        digest_set=dset,
+                        digests=integrity.digests(tensors),
+                        instance_id=instance_id,
+                        created_at=now,
+                    )
+                )
+                anchored = True
+            elif anchor is not None and anchor.digest_set != dset:
+                refused = integrity.first_difference(anchor.digests, integrity.digests(tensors))
+                inst.quarantined_until = now + self.settings.quarantine_s
+                s.execute(delete(Manifest).where(Manifest.instance_id == instance_id, Manifest.rank == rank))
+            if refused is None:
+                row = s.get(Manifest, (instance_id, rank))
+                if row is None:
+                    row = Manifest(instance_id=instance_id, rank=rank)
+                    s.add(row)
                 row.body, row.nbytes, row.updated_at = raw, len(raw), now
+                row.checksum_algorithm, row.digest_set = algo, dset
+        if refused is not None:
+            log.warning(
+                "integrity: instance %s published rank %d of identity %s whose digests differ from the "
+                "anchor (%s); manifest refused, instance quarantined",
+                instance_id,
+                rank,
+                ikey[:12],
+                refused,
+            )
+            raise DigestMismatch(
+                f"manifest rank {rank}: digests differ from the identity's anchored set ({refused});"
+                f" instance {instance_id} is quarantined"
+            )
+        if anchored:
+            log.info("integrity: identity %s rank %d anchored by %s", ikey[:12], rank, instance_id)
+        return anchored
 
     def get_manifest(self, instance_id: str, rank: int) -> str:
         """The manifest text as stored; NotFound if absent."""
@@ -246,7 +298,7 @@ class Planner:
         return body
 
     # ---- assignments -----------------------------------------------------------------------
-    def assign(self, body: schemas.AssignmentIn, now: float | None) -> str:
+    def assign(self, body: schemas.AssignmentIn, now: float | None, holder: str | None = None) -> str:
         """Lease the best free seed for one rank; returns the 201 JSON text (manifests spliced verbatim).
 
         Raises NoSource (404) or AllBusy (429). Atomic across planner processes: the candidate seeds'
@@ -267,11 +319,25 @@ class Planner:
                 Instance.zone,
                 Instance.max_concurrent_pulls,
                 Instance.control_url,
+                Instance.control_key,
                 InstanceRank.address,
                 InstanceRank.backends,
+                Anchor.checksum_algorithm,
+                Anchor.digest_set,
+                Anchor.instance_id.label("anchored_by"),
             )
             .join(InstanceRank, and_(InstanceRank.instance_id == Instance.id, InstanceRank.rank == body.rank))
             .join(Manifest, and_(Manifest.instance_id == Instance.id, Manifest.rank == body.rank))
+            # only manifests matching the identity's anchored digest set are served
+            .join(
+                Anchor,
+                and_(
+                    Anchor.identity_key == Instance.identity_key,
+                    Anchor.rank == body.rank,
+                    Anchor.checksum_algorithm == Manifest.checksum_algorithm,
+                    Anchor.digest_set == Manifest.digest_set,
+                ),
+            )
             .where(
                 Instance.identity_key == key,
                 Instance.status == "READY",
@@ -347,6 +413,7 @@ class Planner:
                     rank=body.rank,
                     identity_key=key,
                     requester_id=body.requester_id,
+                    holder=holder,
                     provider=by_id[ranked[0].instance_id][1],
                     created_at=now,
                     expires_at=expires_at,
@@ -363,6 +430,13 @@ class Planner:
         parts = []
         for iid in chosen:
             r, provider = by_id[iid]
+            token = (
+                control_token.issue(
+                    r.control_key, lease_id=lease_id, instance_id=iid, rank=body.rank, expires_at=expires_at
+                )
+                if iid == chosen[0] and r.control_key
+                else None
+            )
             head = json.dumps(
                 {
                     "instance_id": iid,
@@ -372,6 +446,12 @@ class Planner:
                     "backends": r.backends,
                     "control_url": r.control_url,
                     "labels": {"node": r.node, "rack": r.rack, "zone": r.zone},
+                    "anchor": {
+                        "checksum_algorithm": r.checksum_algorithm,
+                        "digest_set": r.digest_set,
+                        "instance_id": r.anchored_by,
+                    },
+                    "control_token": token,
                 }
             )
             parts.append(head[:-1] + ', "manifest": ' + manifests[iid] + "}")
@@ -440,32 +520,44 @@ class Planner:
         return nbytes
 
     def report(
-        self, lease_id: str, body: schemas.ReportIn, now: float | None, reporter_instance: str | None = None
+        self, lease_id: str, body: schemas.ReportIn, now: float | None, reporter: str | None = None
     ) -> dict[str, Any]:
-        """End a lease with the pull's outcome; failures count against the seed (quarantine)."""
+        """End a lease with the pull's outcome; failures count against the seed (quarantine).
+
+        `reporter` is the caller's Principal.holder (None: admin); only the lease's holder may report.
+        A lease that has ended (reported, expired, released) is refused (Conflict). A checksum mismatch
+        quarantines the seed at once: its bytes differ from its (anchored) manifest.
+        """
         quarantined = False
         with self.db.write() as session:
             s = session.connection()  # Core on the hot path: no ORM compile/unit of work
             q = select(
-                Lease.instance_id, Lease.requester_id, Lease.outcome, Lease.ended_at, Lease.provider
+                Lease.instance_id,
+                Lease.holder,
+                Lease.outcome,
+                Lease.ended_at,
+                Lease.expires_at,
+                Lease.provider,
             ).where(Lease.id == lease_id)
             if not self.db.sqlite:
                 q = q.with_for_update()
             lease = s.execute(q).first()
             if lease is None:
                 raise NotFound(f"assignment {lease_id} not found")
-            if reporter_instance is not None and lease.requester_id not in (None, reporter_instance):
-                raise PermissionError(f"assignment {lease_id} belongs to requester {lease.requester_id}")
-            if lease.outcome in ("success", "failure"):
-                raise Conflict(f"assignment {lease_id} was already reported ({lease.outcome})")
+            if reporter is not None and lease.holder != reporter:
+                raise PermissionError(f"assignment {lease_id} belongs to another requester")
             if not self.db.sqlite:  # serialise with assign() on the seed's row, then read the clock
                 s.execute(select(Instance.id).where(Instance.id == lease.instance_id).with_for_update())
             now = _now(now)
+            if lease.ended_at is not None or lease.expires_at <= now:
+                raise Conflict(
+                    f"assignment {lease_id} has ended ({lease.outcome or 'expired'}); reports are refused"
+                )
             s.execute(
                 update(Lease)
                 .where(Lease.id == lease_id)
                 .values(
-                    ended_at=lease.ended_at if lease.ended_at is not None else now,
+                    ended_at=now,
                     outcome=body.outcome,
                     bytes=body.bytes,
                     seconds=body.seconds,
@@ -485,7 +577,8 @@ class Planner:
                     .values(consecutive_failures=Instance.consecutive_failures + 1)
                     .returning(Instance.consecutive_failures)
                 ).scalar()
-                if fails is not None and fails >= self.settings.failure_threshold:
+                integrity_failure = body.reason == "checksum_mismatch"
+                if fails is not None and (fails >= self.settings.failure_threshold or integrity_failure):
                     quarantined = True
                     s.execute(
                         update(Instance)
@@ -493,10 +586,11 @@ class Planner:
                         .values(consecutive_failures=0, quarantined_until=now + self.settings.quarantine_s)
                     )
                     log.warning(
-                        "seed %s quarantined for %.0fs after %d failed pulls",
+                        "seed %s quarantined for %.0fs after %d failed pull(s)%s",
                         lease.instance_id,
                         self.settings.quarantine_s,
                         fails,
+                        " (checksum mismatch)" if integrity_failure else "",
                     )
         return {"id": lease_id, "outcome": body.outcome, "seed_quarantined": quarantined}
 

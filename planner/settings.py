@@ -18,7 +18,9 @@ class PlannerSettings(BaseSettings):
 
     db_url: str = DEFAULT_DB_URL
     admin_token: str | None = None
-    instance_token: str | None = None
+    instance_token: str | None = None  # legacy: register + load in one token
+    register_token: str | None = None
+    load_token: str | None = None
     reader_token: str | None = None
     insecure: bool = False
     heartbeat_ttl_s: float = Field(default=30.0, gt=0)
@@ -29,6 +31,7 @@ class PlannerSettings(BaseSettings):
     failure_threshold: int = Field(default=3, ge=1)
     quarantine_s: float = Field(default=300.0, ge=0)
     max_manifest_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)  # every other route
     retry_after_s: float = Field(default=1.0, gt=0)  # unused since planner.burst computes Retry-After
     db_pool_size: int = Field(default=16, ge=1)
     threadpool_size: int | None = Field(default=None, ge=1, le=1024)  # None: 4 on SQLite, else 8
@@ -41,4 +44,6 @@ class PlannerSettings(BaseSettings):
 
     def has_tokens(self) -> bool:
         """True when at least one bearer token is configured."""
-        return any((self.admin_token, self.instance_token, self.reader_token))
+        return any(
+            (self.admin_token, self.instance_token, self.register_token, self.load_token, self.reader_token)
+        )

@@ -3,9 +3,16 @@
 Endpoints (JSON):
   GET  /v1/health                    -> 200 {"status": "ok", "active_sessions", "max_concurrent", ...}
   POST /v1/nccl/sessions {"rank": r} -> 201 {"session_id", "host", "port", "backend"}; a worker thread
-                                        then sends ``tensors_for_rank(r)`` as group rank 0.
+                                        then sends ``tensors_for_rank(r)`` as group rank 0. With a
+                                        ``control_key``, only for ``Authorization: Bearer <token>``
+                                        where the token is the planner-issued per-assignment secret
+                                        (planner.control_token): 401 without one, 403 for a bad,
+                                        expired, replayed or other-rank token.
   GET  /v1/nccl/sessions/{id}        -> 200 {"session_id", "rank", "state", "bytes", "error"}
 Bad input answers 4xx with {"error": message}; a full seed answers 429 {"reason": "busy", ...}.
+
+Every connection has a socket timeout (``request_timeout_s``) and bodies are capped (413), so a
+slow or silent client ties up one thread for a bounded time only.
 
 Thread-safety: the HTTP server and every session run on their own threads; the sends release the
 GIL while data moves, so the seed's other threads (heartbeats, this endpoint) keep answering.
@@ -37,6 +44,7 @@ from backends.nccl import (
     backend_for,
     send_tensors,
 )
+from planner.control_token import ControlTokenError, verify
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +90,9 @@ class ControlServer:
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, tensors_for_rank: TensorsForRank,
                  max_concurrent: int = 2, timeout_s: float = 30.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
+                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, control_key: str | None = None,
+                 instance_ids: Callable[[], Sequence[str]] | None = None,
+                 request_timeout_s: float = 10.0) -> None:
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
         if timeout_s <= 0:
@@ -95,6 +105,10 @@ class ControlServer:
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
         self.max_in_flight = max_in_flight
+        self.control_key = control_key
+        self.instance_ids = instance_ids or (lambda: ())
+        self.request_timeout_s = request_timeout_s
+        self._used_leases: dict[str, float] = {}  # lease id -> expiry: one session per lease
         self._port = port
         self._lock = threading.Lock()
         self._sessions: OrderedDict[str, SessionInfo] = OrderedDict()
@@ -110,7 +124,7 @@ class ControlServer:
         """Bind and serve on a daemon thread; returns self (so ``ControlServer(...).start()`` reads well)."""
         if self._httpd is not None:
             raise RuntimeError("ControlServer already started")
-        handler = type("_BoundHandler", (_Handler,), {"control": self})
+        handler = type("_BoundHandler", (_Handler,), {"control": self, "timeout": self.request_timeout_s})
         httpd = ThreadingHTTPServer((self.host, self._port), handler)
         httpd.daemon_threads = True
         self._httpd = httpd
@@ -157,6 +171,29 @@ class ControlServer:
     def session(self, session_id: str) -> SessionInfo | None:
         with self._lock:
             return self._sessions.get(session_id)
+
+    def authorize(self, rank: int, authorization: str | None) -> None:
+        """Check the planner-issued token for `rank` (no-op without a control_key); one session per lease."""
+        if self.control_key is None:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise _HttpError(HTTPStatus.UNAUTHORIZED,
+                             "Authorization: a per-assignment bearer token is required")
+        now = time.time()
+        try:
+            grant = verify(token.strip(), self.control_key, instance_ids=self.instance_ids(), rank=rank,
+                           now=now)
+        except ControlTokenError as exc:
+            raise _HttpError(HTTPStatus.FORBIDDEN, str(exc)) from exc
+        with self._lock:
+            for lease, expiry in list(self._used_leases.items()):
+                if expiry < now:
+                    del self._used_leases[lease]
+            if grant.lease_id in self._used_leases:
+                raise _HttpError(HTTPStatus.FORBIDDEN,
+                                 f"control token: lease {grant.lease_id} was already used")
+            self._used_leases[grant.lease_id] = grant.expires_at
 
     def open_session(self, rank: int, local_host: str) -> SessionInfo:
         """Validate the rank, reserve a slot, open a rendezvous port and start the sender worker."""
@@ -274,6 +311,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             rank = self._read_rank()
+            self.control.authorize(rank, self.headers.get("Authorization"))
             info = self.control.open_session(rank, str(self.connection.getsockname()[0]))
         except _HttpError as err:
             self._fail(err)
@@ -301,7 +339,13 @@ class _Handler(BaseHTTPRequestHandler):
             raise _HttpError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                              f"body of {length} bytes; limit {_MAX_BODY}")
         try:
-            body = json.loads(self.rfile.read(length) or b"null")
+            raw = self.rfile.read(length)
+        except (TimeoutError, OSError) as exc:
+            self.close_connection = True
+            raise _HttpError(HTTPStatus.REQUEST_TIMEOUT,
+                             f"body not received within the timeout: {exc}") from exc
+        try:
+            body = json.loads(raw or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise _HttpError(HTTPStatus.BAD_REQUEST, f"body is not JSON: {exc}") from exc
         if not isinstance(body, dict):

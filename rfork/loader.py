@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from rfork import checksum as ck
+from rfork.anchoring import check_anchor
 from rfork.busy_wait import BusyWait, ask_with_wait, fallback_seconds
 from rfork.checkpoint import CheckpointInfo, load_rank_from_disk, read_rank_into
 from rfork.errors import ChecksumMismatch, DestinationMismatch, LoadFailed, ManifestError, PullError
@@ -538,10 +539,12 @@ class Loader:
         checkpoint: CheckpointInfo | Path | str | None = None,
         options: LoadOptions | None = None,
         progress: ProgressFn | None = None,
+        register_token: str | None = None,
     ) -> None:
         self.identity = identity
         self.planner_url = planner_url
-        self.token = token
+        self.token = token  # load role: request assignments, report
+        self.register_token = register_token or token  # register role: become a seed
         if checkpoint is not None and not isinstance(checkpoint, CheckpointInfo):
             from rfork.checkpoint import read_checkpoint_info
 
@@ -716,10 +719,11 @@ class Loader:
             weights=list(result.weights.values()),
             identity=self.identity,
             planner_url=self.planner_url,
-            token=self.token,
+            token=self.register_token,
             labels=self.options.labels,
             servers=[server],
             max_concurrent_pulls=self.options.max_concurrent_pulls,
+            retry_publish=True,  # a planner outage must not throw the verified weights away
         )
         seed.start()
         self._engine = None  # the seed owns it now
@@ -798,6 +802,7 @@ class Loader:
                 source,
                 seconds,
             )
+            weights.origin = "peer"
             return weights, regs, source
         return self._from_disk(rank, attempts, dest), None, "disk"
 
@@ -886,6 +891,7 @@ class Loader:
                 f"seed {cand.instance_id}: checksum algorithm {manifest.checksum_algorithm!r} "
                 f"is not {dest.checksum_algorithm!r} (the digest for {dest.device} tensors)"
             )
+        check_anchor(cand.instance_id, getattr(cand, "anchor", None), manifest)
         if source == "nccl":
             self._pull_nccl(cand, manifest, dest)
             return dest, None
@@ -917,7 +923,13 @@ class Loader:
         from rfork.nccl_pull import pull_over_nccl  # type: ignore[import-not-found,unused-ignore]
 
         tensors = [dest.tensors[t.name] for t in manifest.tensors if t.nbytes]
-        pull_over_nccl(cand.control_url, dest.rank, tensors, timeout_s=self.options.rank_deadline_s)
+        pull_over_nccl(
+            cand.control_url,
+            dest.rank,
+            tensors,
+            timeout_s=self.options.rank_deadline_s,
+            control_token=getattr(cand, "control_token", None),
+        )
         verify_tensors(dest, {t.name: t.checksum for t in manifest.tensors})
 
     def _report(
@@ -998,12 +1010,14 @@ def load(
     token: str | None = None,
     options: LoadOptions | None = None,
     progress: ProgressFn | None = None,
+    register_token: str | None = None,
 ) -> LoadResult:
     """One-call API for framework hooks: returns the weights (and the seed it became, if asked)."""
     return Loader(
         identity=identity,
         planner_url=planner_url,
         token=token,
+        register_token=register_token,
         checkpoint=checkpoint,
         options=options,
         progress=progress,
@@ -1019,9 +1033,15 @@ def pull_into(
     checkpoint: CheckpointInfo | Path | str | None = None,
     token: str | None = None,
     options: LoadOptions | None = None,
+    register_token: str | None = None,
 ) -> LoadResult:
     """One-call API for framework hooks: pull one rank into the framework's own tensors (see
     `Loader.pull_into`); returns how it went and the seed it became, if asked."""
     return Loader(
-        identity=identity, planner_url=planner_url, token=token, checkpoint=checkpoint, options=options
+        identity=identity,
+        planner_url=planner_url,
+        token=token,
+        register_token=register_token,
+        checkpoint=checkpoint,
+        options=options,
     ).pull_into(tensors, rank=rank)

@@ -36,11 +36,15 @@ class NcclSessionError(NcclSetupError):
         self.retry_after_s = retry_after_s
 
 
-def request_session(control_url: str, rank: int, *, timeout_s: float) -> dict[str, Any]:
-    """POST /v1/nccl/sessions; returns the seed's JSON answer or raises NcclSessionError."""
+def request_session(control_url: str, rank: int, *, timeout_s: float,
+                    control_token: str | None = None) -> dict[str, Any]:
+    """POST /v1/nccl/sessions (with the lease's control token); the seed's JSON answer or NcclSessionError."""
     url = control_url.rstrip("/") + "/v1/nccl/sessions"
+    headers = {"Content-Type": "application/json"}
+    if control_token:
+        headers["Authorization"] = f"Bearer {control_token}"
     req = urllib.request.Request(url, data=json.dumps({"rank": rank}).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+                                 headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             body = json.loads(resp.read())
@@ -65,7 +69,7 @@ def request_session(control_url: str, rank: int, *, timeout_s: float) -> dict[st
 
 def pull_over_nccl(control_url: str, rank: int, dest_tensors: Sequence[torch.Tensor], *,
                    timeout_s: float, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-                   on_bucket: BucketCallback | None = None) -> int:
+                   on_bucket: BucketCallback | None = None, control_token: str | None = None) -> int:
     """Fill ``dest_tensors`` (rank ``rank``'s tensors in manifest order) from the seed; returns bytes.
 
     ``timeout_s`` bounds every phase (session request, rendezvous, group setup, each bucket).
@@ -75,7 +79,7 @@ def pull_over_nccl(control_url: str, rank: int, dest_tensors: Sequence[torch.Ten
     """
     want = backend_for(dest_tensors)
     t0 = time.perf_counter()
-    session = request_session(control_url, rank, timeout_s=timeout_s)
+    session = request_session(control_url, rank, timeout_s=timeout_s, control_token=control_token)
     if session["backend"] != want:
         raise NcclSetupError(f"seed {control_url} offers backend {session['backend']!r} for rank {rank}, "
                              f"destination tensors need {want!r}")

@@ -49,6 +49,9 @@ class RankWeights:
     buffers: list[torch.Tensor] = field(default_factory=list)  # owned flat regions; [] when in place
     ranges: list[AddressRange] = field(default_factory=list)  # region i's memory; from buffers if empty
     checksums: dict[str, str] = field(default_factory=dict)
+    # where the bytes came from: "disk" (a checkpoint, or the caller's own state dict) may anchor the
+    # identity's digests at the planner; "peer" (pulled from another instance) never does
+    origin: str = "disk"
 
     def __post_init__(self) -> None:
         if not self.ranges:
@@ -213,8 +216,18 @@ class RankServer:
                 self.engine.close()
 
 
-def start_control_server(weights_by_rank: Mapping[int, RankWeights]) -> Any | None:
-    """The NCCL-fallback control endpoint (rfork.control, if installed); None when absent or failing."""
+def start_control_server(
+    weights_by_rank: Mapping[int, RankWeights],
+    *,
+    host: str,
+    control_key: str,
+    instance_ids: Callable[[], Sequence[str]],
+) -> Any | None:
+    """The NCCL-fallback control endpoint (rfork.control, if installed); None when absent or failing.
+
+    It binds `host` (the seed's routable address) and opens sessions only for loaders presenting a
+    planner-issued token signed with `control_key` for one of `instance_ids()`.
+    """
     if importlib.util.find_spec("rfork.control") is None:
         return None
     try:
@@ -223,12 +236,34 @@ def start_control_server(weights_by_rank: Mapping[int, RankWeights]) -> Any | No
         def tensors_for_rank(rank: int) -> Sequence[torch.Tensor]:
             return weights_by_rank[rank].ordered_nonempty()
 
-        server = ControlServer(host="127.0.0.1", port=0, tensors_for_rank=tensors_for_rank)
+        server = ControlServer(
+            host=host,
+            port=0,
+            tensors_for_rank=tensors_for_rank,
+            control_key=control_key,
+            instance_ids=instance_ids,
+        )
         server.start()
         return server
     except Exception:  # noqa: BLE001 - the fallback is optional; one-sided serving goes on without it
         log.warning("seed control endpoint did not start; serving without the NCCL fallback", exc_info=True)
         return None
+
+
+def routable_host(planner_url: str) -> str:
+    """$RFORK_CONTROL_HOST, else this host's address on the route towards the planner (never 0.0.0.0)."""
+    configured = os.environ.get("RFORK_CONTROL_HOST")
+    if configured:
+        return configured
+    from urllib.parse import urlsplit
+
+    target = urlsplit(planner_url).hostname or "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(target), 9))  # UDP: no packet is sent
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
 
 
 def default_labels() -> dict[str, str]:
@@ -242,7 +277,12 @@ def default_labels() -> dict[str, str]:
 
 
 class Publication:
-    """One planner instance: register, manifests, READY, heartbeat thread, DRAINING + delete on close."""
+    """One planner instance: register, manifests, READY, heartbeat thread, DRAINING + delete on close.
+
+    It keeps itself published: a heartbeat answered STALE sets READY again; a 404 (the planner lost
+    it, e.g. a new database) registers again from scratch. With `retry=True` a planner that cannot be
+    reached at first is retried in the background (the weights stay served meanwhile).
+    """
 
     def __init__(
         self,
@@ -254,50 +294,109 @@ class Publication:
         manifests: Mapping[int, dict[str, Any]],
         labels: Mapping[str, str] | None = None,
         control_url: str | None = None,
+        control_key: str | None = None,
         max_concurrent_pulls: int = 2,
         status: str = "READY",
+        origin: Mapping[int, str] | None = None,
+        retry: bool = False,
+        retry_interval_s: float = 2.0,
         on_heartbeat_error: Callable[[Exception], None] | None = None,
     ) -> None:
-        from planner.client import PlannerClient
+        from planner.client import PlannerClient, PlannerUnavailable
 
         self.client = PlannerClient(planner_url, token=token)
-        reg = self.client.register_instance(
-            identity=identity.to_dict(),
-            labels=dict(labels or default_labels()),
-            control_url=control_url,
-            ranks=list(ranks),
-            max_concurrent_pulls=max_concurrent_pulls,
-        )
-        self.instance_id: str = str(reg.id)
-        self.instance_token: str | None = getattr(reg, "token", None)  # acts as this instance only
-        if getattr(reg, "token", None):
-            self.client.use_token(reg.token)
+        self._register_token = token
+        self._identity = identity
+        self._ranks = list(ranks)
+        self._manifests = {
+            r: {**m, "origin": (origin or {}).get(r, "disk")} for r, m in manifests.items()
+        }
+        self._labels = dict(labels or default_labels())
+        self._control_url = control_url
+        self._control_key = control_key
+        self._max_pulls = max_concurrent_pulls
+        self._status = status
+        self._retry_interval_s = retry_interval_s
+        self._lock = threading.Lock()
+        self.instance_id: str | None = None
+        self.instance_token: str | None = None  # acts as this instance only (set on registering)
         self._stop = threading.Event()
         self._on_error = on_heartbeat_error
         self._closed = False
         try:
-            for rank, manifest in manifests.items():
-                self.client.put_manifest(self.instance_id, rank, manifest)
-            self.client.set_status(self.instance_id, status)
-        except Exception:
-            with contextlib.suppress(Exception):
-                self.client.delete_instance(self.instance_id)
+            self._publish()
+        except PlannerUnavailable as exc:
+            if not retry:
+                self.client.close()
+                raise
+            log.warning(
+                "planner unreachable (%s); publishing in the background every %.1f s", exc, retry_interval_s
+            )
+        except BaseException:
+            self.client.close()
             raise
-        log.info("published instance %s (%d rank(s)) as %s", self.instance_id, len(manifests), status)
-        self._thread = threading.Thread(
-            target=self._beat, name=f"heartbeat-{self.instance_id[:8]}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._beat, name="rfork-heartbeat", daemon=True)
         self._thread.start()
 
+    @property
+    def published(self) -> bool:
+        """True once the planner knows this instance (False while retrying in the background)."""
+        return self.instance_id is not None
+
+    def _publish(self) -> None:
+        """Register, put every manifest, set the status; on a failure after registering, delete it again."""
+        self.client.use_token(self._register_token)
+        reg = self.client.register_instance(
+            identity=self._identity.to_dict(),
+            labels=self._labels,
+            control_url=self._control_url,
+            control_key=self._control_key,
+            ranks=self._ranks,
+            max_concurrent_pulls=self._max_pulls,
+        )
+        if getattr(reg, "token", None):
+            self.client.use_token(reg.token)
+        try:
+            for rank, manifest in self._manifests.items():
+                self.client.put_manifest(reg.id, rank, manifest)
+            self.client.set_status(reg.id, self._status)
+        except Exception:
+            with contextlib.suppress(Exception):
+                self.client.delete_instance(reg.id)
+            raise
+        with self._lock:
+            self.instance_id = str(reg.id)
+            self.instance_token = getattr(reg, "token", None)
+        log.info("published instance %s (%d rank(s)) as %s", reg.id, len(self._manifests), self._status)
+
     def _beat(self) -> None:
-        interval = 2.0
+        from planner.client import AuthError, NotFound
+
+        interval = 2.0 if self.published else self._retry_interval_s
         while not self._stop.wait(interval):
             try:
+                if self.instance_id is None:
+                    self._publish()
+                    interval = 2.0
+                    continue
                 resp = self.client.heartbeat(self.instance_id)
                 ttl = float(resp.get("ttl_s") or 6.0)
                 interval = max(0.2, min(ttl / 3.0, 10.0))
+                if resp.get("status") == "STALE" and not self._stop.is_set():
+                    self.client.set_status(self.instance_id, self._status)
+                    log.warning("instance %s was STALE; set %s again", self.instance_id, self._status)
+            except (NotFound, AuthError) as exc:
+                # 404, or 401 for our instance token: the planner no longer knows this instance (deleted,
+                # or a new database); anything else (e.g. 403) is a real refusal, retried like an outage
+                forgotten = self.instance_id is not None and (isinstance(exc, NotFound) or exc.status == 401)
+                log.warning("%s: %s", "planner forgot us; registering again" if forgotten else "refused", exc)
+                if forgotten:
+                    with self._lock:
+                        self.instance_id = None
+                interval = 0.0 if forgotten else self._retry_interval_s
             except Exception as exc:  # noqa: BLE001 - keep beating; a planner restart must not kill the seed
-                log.warning("heartbeat for %s failed: %s", self.instance_id, exc)
+                log.warning("heartbeat/publish for %s failed: %s", self.instance_id, exc)
+                interval = self._retry_interval_s
                 if self._on_error is not None:
                     self._on_error(exc)
 
@@ -308,12 +407,13 @@ class Publication:
         self._closed = True
         self._stop.set()
         self._thread.join(timeout=5)
-        try:
-            self.client.set_status(self.instance_id, "DRAINING")
-            self.client.delete_instance(self.instance_id)
-            log.info("instance %s drained and deleted", self.instance_id)
-        except Exception as exc:  # noqa: BLE001 - best effort on the way out; the reaper ages it out otherwise
-            log.warning("could not drain instance %s cleanly: %s", self.instance_id, exc)
+        if self.instance_id is not None:
+            try:
+                self.client.set_status(self.instance_id, "DRAINING")
+                self.client.delete_instance(self.instance_id)
+                log.info("instance %s drained and deleted", self.instance_id)
+            except Exception as exc:  # noqa: BLE001 - best effort on the way out; the reaper ages it out
+                log.warning("could not drain instance %s cleanly: %s", self.instance_id, exc)
         with contextlib.suppress(Exception):
             self.client.close()
 
@@ -337,7 +437,9 @@ class Seed:
         timeout_s: float = 10.0,
         max_concurrent_pulls: int = 2,
         control: bool = True,
+        control_host: str | None = None,
         servers: Sequence[RankServer] | None = None,
+        retry_publish: bool = False,
     ) -> None:
         if not weights:
             raise ValueError("a seed needs at least one rank")
@@ -354,6 +456,8 @@ class Seed:
         self.timeout_s = timeout_s
         self.max_concurrent_pulls = max_concurrent_pulls
         self.control = control
+        self.control_host = control_host
+        self.retry_publish = retry_publish
         self.servers: list[RankServer] = list(servers or [])
         self.publications: list[Publication] = []
         self.control_server: Any | None = None
@@ -361,7 +465,8 @@ class Seed:
 
     @property
     def instance_ids(self) -> list[str]:
-        return [p.instance_id for p in self.publications]
+        """The planner ids of the publications that are registered now."""
+        return [p.instance_id for p in self.publications if p.instance_id is not None]
 
     def start(self) -> Seed:
         """Register (unless servers were handed in), checksum, publish, READY, heartbeat."""
@@ -378,8 +483,16 @@ class Seed:
                     self.servers.append(server)
                     for w in self.weights.values():
                         server.serve(w)
+            from planner.control_token import new_control_key
+
+            control_key = new_control_key()
             if self.control:
-                self.control_server = start_control_server(self.weights)
+                self.control_server = start_control_server(
+                    self.weights,
+                    host=self.control_host or routable_host(self.planner_url),
+                    control_key=control_key,
+                    instance_ids=lambda: self.instance_ids,
+                )
             control_url = getattr(self.control_server, "url", None)
             for server in self.servers:
                 address = base64.b64encode(server.address_bytes()).decode("ascii")
@@ -400,7 +513,10 @@ class Seed:
                         manifests=manifests,
                         labels=self.labels,
                         control_url=control_url,
+                        control_key=control_key if control_url else None,
                         max_concurrent_pulls=self.max_concurrent_pulls,
+                        origin={r: s.weights.origin for r, s in server.ranks.items()},
+                        retry=self.retry_publish,
                     )
                 )
         except BaseException:

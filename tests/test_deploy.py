@@ -61,6 +61,19 @@ def test_command_line_parses(where: str, argv: list[str]) -> None:
     assert args._module is not None
 
 
+SECRET_FLAGS = ("--db", "--token", "--register-token")
+SECRET_TEXT = re.compile(r"://[^/\s:@]+:[^@\s]+@|rfi_|secret|password", re.IGNORECASE)
+
+
+@pytest.mark.parametrize(("where", "argv"), COMMANDS, ids=[w for w, _ in COMMANDS])
+def test_no_secret_on_a_command_line(where: str, argv: list[str]) -> None:
+    """Database URLs (with their password) and tokens go in the environment: argv is world-readable."""
+    for flag in SECRET_FLAGS:
+        assert flag not in argv, f"{where}: {flag} on the command line; use its RFORK_* variable"
+    for word in argv:
+        assert not SECRET_TEXT.search(word), f"{where}: {word!r} looks like a secret on the command line"
+
+
 def test_dockerfile_installs_what_setup_script_installs() -> None:
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     script = (DEPLOY.parent / "scripts" / "dev.sh").read_text()

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response
 
 from planner import schemas
 from planner.auth import Principal
-from planner.deps import get_planner, writer
+from planner.deps import get_planner, leaser
 from planner.service import Planner
 
 router = APIRouter(prefix="/v1/assignments", tags=["assignments"])
@@ -18,13 +18,25 @@ router = APIRouter(prefix="/v1/assignments", tags=["assignments"])
     "",
     status_code=201,
     response_model=schemas.AssignmentOut,
+    operation_id="request_assignment",
     responses={
+        400: {"description": "the body is not JSON"},
         401: {},
         403: {},
+        413: {"description": "the body exceeds the size limit"},
         422: {},
         404: {"description": 'no READY identical source: `{"reason": "no_source"}` (load from disk)'},
         429: {
             "description": 'every source is at its pull limit: `{"reason": "all_busy", "retry_after_s": x}`'
+        },
+        201: {
+            "description": "a lease on candidates[0]",
+            "links": {
+                "Report": {
+                    "operationId": "report_transfer",
+                    "parameters": {"assignment_id": "$response.body#/id"},
+                }
+            },
         },
     },
 )
@@ -32,12 +44,14 @@ def request_assignment(
     body: schemas.AssignmentIn,
     request: Request,
     planner: Planner = Depends(get_planner),
-    principal: Principal = Depends(writer),
+    principal: Principal = Depends(leaser),
 ) -> Response:
-    """Ranked candidates for one rank, with a lease on the first."""
-    if principal.instance_id is not None and body.requester_id not in (None, principal.instance_id):
-        raise HTTPException(403, f"requester_id: this token acts for instance {principal.instance_id}")
-    text = planner.assign(body, None)  # the clock is read under the write lock
+    """Ranked candidates for one rank, with a lease on the first (reported on only by its requester)."""
+    if principal.instance_id is not None:
+        if body.requester_id not in (None, principal.instance_id):
+            raise HTTPException(403, f"requester_id: this token acts for instance {principal.instance_id}")
+        body.requester_id = principal.instance_id
+    text = planner.assign(body, None, holder=principal.holder)  # the clock is read under the write lock
     request.app.state.metrics.assignments.labels(result="leased").inc()
     return Response(text, status_code=201, media_type="application/json")
 
@@ -45,18 +59,20 @@ def request_assignment(
 @router.post(
     "/{assignment_id}/report",
     response_model=schemas.ReportOut,
-    responses={401: {}, 403: {}, 404: {}, 409: {}, 422: {}},
+    responses={400: {}, 401: {}, 403: {}, 404: {}, 409: {}, 413: {}, 422: {}},
+    operation_id="report_transfer",
 )
 def report(
     assignment_id: Annotated[str, Path(pattern=r"^[0-9a-f]{32}$")],
     body: schemas.ReportIn,
     request: Request,
     planner: Planner = Depends(get_planner),
-    principal: Principal = Depends(writer),
+    principal: Principal = Depends(leaser),
 ) -> dict[str, Any]:
-    """End the lease with the pull's outcome and figures; failures count against the seed."""
+    """End the lease with the pull's outcome and figures (its requester only; 409 once it has ended)."""
+    reporter = None if principal.has("admin") else principal.holder
     try:
-        out = planner.report(assignment_id, body, None, reporter_instance=principal.instance_id)
+        out = planner.report(assignment_id, body, None, reporter=reporter)
     except PermissionError as exc:
         raise HTTPException(403, f"assignment: {exc}") from exc
     m = request.app.state.metrics

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any
 
@@ -10,25 +11,54 @@ from pydantic import ValidationError
 
 from planner import schemas
 from planner.auth import Principal
-from planner.deps import get_planner, get_principal, owner_of, writer
-from planner.errors import NotFound
+from planner.deps import get_planner, get_principal, owner_of, registrar, writer
+from planner.errors import DigestMismatch, NotFound
 from planner.service import Planner
 
 router = APIRouter(prefix="/v1/instances", tags=["instances"])
 IdPath = Annotated[str, Path(pattern=r"^[0-9a-f]{32}$", description="instance id (32 hex digits)")]
 RankPath = Annotated[int, Path(ge=0, le=1_000_000, description="global rank")]
 ERRORS: dict[int | str, dict[str, Any]] = {401: {}, 403: {}, 404: {}, 422: {}}
+BODY_ERRORS: dict[int | str, dict[str, Any]] = {
+    **ERRORS,
+    400: {"description": "the body is not JSON (or not UTF-8)"},
+    413: {"description": "the body exceeds the route's size limit"},
+}
+ID = "$response.body#/id"
+# OpenAPI links: what a registration's id can be used for (lets clients and the stateful tests follow)
+INSTANCE_LINKS = {
+    "GetInstance": {"operationId": "get_instance", "parameters": {"instance_id": ID}},
+    "SetStatus": {"operationId": "set_status", "parameters": {"instance_id": ID}},
+    "Heartbeat": {"operationId": "heartbeat", "parameters": {"instance_id": ID}},
+    "PutManifest": {"operationId": "put_manifest", "parameters": {"instance_id": ID, "rank": 0}},
+    "DeleteInstance": {"operationId": "delete_instance", "parameters": {"instance_id": ID}},
+}
 
 
-@router.post("", status_code=201, response_model=schemas.Registered, responses=ERRORS)
+@router.post(
+    "",
+    status_code=201,
+    response_model=schemas.Registered,
+    responses={
+        **BODY_ERRORS,
+        409: {"description": "the body contradicts itself (a rank outside tp*pp, or listed twice)"},
+        201: {"description": "registered", "links": INSTANCE_LINKS},
+    },
+    operation_id="register_instance",
+)
 def register(
-    body: schemas.InstanceIn, planner: Planner = Depends(get_planner), principal: Principal = Depends(writer)
+    body: schemas.InstanceIn,
+    planner: Planner = Depends(get_planner),
+    principal: Principal = Depends(registrar),
 ) -> dict[str, Any]:
     """Register an instance (INITIALIZING); the answer carries a token scoped to it."""
+    conflict = schemas.body_conflicts(body)
+    if conflict is not None:
+        raise HTTPException(409, conflict)
     return planner.register(body, time.time())
 
 
-@router.get("", response_model=schemas.InstancePage, responses=ERRORS)
+@router.get("", response_model=schemas.InstancePage, responses=ERRORS, operation_id="list_instances")
 def list_instances(
     planner: Planner = Depends(get_planner),
     principal: Principal = Depends(get_principal),
@@ -52,7 +82,9 @@ def list_instances(
     )
 
 
-@router.get("/{instance_id}", response_model=schemas.InstanceOut, responses=ERRORS)
+@router.get(
+    "/{instance_id}", response_model=schemas.InstanceOut, responses=ERRORS, operation_id="get_instance"
+)
 def get_instance(
     instance_id: IdPath,
     planner: Planner = Depends(get_planner),
@@ -62,7 +94,7 @@ def get_instance(
     return planner.get(instance_id)
 
 
-@router.delete("/{instance_id}", status_code=204, responses=ERRORS)
+@router.delete("/{instance_id}", status_code=204, responses=ERRORS, operation_id="delete_instance")
 def delete_instance(
     instance_id: IdPath,
     request: Request,
@@ -77,7 +109,12 @@ def delete_instance(
     return Response(status_code=204)
 
 
-@router.post("/{instance_id}/status", response_model=schemas.InstanceOut, responses={**ERRORS, 409: {}})
+@router.post(
+    "/{instance_id}/status",
+    response_model=schemas.InstanceOut,
+    responses={**BODY_ERRORS, 409: {}},
+    operation_id="set_status",
+)
 def set_status(
     instance_id: IdPath,
     body: schemas.StatusIn,
@@ -89,7 +126,12 @@ def set_status(
     return planner.set_status(instance_id, body.status, time.time())
 
 
-@router.post("/{instance_id}/heartbeat", response_model=schemas.HeartbeatOut, responses=ERRORS)
+@router.post(
+    "/{instance_id}/heartbeat",
+    response_model=schemas.HeartbeatOut,
+    responses=ERRORS,
+    operation_id="heartbeat",
+)
 async def heartbeat(
     instance_id: IdPath,
     request: Request,
@@ -121,7 +163,23 @@ MANIFEST_BODY = {
     "/{instance_id}/manifests/{rank}",
     status_code=204,
     openapi_extra=MANIFEST_BODY,
-    responses={**ERRORS, 409: {}, 413: {}},
+    responses={
+        **BODY_ERRORS,
+        409: {
+            "description": "the body contradicts itself or the path's rank, or its digests differ from the "
+            "identity's anchored set (digest_mismatch)"
+        },
+        204: {
+            "description": "stored",
+            "links": {
+                "GetManifest": {
+                    "operationId": "get_manifest",
+                    "parameters": {"instance_id": "$request.path.instance_id", "rank": "$request.path.rank"},
+                }
+            },
+        },
+    },
+    operation_id="put_manifest",
 )
 async def put_manifest(
     instance_id: IdPath,
@@ -150,11 +208,22 @@ async def put_manifest(
         raise HTTPException(400, "body: manifest is not UTF-8") from exc
     except ValidationError as exc:
         raise HTTPException(422, _errors(exc)) from exc
-    if "\x00" in text or "\\u0000" in text:
-        raise HTTPException(422, "body: manifest must not contain NUL characters")
-    if manifest.rank != rank:
-        raise HTTPException(422, f"rank: manifest rank {manifest.rank} differs from the path's rank {rank}")
-    await run_in_threadpool(planner.put_manifest, instance_id, rank, text, time.time())
+    # stored as text, verbatim: an escaped NUL (\\u0000) is just six characters there; a raw one is no JSON
+    conflict = schemas.manifest_conflicts(manifest)
+    if conflict is not None:
+        raise HTTPException(409, f"body: {conflict}")
+    if manifest.rank != rank:  # both well-formed, they contradict each other: a conflict, not bad input
+        raise HTTPException(409, f"rank: manifest rank {manifest.rank} differs from the path's rank {rank}")
+    metrics = request.app.state.metrics
+    try:
+        anchored = await run_in_threadpool(
+            planner.put_manifest, instance_id, rank, text, time.time(), manifest
+        )
+    except DigestMismatch:
+        metrics.integrity_refusals.inc()
+        raise
+    if anchored:
+        metrics.anchors.inc()
     return Response(status_code=204)
 
 
@@ -164,6 +233,7 @@ async def put_manifest(
         **ERRORS,
         200: {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ManifestIn"}}}},
     },
+    operation_id="get_manifest",
 )
 def get_manifest(
     instance_id: IdPath,
@@ -171,8 +241,14 @@ def get_manifest(
     planner: Planner = Depends(get_planner),
     principal: Principal = Depends(get_principal),
 ) -> Response:
-    """The manifest exactly as the seed stored it."""
-    return Response(planner.get_manifest(instance_id, rank), media_type="application/json")
+    """The manifest as the seed stored it; descriptors (data-plane keys) only for admins and its owner."""
+    text = planner.get_manifest(instance_id, rank)
+    if not principal.sees_descriptors(instance_id):
+        doc = json.loads(text)
+        for region in doc.get("regions", []):
+            region["descriptor"] = ""
+        text = json.dumps(doc)
+    return Response(text, media_type="application/json")
 
 
 def _errors(exc: ValidationError) -> list[dict[str, Any]]:

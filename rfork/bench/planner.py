@@ -84,6 +84,7 @@ def _identity(i: int) -> dict[str, Any]:
 
 MANIFEST = {
     "rank": 0,
+    "origin": "disk",  # the same digests everywhere: the first anchors the identity, the rest match
     "checksum_algorithm": "xxh64",
     "regions": [{"index": 0, "nbytes": 4096, "descriptor": "ZGVzYw=="}],
     "tensors": [
@@ -264,9 +265,10 @@ def _tree_cpu_s(pid: int) -> float:
     return total + sum(_cpu_s(int(k)) for k in kids)
 
 
-def _pct(xs: list[float], p: float) -> float:
+def _pct(xs: list[float], p: float) -> float | None:
+    """The p-th percentile in ms; None (JSON null, "-" in the table) when nothing was measured."""
     if not xs:
-        return float("nan")
+        return None
     s = sorted(xs)
     return s[min(len(s) - 1, int(p / 100 * len(s)))] * 1000
 
@@ -279,7 +281,10 @@ def run(args: argparse.Namespace) -> int:
 
     url, cleanup = _fresh_db(args.db)
     port = _free_port()
-    env = {**os.environ, "RFORK_DB_POOL_SIZE": str(max(8, args.clients // 2))}
+    # an --insecure server of its own: tokens in the caller's environment would turn auth on for the
+    # server while the load generator sends none (every request a 401)
+    env = {k: v for k, v in os.environ.items() if not (k.startswith("RFORK_") and k.endswith("_TOKEN"))}
+    env["RFORK_DB_POOL_SIZE"] = str(max(8, args.clients // 2))
     # The server's log goes to a file: a pipe nobody reads fills up (64 KiB, ~600 "registered" lines)
     # and then every thread blocks in logging's handler lock -- the registration stall seen before.
     log_file = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
@@ -339,8 +344,8 @@ def run(args: argparse.Namespace) -> int:
             r["endpoint"] if r["endpoint"] != "busy" else "assignment (429 busy)",
             str(r["count"]),
             f"{r['req_per_s']:.0f}" if r["req_per_s"] is not None else "-",
-            f"{r['p50_ms']:.1f}",
-            f"{r['p99_ms']:.1f}",
+            f"{r['p50_ms']:.1f}" if r["p50_ms"] is not None else "-",
+            f"{r['p99_ms']:.1f}" if r["p99_ms"] is not None else "-",
         )
     Console().print(table)
     print(
@@ -365,6 +370,7 @@ def run(args: argparse.Namespace) -> int:
                     "rows": rows,
                 },
                 indent=2,
+                allow_nan=False,  # a NaN is not JSON; missing figures are null
             )
         )
     return 0

@@ -38,7 +38,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tp", type=int, default=None, help="tensor-parallel size (default: identity's or 1)"
     )
-    parser.add_argument("--token", default=os.environ.get("RFORK_TOKEN"), help="planner token ($RFORK_TOKEN)")
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("RFORK_TOKEN"),
+        help="planner token with the load role ($RFORK_TOKEN)",
+    )
+    parser.add_argument(
+        "--register-token",
+        default=os.environ.get("RFORK_REGISTER_TOKEN"),
+        help="planner token with the register role, to become a seed"
+        " ($RFORK_REGISTER_TOKEN; default --token)",
+    )
     parser.add_argument(
         "--insecure-ok", action="store_true", help="allow talking to the planner without a token"
     )
@@ -124,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         identity=identity,
         planner_url=args.planner,
         token=args.token or None,
+        register_token=args.register_token or None,
         checkpoint=info,
         options=options,
         progress=progress,
@@ -135,6 +146,19 @@ def run(args: argparse.Namespace) -> int:
         result = loader.load()
     finally:
         finish()
+    try:
+        _report_and_serve(args, result, started, stop, on_signal)
+    except KeyboardInterrupt:
+        log.info("interrupted: draining")
+    finally:
+        result.close()  # also on an error (e.g. a full disk for --json): drain, never leave a stray seed
+    return 0
+
+
+def _report_and_serve(
+    args: argparse.Namespace, result: Any, started: float, stop: Any, on_signal: Any
+) -> None:
+    """Write --json, print the outcome, then serve as a seed until told to stop."""
     verified_at = time.time()
     # after the engine opened: libfabric may have replaced the handlers (see rfork.commands.seed)
     signal.signal(signal.SIGTERM, on_signal)
@@ -153,24 +177,22 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.json:
         tmp = args.json.with_suffix(".tmp")
-        tmp.write_text(json.dumps(out, allow_nan=False))
-        tmp.replace(args.json)
+        try:
+            tmp.write_text(json.dumps(out, allow_nan=False))
+            tmp.replace(args.json)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
     print(
         f"loaded {result.bytes} bytes from {result.source} in {result.seconds:.2f} s "
         f"({out['gb_per_s']:.2f} GB/s), "
         + ("checksums verified" if result.verified else "not verified (disk: no digests to compare)"),
         flush=True,
     )
-    try:
-        if result.seed is not None:
-            print(f"serving as seed {', '.join(result.seed.instance_ids)}; Ctrl-C to stop", flush=True)
-            while not stop.wait(0.5):
-                pass
-    except KeyboardInterrupt:
-        log.info("interrupted: draining")
-    finally:
-        result.close()
-    return 0
+    if result.seed is not None:
+        print(f"serving as seed {', '.join(result.seed.instance_ids)}; Ctrl-C to stop", flush=True)
+        while not stop.wait(0.5):
+            pass
 
 
 def _progress_bar(*, enabled: bool) -> tuple[Any, Any]:

@@ -30,7 +30,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--tp", type=int, default=1, help="tensor-parallel size: one process per rank (default 1)"
     )
     parser.add_argument(
-        "--token", default=os.environ.get("RFORK_TOKEN"), help="planner bearer token (default $RFORK_TOKEN)"
+        "--token",
+        default=os.environ.get("RFORK_REGISTER_TOKEN") or os.environ.get("RFORK_TOKEN"),
+        help="planner token with the register role (default $RFORK_REGISTER_TOKEN, else $RFORK_TOKEN)",
     )
     parser.add_argument(
         "--insecure-ok", action="store_true", help="allow talking to the planner without a token"
@@ -254,4 +256,4 @@ def _start_tp(
     except BaseException:
         close()
         raise
-    return [p.instance_id for p in pubs], close
+    return [str(p.instance_id) for p in pubs], close

@@ -53,7 +53,7 @@ def publish_seed(
         seed.start()
     for pub in seed.publications:
         lifecycle.record_publication(
-            instance_id=pub.instance_id, token=pub.instance_token, planner_url=planner_url
+            instance_id=str(pub.instance_id), token=pub.instance_token, planner_url=planner_url
         )
     log.info("rfork: serving as seed %s (identity %s)", ",".join(seed.instance_ids), identity.key()[:12])
     return seed

@@ -15,7 +15,7 @@ from planner.server import PlannerServer
 from planner.service import Planner
 from planner.settings import PlannerSettings
 
-TABLES = ("manifests", "instance_ranks", "leases", "instances")
+TABLES = ("manifests", "instance_ranks", "leases", "instances", "anchors")
 
 
 def identity(**over: Any) -> dict[str, Any]:
@@ -39,9 +39,10 @@ def identity(**over: Any) -> dict[str, Any]:
 
 
 def manifest(rank: int = 0) -> dict[str, Any]:
-    """A small valid manifest (with a zero-byte tensor)."""
+    """A small valid manifest (with a zero-byte tensor), published as loaded from disk (so it anchors)."""
     return {
         "rank": rank,
+        "origin": "disk",
         "checksum_algorithm": "xxh64",
         "regions": [{"index": 0, "nbytes": 64, "descriptor": base64.b64encode(b"desc").decode()}],
         "tensors": [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,11 +45,26 @@ def medium_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_synthetic_checkpoint(tmp_path_factory.mktemp("ckpt-medium"), config=cfg)
 
 
+# The end-to-end tests run with auth on, each process with the least privilege it needs: seeds
+# register; loaders request assignments and report (load) and register to become seeds.
+ADMIN, REGISTER, LOAD, READER = "e2e-admin", "e2e-register", "e2e-load", "e2e-reader"
+AUTH: dict[str, Any] = {"token": LOAD, "register_token": REGISTER}  # a loader's credentials
+
+
 @pytest.fixture
-def planner(sqlite_url: str) -> Iterator[str]:
+def planner(sqlite_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A planner with auth on; child processes get RFORK_TOKEN (load) and RFORK_REGISTER_TOKEN."""
     from planner.server import PlannerServer
 
-    with PlannerServer(db_url=sqlite_url, insecure=True) as srv:
+    monkeypatch.setenv("RFORK_TOKEN", LOAD)
+    monkeypatch.setenv("RFORK_REGISTER_TOKEN", REGISTER)
+    with PlannerServer(
+        db_url=sqlite_url,
+        admin_token=ADMIN,
+        register_token=REGISTER,
+        load_token=LOAD,
+        reader_token=READER,
+    ) as srv:
         yield srv.url
 
 

@@ -23,7 +23,7 @@ from rfork.harness import Child, load_args, seed_args
 from rfork.loader import Loader, LoadOptions, load
 from rfork.model import LlamaForCausalLM
 from rfork.seed import RankWeights, Seed
-from tests.rfork.conftest import SMALL, identity_of
+from tests.rfork.conftest import ADMIN, AUTH, LOAD, REGISTER, SMALL, identity_of
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ def test_seed_process_to_loaded_model_bit_identical_then_drains_on_sigterm(fleet
 
     ids, seed = start_seed(fleet, small_ckpt, planner)
     ident = identity_of(small_ckpt)
-    result = load(identity=ident, planner_url=planner, options=opts(become_seed=False))
+    result = load(identity=ident, planner_url=planner, **AUTH, options=opts(become_seed=False))
     try:
         assert result.source == "rfork-tcp"
         assert result.verified
@@ -67,7 +67,7 @@ def test_seed_process_to_loaded_model_bit_identical_then_drains_on_sigterm(fleet
             assert torch.equal(loaded(ids_in), reference(ids_in))
     finally:
         result.close()
-    with PlannerClient(planner) as client:
+    with PlannerClient(planner, token=ADMIN) as client:
         transfers = client.transfers()["items"]
         assert [t["outcome"] for t in transfers] == ["success"]
         assert fleet.stop(seed) == 0
@@ -89,14 +89,18 @@ def test_in_process_seed_from_module_zero_byte_and_loaded_instance_serves(tmp_pa
         dtype="bfloat16",
         fingerprint=fingerprint((n, str(t.dtype), t.shape) for n, t in model.state_dict().items()),
     )
-    with Seed(weights=[weights], identity=ident, planner_url=planner, providers=["tcp"]) as seed:
-        a = load(identity=ident, planner_url=planner, options=opts())
+    with Seed(
+        weights=[weights], identity=ident, planner_url=planner, providers=["tcp"], token=REGISTER
+    ) as seed:
+        a = load(identity=ident, planner_url=planner, **AUTH, options=opts())
         try:
             assert a.state_dict()["empty_buf"].shape == (0, 8)
             assert_same(a.state_dict(), dict(model.state_dict()))
             b = load(
                 identity=ident,
                 planner_url=planner,
+                token=LOAD,
+                register_token=REGISTER,
                 options=opts(exclude=seed.instance_ids, become_seed=False),
             )
             assert a.seed is not None
@@ -123,7 +127,7 @@ def test_chain_seed_to_a_to_b(fleet, small_ckpt, planner):
     assert a_out["source"] == "rfork-tcp"
     assert a_out["attempts"][0]["instance_id"] == seed_ids[0]
     ident = identity_of(small_ckpt)
-    b = load(identity=ident, planner_url=planner, options=opts(exclude=seed_ids, become_seed=False))
+    b = load(identity=ident, planner_url=planner, **AUTH, options=opts(exclude=seed_ids, become_seed=False))
     try:
         assert b.source == "rfork-tcp"
         assert b.attempts[0].instance_id == a_out["instance_ids"][0]
@@ -135,7 +139,7 @@ def test_chain_seed_to_a_to_b(fleet, small_ckpt, planner):
 def test_tp2_seed_processes_and_loader(fleet, small_ckpt, planner):
     start_seed(fleet, small_ckpt, planner, tp=2)
     ident = identity_of(small_ckpt, tp=2)
-    result = load(identity=ident, planner_url=planner, options=opts(become_seed=False))
+    result = load(identity=ident, planner_url=planner, **AUTH, options=opts(become_seed=False))
     try:
         assert sorted(result.weights) == [0, 1]
         for rank in (0, 1):
@@ -174,6 +178,7 @@ def test_failover_when_seed_killed_mid_transfer(fleet, medium_ckpt, planner):
         pids=pids,
         identity=identity_of(medium_ckpt),
         planner_url=planner,
+        token=LOAD,
         options=opts(chunk_bytes=1 << 20, max_inflight=2, become_seed=False),
     )
     result = loader.load()
@@ -186,7 +191,7 @@ def test_failover_when_seed_killed_mid_transfer(fleet, medium_ckpt, planner):
         assert_same(result.state_dict(), load_state_dict(medium_ckpt))
     finally:
         result.close()
-    with PlannerClient(planner) as client:
+    with PlannerClient(planner, token=ADMIN) as client:
         outcomes = sorted(t["outcome"] for t in client.transfers()["items"])
         assert outcomes == ["failure", "success"]
 
@@ -196,13 +201,15 @@ def test_disk_fallback_when_no_seed(small_ckpt, planner):
     result = load(
         identity=ident,
         planner_url=planner,
+        token=LOAD,
+        register_token=REGISTER,
         checkpoint=small_ckpt,
         options=opts(become_seed=False),
     )
     assert result.source == "disk"
     assert_same(result.state_dict(), load_state_dict(small_ckpt))
     with pytest.raises(LoadFailed):
-        load(identity=ident, planner_url=planner, options=opts(become_seed=False))
+        load(identity=ident, planner_url=planner, **AUTH, options=opts(become_seed=False))
 
 
 def test_corrupted_seed_byte_caught_then_disk(small_ckpt, planner):
@@ -211,12 +218,16 @@ def test_corrupted_seed_byte_caught_then_disk(small_ckpt, planner):
     info = read_checkpoint_info(small_ckpt)
     layout, buffers, tensors = load_rank_from_disk(info)
     weights = RankWeights(rank=0, layout=layout, buffers=buffers, tensors=tensors)
-    with Seed(weights=[weights], identity=info.identity(), planner_url=planner, control=False) as seed:
+    with Seed(
+        weights=[weights], identity=info.identity(), planner_url=planner, control=False, token=REGISTER
+    ) as seed:
         victim = layout.placements[5]
         buffers[victim.region][victim.offset + 3] ^= 0x10  # after the checksums were published
         result = load(
             identity=info.identity(),
             planner_url=planner,
+            token=LOAD,
+            register_token=REGISTER,
             checkpoint=small_ckpt,
             options=opts(become_seed=False),
         )
@@ -226,7 +237,7 @@ def test_corrupted_seed_byte_caught_then_disk(small_ckpt, planner):
         assert "checksum" in (result.attempts[0].error or "")
         assert result.attempts[0].instance_id == seed.instance_ids[0]
         assert_same(result.state_dict(), load_state_dict(small_ckpt))
-        with PlannerClient(planner) as client:
+        with PlannerClient(planner, token=ADMIN) as client:
             reasons = [t.get("reason") for t in client.transfers()["items"]]
             assert reasons == ["checksum_mismatch"]
 
@@ -241,8 +252,8 @@ def test_mismatched_identity_refused(small_ckpt, planner, tmp_path):
     weights = RankWeights(rank=0, layout=layout, buffers=buffers, tensors=tensors)
     ident = info.identity()
     with (
-        Seed(weights=[weights], identity=ident, planner_url=planner, control=False),
-        PlannerClient(planner) as c,
+        Seed(weights=[weights], identity=ident, planner_url=planner, control=False, token=REGISTER),
+        PlannerClient(planner, token=ADMIN) as c,
     ):
         for other in (
             replace(ident, fingerprint="0" * 64),
@@ -256,6 +267,8 @@ def test_mismatched_identity_refused(small_ckpt, planner, tmp_path):
         result = load(
             identity=identity_of(other_dir),
             planner_url=planner,
+            token=LOAD,
+            register_token=REGISTER,
             checkpoint=other_dir,
             options=opts(become_seed=False),
         )

@@ -23,7 +23,7 @@ from rfork.loader import Loader, LoadOptions, check_destination, plan_reads, pul
 from rfork.manifest import RankManifest, RegionEntry, TensorEntry
 from rfork.model import LlamaForCausalLM
 from rfork.seed import RankWeights, Seed
-from tests.rfork.conftest import SMALL
+from tests.rfork.conftest import AUTH, REGISTER, SMALL
 
 # ---------------------------------------------------------------- covering ranges (pure)
 
@@ -208,11 +208,13 @@ def test_serve_in_place_then_pull_into_a_module_then_serve_from_it(planner):
     weights = RankWeights.from_tensors(tensors=model.state_dict())
     assert weights.buffers == []  # nothing copied
     ident = identity_for(model)
-    with Seed(weights=[weights], identity=ident, planner_url=planner, providers=["tcp"]) as seed:
+    with Seed(
+        weights=[weights], identity=ident, planner_url=planner, providers=["tcp"], token=REGISTER
+    ) as seed:
         assert {n: t.data_ptr() for n, t in model.state_dict().items()} == before  # not re-pointed
         target = tied_model(1)
         ptrs = {n: t.data_ptr() for n, t in target.state_dict().items()}
-        loader = Loader(identity=ident, planner_url=planner, options=opts())
+        loader = Loader(identity=ident, planner_url=planner, options=opts(), **AUTH)
         a = loader.load_into(target)
         try:
             assert a.source == "rfork-tcp"
@@ -230,6 +232,7 @@ def test_serve_in_place_then_pull_into_a_module_then_serve_from_it(planner):
                 planner_url=planner,
                 tensors=third.state_dict(),
                 options=opts(exclude=seed.instance_ids, become_seed=False),
+                **AUTH,
             )
             assert a.seed is not None
             assert b.attempts[0].instance_id == a.seed.instance_ids[0]
@@ -245,13 +248,18 @@ def test_pull_into_mismatch_fails_before_any_byte_moves(planner):
     model = tied_model(0)
     ident = identity_for(model)
     with Seed(
-        weights=[RankWeights.from_tensors(tensors=model.state_dict())], identity=ident, planner_url=planner
+        weights=[RankWeights.from_tensors(tensors=model.state_dict())],
+        identity=ident,
+        planner_url=planner,
+        token=REGISTER,
     ):
         dest = {n: torch.full_like(t, 7) for n, t in model.state_dict().items()}
         name = "model.layers.1.mlp.up_proj.weight"
         dest[name] = torch.full((3, 3), 7, dtype=torch.bfloat16)
         with pytest.raises(DestinationMismatch, match=name):
-            pull_into(identity=ident, planner_url=planner, tensors=dest, options=opts(become_seed=False))
+            pull_into(
+                identity=ident, planner_url=planner, tensors=dest, options=opts(become_seed=False), **AUTH
+            )
         assert all(bool((t == 7).all()) for t in dest.values())  # nothing written
 
 
@@ -261,7 +269,9 @@ def test_corrupt_seed_falls_back_to_disk_into_the_same_tensors(tmp_path, planner
     info = read_checkpoint_info(ckpt)
     served = {n: t.clone() for n, t in load_state_dict(ckpt).items()}
     weights = RankWeights.from_tensors(tensors=served)
-    with Seed(weights=[weights], identity=info.identity(), planner_url=planner, control=False):
+    with Seed(
+        weights=[weights], identity=info.identity(), planner_url=planner, control=False, token=REGISTER
+    ):
         victim = next(iter(served.values()))
         victim.view(-1)[3] += 1  # after the digests were published
         dest = {n: torch.empty_like(t) for n, t in served.items()}
@@ -272,6 +282,7 @@ def test_corrupt_seed_falls_back_to_disk_into_the_same_tensors(tmp_path, planner
             tensors=dest,
             checkpoint=ckpt,
             options=opts(become_seed=False),
+            **AUTH,
         )
         assert result.source == "disk"
         assert not result.verified  # a disk load has nothing to compare digests with
@@ -310,7 +321,8 @@ RSS_CHILD = textwrap.dedent(
     weights = RankWeights.from_tensors(tensors=tensors)
     server.serve(weights)
     ident = SourceIdentity(model="rss", revision="r", dtype="float32", fingerprint="f" * 64)
-    seed = Seed(weights=[weights], identity=ident, planner_url=sys.argv[1], servers=[server], control=False)
+    seed = Seed(weights=[weights], identity=ident, planner_url=sys.argv[1], servers=[server], control=False,
+                token=os.environ["RFORK_REGISTER_TOKEN"])
     seed.start()
     after = rss()
     total = sum(t.numel() * 4 for t in tensors.values())
@@ -341,7 +353,9 @@ def test_seed_process_serves_in_place_adding_at_most_one_percent_rss_and_a_loade
         assert grew <= 0.01 * out["weights"], f"serving grew RSS by {grew} bytes for {nbytes} of weights"
         ident = SourceIdentity(model="rss", revision="r", dtype="float32", fingerprint="f" * 64)
         dest = {f"layer{i}.weight": torch.zeros(nbytes // 8 // 4) for i in range(8)}
-        result = pull_into(identity=ident, planner_url=planner, tensors=dest, options=opts(become_seed=False))
+        result = pull_into(
+            identity=ident, planner_url=planner, tensors=dest, options=opts(become_seed=False), **AUTH
+        )
         assert result.source == "rfork-tcp"
         assert result.verified
         assert all(bool((t == float(i)).all()) for i, t in enumerate(dest.values()))
@@ -376,10 +390,14 @@ def test_staged_pull_path_used_for_gpu_destinations_runs_with_host_tensors(plann
     model = tied_model(0)
     ident = identity_for(model)
     with Seed(
-        weights=[RankWeights.from_tensors(tensors=model.state_dict())], identity=ident, planner_url=planner
+        weights=[RankWeights.from_tensors(tensors=model.state_dict())],
+        identity=ident,
+        planner_url=planner,
+        token=REGISTER,
     ) as seed:
         target = tied_model(2)
-        a = Loader(identity=ident, planner_url=planner, options=opts(staged_reads=True)).load_into(target)
+        loader = Loader(identity=ident, planner_url=planner, options=opts(staged_reads=True), **AUTH)
+        a = loader.load_into(target)
         try:
             assert a.source == "rfork-tcp"
             assert a.verified
@@ -392,6 +410,7 @@ def test_staged_pull_path_used_for_gpu_destinations_runs_with_host_tensors(plann
                 planner_url=planner,
                 tensors=third,
                 options=opts(exclude=seed.instance_ids, become_seed=False),
+                **AUTH,
             )
             assert b.attempts[0].instance_id == a.seed.instance_ids[0]
             assert all(torch.equal(third[n], t) for n, t in model.state_dict().items())

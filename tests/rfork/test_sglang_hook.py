@@ -25,7 +25,7 @@ from rfork.sglang import lifecycle
 from rfork.sglang.identity import parameters_fingerprint, parameters_identity
 from rfork.sglang.serving import publish_seed
 from rfork.sglang.settings import HookSettings, SettingsError, default_loader_extra
-from tests.rfork.conftest import SMALL
+from tests.rfork.conftest import ADMIN, AUTH, REGISTER, SMALL
 
 # ------------------------------------------------------------------------------------ settings
 
@@ -233,13 +233,13 @@ def test_parameters_served_in_place_are_pulled_bit_identical_then_drained(tmp_pa
         model="small", revision="main", tensors=params, dtype=torch.bfloat16, quantization=None,
         tp=1, pp=1, ep=1, dp=1, framework_version="test", device="cpu",
     )
-    seed = publish_seed(weights=[weights], identity=ident, planner_url=planner, token=None,
+    seed = publish_seed(weights=[weights], identity=ident, planner_url=planner, token=REGISTER,
                         providers=["tcp"], transfer_timeout_s=3.0)
     try:
         records = list((tmp_path / "run").glob("*.json"))
         assert [r.stem for r in records] == seed.instance_ids
         assert oct(records[0].stat().st_mode & 0o777) == "0o600"
-        result = load(identity=ident, planner_url=planner,
+        result = load(identity=ident, planner_url=planner, **AUTH,
                       options=LoadOptions(providers=["tcp"], become_seed=False, transfer_timeout_s=3.0))
         try:
             assert result.source == "rfork-tcp"
@@ -248,7 +248,7 @@ def test_parameters_served_in_place_are_pulled_bit_identical_then_drained(tmp_pa
             assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs  # module untouched
         finally:
             result.close()
-        with PlannerClient(planner) as client:
+        with PlannerClient(planner, token=ADMIN) as client:
             assert client.list_instances(status="READY")["total"] == 1
             assert lifecycle.drain_recorded() == 1
             assert client.list_instances()["total"] == 0

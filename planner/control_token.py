@@ -1,0 +1,64 @@
+"""Per-assignment secrets for a seed's control endpoint (the NCCL fallback), issued with the lease.
+
+The seed picks a random key and registers it (never shown by the API). With each lease the planner
+issues `v1.<lease>.<instance>.<rank>.<expires>.<mac>`, mac = HMAC-SHA256(key, everything before it).
+The seed checks it offline: its own instance, the rank asked for, not expired, the MAC. Only the
+loader holding the lease gets the token, so only it can open a session, and only until the lease ends.
+Pure stdlib: imported by the planner and by rfork.control.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Collection
+from dataclasses import dataclass
+
+VERSION = "v1"
+
+
+class ControlTokenError(ValueError):
+    """A control token is malformed, expired, for another instance or rank, or forged."""
+
+
+@dataclass(frozen=True)
+class ControlGrant:
+    """What a valid token allows: one lease's pull of one rank from one instance until `expires_at`."""
+
+    lease_id: str
+    instance_id: str
+    rank: int
+    expires_at: int
+
+
+def new_control_key() -> str:
+    """A fresh 256-bit key, hex."""
+    return secrets.token_hex(32)
+
+
+def issue(key: str, *, lease_id: str, instance_id: str, rank: int, expires_at: float) -> str:
+    """The token for one lease."""
+    head = f"{VERSION}.{lease_id}.{instance_id}.{int(rank)}.{int(expires_at)}"
+    return f"{head}.{_mac(key, head)}"
+
+
+def verify(token: str, key: str, *, instance_ids: Collection[str], rank: int, now: float) -> ControlGrant:
+    """The grant of a valid token; ControlTokenError naming what is wrong otherwise."""
+    parts = token.split(".")
+    if len(parts) != 6 or parts[0] != VERSION:
+        raise ControlTokenError("control token: malformed")
+    _, lease_id, instance_id, rank_s, expires_s, mac = parts
+    if not hmac.compare_digest(mac, _mac(key, ".".join(parts[:5]))):
+        raise ControlTokenError("control token: signature does not match this seed's key")
+    if instance_id not in instance_ids:
+        raise ControlTokenError(f"control token: issued for instance {instance_id}, not this seed")
+    if not rank_s.isdigit() or int(rank_s) != rank:
+        raise ControlTokenError(f"control token: issued for rank {rank_s}, not rank {rank}")
+    if not expires_s.isdigit() or int(expires_s) < now:
+        raise ControlTokenError(f"control token: lease {lease_id} has expired")
+    return ControlGrant(lease_id=lease_id, instance_id=instance_id, rank=rank, expires_at=int(expires_s))
+
+
+def _mac(key: str, text: str) -> str:
+    return hmac.new(key.encode(), text.encode(), hashlib.sha256).hexdigest()

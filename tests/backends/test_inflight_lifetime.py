@@ -1,0 +1,120 @@
+"""No read lands in freed memory: a region whose reads timed out stays registered and alive until the
+provider has completed them (or the engine closes); opening an engine keeps Python's signal handlers."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import time
+import weakref
+
+import pytest
+import torch
+
+from backends import TransferEngine, TransferTimeout
+from tests.backends.conftest import start_peer
+
+MiB = 1 << 20
+
+
+def _wait(pred, timeout_s: float) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if pred():
+            return True
+        gc.collect()
+        time.sleep(0.05)
+    return pred()
+
+
+@pytest.mark.timeout(120)
+def test_timed_out_reads_keep_their_region_alive_until_the_provider_completes_them() -> None:
+    victim = start_peer("tcp", [("src", 32 * MiB, "read")], domains=1, reorder=False)
+    engine = TransferEngine("tcp", 1, timeout_s=1.0, host="127.0.0.1")
+    try:
+        buf = torch.zeros(32 * MiB, dtype=torch.uint8)
+        region = engine.register(buf, "read")
+        engine.read(region, 0, MiB, victim.descs["src"], 0).result(30)  # connected
+        os.kill(victim.proc.pid or 0, signal.SIGSTOP)
+        try:
+            fut = engine.read(region, 0, 32 * MiB, victim.descs["src"], 0)
+            with pytest.raises(TransferTimeout):
+                fut.result(30)
+            assert region.posted > 0, "expected reads still posted at the provider after the timeout"
+            alive = weakref.ref(buf)
+            engine.deregister(region)  # what a loader does after a deadline
+            del buf, region
+            gc.collect()
+            time.sleep(0.5)
+            gc.collect()
+            assert alive() is not None, "the destination was freed while reads into it were still posted"
+        finally:
+            os.kill(victim.proc.pid or 0, signal.SIGCONT)
+        # the stopped seed answers the posted reads; then the memory goes, within a bounded time
+        assert _wait(lambda: alive() is None, 30), "the region was never released after its reads completed"
+        # and the engine still works
+        other = torch.zeros(MiB, dtype=torch.uint8)
+        r2 = engine.register(other, "read")
+        engine.read(r2, 0, MiB, victim.descs["src"], 0).result(30)
+        engine.deregister(r2)
+    finally:
+        engine.close()
+        victim.stop()
+
+
+@pytest.mark.timeout(120)
+def test_engine_close_releases_regions_with_reads_still_posted() -> None:
+    victim = start_peer("tcp", [("src", 8 * MiB, "read")], domains=1, reorder=False)
+    engine = TransferEngine("tcp", 1, timeout_s=1.0, host="127.0.0.1")
+    try:
+        buf = torch.zeros(8 * MiB, dtype=torch.uint8)
+        region = engine.register(buf, "read")
+        engine.read(region, 0, MiB, victim.descs["src"], 0).result(30)
+        os.kill(victim.proc.pid or 0, signal.SIGSTOP)
+        fut = engine.read(region, 0, 8 * MiB, victim.descs["src"], 0)
+        with pytest.raises(TransferTimeout):
+            fut.result(30)
+        alive = weakref.ref(buf)
+        engine.deregister(region)
+        del buf, region
+        gc.collect()
+        assert alive() is not None
+        engine.close()  # endpoints gone: nothing can land any more, so the memory may go
+        assert _wait(lambda: alive() is None, 10)
+    finally:
+        os.kill(victim.proc.pid or 0, signal.SIGCONT)
+        engine.close()
+        victim.stop()
+
+
+SIGNAL_PROBE = r"""
+import os, signal, sys
+hits = []
+signal.signal(signal.SIGTERM, lambda s, f: hits.append(s))
+signal.signal(signal.SIGINT, lambda s, f: hits.append(s))
+from backends import TransferEngine, provider_available
+engines = [TransferEngine("tcp", 1, host="127.0.0.1")]
+if provider_available("shm"):
+    engines.append(TransferEngine("shm", 1))
+for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGINT):
+    os.kill(os.getpid(), sig)
+for e in engines:
+    e.close()
+print("survived", len(hits), len(engines))
+"""
+
+
+def test_opening_engines_keeps_python_signal_handlers() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGNAL_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**os.environ, "FI_TCP_IFACE": "lo"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    words = proc.stdout.split()
+    assert words[:2] == ["survived", "3"], proc.stdout
