@@ -184,6 +184,8 @@ class RforkModelLoader(BaseModelLoader):
                 if identity is None:
                     return None
                 weights = RankWeights.from_tensors(rank=self.outcome.rank, tensors=params)
+                # only a disk load may anchor the identity's digests at the planner (#12)
+                weights.origin = "disk" if self.outcome.source in ("disk", "sglang-default") else "peer"
             else:
                 if self.outcome.served is None or self.outcome.identity is None:
                     return None
