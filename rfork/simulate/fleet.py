@@ -122,10 +122,11 @@ class SimResult:
 BeforeAssign = Callable[[Path, dict[str, Any], int], None]
 
 
-def _manifest(nbytes: int) -> str:
+def _manifest(nbytes: int, origin: str) -> str:
     return json.dumps(
         {
             "rank": 0,
+            "origin": origin,
             "checksum_algorithm": "simulated",
             "regions": [{"index": 0, "nbytes": nbytes, "descriptor": "c2lt"}],
             "tensors": [
@@ -231,7 +232,9 @@ class FleetSim:
             }
         )
         iid = str(self.planner.register(body, now)["id"])
-        self.planner.put_manifest(iid, 0, _manifest(self.model.nbytes), now)
+        # the first seed loaded from disk and anchors the identity's digests (#12); the rest pulled
+        origin = "disk" if i < 0 else "peer"
+        self.planner.put_manifest(iid, 0, _manifest(self.model.nbytes, origin), now)
         self.planner.set_status(iid, "READY", now)
         self.node_of_instance[iid] = self._node(i)
         return iid

