@@ -50,10 +50,21 @@ class Fleet:
         self.verbose = verbose
         self._n = 0
 
-    def spawn(self, name: str, args: Sequence[str], *, env: dict[str, str] | None = None) -> Child:
+    def spawn(
+        self,
+        name: str,
+        args: Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        module: str | None = None,
+    ) -> Child:
+        """Start `python -m rfork ARGS` (or `python -m MODULE ARGS`), its output in the workdir."""
         self._n += 1
         log_path = self.workdir / f"{self._n:02d}-{name}.log"
-        cmd = [sys.executable, "-m", "rfork", *(["-v"] if self.verbose else []), *args]
+        if module is None:
+            cmd = [sys.executable, "-m", "rfork", *(["-v"] if self.verbose else []), *args]
+        else:
+            cmd = [sys.executable, "-m", module, *args]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with log_path.open("wb") as out:
             started = time.time()

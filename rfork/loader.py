@@ -202,6 +202,35 @@ def plan_reads(dest: RankWeights, manifest: RankManifest, chunk_bytes: int) -> l
     return plan
 
 
+class _Faulted:
+    """How far each destination region is pre-faulted: the registration thread raises the marks, the
+    submitting thread waits before posting a read above them. A read posted into pages not yet
+    faulted in takes each 4 KiB fault inside the transport's kernel copy (socket receive or
+    process_vm_readv), several times slower than faulting the same pages in ahead."""
+
+    def __init__(self, regions: int) -> None:
+        self._upto = [0] * regions
+        self._cond = threading.Condition()
+
+    def raise_to(self, region: int, upto: int) -> None:
+        with self._cond:
+            self._upto[region] = upto
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        """No more pre-faulting (done, not wanted, device memory, or stopped): nothing waits any more."""
+        with self._cond:
+            self._upto = [1 << 62] * len(self._upto)
+            self._cond.notify_all()
+
+    def wait(self, region: int, upto: int, timeout_s: float) -> None:
+        if self._upto[region] >= upto:
+            return
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._upto[region] >= upto, timeout=timeout_s):
+                raise TimeoutError("deadline")
+
+
 class _Puller:
     """One rank from one candidate over one-sided reads, into `dest` (see the module docstring)."""
 
@@ -305,7 +334,8 @@ class _Puller:
         targets = dest.registrables()
         reg_futs: list[Future[Any]] = [Future() for _ in targets]
         stop_prefault = threading.Event()
-        reg_pool.submit(self._register_all, targets, reg_futs, stop_prefault)
+        faulted = _Faulted(len(targets))
+        reg_pool.submit(self._register_all, targets, reg_futs, stop_prefault, faulted)
         frontier = [0] * len(plan)  # per region: reads[:frontier] are all done
         final_at = [0] * len(plan)  # per region: bytes below this are final
         t_first = time.perf_counter()
@@ -343,6 +373,7 @@ class _Puller:
                     while len(inflight) >= self.max_inflight:
                         done_bytes += retire()
                         self._report(done_bytes, total)
+                    faulted.wait(region, rd.offset + rd.nbytes, self._left())
                     fut = self.engine.read(local, rd.offset, rd.nbytes, remote[rd.src_region], rd.src_offset)
                     inflight.append((fut, rd))
             while inflight:
@@ -374,6 +405,7 @@ class _Puller:
             raise PullError(f"rank {self.rank}: deadline passed") from exc
         finally:
             stop_prefault.set()
+            faulted.finish()
             for fut, _ in inflight:
                 fut.cancel()
             if not ok:
@@ -422,31 +454,43 @@ class _Puller:
         self.phases.update(transfer=time.perf_counter() - t_first - self._verify_s, verify=self._verify_s)
 
     def _register_all(
-        self, targets: Sequence[Any], futs: Sequence[Future[Any]], stop: threading.Event
+        self,
+        targets: Sequence[Any],
+        futs: Sequence[Future[Any]],
+        stop: threading.Event,
+        faulted: _Faulted,
     ) -> None:
         """Register every destination region read-only (in order: reads of region i start as soon as it
-        is), then pre-fault the host ones in order, a piece at a time, ahead of the reads."""
-        for target, fut in zip(targets, futs, strict=True):
-            try:
-                fut.set_result(self.engine.register(target, access="read"))
-            except BaseException as exc:  # noqa: BLE001 - handed to the puller, which fails the attempt
-                fut.set_exception(exc)
-                for rest in futs:
-                    if not rest.done():
-                        rest.set_exception(PullError(f"rank {self.rank}: an earlier region did not register"))
-                return
-        if not self.prefault:
-            return
-        piece = 16 << 20
-        for target in targets:
-            span = _host_span(target)
-            if span is None:
-                continue
-            ptr, nbytes = span
-            for off in range(0, nbytes, piece):
-                if stop.is_set():
+        is), then pre-fault the host ones in order, a piece at a time, raising `faulted` as it goes:
+        reads wait for it, so they copy into faulted pages, while the next pieces fault in."""
+        try:
+            for target, fut in zip(targets, futs, strict=True):
+                try:
+                    fut.set_result(self.engine.register(target, access="read"))
+                except BaseException as exc:  # noqa: BLE001 - handed to the puller, which fails the attempt
+                    fut.set_exception(exc)
+                    for rest in futs:
+                        if not rest.done():
+                            rest.set_exception(
+                                PullError(f"rank {self.rank}: an earlier region did not register")
+                            )
                     return
-                prefault(ptr + off, min(piece, nbytes - off))
+            if not self.prefault:
+                return
+            piece = 16 << 20
+            for region, target in enumerate(targets):
+                span = _host_span(target)
+                if span is None:
+                    continue
+                ptr, nbytes = span
+                for off in range(0, nbytes, piece):
+                    if stop.is_set():
+                        return
+                    prefault(ptr + off, min(piece, nbytes - off))
+                    faulted.raise_to(region, off + piece)
+                faulted.raise_to(region, 1 << 62)
+        finally:
+            faulted.finish()
 
     def _left(self) -> float:
         left = self.deadline - time.monotonic()
@@ -457,6 +501,27 @@ class _Puller:
     def _report(self, done: int, total: int) -> None:
         if self.progress is not None:
             self.progress(done, total)
+
+
+_warmed: set[str] = set()
+
+
+def warm_transport(providers: Sequence[str]) -> None:
+    """Get the transport ready to open fast; call it as early as possible (a CLI at start-up).
+
+    Imports the native library on the calling thread (its dlopen holds the GIL for about 0.2 s: here
+    it stalls nothing that runs later) and asks libfabric for the first provider on a helper thread:
+    the first fi_getinfo initialises every provider (about 0.1 s, GIL released), later ones are fast.
+    """
+    wanted = [p for p in providers if p != "nccl"][:1]
+    if not wanted or wanted[0] in _warmed:
+        return
+    _warmed.add(wanted[0])
+    from backends.libfabric import provider_available
+
+    threading.Thread(
+        target=provider_available, args=(wanted[0],), name="rfork-transport-warm", daemon=True
+    ).start()
 
 
 def _host_span(target: Any) -> tuple[int, int] | None:
@@ -599,12 +664,17 @@ class Loader:
         )
 
     def _open_engine_soon(self) -> None:
-        """Open the engine on a helper thread while the planner round trip and allocation run."""
+        """Open the engine on a helper thread while the planner round trip and allocation run.
+
+        The native transport library is imported here, on the calling thread: its dlopen holds the
+        GIL for about 0.2 s, which on the helper thread would stall the planner round trip instead.
+        """
         with self._engine_lock:
             if self._engine is not None or self._engine_future is not None:
                 return
             fut: Future[Any] = Future()
             self._engine_future = fut
+        warm_transport(self._one_sided())
 
         def opener() -> None:
             try:

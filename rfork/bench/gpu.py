@@ -40,8 +40,12 @@ GIB = 1 << 30
 def configure(parser: argparse.ArgumentParser) -> None:
     """Options: checkpoint size, where to put it, staging settings, JSON output."""
     parser.add_argument("--size-gib", type=float, default=8.0, help="checkpoint size in GiB (default 8)")
-    parser.add_argument("--dir", default=None, help="checkpoint directory (reused if it holds one; "
-                        "default: a temporary directory, removed afterwards)")
+    parser.add_argument(
+        "--dir",
+        default=None,
+        help="checkpoint directory (reused if it holds one; "
+        "default: a temporary directory, removed afterwards)",
+    )
     parser.add_argument("--bounce-mib", type=int, default=16, help="tcp staging bounce slot size in MiB")
     parser.add_argument("--depth", type=int, default=2, help="tcp staging bounce slots (double buffering: 2)")
     parser.add_argument("--domains", type=int, default=4, help="tcp TransferEngine domains")
@@ -114,7 +118,7 @@ def _seed_main(conn: Connection, nbytes: int, device_index: int, tcp: bool, doma
     step = 256 << 20
     for k in range(0, nbytes, step):
         n = min(step, nbytes - k)
-        weights[k:k + n] = torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev, generator=g)
+        weights[k : k + n] = torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev, generator=g)
     torch.cuda.synchronize()
     ipc = CudaIpcEngine(dev)
     ipc_desc = ipc.register(weights, "read").descriptor.to_bytes()
@@ -143,8 +147,11 @@ def _rfork_runs(nbytes: int, device: torch.device, args: argparse.Namespace) -> 
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_seed_main, args=(child, nbytes, device.index or 0, not args.skip_tcp,
-                                                args.domains), daemon=True)
+    proc = ctx.Process(
+        target=_seed_main,
+        args=(child, nbytes, device.index or 0, not args.skip_tcp, args.domains),
+        daemon=True,
+    )
     proc.start()
     rows: list[dict[str, Any]] = []
     try:
@@ -163,14 +170,22 @@ def _rfork_runs(nbytes: int, device: torch.device, args: argparse.Namespace) -> 
             from backends.staging import StagedReader
 
             dst.zero_()
-            with TransferEngine("tcp", args.domains, host="127.0.0.1", timeout_s=30.0) as teng, \
-                    StagedReader(teng, bounce_bytes=args.bounce_mib << 20, depth=args.depth,
-                                 device=device) as rd:
+            with (
+                TransferEngine("tcp", args.domains, host="127.0.0.1", timeout_s=30.0) as teng,
+                StagedReader(teng, bounce_bytes=args.bounce_mib << 20, depth=args.depth, device=device) as rd,
+            ):
                 rd.read_into(dst, 0, 4096, tcp_desc, 0).result(120)  # connect
                 dt = _seconds(lambda: rd.read_into(dst, 0, nbytes, tcp_desc, 0).result(3600))
             ok = checksum_bytes(dst) == want
-            rows.append({"source": "rfork tcp+staging", "seconds": dt, "verified": ok,
-                         "bounce_mib": args.bounce_mib, "depth": args.depth})
+            rows.append(
+                {
+                    "source": "rfork tcp+staging",
+                    "seconds": dt,
+                    "verified": ok,
+                    "bounce_mib": args.bounce_mib,
+                    "depth": args.depth,
+                }
+            )
         parent.send("done")
         proc.join(120)
     finally:
@@ -185,8 +200,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("error: rfork.bench.gpu needs a CUDA GPU (torch.cuda.is_available() is false here)",
-              file=sys.stderr)
+        print(
+            "error: rfork.bench.gpu needs a CUDA GPU (torch.cuda.is_available() is false here)",
+            file=sys.stderr,
+        )
         return 2
     if args.size_gib <= 0:
         print(f"error: --size-gib must be positive, not {args.size_gib}", file=sys.stderr)
@@ -205,8 +222,9 @@ def run(args: argparse.Namespace) -> int:
         info = read_checkpoint_info(directory)
         nbytes = info.total_bytes
         files = sorted({t.file for t in info.tensors})
-        rows: list[dict[str, Any]] = [{"source": "d2d copy (baseline)",
-                                       "seconds": measure_d2d(nbytes, device)}]
+        rows: list[dict[str, Any]] = [
+            {"source": "d2d copy (baseline)", "seconds": measure_d2d(nbytes, device)}
+        ]
         torch.cuda.empty_cache()
         for cold in (True, False):
             dt, state = measure_disk_to_gpu(files, device, cold=cold)
@@ -223,15 +241,29 @@ def run(args: argparse.Namespace) -> int:
         r["vs_d2d"] = d2d / r["seconds"]
         r["speedup_vs_disk_cold"] = disk_cold / r["seconds"]
     props = torch.cuda.get_device_properties(device)
-    machine = {"gpu": props.name, "torch": torch.__version__, "cuda": torch.version.cuda,
-               "host": platform.node(), "bytes": nbytes}
-    table = Table(title=f"rfork GPU cold start: {nbytes / GIB:.2f} GiB on {props.name} "
-                        f"(torch {torch.__version__}, CUDA {torch.version.cuda})")
+    machine = {
+        "gpu": props.name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "host": platform.node(),
+        "bytes": nbytes,
+    }
+    table = Table(
+        title=f"rfork GPU cold start: {nbytes / GIB:.2f} GiB on {props.name} "
+        f"(torch {torch.__version__}, CUDA {torch.version.cuda})"
+    )
     for col in ("source", "page cache", "seconds", "GB/s", "x of d2d", "speed-up vs cold disk", "verified"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r["source"], r.get("page_cache", ""), f"{r['seconds']:.3f}", f"{r['gb_per_s']:.2f}",
-                      f"{r['vs_d2d']:.2f}", f"{r['speedup_vs_disk_cold']:.1f}", str(r.get("verified", "")))
+        table.add_row(
+            r["source"],
+            r.get("page_cache", ""),
+            f"{r['seconds']:.3f}",
+            f"{r['gb_per_s']:.2f}",
+            f"{r['vs_d2d']:.2f}",
+            f"{r['speedup_vs_disk_cold']:.1f}",
+            str(r.get("verified", "")),
+        )
     Console().print(table)
     if args.json_file:
         doc = {"machine": machine, "rows": rows}

@@ -60,8 +60,8 @@ def _size_list(text: str) -> list[int]:
     return out
 
 
-def _peer_main(conn: Connection, provider: str, domains: int) -> None:
-    """Passive peer: a readable and a writable region; serves until told to exit."""
+def _peer_main(conn: Connection, provider: str, domains: int, region: int = REGION) -> None:
+    """Passive peer: a readable and a writable region of `region` bytes; serves until told to exit."""
     import numpy as np
 
     from backends import TransferEngine
@@ -69,8 +69,8 @@ def _peer_main(conn: Connection, provider: str, domains: int) -> None:
     os.environ.setdefault("FI_TCP_IFACE", "lo")
     kw: dict[str, Any] = {"host": "127.0.0.1"} if provider == "tcp" else {}
     with TransferEngine(provider, domains, **kw) as eng:
-        src = np.ones(REGION, dtype=np.uint8)
-        dst = np.zeros(REGION, dtype=np.uint8)
+        src = np.ones(region, dtype=np.uint8)
+        dst = np.zeros(region, dtype=np.uint8)
         dst.fill(0)  # fault the pages in now: the first timed writes should not pay for that
         rs, rd = eng.register(src, "read"), eng.register(dst, "write")
         conn.send((rs.descriptor.to_bytes(), rd.descriptor.to_bytes()))
@@ -202,13 +202,13 @@ def _engine_fresh(eng: Any, src: Any, size: int, total: int) -> float:
     return total / dt / 1e9
 
 
-def start_peer(provider: str, domains: int = 1) -> tuple[Any, Connection, bytes, bytes]:
+def start_peer(provider: str, domains: int = 1, region: int = REGION) -> tuple[Any, Connection, bytes, bytes]:
     """A passive peer engine in a spawned process: (process, pipe, readable desc, writable desc)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    peer = ctx.Process(target=_peer_main, args=(child, provider, domains), daemon=True)
+    peer = ctx.Process(target=_peer_main, args=(child, provider, domains, region), daemon=True)
     peer.start()
-    if not parent.poll(60):
+    if not parent.poll(60 + region / 1e8):  # the peer touches its regions first
         peer.kill()
         raise RuntimeError("benchmark peer did not start")
     src_b, dst_b = parent.recv()
@@ -225,23 +225,32 @@ def stop_peer(peer: Any, conn: Connection) -> None:
 
 
 def large_read_gbps(
-    provider: str, *, op_bytes: int = 8 * MiB, total: int = 1 << 30, inflight: int = 8, domains: int = 1
+    provider: str,
+    *,
+    op_bytes: int = 8 * MiB,
+    total: int = 1 << 30,
+    inflight: int = 8,
+    domains: int = 1,
+    working_set: int = REGION,
 ) -> float:
     """The transport's own large-read GB/s: `op_bytes` reads, `inflight` at a time (the loader's
-    defaults), from a peer process's 64 MiB region into a pre-faulted local 64 MiB working set."""
+    defaults), `total` bytes from a peer process's `working_set`-byte region into a pre-faulted local
+    region of the same size (the reads cycle through it when `total` is larger)."""
     import numpy as np
 
     from backends import MemoryRegionDescriptor, TransferEngine
 
+    if working_set < op_bytes or working_set % op_bytes:
+        raise ValueError(f"working_set {working_set} must be a multiple of op_bytes {op_bytes}")
     os.environ.setdefault("FI_TCP_IFACE", "lo")
-    peer, conn, src_b, _ = start_peer(provider, domains)
+    peer, conn, src_b, _ = start_peer(provider, domains, working_set)
     try:
         src = MemoryRegionDescriptor.from_bytes(src_b)
         kw: dict[str, Any] = {"host": "127.0.0.1"} if provider == "tcp" else {}
         with TransferEngine(provider, domains, **kw) as eng:
-            buf = np.ones(REGION, dtype=np.uint8)
+            buf = np.ones(working_set, dtype=np.uint8)  # touched: no page faults inside the timing
             reg = eng.register(buf, "rw")
-            slots = REGION // op_bytes
+            slots = working_set // op_bytes
             pending: deque[Any] = deque()
 
             def pass_of(count: int) -> float:
@@ -255,7 +264,7 @@ def large_read_gbps(
                     pending.popleft().result(120)
                 return time.perf_counter() - t0
 
-            pass_of(slots)  # connect and warm up
+            pass_of(min(slots, 2 * inflight))  # connect and warm up
             count = max(1, total // op_bytes)
             return count * op_bytes / pass_of(count) / 1e9
     finally:

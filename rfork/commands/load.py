@@ -110,9 +110,11 @@ def run(args: argparse.Namespace) -> int:
     started = time.time()
     if args.planner and not args.token and not args.insecure_ok:
         raise ValueError("no planner token: pass --token (or $RFORK_TOKEN), or --insecure-ok")
-    from rfork.loader import Loader, LoadOptions
+    from rfork.loader import Loader, LoadOptions, warm_transport
 
     providers = [p.strip() for v in (args.provider or ["tcp"]) for p in v.split(",") if p.strip()]
+    if args.planner:
+        warm_transport(providers)  # while the identity is resolved below
     identity, info = resolve_identity(args)
     options = LoadOptions(
         providers=providers,
