@@ -44,7 +44,12 @@ class Decoder:
     def answer(self, timeout: float = 60.0) -> Any:
         if not self.conn.poll(timeout):
             raise TimeoutError(f"decoder did not answer within {timeout}s")
-        return self.conn.recv()
+        got = self.conn.recv()
+        if isinstance(got, tuple) and got and got[0] == "error":
+            # The decoder reports a failed command once and then waits for the next one: surface it
+            # here, or the caller only sees its next answer time out.
+            raise AssertionError(f"decoder failed: {got[1]}: {got[2]}")
+        return got
 
     def stop(self) -> None:
         if self.proc.is_alive():
