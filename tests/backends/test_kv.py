@@ -8,6 +8,7 @@ is enough to check the protocol's answers to good and bad input.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import signal
@@ -220,8 +221,13 @@ def raw_sender(provider: str) -> Iterator[Peer]:
     p = start_peer(provider, [("unused", 4096, "rw")])
     yield p
     with contextlib.suppress(ProcessLookupError):
-        os.kill(p.proc.pid, signal.SIGCONT)
+        os.kill(_pid(p), signal.SIGCONT)
     p.stop()
+
+
+def _pid(p: Peer) -> int:
+    assert p.proc.pid is not None
+    return p.proc.pid
 
 
 def _until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
@@ -272,15 +278,15 @@ def test_silent_sender_never_holds_a_wait_past_its_bound(rx: KvReceiver, raw_sen
     desc = rx.pool.descriptor.to_bytes()
     assert raw_sender.call("write_imms", _imms(inc.slot, 1), desc) is True
     inc.wait_layer(1, 10)
-    os.kill(raw_sender.proc.pid, signal.SIGSTOP)
+    os.kill(_pid(raw_sender), signal.SIGSTOP)
     for layer in (0, 2):
-        _timed_out_within(lambda layer=layer: inc.wait_layer(layer, 1.0), 1.0)
+        _timed_out_within(functools.partial(inc.wait_layer, layer, 1.0), 1.0)
     _timed_out_within(lambda: inc.wait(1.0), 1.0)
     assert "did not answer" in _timed_out_within(lambda: rx.join(raw_sender.address, 1.0), 1.0)
     # The default bound is the receiver's timeout_s.
     rx.timeout_s = 1.5
     _timed_out_within(lambda: inc.wait_layer(0), 1.5)
     # The request is still alive: once the sender resumes, what it sends completes it.
-    os.kill(raw_sender.proc.pid, signal.SIGCONT)
+    os.kill(_pid(raw_sender), signal.SIGCONT)
     assert raw_sender.call("write_imms", _imms(inc.slot, 2, 0, 0xFFF), desc) is True
     inc.wait(10)
