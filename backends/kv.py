@@ -32,6 +32,7 @@ import itertools
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
@@ -504,7 +505,12 @@ class KvSender:
 
 # ----- receiver (decode side) ---------------------------------------------------------------------
 class IncomingRequest:
-    """The receiver's side of one request: wait for layers or for the whole request."""
+    """The receiver's side of one request: wait for layers or for the whole request.
+
+    `done` resolves once every layer's immediate and the completing immediate have arrived, in any
+    order: each domain's progress thread counts its own arrivals, so the completing immediate may be
+    counted before the last layer's although the sender sent it after that layer was delivered.
+    """
 
     def __init__(
         self, receiver: KvReceiver, request_id: str, sender: bytes, slot: int, pages: list[int]
@@ -515,12 +521,34 @@ class IncomingRequest:
         self._receiver = receiver
         self._sender = sender
         eng = receiver.engine
-        self._layers = [eng.expect(imm_for(slot, layer)) for layer in range(receiver.pool.geometry.layers)]
         self.done: Future[None] = Future()
         self.done.set_running_or_notify_cancel()
+        self._lock = threading.Lock()
+        self._layers = [eng.expect(imm_for(slot, layer)) for layer in range(receiver.pool.geometry.layers)]
         self._complete = eng.expect(imm_for(slot, _DONE_LAYER))
-        self._complete.add_done_callback(lambda f: _settle(self.done, f, f"KV request {request_id}"))
+        self._outstanding = len(self._layers) + 1
         self.done.add_done_callback(self._withdraw)
+        for fut in (*self._layers, self._complete):
+            fut.add_done_callback(self._arrived)
+
+    def _arrived(self, fut: Future[None]) -> None:
+        """One of the request's immediates arrived (or the engine closed): done after the last one."""
+        exc = fut.exception()
+        if exc is not None:
+            err = exc if isinstance(exc, TransferError) else TransferError(str(exc))
+            _fail(self.done, type(err)(f"KV request {self.request_id}: {err}"))
+            return
+        with self._lock:
+            self._outstanding -= 1
+            last = self._outstanding == 0
+        if last:
+            _settle(self.done, fut, f"KV request {self.request_id}")
+        elif fut is self._complete:
+            log.debug(
+                "KV request %s: completion counted before layer(s) %s",
+                self.request_id,
+                [i for i, f in enumerate(self._layers) if not f.done()],
+            )
 
     def _withdraw(self, done: Future[None]) -> None:
         """A failed request stops waiting in the ImmCounter (no waiters pile up for dead requests)."""
@@ -532,18 +560,32 @@ class IncomingRequest:
         imm.discard(imm_for(self.slot, _DONE_LAYER), self._complete)
 
     def wait_layer(self, layer: int, timeout_s: float | None = None) -> None:
-        """Block until layer `layer` of this request landed in the pool (or the request failed)."""
+        """Block until layer `layer` of this request landed in the pool (or the request failed).
+
+        Returns only once that layer's own immediate arrived. Raises the request's error, or
+        TransferTimeout once timeout_s (default: the receiver's) passed without it.
+        """
         timeout = self._receiver.timeout_s if timeout_s is None else timeout_s
         fut = self._layers[layer]
-        wait([fut, self.done], timeout, return_when=FIRST_COMPLETED)
-        if fut.done():
-            return
-        if self.done.done() and self.done.exception() is not None:
-            raise self.done.exception()  # type: ignore[misc]
-        raise TransferTimeout(
-            f"KV request {self.request_id}: layer {layer} did not arrive from sender "
-            f"{self._receiver._label(self._sender)} within {timeout:g}s"
-        )
+        deadline = time.monotonic() + timeout
+        while True:
+            # done succeeds only after every layer did; then the layer itself is all there is to wait for.
+            watch = [fut] if self.done.done() else [fut, self.done]
+            wait(watch, max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED)
+            if fut.done():
+                exc = fut.exception()
+                if exc is None:
+                    return
+                failed = self.done.exception() if self.done.done() else None
+                raise failed or exc
+            failed = self.done.exception() if self.done.done() else None
+            if failed is not None:
+                raise failed
+            if time.monotonic() >= deadline:
+                raise TransferTimeout(
+                    f"KV request {self.request_id}: layer {layer} did not arrive from sender "
+                    f"{self._receiver._label(self._sender)} within {timeout:g}s"
+                )
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until every layer landed; raises the request's error or TransferTimeout."""
@@ -589,17 +631,26 @@ class KvReceiver:
             name=self.name,
         )
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        self.engine.send(sender, hello).result(timeout)
+        deadline = time.monotonic() + timeout  # one bound for sending the hello and for the answer
         try:
-            fut.result(timeout)
+            self.engine.send(sender, hello).result(timeout)
+            fut.result(max(0.0, deadline - time.monotonic()))
         except TimeoutError as exc:
+            with self._lock:
+                if self._joins.get(sender) is fut:
+                    del self._joins[sender]
             raise TransferTimeout(
                 f"KV join: sender {self._label(sender)} did not answer within {timeout:g}s"
             ) from exc
 
     def leave(self, sender: bytes) -> None:
         """Tell a sender this receiver is gone; its requests there fail on the sender side."""
-        self.engine.send(sender, _encode("bye", addr=_b64(self.engine.address))).result(self.timeout_s)
+        try:
+            self.engine.send(sender, _encode("bye", addr=_b64(self.engine.address))).result(self.timeout_s)
+        except TimeoutError as exc:
+            raise TransferTimeout(
+                f"KV leave: sender {self._label(sender)} did not take the bye within {self.timeout_s:g}s"
+            ) from exc
 
     def request(self, sender: bytes, request_id: str, dst_pages: Sequence[int]) -> IncomingRequest:
         """Ask `sender` for request_id's K/V into dst_pages of every layer of this pool."""

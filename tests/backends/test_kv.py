@@ -7,9 +7,13 @@ is enough to check the protocol's answers to good and bad input.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 import random
+import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -17,7 +21,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends import TransferEngine, TransferTimeout
-from backends.kv import KvError, KvGeometry, KvPool, KvReceiver, KvSender, _parts, _runs, _unruns, layer_spans
+from backends.kv import (
+    KvError,
+    KvGeometry,
+    KvPool,
+    KvReceiver,
+    KvSender,
+    _parts,
+    _runs,
+    _unruns,
+    imm_for,
+    layer_spans,
+)
+from tests.backends.conftest import Peer, start_peer
 from tests.backends.peer import engine_kwargs
 
 
@@ -181,3 +197,96 @@ def test_imm_counter_discard_withdraws_only_that_waiter() -> None:
     assert b.done()
     assert not a.done()
     assert c.discard(6, b) is False
+
+
+# ----- the receiver against a sender in another process that misbehaves or falls silent -----------
+# The peer (tests/backends/peer.py) is no KvSender: it writes exactly the immediates a test names into
+# the receiver's pool, in the order named, so arrival orders a real sender only hits by chance
+# (issue #13) happen every run. SIGSTOP makes it silent down to the transport.
+
+
+def _imms(slot: int, *layers: int) -> list[int]:
+    return [imm_for(slot, layer) for layer in layers]
+
+
+@pytest.fixture
+def rx(provider: str) -> Iterator[KvReceiver]:
+    """A receiver with two domains (two progress threads count immediates, as in production)."""
+    with TransferEngine(provider, 2, timeout_s=5.0, reorder_for_test=True, **engine_kwargs(provider)) as eng:
+        yield KvReceiver(KvPool(eng, layers=3, pages=8, page_bytes=64), name="rx", timeout_s=20.0)
+
+
+@pytest.fixture
+def raw_sender(provider: str) -> Iterator[Peer]:
+    p = start_peer(provider, [("unused", 4096, "rw")])
+    yield p
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(_pid(p), signal.SIGCONT)
+    p.stop()
+
+
+def _pid(p: Peer) -> int:
+    assert p.proc.pid is not None
+    return p.proc.pid
+
+
+def _until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+def _timed_out_within(call: Callable[[], object], bound: float, slack: float = 3.0) -> str:
+    """call() must raise TransferTimeout no earlier than bound and no later than bound + slack."""
+    t0 = time.monotonic()
+    with pytest.raises(TransferTimeout) as err:
+        call()
+    took = time.monotonic() - t0
+    assert bound * 0.9 <= took < bound + slack, f"timed out after {took:.2f}s, bound {bound}s"
+    return str(err.value)
+
+
+@pytest.mark.timeout(120)
+def test_completion_counted_before_a_layer_does_not_complete_the_request(
+    rx: KvReceiver, raw_sender: Peer
+) -> None:
+    """Issue #13: the completing immediate may be counted before the last layer's (two progress threads).
+
+    Before the fix `done` resolved on the completion alone, so wait_layer(0) raised TransferTimeout at
+    once ("did not arrive within 30s") and wait() returned with layer 0 not landed.
+    """
+    inc = rx.request(raw_sender.address, "early-done", [0, 1])
+    desc = rx.pool.descriptor.to_bytes()
+    assert raw_sender.call("write_imms", _imms(inc.slot, 0xFFF, 2, 1), desc) is True
+    inc.wait_layer(2, 10)
+    inc.wait_layer(1, 10)
+    assert _until(lambda: inc._complete.done())  # the completion was counted here
+    assert not inc.done.done()
+    assert "layer 0 did not arrive" in _timed_out_within(lambda: inc.wait_layer(0, 1.0), 1.0)
+    _timed_out_within(lambda: inc.wait(1.0), 1.0)
+    assert raw_sender.call("write_imms", _imms(inc.slot, 0), desc) is True
+    inc.wait_layer(0, 10)
+    inc.wait(10)
+    assert inc.done.result(0) is None
+
+
+@pytest.mark.timeout(120)
+def test_silent_sender_never_holds_a_wait_past_its_bound(rx: KvReceiver, raw_sender: Peer) -> None:
+    """A sender that delivered part of a request and then stopped (SIGSTOP): every wait ends at its bound."""
+    inc = rx.request(raw_sender.address, "half", [3])
+    desc = rx.pool.descriptor.to_bytes()
+    assert raw_sender.call("write_imms", _imms(inc.slot, 1), desc) is True
+    inc.wait_layer(1, 10)
+    os.kill(_pid(raw_sender), signal.SIGSTOP)
+    for layer in (0, 2):
+        _timed_out_within(functools.partial(inc.wait_layer, layer, 1.0), 1.0)
+    _timed_out_within(lambda: inc.wait(1.0), 1.0)
+    assert "did not answer" in _timed_out_within(lambda: rx.join(raw_sender.address, 1.0), 1.0)
+    # The default bound is the receiver's timeout_s.
+    rx.timeout_s = 1.5
+    _timed_out_within(lambda: inc.wait_layer(0), 1.5)
+    # The request is still alive: once the sender resumes, what it sends completes it.
+    os.kill(_pid(raw_sender), signal.SIGCONT)
+    assert raw_sender.call("write_imms", _imms(inc.slot, 2, 0, 0xFFF), desc) is True
+    inc.wait(10)
