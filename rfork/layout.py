@@ -84,7 +84,11 @@ def layout_for(tensors: dict[str, torch.Tensor], **kwargs: int) -> Layout:
 
 
 def allocate(layout: Layout, *, device: str | torch.device = "cpu") -> list[torch.Tensor]:
-    """One uninitialised flat uint8 buffer per region."""
+    """One uninitialised flat uint8 buffer per region (host ones advised to use huge pages)."""
+    if torch.device(device).type == "cpu":
+        from rfork.hostmem import empty_host_buffer
+
+        return [empty_host_buffer(n) for n in layout.region_sizes]
     return [torch.empty(n, dtype=torch.uint8, device=device) for n in layout.region_sizes]
 
 

@@ -21,7 +21,6 @@ compare with: its result says `verified=False`.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib.util
 import logging
 import threading
@@ -40,6 +39,7 @@ from rfork.anchoring import check_anchor
 from rfork.busy_wait import BusyWait, ask_with_wait, fallback_seconds
 from rfork.checkpoint import CheckpointInfo, load_rank_from_disk, read_rank_into
 from rfork.errors import ChecksumMismatch, DestinationMismatch, LoadFailed, ManifestError, PullError
+from rfork.hostmem import prefault
 from rfork.identity import SourceIdentity
 from rfork.layout import Layout, Placement, allocate, views
 from rfork.manifest import RankManifest
@@ -531,35 +531,6 @@ def _host_span(target: Any) -> tuple[int, int] | None:
     if isinstance(target, torch.Tensor) and target.device.type == "cpu":
         return int(target.data_ptr()), target.numel() * target.element_size()
     return None
-
-
-def prefault(ptr: int, nbytes: int) -> None:
-    """Fault in host pages [ptr, +nbytes) for writing without changing them (MADV_POPULATE_WRITE).
-
-    Fresh memory otherwise takes a page fault per 4 KiB inside the transport's receive copy. Best
-    effort: kernels before 5.14 (or memory that cannot be populated) are left as they are.
-    """
-    libc = _libc()
-    if libc is None or nbytes <= 0:
-        return
-    page = 4096
-    start = ptr - ptr % page
-    length = ptr + nbytes - start
-    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_WRITE) != 0:
-        log.debug("MADV_POPULATE_WRITE failed (errno %d); pages fault in during the pull", ctypes.get_errno())
-
-
-_MADV_POPULATE_WRITE = 23
-_LIBC: list[Any] = []
-
-
-def _libc() -> Any | None:
-    if not _LIBC:
-        try:
-            _LIBC.append(ctypes.CDLL(None, use_errno=True))
-        except OSError:
-            _LIBC.append(None)
-    return _LIBC[0]
 
 
 @dataclass(kw_only=True)

@@ -232,10 +232,16 @@ def large_read_gbps(
     inflight: int = 8,
     domains: int = 1,
     working_set: int = REGION,
+    local_huge_pages: bool = True,
+    passes: int = 1,
 ) -> float:
     """The transport's own large-read GB/s: `op_bytes` reads, `inflight` at a time (the loader's
     defaults), `total` bytes from a peer process's `working_set`-byte region into a pre-faulted local
-    region of the same size (the reads cycle through it when `total` is larger)."""
+    region of the same size (the reads cycle through it when `total` is larger).
+
+    Both regions are numpy arrays, which get transparent huge pages, as rfork's own buffers do
+    (`rfork.hostmem`); local_huge_pages=False reads into a torch tensor instead (4 KiB pages, as a
+    framework's own parameters). With passes > 1, the median pass."""
     import numpy as np
 
     from backends import MemoryRegionDescriptor, TransferEngine
@@ -248,7 +254,12 @@ def large_read_gbps(
         src = MemoryRegionDescriptor.from_bytes(src_b)
         kw: dict[str, Any] = {"host": "127.0.0.1"} if provider == "tcp" else {}
         with TransferEngine(provider, domains, **kw) as eng:
-            buf = np.ones(working_set, dtype=np.uint8)  # touched: no page faults inside the timing
+            if local_huge_pages:
+                buf: Any = np.ones(working_set, dtype=np.uint8)  # touched: no faults inside the timing
+            else:
+                import torch
+
+                buf = torch.ones(working_set, dtype=torch.uint8)
             reg = eng.register(buf, "rw")
             slots = working_set // op_bytes
             pending: deque[Any] = deque()
@@ -266,7 +277,7 @@ def large_read_gbps(
 
             pass_of(min(slots, 2 * inflight))  # connect and warm up
             count = max(1, total // op_bytes)
-            return count * op_bytes / pass_of(count) / 1e9
+            return statistics.median(count * op_bytes / pass_of(count) / 1e9 for _ in range(passes))
     finally:
         stop_peer(peer, conn)
 

@@ -1,0 +1,66 @@
+"""Host memory that rfork allocates itself: transparent huge pages, and faulting pages in early.
+
+Weights are read by the kernel (socket receive, process_vm_readv) into memory that the loader or a
+seed allocated. With 4 KiB pages each GiB is 262,144 page faults and as many page-table entries for
+the kernel to walk on every copy; with 2 MiB pages it is 512. numpy advises huge pages for its large
+arrays by default, torch does not, so rfork advises them for the flat buffers it allocates (never for
+a caller's tensors: their memory policy is the caller's). Best effort: with THP off ("never") the
+memory gets 4 KiB pages, as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_MADV_POPULATE_WRITE = 23
+_HUGE = 2 << 20
+_PAGE = 4096
+_LIBC: list[Any] = []
+
+
+def _libc() -> Any | None:
+    if not _LIBC:
+        try:
+            _LIBC.append(ctypes.CDLL(None, use_errno=True))
+        except OSError:
+            _LIBC.append(None)
+    return _LIBC[0]
+
+
+def empty_host_buffer(nbytes: int) -> torch.Tensor:
+    """An uninitialised flat uint8 host tensor of `nbytes`, advised to use huge pages.
+
+    Large ones are a fresh anonymous mapping of their own (kept alive by the tensor, unmapped when it
+    goes): memory from the malloc heap may be faulted in already, in 4 KiB pages, before any advice.
+    """
+    if nbytes < _HUGE:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        area.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError) as exc:  # no THP on this kernel: 4 KiB pages, still correct
+        log.debug("MADV_HUGEPAGE failed (%s); 4 KiB pages", exc)
+    return torch.frombuffer(area, dtype=torch.uint8)
+
+
+def prefault(ptr: int, nbytes: int) -> None:
+    """Fault in host pages [ptr, +nbytes) for writing without changing them (MADV_POPULATE_WRITE).
+
+    Fresh memory otherwise takes its page faults inside the transport's kernel copy, one page at a
+    time, which costs several times more (docs/benchmarks.md). Best effort: kernels before 5.14 (or
+    memory that cannot be populated) are left as they are.
+    """
+    libc = _libc()
+    if libc is None or nbytes <= 0:
+        return
+    start = ptr - ptr % _PAGE
+    length = ptr + nbytes - start
+    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_WRITE) != 0:
+        log.debug("MADV_POPULATE_WRITE failed (errno %d); pages fault in during the pull", ctypes.get_errno())

@@ -1,0 +1,49 @@
+"""rfork.hostmem: the flat buffers rfork allocates get huge pages; pre-faulting keeps contents."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rfork.hostmem import empty_host_buffer, prefault
+
+_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _huge_kib_in(ptr: int, nbytes: int) -> int:
+    """AnonHugePages (KiB) of this process's mappings that overlap [ptr, +nbytes), from /proc/self/smaps
+    (advising part of a mapping splits it, so a buffer can span several)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo < ptr + nbytes and ptr < hi
+        elif inside and head == "AnonHugePages:":
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(
+    not _THP.exists() or "[madvise]" not in _THP.read_text(),
+    reason="THP is not in madvise mode here (off, or on for every mapping)",
+)
+def test_rfork_buffers_get_huge_pages_and_torch_ones_do_not() -> None:
+    nbytes = 64 << 20
+    ours = empty_host_buffer(nbytes)
+    ours.fill_(1)
+    plain = torch.empty(nbytes, dtype=torch.uint8)
+    plain.fill_(1)
+    assert _huge_kib_in(ours.data_ptr(), nbytes) >= 32 << 10  # most of the 64 MiB
+    assert _huge_kib_in(plain.data_ptr(), nbytes) == 0
+
+
+def test_prefault_keeps_contents_and_tolerates_odd_spans() -> None:
+    buf = empty_host_buffer(8 << 20)
+    buf[:] = torch.arange(8 << 20, dtype=torch.int64).remainder(251).to(torch.uint8)
+    before = buf.clone()
+    prefault(buf.data_ptr() + 3, (8 << 20) - 5)  # unaligned start and end
+    prefault(buf.data_ptr(), 0)
+    assert torch.equal(buf, before)
