@@ -26,13 +26,18 @@ def test_cold_start_rows_and_baselines(tmp_path: Path, dest: str) -> None:
     rows = {r["source"]: r for r in doc["rows"]}
     assert set(rows) == {"disk", "rfork-tcp"}
     pulled, disk = rows["rfork-tcp"], rows["disk"]
-    assert pulled["verified"] is True and pulled["actual_sources"] == ["rfork-tcp"]
-    assert disk["verified"] is False and disk["actual_sources"] == ["disk"]
-    assert pulled["transport_gb_per_s"] > 0 and pulled["pull_efficiency"] > 0
+    assert pulled["verified"] is True
+    assert pulled["actual_sources"] == ["rfork-tcp"]
+    assert disk["verified"] is False
+    assert disk["actual_sources"] == ["disk"]
+    assert pulled["transport_gb_per_s"] > 0
+    assert pulled["pull_efficiency"] > 0
     assert pulled["phases"]["transfer"] > 0
     # the transport baseline reads a working set as large as the model (to the 8 MiB read size)
     assert doc["model_bytes"] - (8 << 20) < doc["transport_working_set_bytes"] <= doc["model_bytes"]
     if dest == "allocated":
-        assert len(doc["fresh_memcpy_runs_s"]) == 1 and doc["memcpy_s"] == doc["fresh_memcpy_runs_s"][0]
+        assert len(doc["fresh_memcpy_runs_s"]) == 1
+        assert doc["memcpy_s"] == doc["fresh_memcpy_runs_s"][0]
     else:
-        assert doc["fresh_memcpy_runs_s"] == [] and doc["memcpy_s"] == doc["memcpy_touched_s"]
+        assert doc["fresh_memcpy_runs_s"] == []
+        assert doc["memcpy_s"] == doc["memcpy_touched_s"]
