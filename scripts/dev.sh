@@ -71,7 +71,7 @@ ensure_sglang_env() {
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     return 0
   fi
-  log "installing SGLang and rfork into $SGLANG_VENV (first time: about 3 minutes, 11 GB)"
+  log "installing rfork and what it still lacks into $SGLANG_VENV (SGLang itself, the first time: about 3 minutes, 11 GB)"
   "$SGLANG_VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel cffi
   "$SGLANG_VENV/bin/python" -m pip install -q -e ".[sglang,dev]"
   echo "$want" >"$stamp"
