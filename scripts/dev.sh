@@ -6,6 +6,8 @@
 #   scripts/dev.sh test-sglang [ARGS]  only the SGLang integration tests, in their own venv ($SGLANG_VENV)
 # `test` without ARGS also installs SGLang into its own venv (about 3 minutes and 11 GB the first time)
 # and runs tests/sglang there; the rest of the suite keeps the fast env (.venv, torch 2.13.0 CPU).
+# Its packages install in the background, at the lowest CPU and I/O priority, while .venv, ruff, mypy
+# and the rest of the suite run; the output goes to a log that is shown if it fails.
 # Re-running is cheap: the Python install is skipped while pyproject.toml and setup files are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,10 +48,12 @@ ensure_system_packages() {
   fi
 }
 
+setup_hash() { cat pyproject.toml setup.py backends/_libfabric_build.py | sha256sum | cut -d' ' -f1; }
+
 ensure_python_env() {
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
   local stamp="$VENV/.rfork-setup-stamp" want
-  want=$(cat pyproject.toml setup.py backends/_libfabric_build.py | sha256sum | cut -d' ' -f1)
+  want=$(setup_hash)
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -n "$(ls backends/_libfabric*.so 2>/dev/null)" ]; then
     return 0
   fi
@@ -63,14 +67,69 @@ ensure_python_env() {
 ensure_sglang_env() {
   [ -x "$SGLANG_VENV/bin/python" ] || "$PYTHON" -m venv "$SGLANG_VENV"
   local stamp="$SGLANG_VENV/.rfork-setup-stamp" want
-  want=$(cat pyproject.toml setup.py backends/_libfabric_build.py | sha256sum | cut -d' ' -f1)
+  want=$(setup_hash)
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     return 0
   fi
-  log "installing SGLang and rfork into $SGLANG_VENV (first time: about 3 minutes, 11 GB)"
+  log "installing rfork and what it still lacks into $SGLANG_VENV (SGLang itself, the first time: about 3 minutes, 11 GB)"
   "$SGLANG_VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel cffi
   "$SGLANG_VENV/bin/python" -m pip install -q -e ".[sglang,dev]"
   echo "$want" >"$stamp"
+}
+
+sglang_requirements() {
+  # every requirement of `.[sglang,dev]`, read from pyproject.toml (no build of rfork itself)
+  "$SGLANG_VENV/bin/python" - <<'PY'
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    from pip._vendor import tomli as tomllib
+with open("pyproject.toml", "rb") as f:
+    project = tomllib.load(f)["project"]
+extras = project["optional-dependencies"]
+print("\n".join([*project["dependencies"], *extras["sglang"], *extras["dev"]]))
+PY
+}
+
+prefetch_sglang_env() {
+  # Installs what .venv-sglang needs except rfork itself, so that ensure_sglang_env afterwards only
+  # builds rfork. Meant for the background: it never builds rfork, so it never rewrites
+  # backends/_libfabric*.so under the test processes that have it loaded.
+  [ -x "$SGLANG_VENV/bin/python" ] || "$PYTHON" -m venv "$SGLANG_VENV"
+  local stamp="$SGLANG_VENV/.rfork-setup-stamp" reqs
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$(setup_hash)" ]; then
+    return 0
+  fi
+  reqs=$(mktemp "${TMPDIR:-/tmp}/rfork-sglang-reqs.XXXXXX")
+  sglang_requirements >"$reqs"
+  "$SGLANG_VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel cffi
+  "$SGLANG_VENV/bin/python" -m pip install -q -r "$reqs"
+  rm -f "$reqs"
+}
+
+start_sglang_prefetch() {
+  SGLANG_PREFETCH_LOG=$(mktemp "${TMPDIR:-/tmp}/rfork-sglang-install.XXXXXX")
+  log "installing SGLang into $SGLANG_VENV in the background (log: $SGLANG_PREFETCH_LOG)"
+  (
+    renice -n 19 -p "$BASHPID" >/dev/null 2>&1 || true
+    ionice -c 3 -p "$BASHPID" >/dev/null 2>&1 || true
+    prefetch_sglang_env
+  ) >"$SGLANG_PREFETCH_LOG" 2>&1 &
+  SGLANG_PREFETCH_PID=$!
+  # if this script ends early (ruff or mypy failed, ^C), stop the install: pip, then its subshell
+  trap 'pkill -P "$SGLANG_PREFETCH_PID" 2>/dev/null; kill "$SGLANG_PREFETCH_PID" 2>/dev/null || true' EXIT
+}
+
+wait_sglang_prefetch() {
+  local rc=0 t0=$SECONDS
+  wait "$SGLANG_PREFETCH_PID" || rc=$?
+  trap - EXIT
+  log "background SGLang install: status $rc, waited $((SECONDS - t0)) s for it"
+  if [ "$rc" -ne 0 ]; then
+    tail -n 40 "$SGLANG_PREFETCH_LOG" >&2
+    return "$rc"
+  fi
+  rm -f "$SGLANG_PREFETCH_LOG"
 }
 
 run_sglang_tests() {
@@ -82,6 +141,7 @@ run_sglang_tests() {
 
 cmd=${1:-setup}; [ $# -gt 0 ] && shift
 ensure_system_packages
+if [ "$cmd" = test ] && [ $# -eq 0 ]; then start_sglang_prefetch; fi
 ensure_python_env
 export PATH="$PWD/$VENV/bin:$PATH"
 case "$cmd" in
@@ -93,7 +153,7 @@ case "$cmd" in
     log "pytest"
     if [ $# -gt 0 ]; then exec pytest "$@"; fi
     status=0; pytest || status=$?
-    run_sglang_tests || status=$?
+    { wait_sglang_prefetch && run_sglang_tests; } || status=$?
     exit $status ;;
   test-sglang) run_sglang_tests "$@" ;;
   *) log "usage: scripts/dev.sh setup|demo|test|test-sglang [ARGS]"; exit 2 ;;

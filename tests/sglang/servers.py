@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -28,11 +29,30 @@ class ServerError(RuntimeError):
     """An SGLang server exited or did not get ready; the message carries its log tail."""
 
 
-def free_port() -> int:
-    """A port the OS just handed out (SGLang needs a number; it cannot take port 0)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(low: int = 10000, high: int = 21999) -> int:
+    """A free port for a server that binds it only later (SGLang needs a number; it cannot take 0).
+
+    Below the kernel's ephemeral range: a port from bind(0) stays free only until the kernel hands
+    it to some outgoing connection (this test's /health polls, a seed's clients), and SGLang binds
+    its HTTP port some 25 s after start, so such a port was taken now and then ("address already in
+    use", exit 3). Also below 22000-29999, where SGLang picks its own nccl port the same way.
+    """
+    high = min(high, _ephemeral_low() - 1)
+    for port in random.sample(range(low, high + 1), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise ServerError(f"no free port in {low}-{high}")
 
 
 def cpu_server_args(model: Path, port: int) -> list[str]:
@@ -70,6 +90,7 @@ class SglangServer:
                 start_new_session=True,
             )
         self.ready_s: float | None = None
+        self._terminated = False
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -113,11 +134,17 @@ class SglangServer:
             raise ServerError(f"{self.name}: no 'Load weight end' line:\n{self.tail()}")
         return float(found[-1])
 
-    def stop(self, timeout_s: float = 60.0) -> int | None:
-        """SIGTERM to the launcher (SGLang shuts down, the hook drains), then SIGKILL what is left."""
-        if self.proc.poll() is None:
+    def terminate(self) -> None:
+        """SIGTERM to the launcher (SGLang shuts down, the hook drains), once; does not wait."""
+        if self.proc.poll() is None and not self._terminated:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGTERM)
+            self._terminated = True
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        """SIGTERM to the launcher (SGLang shuts down, the hook drains), then SIGKILL what is left."""
+        self.terminate()
+        if self.proc.poll() is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=timeout_s)
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -167,5 +194,9 @@ class ServerFleet:
         return server
 
     def close(self) -> None:
+        # a graceful SGLang shutdown takes about 6 s (drain included): SIGTERM them all first, so
+        # that they shut down side by side instead of one after another
+        for s in self.servers:
+            s.terminate()
         for s in reversed(self.servers):
             s.stop(timeout_s=30)
