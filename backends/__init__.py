@@ -3,7 +3,6 @@
 Importing fails with one line naming what to install when the libfabric binding is not built.
 """
 
-from backends import _native  # noqa: F401  (fails early, with the install hint)
 from backends.descriptor import EngineAddress, MemoryRegionDescriptor
 from backends.engine import MAX_MESSAGE, Region, TransferEngine
 from backends.errors import (
@@ -14,7 +13,8 @@ from backends.errors import (
     TransferError,
     TransferTimeout,
 )
-from backends.libfabric import provider_available
+from backends.providers import _native  # noqa: F401  (fails early, with the install hint)
+from backends.providers.libfabric import provider_available
 
 __all__ = [
     "MAX_MESSAGE",

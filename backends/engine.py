@@ -21,7 +21,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from backends._signals import preserved_signal_handlers
 from backends.descriptor import ACCESS_NAMES, EngineAddress, MemoryRegionDescriptor
 from backends.errors import (
     EngineClosed,
@@ -32,7 +31,8 @@ from backends.errors import (
 )
 from backends.imm import ImmCounter
 from backends.lane import SHM_INJECT_BYTES, FastLane
-from backends.provider import EAGAIN, Completion, Domain, LocalRegistration
+from backends.providers._signals import preserved_signal_handlers
+from backends.providers.domain import EAGAIN, Completion, Domain, LocalRegistration
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class _Worker(threading.Thread):
 
     def setup_recvs(self) -> None:
         """Post the receive pool for two-sided messages (domain 0 only)."""
-        from backends._native import ffi  # local: only libfabric domains need it
+        from backends.providers._native import ffi  # local: only libfabric domains need it
 
         for i in range(_RECV_COUNT):
             buf = bytearray(MAX_MESSAGE)
@@ -178,7 +178,7 @@ class _Worker(threading.Thread):
             self._post_recv(_RECV_BASE + i)
 
     def _post_recv(self, ctx: int) -> None:
-        from backends._native import ffi
+        from backends.providers._native import ffi
 
         buf, reg = self._recv_bufs[ctx]
         ptr = int(ffi.cast("uintptr_t", ffi.from_buffer(buf)))
@@ -458,7 +458,7 @@ class TransferEngine:
         reorder_for_test: bool | None = None,
         host: str | None = None,
     ) -> None:
-        from backends.libfabric import AUTO_ORDER, LibfabricDomain, provider_available
+        from backends.providers.libfabric import AUTO_ORDER, LibfabricDomain, provider_available
 
         if domains < 1:
             raise ValueError(f"domains must be >= 1, not {domains}")
@@ -686,7 +686,7 @@ class TransferEngine:
 
     def open_lane(self) -> FastLane:
         """A caller-driven endpoint for small ops and batches, owned by the calling thread (backends.lane)."""
-        from backends.libfabric import LibfabricDomain
+        from backends.providers.libfabric import LibfabricDomain
 
         self._check_open("open_lane")
         lane = FastLane(self, LibfabricDomain(self.provider, host=self._host))
@@ -717,7 +717,7 @@ class TransferEngine:
         """Send a small control message (<= 64 KiB) to another engine's on_message callback."""
         if len(data) > MAX_MESSAGE:
             raise ValueError(f"send: {len(data)} bytes exceeds the {MAX_MESSAGE}-byte message limit")
-        from backends._native import ffi
+        from backends.providers._native import ffi
 
         buf = bytearray(data) or bytearray(1)
         ptr = int(ffi.cast("uintptr_t", ffi.from_buffer(buf)))
@@ -948,7 +948,7 @@ def _buffer_of(obj: Any) -> tuple[int, int, Any]:
         if not obj.is_contiguous():
             raise TransferError("register: tensor is not contiguous")
         return int(obj.data_ptr()), int(obj.numel() * obj.element_size()), obj
-    from backends._native import ffi
+    from backends.providers._native import ffi
 
     try:
         cbuf = ffi.from_buffer(obj, require_writable=False)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from backends.descriptor import EngineAddress, MemoryRegionDescriptor
 from backends.errors import EngineClosed, PeerUnreachable, TransferError, TransferTimeout
-from backends.provider import EAGAIN, Domain, LocalRegistration
+from backends.providers.domain import EAGAIN, Domain, LocalRegistration
 
 if TYPE_CHECKING:
     from backends.engine import Region, TransferEngine

@@ -4,7 +4,7 @@ The seed picks a random key and registers it (never shown by the API). With each
 issues `v1.<lease>.<instance>.<rank>.<expires>.<mac>`, mac = HMAC-SHA256(key, everything before it).
 The seed checks it offline: its own instance, the rank asked for, not expired, the MAC. Only the
 loader holding the lease gets the token, so only it can open a session, and only until the lease ends.
-Pure stdlib: imported by the planner and by rfork.control.
+Pure stdlib: imported by the planner and by rfork.seed.control.
 """
 
 from __future__ import annotations

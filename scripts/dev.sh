@@ -48,13 +48,13 @@ ensure_system_packages() {
   fi
 }
 
-setup_hash() { cat pyproject.toml setup.py backends/_libfabric_build.py | sha256sum | cut -d' ' -f1; }
+setup_hash() { cat pyproject.toml setup.py backends/providers/_libfabric_build.py | sha256sum | cut -d' ' -f1; }
 
 ensure_python_env() {
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
   local stamp="$VENV/.rfork-setup-stamp" want
   want=$(setup_hash)
-  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -n "$(ls backends/_libfabric*.so 2>/dev/null)" ]; then
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -n "$(ls backends/providers/_libfabric*.so 2>/dev/null)" ]; then
     return 0
   fi
   log "installing Python packages into $VENV"
@@ -94,7 +94,7 @@ PY
 prefetch_sglang_env() {
   # Installs what .venv-sglang needs except rfork itself, so that ensure_sglang_env afterwards only
   # builds rfork. Meant for the background: it never builds rfork, so it never rewrites
-  # backends/_libfabric*.so under the test processes that have it loaded.
+  # backends/providers/_libfabric*.so under the test processes that have it loaded.
   [ -x "$SGLANG_VENV/bin/python" ] || "$PYTHON" -m venv "$SGLANG_VENV"
   local stamp="$SGLANG_VENV/.rfork-setup-stamp" reqs
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$(setup_hash)" ]; then

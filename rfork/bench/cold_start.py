@@ -81,7 +81,7 @@ def memcpy_seconds(nbytes: int, repeat: int = 3) -> float:
 def _fresh_memcpy_child(nbytes: int, conn: Any) -> None:
     import torch
 
-    from rfork.hostmem import empty_host_buffer
+    from rfork.weights.hostmem import empty_host_buffer
 
     src = torch.empty(nbytes, dtype=torch.uint8)
     src.fill_(1)
@@ -137,9 +137,9 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from planner.server import PlannerServer
+    from rfork.bench.processes import Fleet, available_providers, load_args, seed_args
     from rfork.bench.transport import large_read_gbps
-    from rfork.checkpoint import write_synthetic_checkpoint
-    from rfork.harness import Fleet, available_providers, load_args, seed_args
+    from rfork.weights.synthetic import write_synthetic_checkpoint
 
     console = Console()
     os.environ.setdefault("RFORK_TCP_HOST", "127.0.0.1")

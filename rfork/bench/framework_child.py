@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from rfork.checkpoint import read_checkpoint_info, read_rank_into
-    from rfork.loader import Loader, LoadOptions
-    from rfork.manifest import dtype_from_name
+    from backends.layout import dtype_from_name
+    from rfork.pull.loader import Loader, LoadOptions
+    from rfork.weights.checkpoint import read_checkpoint_info, read_rank_into
 
     info = read_checkpoint_info(args.checkpoint)
     loader = None

@@ -6,9 +6,9 @@ Measured in one run (GB/s are 10^9 bytes per second of weights landed in GPU mem
   after asking the kernel to drop the files from the page cache (posix_fadvise DONTNEED; the table
   says whether that succeeded) and once warm;
 - ``rfork cuda-ipc``: a seed process holding the weights in GPU memory exports them
-  (backends.cuda_ipc); this process opens the handle and copies on its own stream;
+  (backends.providers.cuda_ipc); this process opens the handle and copies on its own stream;
 - ``rfork tcp+staging``: the same seed serves a pinned host mirror over the tcp TransferEngine; this
-  process reads through backends.staging into GPU memory.
+  process reads through backends.providers.staging into GPU memory.
 Every R-Fork result is checked against the seed's pwsum64 checksum computed on the GPU.
 
 Run: ``python -m rfork.bench.gpu --size-gib 8 [--json FILE]``. Without CUDA it exits with status 2
@@ -108,9 +108,9 @@ def _seed_main(conn: Connection, nbytes: int, device_index: int, tcp: bool, doma
     import torch
 
     os.environ.setdefault("FI_TCP_IFACE", "lo")
-    from backends.cuda_ipc import CudaIpcEngine
-    from backends.staging import host_mirror
-    from rfork.checksum import checksum_bytes
+    from backends.providers.cuda_ipc import CudaIpcEngine
+    from backends.providers.staging import host_mirror
+    from rfork.weights.checksum import checksum_bytes
 
     dev = torch.device("cuda", device_index)
     weights = torch.empty(nbytes, dtype=torch.uint8, device=dev)
@@ -142,8 +142,8 @@ def _seed_main(conn: Connection, nbytes: int, device_index: int, tcp: bool, doma
 def _rfork_runs(nbytes: int, device: torch.device, args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
-    from backends.cuda_ipc import CudaIpcEngine
-    from rfork.checksum import checksum_bytes
+    from backends.providers.cuda_ipc import CudaIpcEngine
+    from rfork.weights.checksum import checksum_bytes
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -167,7 +167,7 @@ def _rfork_runs(nbytes: int, device: torch.device, args: argparse.Namespace) -> 
             rows.append({"source": "rfork cuda-ipc", "seconds": dt, "open_seconds": t_open, "verified": ok})
         if tcp_desc:
             from backends import TransferEngine
-            from backends.staging import StagedReader
+            from backends.providers.staging import StagedReader
 
             dst.zero_()
             with (
@@ -211,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from rfork.checkpoint import read_checkpoint_info, write_synthetic_checkpoint
+    from rfork.weights.checkpoint import read_checkpoint_info
+    from rfork.weights.synthetic import write_synthetic_checkpoint
 
     device = torch.device("cuda", torch.cuda.current_device())
     tmp = None

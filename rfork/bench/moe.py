@@ -73,7 +73,7 @@ def _rank_main(
 
     from backends import TransferEngine
     from backends.moe import ExpertParallel
-    from backends.moe_routing import combine_reduce, plan_dispatch, plan_receive
+    from backends.moe.routing import combine_reduce, plan_dispatch, plan_receive
 
     torch.set_num_threads(1)
     world, tokens, hidden, topk, experts = (

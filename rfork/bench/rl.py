@@ -47,8 +47,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _specs(size_bytes: int) -> Any:  # noqa: ANN401
-    from rfork.checkpoint import config_for_size
-    from rfork.rl import model_specs
+    from backends.rl import model_specs
+    from rfork.weights.synthetic import config_for_size
 
     return model_specs(config_for_size(size_bytes).tensor_specs("bfloat16"))
 
@@ -61,8 +61,8 @@ def _worker(
     import torch.distributed as dist
 
     from backends import TransferEngine
-    from rfork.layout import allocate
-    from rfork.rl import RLReceiver, RLTrainer, shard_layout
+    from backends.rl import RLReceiver, RLTrainer, shard_layout
+    from rfork.weights.regions import allocate
 
     torch.set_num_threads(1)
     specs = _specs(size_bytes)
@@ -140,7 +140,7 @@ def _measure(
 ) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from rfork.rl import TrainerRank
+    from backends.rl import TrainerRank
 
     ctx = mp.get_context("spawn")
     store = dist.TCPStore(
@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from rfork.rl import shard_layout
+    from backends.rl import shard_layout
 
     os.environ.setdefault("FI_TCP_IFACE", "lo")
     console = Console()

@@ -71,7 +71,7 @@ def run_burst(
     """One mode: planner + seed (unless disk), then `instances` loader processes at once; the outcome."""
     from planner.client import PlannerClient
     from planner.server import PlannerServer
-    from rfork.harness import Fleet, load_args, seed_args
+    from rfork.bench.processes import Fleet, load_args, seed_args
 
     if mode not in MODES:
         raise ValueError(f"mode: {mode!r} is not one of {MODES}")
@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from rfork.checkpoint import write_synthetic_checkpoint
+    from rfork.weights.synthetic import write_synthetic_checkpoint
 
     console = Console(width=max(Console().width, 120))
     os.environ.setdefault("RFORK_TCP_HOST", "127.0.0.1")

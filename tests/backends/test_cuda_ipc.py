@@ -15,14 +15,14 @@ from multiprocessing.connection import Connection
 import pytest
 import torch
 
-from backends.cuda_ipc import (
+from backends.errors import BackendUnavailable, EngineClosed, RemoteAccessError, TransferError
+from backends.providers.cuda_ipc import (
     CudaIpcDescriptor,
     CudaIpcEngine,
     IpcExport,
     PeerGone,
     host_id,
 )
-from backends.errors import BackendUnavailable, EngineClosed, RemoteAccessError, TransferError
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is false)")
@@ -272,7 +272,7 @@ def _fill(t: torch.Tensor, seed: int) -> None:
 
 
 def _gpu_seed(conn: Connection, nbytes: int) -> None:
-    from rfork.checksum import checksum_bytes
+    from rfork.weights.checksum import checksum_bytes
 
     eng = CudaIpcEngine()
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -289,7 +289,7 @@ def _gpu_seed(conn: Connection, nbytes: int) -> None:
 @needs_cuda
 @pytest.mark.timeout(300)
 def test_gpu_conformance_two_processes_1gib() -> None:
-    from rfork.checksum import checksum_bytes
+    from rfork.weights.checksum import checksum_bytes
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()

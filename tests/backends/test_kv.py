@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends import TransferEngine, TransferTimeout
-from backends.kv import (
+from backends.kv.transfer import (
     KvError,
     KvGeometry,
     KvPool,

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from backends import TransferEngine, provider_available
 from backends.moe import ExpertParallel, MoEError, MoETimeout
-from backends.moe_routing import (
+from backends.moe.routing import (
     combine_reduce,
     expert_placement,
     group_by_expert,

@@ -11,8 +11,9 @@ import pytest
 
 os.environ.setdefault("RFORK_TCP_HOST", "127.0.0.1")  # keep tcp on loopback (children inherit it)
 
-from rfork.checkpoint import LlamaConfig, read_checkpoint_info, write_synthetic_checkpoint  # noqa: E402
-from rfork.harness import Fleet  # noqa: E402
+from rfork.bench.processes import Fleet  # noqa: E402
+from rfork.weights.checkpoint import read_checkpoint_info
+from rfork.weights.synthetic import LlamaConfig, write_synthetic_checkpoint
 
 SMALL = LlamaConfig(
     hidden_size=256,

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from rfork.checkpoint import LlamaConfig, synthetic_tensor
-from rfork.model import LlamaForCausalLM, PagedKvCache, greedy_decode
+from rfork.weights.synthetic import LlamaConfig, synthetic_tensor
+from tests.tiny_llama import LlamaForCausalLM, PagedKvCache, greedy_decode
 
 TINY = LlamaConfig(
     hidden_size=256,

@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from rfork.checkpoint import LlamaConfig, shard_range
-from rfork.rl import TensorSpec, model_specs
+from backends.rl import TensorSpec, model_specs
+from backends.sharding import shard_range
+from rfork.weights.synthetic import LlamaConfig
 
 CONFIG = LlamaConfig(
     hidden_size=256,
@@ -62,8 +63,8 @@ def _engine() -> Any:  # noqa: ANN401
 
 
 def trainer_main(conn: Connection, index: int, tp: int, rank: int) -> None:
-    from rfork.layout import allocate
-    from rfork.rl import RLTrainer, shard_layout
+    from backends.rl import RLTrainer, shard_layout
+    from rfork.weights.regions import allocate
 
     eng = _engine()
     conn.send(eng.address)
@@ -148,7 +149,7 @@ def receiver_main(
     die_at: int | None,
     timeout: float,
 ) -> None:
-    from rfork.rl import RLReceiver
+    from backends.rl import RLReceiver
 
     def on_begin(version: int) -> None:
         if version == die_at:

@@ -8,7 +8,7 @@ import pytest
 
 from planner.client import AllBusy, PlannerClient
 from planner.server import PlannerServer
-from rfork.busy_wait import BusyWait, ask_with_wait, fallback_seconds
+from rfork.pull.busy_wait import BusyWait, ask_with_wait, fallback_seconds
 from tests.planner.conftest import identity, manifest, ranks
 
 GB = 10**9

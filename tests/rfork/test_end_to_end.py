@@ -12,18 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from rfork.checkpoint import (
-    load_rank_from_disk,
-    load_state_dict,
-    read_checkpoint_info,
-    write_synthetic_checkpoint,
-)
+from rfork.bench.processes import Child, load_args, seed_args
 from rfork.errors import LoadFailed
-from rfork.harness import Child, load_args, seed_args
-from rfork.loader import Loader, LoadOptions, load
-from rfork.model import LlamaForCausalLM
-from rfork.seed import RankWeights, Seed
+from rfork.pull.loader import Loader, LoadOptions, load
+from rfork.seed.seed import Seed
+from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
+from rfork.weights.rank_weights import RankWeights
+from rfork.weights.synthetic import write_synthetic_checkpoint
 from tests.rfork.conftest import ADMIN, AUTH, LOAD, REGISTER, SMALL, identity_of
+from tests.tiny_llama import LlamaForCausalLM
 
 pytestmark = pytest.mark.slow
 

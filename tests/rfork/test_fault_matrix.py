@@ -24,15 +24,12 @@ import pytest
 
 from planner.client import Conflict, PlannerClient
 from planner.server import PlannerServer
-from rfork.checkpoint import (
-    load_rank_from_disk,
-    load_state_dict,
-    read_checkpoint_info,
-    write_synthetic_checkpoint,
-)
-from rfork.harness import load_args
-from rfork.loader import Loader, LoadOptions, LoadResult
-from rfork.seed import RankWeights, Seed
+from rfork.bench.processes import load_args
+from rfork.pull.loader import Loader, LoadOptions, LoadResult
+from rfork.seed.seed import Seed
+from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
+from rfork.weights.rank_weights import RankWeights
+from rfork.weights.synthetic import write_synthetic_checkpoint
 from tests.rfork.conftest import ADMIN, LOAD, READER, REGISTER
 from tests.rfork.test_end_to_end import assert_same, start_seed
 
@@ -326,7 +323,7 @@ def test_wrong_identity_publication_mid_pull_is_refused(medium_ckpt, planner, tm
 def _config_of(ckpt: Path):
     import json
 
-    from rfork.checkpoint import LlamaConfig
+    from rfork.weights.synthetic import LlamaConfig
 
     cfg = json.loads((ckpt / "config.json").read_text())
     return LlamaConfig(**{k: cfg[k] for k in LlamaConfig.__dataclass_fields__ if k in cfg})

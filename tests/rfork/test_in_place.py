@@ -14,16 +14,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rfork import checksum as ck
-from rfork.checkpoint import load_state_dict, read_checkpoint_info, write_synthetic_checkpoint
 from rfork.errors import ChecksumMismatch, DestinationMismatch, LayoutError
 from rfork.identity import SourceIdentity, fingerprint
-from rfork.layout import cover
-from rfork.loader import Loader, LoadOptions, check_destination, plan_reads, pull_into
-from rfork.manifest import RankManifest, RegionEntry, TensorEntry
-from rfork.model import LlamaForCausalLM
-from rfork.seed import RankWeights, Seed
+from rfork.pull.loader import Loader, LoadOptions, check_destination, plan_reads, pull_into
+from rfork.seed.seed import Seed
+from rfork.weights import checksum as ck
+from rfork.weights.checkpoint import load_state_dict, read_checkpoint_info
+from rfork.weights.manifest import RankManifest, RegionEntry, TensorEntry
+from rfork.weights.rank_weights import RankWeights
+from rfork.weights.regions import cover
+from rfork.weights.synthetic import write_synthetic_checkpoint
 from tests.rfork.conftest import AUTH, REGISTER, SMALL
+from tests.tiny_llama import LlamaForCausalLM
 
 # ---------------------------------------------------------------- covering ranges (pure)
 
@@ -295,7 +297,7 @@ def test_corrupt_seed_falls_back_to_disk_into_the_same_tensors(tmp_path, planner
 def test_mismatching_digest_names_the_tensor():
     t = {"w": torch.arange(10, dtype=torch.float32)}
     w = RankWeights.from_tensors(tensors=t)
-    from rfork.loader import verify_tensors
+    from rfork.pull.loader import verify_tensors
 
     with pytest.raises(ChecksumMismatch, match="'w'"):
         verify_tensors(w, {"w": "0" * 32})
@@ -308,7 +310,8 @@ RSS_CHILD = textwrap.dedent(
     import json, os, sys, torch
     from planner.client import PlannerClient  # imported before the baseline: not part of serving
     from rfork.identity import SourceIdentity
-    from rfork.seed import RankServer, RankWeights, Seed, open_engine
+    from rfork.seed.seed import RankServer, Seed, open_engine
+    from rfork.weights.rank_weights import RankWeights
 
     def rss() -> int:
         with open("/proc/self/statm") as f:

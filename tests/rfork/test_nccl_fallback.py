@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from backends.nccl import NcclPeerError, NcclTimeoutError, NcclTransferError
-from rfork.control import ControlServer
-from rfork.nccl_pull import NcclSessionError, pull_over_nccl
+from rfork.pull.nccl import NcclSessionError, pull_over_nccl
+from rfork.seed.control import ControlServer
 
 CTX = mp.get_context("spawn")
 SEED_TIMEOUT_S = 4.0

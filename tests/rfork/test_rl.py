@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from rfork.rl import TrainerRank
+from backends.rl import TrainerRank
 from tests.rfork import rl_peers
 from tests.rfork.rl_peers import Proc
 

@@ -7,10 +7,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rfork.checkpoint import shard_range
-from rfork.layout import Layout
-from rfork.manifest import dtype_from_name
-from rfork.rl import RankShard, RLError, Run, TensorSpec, build_receiver_schedule, model_specs, shard_layout
+from backends.layout import Layout, dtype_from_name
+from backends.rl import (
+    RankShard,
+    RLError,
+    Run,
+    TensorSpec,
+    build_receiver_schedule,
+    model_specs,
+    shard_layout,
+)
+from backends.sharding import shard_range
 
 DTYPES = ("uint8", "int16", "float32")
 
@@ -125,7 +132,7 @@ def test_schedule_writes_every_destination_byte_once_with_the_right_bytes(
 
 
 def llama_specs() -> tuple[TensorSpec, ...]:
-    from rfork.checkpoint import LlamaConfig
+    from rfork.weights.synthetic import LlamaConfig
 
     cfg = LlamaConfig(
         hidden_size=256,

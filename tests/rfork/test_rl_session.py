@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from backends import TransferEngine
-from rfork.layout import allocate
-from rfork.rl import RLError, RLReceiver, RLTrainer, TensorSpec, TrainerRank, shard_layout
-from rfork.rl.protocol import decode, encode
+from backends.rl import RLError, RLReceiver, RLTrainer, TensorSpec, TrainerRank, shard_layout
+from backends.rl.messages import decode, encode
+from rfork.weights.regions import allocate
 
 SPECS = (
     TensorSpec("w", "float32", (64, 32), 0),

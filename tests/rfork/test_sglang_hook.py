@@ -17,15 +17,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rfork.commands import sglang as launcher
-from rfork.loader import LoadOptions, load
-from rfork.model import LlamaForCausalLM
-from rfork.seed import RankWeights
-from rfork.sglang import lifecycle
-from rfork.sglang.identity import parameters_fingerprint, parameters_identity
-from rfork.sglang.serving import publish_seed
-from rfork.sglang.settings import HookSettings, SettingsError, default_loader_extra
+from rfork.cli import sglang as launcher
+from rfork.integrations.sglang import lifecycle
+from rfork.integrations.sglang.identity import parameters_fingerprint, parameters_identity
+from rfork.integrations.sglang.serving import publish_seed
+from rfork.integrations.sglang.settings import HookSettings, SettingsError, default_loader_extra
+from rfork.pull.loader import LoadOptions, load
+from rfork.weights.rank_weights import RankWeights
 from tests.rfork.conftest import ADMIN, AUTH, REGISTER, SMALL
+from tests.tiny_llama import LlamaForCausalLM
 
 # ------------------------------------------------------------------------------------ settings
 
@@ -260,7 +260,7 @@ def test_parameters_served_in_place_are_pulled_bit_identical_then_drained(tmp_pa
 def test_only_a_root_process_arms_the_drain(tmp_path):
     code = (
         "import multiprocessing as mp, os\n"
-        "from rfork.sglang import lifecycle\n"
+        "from rfork.integrations.sglang import lifecycle\n"
         "def child(q):\n"
         "    q.put((lifecycle.arm_drain_in_main_process(), os.environ.get(lifecycle.RUN_DIR_ENV)))\n"
         "if __name__ == '__main__':\n"

@@ -18,11 +18,12 @@ from sqlalchemy import create_engine, text
 
 from planner.client import Conflict, PlannerClient
 from planner.server import PlannerServer
-from rfork.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
 from rfork.errors import LoadFailed
-from rfork.loader import LoadOptions, load
-from rfork.nccl_pull import pull_over_nccl
-from rfork.seed import RankWeights, Seed
+from rfork.pull.loader import LoadOptions, load
+from rfork.pull.nccl import pull_over_nccl
+from rfork.seed.seed import Seed
+from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
+from rfork.weights.rank_weights import RankWeights
 from tests.rfork.conftest import ADMIN, AUTH, LOAD, READER, REGISTER
 from tests.rfork.test_end_to_end import assert_same
 
@@ -182,7 +183,7 @@ def test_control_endpoint_bounds_slow_clients_and_bodies():
     import torch
 
     from planner.control_token import new_control_key
-    from rfork.control import ControlServer
+    from rfork.seed.control import ControlServer
 
     with ControlServer(
         host="127.0.0.1",

@@ -13,21 +13,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rfork import checksum as ck
-from rfork.checkpoint import (
-    config_for_size,
-    load_rank_from_disk,
-    load_state_dict,
-    read_checkpoint_info,
-    shard_range,
-    split_dim,
-    write_synthetic_checkpoint,
-)
+from backends.layout import plan_layout
+from backends.sharding import shard_range, split_dim
 from rfork.errors import ManifestError
 from rfork.identity import IdentityError, SourceIdentity, fingerprint, global_rank
-from rfork.layout import pack, plan_layout
-from rfork.manifest import RankManifest
-from rfork.model import LlamaForCausalLM
+from rfork.weights import checksum as ck
+from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
+from rfork.weights.manifest import RankManifest
+from rfork.weights.regions import pack
+from rfork.weights.synthetic import config_for_size, write_synthetic_checkpoint
+from tests.tiny_llama import LlamaForCausalLM
 
 # ------------------------------------------------------------------ checksum
 
@@ -283,7 +278,7 @@ def test_model_runs_and_is_deterministic(tmp_path):
 def test_default_labels_from_env_else_hostname(monkeypatch):
     import socket
 
-    from rfork.seed import default_labels
+    from rfork.seed.seed import default_labels
 
     for var in ("RFORK_NODE", "RFORK_RACK", "RFORK_ZONE"):
         monkeypatch.delenv(var, raising=False)

@@ -5,7 +5,7 @@
 Run it in .venv-sglang. The baseline is measured in the same run: an SGLang server started with
 `--load-format auto` (the page cache is warmed first, so "disk" is at its best). Then come:
 - R: `rfork sglang` in checkpoint mode, pulling over tcp from a seed of the same checkpoint (an
-  in-process `rfork.seed.Seed`, as `rfork seed` runs it);
+  in-process `rfork.seed.seed.Seed`, as `rfork seed` runs it);
 - with `parameters` in --modes, P1 (SGLang's own loader, then a parameters seed) and P2 (pulls into
   its parameters from P1).
 Each figure is SGLang's own `Load weight end. elapsed` (the whole ModelRunner.load_model) and rfork's
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rfork.checkpoint import config_for_size
+from rfork.weights.synthetic import config_for_size
 from tests.sglang.servers import ServerFleet, SglangServer
 from tests.sglang.tiny_model import write_tiny_llama
 
@@ -66,8 +66,9 @@ def _row(
 
 
 def _checkpoint_seed(model: Path, planner_url: str) -> Any:
-    from rfork.checkpoint import load_state_dict, read_checkpoint_info
-    from rfork.seed import RankWeights, Seed
+    from rfork.seed.seed import Seed
+    from rfork.weights.checkpoint import load_state_dict, read_checkpoint_info
+    from rfork.weights.rank_weights import RankWeights
 
     info = read_checkpoint_info(model)
     weights = RankWeights.from_tensors(rank=0, tensors=load_state_dict(model))

@@ -22,7 +22,7 @@ def plugins_loaded() -> None:
 
 def test_entry_point_is_declared_in_sglangs_group():
     eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
-    assert eps.get("rfork") == "rfork.sglang.plugin:register"
+    assert eps.get("rfork") == "rfork.integrations.sglang.plugin:register"
 
 
 def test_register_is_cheap_it_imports_no_loader_transport_or_planner():
@@ -32,7 +32,7 @@ def test_register_is_cheap_it_imports_no_loader_transport_or_planner():
         import sglang.srt.arg_groups.choices, sglang.srt.plugins.hook_registry
         before = set(sys.modules)
         t = time.perf_counter()
-        from rfork.sglang.plugin import register
+        from rfork.integrations.sglang.plugin import register
         register()
         took = time.perf_counter() - t
         watched = ('rfork', 'backends', 'planner', 'torch')
@@ -44,7 +44,9 @@ def test_register_is_cheap_it_imports_no_loader_transport_or_planner():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
     )
     took, new = out.stdout.strip().splitlines()[-2], out.stdout.strip().splitlines()[-1].split()
-    assert set(new) <= {"rfork", "rfork.sglang", "rfork.sglang.plugin", "rfork.sglang.lifecycle"}, new
+    allowed = {"rfork", "rfork.integrations", "rfork.integrations.sglang"}
+    allowed |= {"rfork.integrations.sglang.plugin", "rfork.integrations.sglang.lifecycle"}
+    assert set(new) <= allowed, new
     assert float(took) < 0.5
 
 
@@ -74,8 +76,8 @@ def test_loader_dispatch_routes_only_rfork(plugins_loaded):
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.model_loader.loader import DefaultModelLoader, DummyModelLoader, get_model_loader
 
-    from rfork.sglang.model_loader import RforkModelLoader
-    from rfork.sglang.settings import SettingsError
+    from rfork.integrations.sglang.model_loader import RforkModelLoader
+    from rfork.integrations.sglang.settings import SettingsError
 
     extra = {"planner_url": "http://127.0.0.1:9", "mode": "parameters", "num_threads": 2}
     loader = get_model_loader(LoadConfig(load_format="rfork", model_loader_extra_config=extra))

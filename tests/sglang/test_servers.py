@@ -72,8 +72,9 @@ def transfers(planner: Any) -> list[dict[str, Any]]:
 
 
 def test_1_pull_from_an_rfork_seed_and_tokens_equal_auto(planner, server_fleet, flow, tiny_model):
-    from rfork.checkpoint import load_state_dict, read_checkpoint_info
-    from rfork.seed import RankWeights, Seed
+    from rfork.seed.seed import Seed
+    from rfork.weights.checkpoint import load_state_dict, read_checkpoint_info
+    from rfork.weights.rank_weights import RankWeights
 
     info = read_checkpoint_info(tiny_model)
     seed0 = Seed(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rfork.checkpoint import LlamaConfig, write_synthetic_checkpoint
+from rfork.weights.synthetic import LlamaConfig, write_synthetic_checkpoint
 
 TINY = LlamaConfig(
     hidden_size=64,

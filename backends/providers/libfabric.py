@@ -1,0 +1,376 @@
+"""libfabric providers (tcp;ofi_rxm, shm, efa, verbs;ofi_rxm) behind the Domain interface."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from backends.errors import BackendUnavailable, TransferError
+from backends.providers._native import ffi, lib
+from backends.providers.domain import EAGAIN, Completion, Domain, LocalRegistration, RmaOp
+
+log = logging.getLogger(__name__)
+
+# Engine provider names -> libfabric provider strings (rxm gives RDM over connected providers).
+PROVIDERS = {"tcp": "tcp;ofi_rxm", "shm": "shm", "efa": "efa", "verbs": "verbs;ofi_rxm"}
+AUTO_ORDER = ("efa", "verbs", "tcp")
+_CQ_BATCH = 256
+_POST_BATCH = 256
+_ALL_MR_MODES = ("FI_MR_LOCAL", "FI_MR_VIRT_ADDR", "FI_MR_ALLOCATED", "FI_MR_ENDPOINT")
+
+
+def _check(ret: int, what: str) -> None:
+    if ret < 0:
+        msg = ffi.string(lib.fi_strerror(-ret)).decode()
+        raise TransferError(f"{what} failed: {msg} ({ret})")
+
+
+def _getinfo(provider: str, host: str | None, prov_key: bool) -> Any:
+    hints = lib.fi_allocinfo()
+    if hints == ffi.NULL:
+        raise MemoryError("fi_allocinfo")
+    try:
+        hints.caps = (
+            lib.FI_MSG | lib.FI_RMA | lib.FI_READ | lib.FI_WRITE | lib.FI_REMOTE_READ | lib.FI_REMOTE_WRITE
+        )
+        hints.ep_attr.type = lib.FI_EP_RDM
+        mode = 0
+        for name in _ALL_MR_MODES:
+            mode |= getattr(lib, name)
+        if prov_key:
+            mode |= lib.FI_MR_PROV_KEY
+        hints.domain_attr.mr_mode = mode
+        hints.domain_attr.threading = lib.FI_THREAD_SAFE
+        if lib.rf_set_prov_name(hints, PROVIDERS[provider].encode()) != 0:
+            raise MemoryError("strdup")
+        out = ffi.new("struct fi_info **")
+        node = host.encode() if host else ffi.NULL
+        flags = lib.FI_SOURCE if host else 0
+        ret = lib.fi_getinfo(lib.rf_api_version(), node, b"0" if host else ffi.NULL, flags, hints, out)
+        if ret < 0:
+            return None
+        return out[0]
+    finally:
+        lib.fi_freeinfo(hints)
+
+
+def open_info(provider: str, host: str | None) -> Any:
+    """fi_getinfo for a provider; without FI_MR_PROV_KEY first, so that we choose random keys."""
+    if provider not in PROVIDERS:
+        raise BackendUnavailable(f"unknown provider {provider!r}; choose from {sorted(PROVIDERS)} or 'auto'")
+    info = _getinfo(provider, host, prov_key=False) or _getinfo(provider, host, prov_key=True)
+    if info is None:
+        raise BackendUnavailable(
+            f"libfabric provider {PROVIDERS[provider]!r} is not available on this machine"
+        )
+    return info
+
+
+def provider_available(provider: str, host: str | None = None) -> bool:
+    """True when fi_getinfo finds the provider (e.g. for 'auto' and test skips)."""
+    try:
+        info = open_info(provider, host)
+    except BackendUnavailable:
+        return False
+    lib.fi_freeinfo(info)
+    return True
+
+
+class LibfabricDomain(Domain):
+    """fabric + domain + CQ + AV + RDM endpoint for one libfabric provider."""
+
+    def __init__(self, provider: str, *, host: str | None) -> None:
+        self.provider = provider
+        self._info = open_info(provider, host)
+        self._fids: list[Any] = []
+        self._lock = threading.Lock()  # registrations and AV inserts from user threads
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> None:
+        info = self._info
+        dattr = info.domain_attr
+        self.mr_mode = int(dattr.mr_mode)
+        if self.mr_mode & lib.FI_MR_RAW:
+            raise BackendUnavailable(f"{self.provider}: FI_MR_RAW keys are not supported")
+        self.mr_virt_addr = bool(self.mr_mode & lib.FI_MR_VIRT_ADDR)
+        self.prov_key = bool(self.mr_mode & lib.FI_MR_PROV_KEY)
+        self.mr_local = bool(self.mr_mode & lib.FI_MR_LOCAL)
+        self.mr_endpoint = bool(self.mr_mode & lib.FI_MR_ENDPOINT)
+        self.key_bytes = min(int(dattr.mr_key_size) or 8, 8)
+        self.max_inflight = max(8, min(int(info.tx_attr.size) or 64, 64))
+        self.remote_cq_data_flag = int(lib.FI_REMOTE_CQ_DATA)
+        self.recv_flag = int(lib.FI_RECV_FLAG)
+        fab = ffi.new("struct fid_fabric **")
+        _check(lib.fi_fabric(info.fabric_attr, fab, ffi.NULL), "fi_fabric")
+        self._fabric = fab[0]
+        self._fids.append(self._fabric)
+        dom = ffi.new("struct fid_domain **")
+        _check(lib.fi_domain(self._fabric, info, dom, ffi.NULL), "fi_domain")
+        self._domain = dom[0]
+        self._fids.append(self._domain)
+        cq = ffi.new("struct fid_cq **")
+        attr = ffi.new("struct fi_cq_attr *")
+        attr.size = 0
+        attr.format = lib.FI_CQ_FORMAT_DATA
+        attr.wait_obj = lib.FI_WAIT_UNSPEC
+        # shm 1.17 accepts a wait object but fi_cq_sread ignores its timeout there: sleep instead.
+        self.can_wait = self.provider != "shm" and lib.fi_cq_open(self._domain, attr, cq, ffi.NULL) == 0
+        if not self.can_wait:
+            attr.wait_obj = lib.FI_WAIT_NONE
+            _check(lib.fi_cq_open(self._domain, attr, cq, ffi.NULL), "fi_cq_open")
+        self._cq = cq[0]
+        self._fids.append(self._cq)
+        av = ffi.new("struct fid_av **")
+        aattr = ffi.new("struct fi_av_attr *")
+        aattr.type = lib.FI_AV_TABLE
+        _check(lib.fi_av_open(self._domain, aattr, av, ffi.NULL), "fi_av_open")
+        self._av = av[0]
+        self._fids.append(self._av)
+        ep = ffi.new("struct fid_ep **")
+        _check(lib.fi_endpoint(self._domain, info, ep, ffi.NULL), "fi_endpoint")
+        self._ep = ep[0]
+        self._fids.append(self._ep)
+        _check(
+            lib.fi_ep_bind(self._ep, ffi.cast("struct fid *", self._cq), lib.FI_TRANSMIT | lib.FI_RECV_FLAG),
+            "fi_ep_bind(cq)",
+        )
+        _check(lib.fi_ep_bind(self._ep, ffi.cast("struct fid *", self._av), 0), "fi_ep_bind(av)")
+        _check(lib.fi_enable(self._ep), "fi_enable")
+        buf = ffi.new("char[256]")
+        size = ffi.new("size_t *", 256)
+        _check(lib.fi_getname(ffi.cast("struct fid *", self._ep), buf, size), "fi_getname")
+        self.name = bytes(ffi.buffer(buf, size[0]))
+        self._entries = ffi.new("struct fi_cq_data_entry[]", _CQ_BATCH)
+        self._out = ffi.new("uint64_t[]", 4 * _CQ_BATCH)
+        self._ops = ffi.new("struct rf_op[]", _POST_BATCH)
+        self._post_err = ffi.new("long *")
+        self._err = ffi.new("struct fi_cq_err_entry *")
+        self._peers: dict[bytes, int] = {}
+        self._msg = ffi.new("struct fi_msg_rma *")
+        self._iov = ffi.new("struct iovec *")
+        self._rma_iov = ffi.new("struct fi_rma_iov *")
+        self._descs = ffi.new("void *[1]")
+        self._msg.msg_iov = self._iov
+        self._msg.desc = self._descs
+        self._msg.iov_count = 1
+        self._msg.rma_iov = self._rma_iov
+        self._msg.rma_iov_count = 1
+        log.debug(
+            "opened %s domain mr_mode=%#x wait=%s inflight=%d",
+            self.provider,
+            self.mr_mode,
+            self.can_wait,
+            self.max_inflight,
+        )
+
+    def straddr(self, raw: bytes) -> str:
+        buf = ffi.new("char[128]")
+        size = ffi.new("size_t *", 128)
+        lib.fi_av_straddr(self._av, raw, buf, size)
+        return ffi.string(buf).decode(errors="replace")
+
+    def insert_peer(self, raw: bytes) -> int:
+        with self._lock:
+            known = self._peers.get(raw)
+            if known is not None:
+                return known
+            out = ffi.new("fi_addr_t *")
+            ret = lib.fi_av_insert(self._av, raw, 1, out, 0, ffi.NULL)
+            if ret != 1:
+                raise TransferError(f"fi_av_insert of peer {self.straddr(raw)} failed ({ret})")
+            self._peers[raw] = int(out[0])
+            return int(out[0])
+
+    def register(self, ptr: int, nbytes: int, remote_read: bool, remote_write: bool) -> LocalRegistration:
+        access = lib.FI_READ | lib.FI_WRITE | lib.FI_SEND | lib.FI_RECV_FLAG
+        if remote_read:
+            access |= lib.FI_REMOTE_READ
+        if remote_write:
+            access |= lib.FI_REMOTE_WRITE
+        mr = ffi.new("struct fid_mr **")
+        for _attempt in range(4):
+            key = 0 if self.prov_key else secrets.randbits(8 * self.key_bytes)
+            ret = lib.fi_mr_reg(
+                self._domain, ffi.cast("void *", ptr), nbytes, access, 0, key, 0, mr, ffi.NULL
+            )
+            if ret != -errno.ENOKEY:
+                break
+        _check(ret, f"fi_mr_reg({nbytes} bytes)")
+        handle = mr[0]
+        try:
+            if self.mr_endpoint:
+                _check(lib.fi_mr_bind(handle, ffi.cast("struct fid *", self._ep), 0), "fi_mr_bind")
+                _check(lib.fi_mr_enable(handle), "fi_mr_enable")
+        except TransferError:
+            lib.fi_close(ffi.cast("struct fid *", handle))
+            raise
+        desc = lib.fi_mr_desc(handle) if self.mr_local else None
+        return LocalRegistration(int(lib.fi_mr_key(handle)), desc, handle)
+
+    def deregister(self, reg: LocalRegistration) -> None:
+        _check(lib.fi_close(ffi.cast("struct fid *", reg.handle)), "fi_close(mr)")
+
+    def post_read(self, ptr: int, n: int, desc: Any, peer: int, raddr: int, key: int, ctx: int) -> int:
+        desc = ffi.NULL if desc is None else desc
+        ret = lib.fi_read(
+            self._ep, ffi.cast("void *", ptr), n, desc, peer, raddr, key, ffi.cast("void *", ctx)
+        )
+        return self._posted(ret, "fi_read")
+
+    def post_write(
+        self,
+        ptr: int,
+        n: int,
+        desc: Any,
+        peer: int,
+        raddr: int,
+        key: int,
+        ctx: int,
+        imm: int | None,
+        delivery_complete: bool,
+    ) -> int:
+        cctx = ffi.cast("void *", ctx)
+        desc = ffi.NULL if desc is None else desc
+        if delivery_complete:
+            self._iov.iov_base = ffi.cast("void *", ptr)
+            self._iov.iov_len = n
+            self._descs[0] = desc
+            self._msg.addr = peer
+            self._rma_iov.addr = raddr
+            self._rma_iov.len = n
+            self._rma_iov.key = key
+            self._msg.context = cctx
+            flags = lib.FI_COMPLETION | lib.FI_DELIVERY_COMPLETE
+            if imm is not None:
+                self._msg.data = imm
+                flags |= lib.FI_REMOTE_CQ_DATA
+            return self._posted(lib.fi_writemsg(self._ep, self._msg, flags), "fi_writemsg")
+        src = ffi.cast("void *", ptr)
+        if imm is None:
+            return self._posted(lib.fi_write(self._ep, src, n, desc, peer, raddr, key, cctx), "fi_write")
+        return self._posted(
+            lib.fi_writedata(self._ep, src, n, desc, imm, peer, raddr, key, cctx), "fi_writedata"
+        )
+
+    def post_batch(self, ops: Sequence[RmaOp]) -> tuple[int, int, str]:
+        done = 0
+        total = len(ops)
+        arr = self._ops
+        null = ffi.NULL
+        while done < total:
+            n = min(total - done, _POST_BATCH)
+            for i in range(n):
+                op = ops[done + i]
+                o = arr[i]
+                o.buf = op.ptr
+                o.len = op.length
+                o.desc = null if op.desc is None else op.desc
+                o.peer = op.peer
+                o.raddr = op.raddr
+                o.key = op.key
+                o.ctx = op.ctx
+                o.kind = op.kind
+                imm = op.imm
+                if imm is None:
+                    o.flags = 2 if op.delivery_complete else 0
+                else:
+                    o.data = imm
+                    o.flags = 3 if op.delivery_complete else 1
+            k = lib.rf_post_ops(self._ep, arr, n, self._post_err)
+            done += k
+            if k < n:
+                rc = int(self._post_err[0])
+                if rc == -lib.FI_EAGAIN:
+                    return done, EAGAIN, ""
+                what = "fi_read" if ops[done].kind == 0 else "fi_write"
+                return done, rc, f"{what} failed: {ffi.string(lib.fi_strerror(-rc)).decode()} ({rc})"
+        return done, 0, ""
+
+    def post_send(self, ptr: int, n: int, desc: Any, peer: int, ctx: int) -> int:
+        desc = ffi.NULL if desc is None else desc
+        ret = lib.fi_send(self._ep, ffi.cast("void *", ptr), n, desc, peer, ffi.cast("void *", ctx))
+        return self._posted(ret, "fi_send")
+
+    def post_recv(self, ptr: int, n: int, desc: Any, ctx: int) -> int:
+        desc = ffi.NULL if desc is None else desc
+        ret = lib.fi_recv(self._ep, ffi.cast("void *", ptr), n, desc, 2**64 - 1, ffi.cast("void *", ctx))
+        return self._posted(ret, "fi_recv")
+
+    @staticmethod
+    def _posted(ret: int, what: str) -> int:
+        if ret == -lib.FI_EAGAIN:
+            return EAGAIN
+        _check(ret, what)
+        return 0
+
+    def poll(self) -> list[Completion]:
+        return self._completions(lib.rf_cq_drain(self._cq, self._entries, _CQ_BATCH, self._out))
+
+    def _completions(self, n: int) -> list[Completion]:
+        if n > 0:
+            v = ffi.unpack(self._out, 4 * n)
+            return [Completion(v[i], v[i + 1], v[i + 2], v[i + 3]) for i in range(0, 4 * n, 4)]
+        if n == 0 or n == -lib.FI_EAGAIN:
+            return []
+        if n == -lib.FI_EAVAIL:
+            return [self._read_error()]
+        _check(n, "fi_cq_read")
+        return []
+
+    def _read_error(self) -> Completion:
+        err = self._err
+        ret = lib.fi_cq_readerr(self._cq, err, 0)
+        if ret < 0:
+            return Completion(0, 0, 0, 0, errno.EIO, f"fi_cq_readerr failed ({ret})")
+        buf = ffi.new("char[256]")
+        detail = lib.fi_cq_strerror(self._cq, err.prov_errno, err.err_data, buf, 256)
+        text = ffi.string(detail).decode(errors="replace") if detail != ffi.NULL else ""
+        base = ffi.string(lib.fi_strerror(err.err)).decode()
+        return Completion(
+            int(ffi.cast("uintptr_t", err.op_context)),
+            int(err.flags),
+            int(err.len),
+            int(err.data),
+            int(err.err) or errno.EIO,
+            f"{base}; {text}" if text else base,
+        )
+
+    def wait(self, timeout_s: float) -> list[Completion]:
+        if not self.can_wait:
+            time.sleep(timeout_s)
+            return self.poll()
+        ms = max(1, int(timeout_s * 1000))
+        # 0 when it timed out, was interrupted, or was woken by signal().
+        return self._completions(lib.rf_cq_wait(self._cq, self._entries, _CQ_BATCH, self._out, ms))
+
+    def signal(self) -> None:
+        if self.can_wait:
+            lib.fi_cq_signal(self._cq)
+
+    def close(self) -> None:
+        for fid in reversed(self._fids):
+            ret = lib.fi_close(ffi.cast("struct fid *", fid))
+            if ret < 0:
+                log.warning("fi_close returned %d", ret)
+        self._fids.clear()
+        if self._info is not None:
+            lib.fi_freeinfo(self._info)
+            self._info = None
+
+
+def cma_permitted() -> bool:
+    """shm moves bulk data with process_vm_readv, which Yama ptrace_scope >= 2 forbids."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read().strip() or 0) < 2
+    except OSError:
+        return True

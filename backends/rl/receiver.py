@@ -1,0 +1,386 @@
+"""The inference side of a weight-update session: two parameter slots, flipped on completion.
+
+Consistency rule (double buffer and flip): readers compute on the *active* slot; trainers write the
+next version into the *free* slot with one-sided writes; once every contributing trainer's
+completion immediate for that version has arrived, the receiver makes the free slot active (an
+index swap under a lock, so a reader gets one slot or the other, never a mix). The slot that was
+active is offered for the next version (READY) only after the last reader that took it has
+released it. A trainer that dies mid-update never completes, so after `update_timeout_s` the
+update is abandoned and the receiver stays on the old version, whose slot was never touched.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from backends import Region, TransferEngine, TransferError
+from backends.layout import views
+from backends.rl import messages as protocol
+from backends.rl.schedule import RankShard, ReceiverSchedule, build_receiver_schedule
+from backends.rl.spec import (
+    DEFAULT_MAX_REGION_BYTES,
+    RLError,
+    TensorSpec,
+    TrainerRank,
+    check_tp,
+    shard_layout,
+    specs_digest,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """One consistent version of the weights, valid while its `acquire()` block runs."""
+
+    version: int
+    slot: int
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass(slots=True)
+class _Pending:
+    version: int
+    deadline: float
+
+
+class RLReceiver:
+    """One inference rank taking weight updates from the session's trainers.
+
+    `buffers` are the rank's existing flat parameter regions (the `rfork.weights.regions` placement of its
+    shards), registered in place as slot 0; slot 1 is a copy. Both slots are registered for remote
+    write only, and their descriptors go only to the session's trainers (in HELLO). The engine's
+    message callback belongs to the session from here on.
+    """
+
+    def __init__(
+        self,
+        engine: TransferEngine,
+        *,
+        session: str,
+        specs: Sequence[TensorSpec],
+        trainers: Sequence[TrainerRank],
+        index: int,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        buffers: Sequence[torch.Tensor] | None = None,
+        max_region_bytes: int = DEFAULT_MAX_REGION_BYTES,
+        version: int = 0,
+        update_timeout_s: float = 60.0,
+        on_update_begin: Callable[[int], None] | None = None,
+    ) -> None:
+        check_tp(tp_size, tp_rank, f"receiver {index}")
+        if update_timeout_s <= 0:
+            raise RLError(f"receiver {index}: update_timeout_s must be positive, not {update_timeout_s}")
+        self.engine = engine
+        self.session = session
+        self.index = index
+        self.specs = tuple(specs)
+        self.trainers = tuple(trainers)
+        self.update_timeout_s = float(update_timeout_s)
+        self._on_update_begin = on_update_begin
+        self.layout = shard_layout(
+            self.specs, tp_size=tp_size, tp_rank=tp_rank, max_region_bytes=max_region_bytes
+        )
+        self._tp = (tp_size, tp_rank, max_region_bytes)
+        t0 = time.perf_counter()
+        self.schedule: ReceiverSchedule = build_receiver_schedule(
+            self.specs,
+            [
+                RankShard(
+                    t.tp_size,
+                    t.tp_rank,
+                    shard_layout(
+                        self.specs, tp_size=t.tp_size, tp_rank=t.tp_rank, max_region_bytes=t.max_region_bytes
+                    ),
+                )
+                for t in self.trainers
+            ],
+            RankShard(tp_size, tp_rank, self.layout),
+            receiver_index=index,
+        )
+        self.schedule_seconds = time.perf_counter() - t0
+        self.contributors = self.schedule.contributors
+        slot0 = self._check_buffers(buffers)
+        self._slots = (slot0, [b.clone() for b in slot0])  # the clone also pre-faults slot 1
+        self._views = tuple(views(self.layout, s) for s in self._slots)
+        self._regions: list[list[Region]] = []
+        try:
+            for slot in self._slots:
+                self._regions.append([engine.register(b, "write") for b in slot])
+        except BaseException:
+            self._release()
+            raise
+        self.tag = secrets.randbelow(256)
+        self._cond = threading.Condition()
+        self._active = 0
+        self._version = version
+        self._readers = [0, 0]
+        self._pending: _Pending | None = None
+        self._abandoned_up_to = version
+        self._announce = False
+        self._confirmed = version  # the last version a READY told the trainers about
+        self._inbox: deque[bytes] = deque()
+        self._closed = False
+        self.rejected: str | None = None
+        self.applied = 0
+        self.abandoned = 0
+        engine.on_message(self._on_message)
+        self._thread = threading.Thread(target=self._control_loop, name=f"rl-receiver-{index}", daemon=True)
+        self._thread.start()
+        self._hello()
+
+    # ----- reader side --------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """The version readers get now."""
+        with self._cond:
+            return self._version
+
+    @contextlib.contextmanager
+    def acquire(self) -> Iterator[Snapshot]:
+        """Pin the active slot for one computation: its bytes do not change until the block exits."""
+        with self._cond:
+            slot, version = self._active, self._version
+            self._readers[slot] += 1
+        try:
+            yield Snapshot(version, slot, self._views[slot])
+        finally:
+            with self._cond:
+                self._readers[slot] -= 1
+                if self._readers[slot] == 0:
+                    self._cond.notify_all()
+
+    def wait_version(self, version: int, timeout_s: float) -> bool:
+        """Block until readers get `version` or later; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._version < version:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    # ----- protocol -----------------------------------------------------------------------------
+    def _hello(self) -> None:
+        tp_size, tp_rank, mrb = self._tp
+        descs = [[base64.b64encode(r.descriptor.to_bytes()).decode() for r in slot] for slot in self._regions]
+        with self._cond:
+            version, free = self._version, 1 - self._active
+        msg = protocol.encode(
+            self.session,
+            protocol.HELLO,
+            receiver=self.index,
+            tp=[tp_size, tp_rank],
+            max_region_bytes=mrb,
+            digest=specs_digest(self.specs),
+            tag=self.tag,
+            address=base64.b64encode(self.engine.address).decode(),
+            slots=descs,
+            contributors=list(self.contributors),
+            version=version,
+            slot=free,
+        )
+        futures = [(i, self.engine.send(t.address, msg)) for i, t in enumerate(self.trainers)]
+        for i, fut in futures:
+            try:
+                fut.result(timeout=self.engine.timeout_s + 5)
+            except (TransferError, TimeoutError) as exc:
+                self.close()
+                raise RLError(f"receiver {self.index}: HELLO to trainer {i} failed: {exc}") from exc
+
+    def _on_message(self, data: bytes) -> None:
+        # Progress thread: queue only.
+        with self._cond:
+            self._inbox.append(data)
+            self._cond.notify_all()
+
+    def _control_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (
+                    self._closed
+                    or self._inbox
+                    or self._announce_due()
+                    or self._confirm_due()
+                    or self._overdue()
+                ):
+                    self._cond.wait(self._wait_s())
+                if self._closed:
+                    return
+                inbox = list(self._inbox)
+                self._inbox.clear()
+                if self._overdue():
+                    self._abandon()
+                ready: tuple[int, int | None] | None = None
+                if self._announce_due():
+                    self._announce = False
+                    ready = (self._version, 1 - self._active)
+                elif self._confirm_due():  # flipped, but a reader still holds the old slot
+                    ready = (self._version, None)
+                if ready is not None:
+                    self._confirmed = ready[0]
+            for data in inbox:
+                self._handle(data)
+            if ready is not None:
+                self._broadcast(protocol.READY, version=ready[0], slot=ready[1])
+
+    def _confirm_due(self) -> bool:
+        return self._confirmed != self._version
+
+    def _wait_s(self) -> float:
+        if self._pending is None:
+            return 1.0
+        return max(0.0, min(1.0, self._pending.deadline - time.monotonic()))
+
+    def _announce_due(self) -> bool:
+        return self._announce and self._readers[1 - self._active] == 0
+
+    def _overdue(self) -> bool:
+        return self._pending is not None and time.monotonic() >= self._pending.deadline
+
+    def _abandon(self) -> None:
+        pending = self._pending
+        assert pending is not None
+        log.warning(
+            "receiver %d: update to version %d abandoned after %.1fs (a trainer did not complete); "
+            "staying on version %d",
+            self.index,
+            pending.version,
+            self.update_timeout_s,
+            self._version,
+        )
+        self._pending = None
+        self._abandoned_up_to = max(self._abandoned_up_to, pending.version)
+        self.abandoned += 1
+        self._announce = True  # the free slot is garbage now but free: offer it again
+
+    def _handle(self, data: bytes) -> None:
+        try:
+            msg = protocol.decode(data, self.session)
+            if msg is None:
+                return
+            kind = msg["kind"]
+            if kind == protocol.BEGIN:
+                self._begin(protocol.field(msg, "version", int))
+            elif kind == protocol.REJECT:
+                self.rejected = str(msg.get("reason"))
+                log.error("receiver %d: a trainer rejected this receiver: %s", self.index, self.rejected)
+            else:
+                log.debug("receiver %d: ignoring %s message", self.index, kind)
+        except RLError as exc:
+            log.warning("receiver %d: %s", self.index, exc)
+
+    def _begin(self, version: int) -> None:
+        with self._cond:
+            if version <= max(self._version, self._abandoned_up_to):
+                return  # stale, or a second trainer's BEGIN for an update already under way
+            if self._pending is not None:
+                if self._pending.version >= version:
+                    return
+                log.warning(
+                    "receiver %d: version %d begins while %d is incomplete; abandoning %d",
+                    self.index,
+                    version,
+                    self._pending.version,
+                    self._pending.version,
+                )
+                self._abandoned_up_to = self._pending.version
+                self.abandoned += 1
+            pending = _Pending(version, time.monotonic() + self.update_timeout_s)
+            self._pending = pending
+        log.debug("receiver %d: update to version %d begins", self.index, version)
+        if self._on_update_begin is not None:
+            self._on_update_begin(version)
+        if not self.contributors:
+            self._complete(pending, None)
+            return
+        fut = self.engine.expect(protocol.imm_for(self.tag, version), len(self.contributors))
+        fut.add_done_callback(lambda f: self._complete(pending, f))
+
+    def _complete(self, pending: _Pending, fut: Future[None] | None) -> None:
+        if fut is not None and fut.exception() is not None:
+            return
+        with self._cond:
+            if self._pending is not pending:
+                return  # abandoned meanwhile: its slot will be rewritten by the next update
+            self._pending = None
+            self._active = 1 - self._active
+            self._version = pending.version
+            self.applied += 1
+            self._announce = True
+            self._cond.notify_all()
+        log.info("receiver %d: now on version %d", self.index, pending.version)
+
+    def _broadcast(self, kind: str, **fields: Any) -> None:  # noqa: ANN401
+        msg = protocol.encode(self.session, kind, receiver=self.index, **fields)
+        for i, t in enumerate(self.trainers):
+            try:
+                self.engine.send(t.address, msg).add_done_callback(self._sent(kind, i))
+            except TransferError as exc:
+                log.warning("receiver %d: %s to trainer %d failed: %s", self.index, kind, i, exc)
+
+    def _sent(self, kind: str, trainer: int) -> Callable[[Future[None]], None]:
+        def check(fut: Future[None]) -> None:
+            if fut.exception() is not None:
+                log.warning(
+                    "receiver %d: %s to trainer %d failed: %s", self.index, kind, trainer, fut.exception()
+                )
+
+        return check
+
+    # ----- setup and teardown -------------------------------------------------------------------
+    def _check_buffers(self, buffers: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+        sizes = self.layout.region_sizes
+        if buffers is None:
+            return [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+        got = [int(b.numel() * b.element_size()) for b in buffers]
+        if len(got) != len(sizes) or any(g < n for g, n in zip(got, sizes, strict=False)):
+            raise RLError(
+                f"receiver {self.index}: buffers of {got} bytes do not hold "
+                f"the layout's regions {list(sizes)}"
+            )
+        out = []
+        for b in buffers:
+            if b.device.type != "cpu" or not b.is_contiguous():
+                raise RLError(f"receiver {self.index}: parameter buffers must be contiguous host memory")
+            out.append(b.view(torch.uint8).view(-1))
+        return out
+
+    def _release(self) -> None:
+        for slot in self._regions:
+            for region in slot:
+                region.close()
+        self._regions = []
+
+    def close(self) -> None:
+        """Stop taking updates and deregister both slots (the engine stays open)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        self.engine.on_message(lambda _data: None)
+        self._release()
+
+    def __enter__(self) -> RLReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

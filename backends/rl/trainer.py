@@ -1,0 +1,474 @@
+"""The trainer side of a weight-update session: post the scheduled writes, then one immediate each.
+
+Every trainer rank runs an `RLTrainer` over its own engine and its own shard buffers. Receivers
+join by sending HELLO; the trainer then computes that receiver's schedule once (the static part)
+and keeps only its own runs. `update(version)` waits for each receiver's READY (its free slot),
+sends BEGIN, posts the runs as one-sided writes into that slot, and when they have all completed
+sends one immediate for the version. A receiver whose writes fail (it died, or stopped answering
+within the engine's timeout) is dropped from the session; the others are unaffected.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+import torch
+
+from backends import MemoryRegionDescriptor, Region, TransferEngine, TransferError
+from backends.layout import views
+from backends.rl import messages as protocol
+from backends.rl.schedule import RankShard, Run, build_receiver_schedule
+from backends.rl.spec import RLError, TensorSpec, TrainerRank, check_tp, shard_layout, specs_digest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateResult:
+    """What one trainer saw of one update: per receiver applied, dropped or failed (with why)."""
+
+    version: int
+    applied: tuple[int, ...]
+    dropped: dict[int, str]
+    failed: dict[int, str]
+    seconds: float
+    bytes_posted: int
+
+
+@dataclass(slots=True)
+class _ReceiverState:
+    index: int
+    address: bytes
+    slots: list[list[MemoryRegionDescriptor]]
+    tag: int
+    runs: tuple[Run, ...]
+    version: int
+    free_slot: int | None
+    schedule_seconds: float
+    alive: bool = True
+    reason: str = ""
+    bytes_per_update: int = field(default=0)
+
+
+class RLTrainer:
+    """One trainer rank: owns its shard buffers (registered in place) and its part of every update.
+
+    `trainers` is the whole trainer roster, the same list every member got; `index` is this rank's
+    position in it. The training loop writes new weights into `tensors` (views of `buffers`) between
+    updates, never during one. The engine's message callback belongs to the session from here on.
+    """
+
+    def __init__(
+        self,
+        engine: TransferEngine,
+        *,
+        session: str,
+        specs: Sequence[TensorSpec],
+        trainers: Sequence[TrainerRank],
+        index: int,
+        buffers: Sequence[torch.Tensor],
+        version: int = 0,
+        timeout_s: float = 60.0,
+    ) -> None:
+        if not 0 <= index < len(trainers):
+            raise RLError(f"trainer index {index} is not in the roster of {len(trainers)}")
+        me = trainers[index]
+        check_tp(me.tp_size, me.tp_rank, f"trainer {index}")
+        if engine.provider == "shm" and engine.domains > 1:
+            # shm completes plain writes when queued: only one endpoint (FIFO to the peer) keeps the
+            # completion immediate behind the data it announces.
+            raise RLError(f"trainer {index}: an shm engine needs exactly one domain, not {engine.domains}")
+        if me.address != engine.address:
+            raise RLError(f"trainer {index}: the roster's address is not this engine's address")
+        self.engine = engine
+        self.session = session
+        self.index = index
+        self.specs = tuple(specs)
+        self.digest = specs_digest(self.specs)
+        self.timeout_s = float(timeout_s)
+        self._shards = [
+            RankShard(
+                t.tp_size,
+                t.tp_rank,
+                shard_layout(
+                    self.specs, tp_size=t.tp_size, tp_rank=t.tp_rank, max_region_bytes=t.max_region_bytes
+                ),
+            )
+            for t in trainers
+        ]
+        self.layout = self._shards[index].layout
+        sizes = self.layout.region_sizes
+        got = [int(b.numel() * b.element_size()) for b in buffers]
+        if len(got) != len(sizes) or any(g < n for g, n in zip(got, sizes, strict=False)):
+            raise RLError(
+                f"trainer {index}: buffers of {got} bytes do not hold the layout's regions {list(sizes)}"
+            )
+        self.buffers = [b.view(torch.uint8).view(-1) for b in buffers]
+        self.tensors = views(self.layout, self.buffers)
+        self._src: list[Region] = [engine.register(b, "read") for b in self.buffers]
+        self._cond = threading.Condition()
+        self._receivers: dict[int, _ReceiverState] = {}
+        self._inbox: deque[bytes] = deque()
+        self._closed = False
+        self._version = version
+        engine.on_message(self._on_message)
+        self._thread = threading.Thread(target=self._control_loop, name=f"rl-trainer-{index}", daemon=True)
+        self._thread.start()
+
+    # ----- public state -------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """The last version this trainer posted."""
+        with self._cond:
+            return self._version
+
+    def receiver_versions(self) -> dict[int, int]:
+        """The version each live receiver last reported serving (HELLO or READY)."""
+        with self._cond:
+            return {i: r.version for i, r in self._receivers.items() if r.alive}
+
+    def dropped(self) -> dict[int, str]:
+        """Receivers dropped from the session, with the reason."""
+        with self._cond:
+            return {i: r.reason for i, r in self._receivers.items() if not r.alive}
+
+    @property
+    def schedule_seconds(self) -> float:
+        """Time spent computing schedules (once per receiver, at its HELLO)."""
+        with self._cond:
+            return sum(r.schedule_seconds for r in self._receivers.values())
+
+    def wait_receivers(self, count: int, timeout_s: float) -> None:
+        """Block until `count` receivers have joined; RLError naming how many did otherwise."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while sum(r.alive for r in self._receivers.values()) < count:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RLError(
+                        f"trainer {self.index}: {len(self._receivers)} of {count} receivers joined "
+                        f"within {timeout_s:g}s"
+                    )
+                self._cond.wait(left)
+
+    # ----- the update ---------------------------------------------------------------------------
+    def update(
+        self, version: int, *, timeout_s: float | None = None, wait_applied: bool = True
+    ) -> UpdateResult:
+        """Write this rank's share of `version` into every live receiver's free slot.
+
+        Returns once every receiver has been written (or dropped) and, with wait_applied, has
+        confirmed it serves `version` (or has abandoned it). Bounded by timeout_s.
+        """
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        with self._cond:
+            if version <= self._version:
+                raise RLError(
+                    f"trainer {self.index}: version {version} is not above the last one ({self._version})"
+                )
+            if version & protocol.VERSION_MASK == 0:
+                raise RLError(f"trainer {self.index}: version {version} wraps the 24-bit immediate to 0")
+            self._version = version
+            waiting = {i for i, r in self._receivers.items() if r.alive}
+        deliveries: dict[int, Future[None]] = {}
+        posted = 0
+        dropped: dict[int, str] = {}
+        failed: dict[int, str] = {}
+        while waiting:
+            with self._cond:
+                start = []
+                for i in sorted(waiting):
+                    rec = self._receivers[i]
+                    if not rec.alive:
+                        waiting.discard(i)
+                        dropped[i] = rec.reason
+                    elif rec.free_slot is not None and rec.version < version:
+                        start.append((rec, rec.free_slot))
+                        rec.free_slot = None
+                        waiting.discard(i)
+                if not start and waiting:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(min(left, 0.5))
+                    continue
+            for rec, slot in start:
+                deliveries[rec.index] = self._post(rec, slot, version)
+                posted += rec.bytes_per_update
+        for i in waiting:
+            failed[i] = (
+                f"no free slot (READY) within the update timeout; it serves {self._receivers[i].version}"
+            )
+        for i, fut in deliveries.items():
+            try:
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except (TransferError, FutureTimeout) as exc:
+                reason = f"update {version}: {exc or 'timed out'}"
+                if isinstance(exc, TransferError):
+                    self._drop(i, reason)
+                    dropped[i] = reason
+                else:
+                    failed[i] = reason
+        applied: list[int] = []
+        pending = [i for i in deliveries if i not in dropped and i not in failed]
+        if not wait_applied:
+            applied = pending
+        else:
+            with self._cond:
+                while pending:
+                    for i in list(pending):
+                        rec = self._receivers[i]
+                        if rec.version >= version:
+                            applied.append(i)
+                            pending.remove(i)
+                        elif not rec.alive:
+                            dropped[i] = rec.reason
+                            pending.remove(i)
+                        elif rec.free_slot is not None:
+                            failed[i] = (
+                                f"abandoned version {version} (a trainer did not complete); "
+                                f"serves {rec.version}"
+                            )
+                            pending.remove(i)
+                    left = deadline - time.monotonic()
+                    if not pending or left <= 0:
+                        break
+                    self._cond.wait(min(left, 0.5))
+            for i in pending:
+                failed[i] = f"did not confirm version {version} in time"
+        return UpdateResult(
+            version=version,
+            applied=tuple(sorted(applied)),
+            dropped=dropped,
+            failed=failed,
+            seconds=time.perf_counter() - t0,
+            bytes_posted=posted,
+        )
+
+    def _post(self, rec: _ReceiverState, slot: int, version: int) -> Future[None]:
+        """BEGIN, every run, then (once all completed) the immediate; the future covers all of it."""
+        done: Future[None] = Future()
+        done.set_running_or_notify_cancel()
+        if not rec.runs:
+            done.set_result(None)
+            return done
+        eng = self.engine
+        descs = rec.slots[slot]
+        lock = threading.Lock()
+        futures: list[Future[None]] = []
+
+        def fail(exc: BaseException) -> None:
+            with lock:
+                if done.done():
+                    return
+                done.set_exception(exc)
+
+        def finish(f: Future[None]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                fail(exc)
+            elif not done.done():
+                done.set_result(None)
+
+        outstanding = [0]
+
+        def one_done(f: Future[None]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                fail(exc)
+                return
+            with lock:
+                outstanding[0] -= 1
+                last = outstanding[0] == 0
+            if last and not done.done():
+                try:
+                    eng.write_imm(protocol.imm_for(rec.tag, version), descs[0]).add_done_callback(finish)
+                except TransferError as exc2:
+                    fail(exc2)
+
+        try:
+            begin = protocol.encode(self.session, protocol.BEGIN, version=version)
+            futures.append(eng.send(rec.address, begin))
+            src = self._src
+            for run in rec.runs:
+                if run.count == 1:
+                    futures.append(
+                        eng.write(
+                            src[run.src_region],
+                            run.src_offset,
+                            run.length,
+                            descs[run.dst_region],
+                            run.dst_offset,
+                        )
+                    )
+                else:
+                    pages = range(run.count)
+                    futures.append(
+                        eng.write_paged(
+                            src[run.src_region],
+                            pages,
+                            run.src_stride,
+                            descs[run.dst_region],
+                            pages,
+                            run.dst_stride,
+                            run.length,
+                            src_offset=run.src_offset,
+                            dst_offset=run.dst_offset,
+                        )
+                    )
+        except TransferError as exc:
+            fail(exc)
+            return done
+        outstanding[0] = len(futures)
+        for f in futures:
+            f.add_done_callback(one_done)
+        return done
+
+    def _drop(self, index: int, reason: str) -> None:
+        with self._cond:
+            rec = self._receivers.get(index)
+            if rec is not None and rec.alive:
+                rec.alive = False
+                rec.reason = reason
+                log.warning("trainer %d: dropped receiver %d: %s", self.index, index, reason)
+            self._cond.notify_all()
+
+    # ----- messages -----------------------------------------------------------------------------
+    def _on_message(self, data: bytes) -> None:
+        with self._cond:
+            self._inbox.append(data)
+            self._cond.notify_all()
+
+    def _control_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._inbox:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                inbox = list(self._inbox)
+                self._inbox.clear()
+            for data in inbox:
+                try:
+                    msg = protocol.decode(data, self.session)
+                    if msg is None:
+                        continue
+                    if msg["kind"] == protocol.HELLO:
+                        self._hello(msg)
+                    elif msg["kind"] == protocol.READY:
+                        self._ready(msg)
+                except RLError as exc:
+                    log.warning("trainer %d: %s", self.index, exc)
+
+    def _ready(self, msg: dict[str, object]) -> None:
+        index = protocol.field(msg, "receiver", int)
+        with self._cond:
+            rec = self._receivers.get(index)
+            if rec is None or not rec.alive:
+                return
+            rec.version = protocol.field(msg, "version", int)
+            rec.free_slot = None if msg.get("slot") is None else protocol.field(msg, "slot", int) & 1
+            self._cond.notify_all()
+
+    def _hello(self, msg: dict[str, object]) -> None:
+        index = protocol.field(msg, "receiver", int)
+        try:
+            address = base64.b64decode(protocol.field(msg, "address", str))
+        except ValueError as exc:
+            raise RLError(f"HELLO from receiver {index}: bad address") from exc
+        try:
+            rec = self._join(index, address, msg)
+        except (RLError, TransferError, ValueError) as exc:
+            reason = f"trainer {self.index} rejects receiver {index}: {exc}"
+            log.warning("%s", reason)
+            try:
+                self.engine.send(
+                    address, protocol.encode(self.session, protocol.REJECT, reason=reason[:2000])
+                )
+            except TransferError:
+                log.debug("REJECT to receiver %d failed", index, exc_info=True)
+            return
+        with self._cond:
+            self._receivers[index] = rec  # a receiver that re-joins under its index replaces itself
+            self._cond.notify_all()
+        log.info(
+            "trainer %d: receiver %d joined (%d runs, %d bytes per update, schedule %.3fs)",
+            self.index,
+            index,
+            len(rec.runs),
+            rec.bytes_per_update,
+            rec.schedule_seconds,
+        )
+
+    def _join(self, index: int, address: bytes, msg: dict[str, object]) -> _ReceiverState:
+        if protocol.field(msg, "digest", str) != self.digest:
+            raise RLError("its model (tensor specs) differs from the trainer's")
+        tp = protocol.field(msg, "tp", list)
+        if len(tp) != 2 or not all(isinstance(x, int) for x in tp):
+            raise RLError("field 'tp' must be [tp_size, tp_rank]")
+        check_tp(tp[0], tp[1], f"receiver {index}")
+        mrb = protocol.field(msg, "max_region_bytes", int)
+        t0 = time.perf_counter()
+        layout = shard_layout(self.specs, tp_size=tp[0], tp_rank=tp[1], max_region_bytes=mrb)
+        schedule = build_receiver_schedule(
+            self.specs, self._shards, RankShard(tp[0], tp[1], layout), receiver_index=index
+        )
+        seconds = time.perf_counter() - t0
+        if list(schedule.contributors) != protocol.field(msg, "contributors", list):
+            raise RLError(
+                f"its schedule has contributors {msg.get('contributors')}, "
+                f"the trainer computes {list(schedule.contributors)}"
+            )
+        slots_raw = protocol.field(msg, "slots", list)
+        if len(slots_raw) != 2:
+            raise RLError("field 'slots' must list two slots")
+        slots: list[list[MemoryRegionDescriptor]] = []
+        for slot in slots_raw:
+            descs = [MemoryRegionDescriptor.from_bytes(base64.b64decode(d)) for d in slot]
+            if len(descs) != len(layout.region_sizes):
+                raise RLError(f"a slot has {len(descs)} regions, the layout {len(layout.region_sizes)}")
+            for d, n in zip(descs, layout.region_sizes, strict=True):
+                if not d.writable or d.length < n or d.address != address:
+                    raise RLError("a slot region is not writable, too small, or not the receiver's")
+            slots.append(descs)
+        runs = schedule.runs_for(self.index)
+        return _ReceiverState(
+            index=index,
+            address=address,
+            slots=slots,
+            tag=protocol.field(msg, "tag", int),
+            runs=runs,
+            version=protocol.field(msg, "version", int),
+            free_slot=protocol.field(msg, "slot", int) & 1,
+            schedule_seconds=seconds,
+            bytes_per_update=sum(r.nbytes for r in runs),
+        )
+
+    # ----- teardown -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the session's control thread and deregister the source buffers (the engine stays open)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+        self.engine.on_message(lambda _data: None)
+        for region in self._src:
+            region.close()
+        self._src = []
+
+    def __enter__(self) -> RLTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

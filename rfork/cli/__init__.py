@@ -1,0 +1,94 @@
+"""The `rfork` command line: one entry point, subcommands implemented by the packages that own them.
+
+Each subcommand lives in a module with `configure(parser)` and `run(args) -> int`. Those modules
+keep their top-level imports light (no torch, no FastAPI) so `rfork --help` stays instant; they
+import what they need inside `run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+from rfork import __version__
+
+# (command path, implementing module). Groups ("planner", "bench") are created on the way.
+COMMANDS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("planner", "serve"), "rfork.cli.planner_serve"),
+    (("planner", "migrate"), "rfork.cli.planner_migrate"),
+    (("seed",), "rfork.cli.seed"),
+    (("load",), "rfork.cli.load"),
+    (("demo",), "rfork.cli.demo"),
+    (("sglang",), "rfork.cli.sglang"),
+    (("bench", "transport"), "rfork.bench.transport"),
+    (("bench", "cold-start"), "rfork.bench.cold_start"),
+    (("bench", "planner"), "rfork.bench.planner"),
+    (("bench", "gpu"), "rfork.bench.gpu"),
+    (("bench", "rl"), "rfork.bench.rl"),
+    (("bench", "moe"), "rfork.bench.moe"),
+    (("bench", "kv"), "rfork.bench.kv"),
+    (("bench", "scale-out"), "rfork.bench.scale_out"),
+    (("simulate", "scale-out"), "rfork.simulate.scale_out"),
+)
+
+GROUP_HELP = {
+    "planner": "run or migrate the planner service",
+    "bench": "benchmarks; each measures its baseline in the same run and prints the ratio",
+    "simulate": "simulations that drive the real planner on a bandwidth model",
+}
+
+log = logging.getLogger("rfork")
+
+
+def _summary(module: ModuleType) -> str:
+    doc = (module.__doc__ or "").strip()
+    return doc.splitlines()[0] if doc else ""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command tree; each leaf parser carries its module in `_module`."""
+    parser = argparse.ArgumentParser(prog="rfork", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--version", action="version", version=f"rfork {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    top = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    groups: dict[str, argparse._SubParsersAction[argparse.ArgumentParser]] = {}
+    for path, module_name in COMMANDS:
+        module = importlib.import_module(module_name)
+        subs = top
+        for i, word in enumerate(path[:-1]):
+            key = " ".join(path[: i + 1])
+            if key not in groups:
+                group = subs.add_parser(word, help=GROUP_HELP.get(word), description=GROUP_HELP.get(word))
+                groups[key] = group.add_subparsers(dest=f"{word}_command", metavar="COMMAND", required=True)
+            subs = groups[key]
+        summary = _summary(module)
+        leaf = subs.add_parser(path[-1], help=summary, description=summary)
+        module.configure(leaf)
+        leaf.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (non-zero with a one-line error on failure)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args._module.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the CLI's last word: one line, not a traceback
+        if args.debug:
+            raise
+        print(f"rfork: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

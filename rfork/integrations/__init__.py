@@ -1,0 +1,1 @@
+"""Framework hooks: serving engines that load by R-Fork and become seeds (SGLang)."""

@@ -1,0 +1,70 @@
+"""Source identities for SGLang instances, one per loader mode (docs/sglang.md, "Identity rules").
+
+checkpoint mode pulls checkpoint-named, unsharded tensors, whatever SGLang does with them after, so
+its identity is the checkpoint's own (framework "rfork", tp=pp=1, cpu): the same identity as
+`rfork seed --checkpoint DIR`, and any SGLang version, parallel layout or device can use it.
+
+parameters mode pulls the post-processed `named_parameters()` of one rank straight into the new
+instance's parameters, so everything that shapes those bytes is in the identity: framework "sglang"
+and its version, tp/pp/ep/dp, quantization, dtype, device kind and a fingerprint of the parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from backends.layout import dtype_name
+from rfork.identity import SourceIdentity, fingerprint
+from rfork.weights.checkpoint import CheckpointInfo
+
+
+def device_kind(device: torch.device | str) -> str:
+    """"cpu", or "cuda:smXY" for the current CUDA device (parameters differ in layout across archs)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return dev.type
+    major, minor = torch.cuda.get_device_capability(dev)
+    return f"cuda:sm{major}{minor}"
+
+
+def parameters_fingerprint(tensors: Mapping[str, torch.Tensor]) -> str:
+    """The identity fingerprint of one rank's parameters: names, dtypes and (sharded) shapes."""
+    return fingerprint((name, dtype_name(t.dtype), tuple(t.shape)) for name, t in tensors.items())
+
+
+def parameters_identity(
+    *,
+    model: str,
+    revision: str,
+    tensors: Mapping[str, torch.Tensor],
+    dtype: torch.dtype | str,
+    quantization: str | None,
+    tp: int,
+    pp: int,
+    ep: int,
+    dp: int,
+    framework_version: str,
+    device: torch.device | str,
+) -> SourceIdentity:
+    """Identity of an SGLang instance in parameters mode (see the module docstring)."""
+    return SourceIdentity(
+        model=model,
+        revision=revision,
+        fingerprint=parameters_fingerprint(tensors),
+        dtype=dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype),
+        quantization=quantization or "none",
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        dp=dp,
+        framework="sglang",
+        framework_version=framework_version,
+        device_kind=device_kind(device),
+    )
+
+
+def checkpoint_identity(info: CheckpointInfo, *, model: str | None, revision: str) -> SourceIdentity:
+    """Identity in checkpoint mode: the checkpoint's, exactly as `rfork seed` publishes it."""
+    return info.identity(tp=1, pp=1, model=model, revision=revision, device_kind="cpu")

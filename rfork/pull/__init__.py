@@ -1,0 +1,1 @@
+"""The pull: a rank's weights from a seed (one-sided reads), else NCCL, else disk; verified."""

@@ -1,0 +1,1 @@
+"""A rank's weights: RankWeights, their regions in memory, digests, host memory, checkpoints on disk."""

@@ -1,0 +1,249 @@
+"""Safetensors checkpoints on disk: headers (names, dtypes, shapes, offsets), the identity they give,
+and the disk loader, which reads one TP rank's slice straight into region buffers or a caller's
+tensors (sharded by `backends.sharding`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from backends.layout import DEFAULT_MAX_REGION_BYTES, Layout, dtype_from_name, dtype_name, plan_layout, views
+from backends.sharding import shard_shape, shard_tensor, split_dim
+from rfork import __version__
+from rfork.errors import CheckpointError
+from rfork.identity import SourceIdentity, fingerprint
+from rfork.weights.regions import allocate
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_ST_DTYPES = {
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+    "F64": "float64",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+# ---------------------------------------------------------------- reading checkpoints
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: Path
+    data_offset: int  # absolute byte offset of the tensor's data in `file`
+    nbytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointInfo:
+    directory: Path
+    tensors: tuple[TensorInfo, ...]
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_name(self) -> str:
+        return str(self.config.get("_name_or_path") or self.directory.name)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def dtype(self) -> str:
+        counts: dict[str, int] = {}
+        for t in self.tensors:
+            counts[t.dtype] = counts.get(t.dtype, 0) + t.nbytes
+        return max(counts, key=lambda k: counts[k]) if counts else "none"
+
+    def fingerprint(self) -> str:
+        return fingerprint((t.name, t.dtype, t.shape) for t in self.tensors)
+
+    def identity(
+        self,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        revision: str = "main",
+        model: str | None = None,
+        device_kind: str = "cpu",
+    ) -> SourceIdentity:
+        return SourceIdentity(
+            model=model or self.model_name,
+            revision=revision,
+            fingerprint=self.fingerprint(),
+            dtype=self.dtype,
+            quantization="none",
+            tp=tp,
+            pp=pp,
+            ep=1,
+            dp=1,
+            framework="rfork",
+            framework_version=__version__,
+            device_kind=device_kind,
+        )
+
+
+def _read_header(path: Path) -> list[TensorInfo]:
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise CheckpointError(f"{path}: not a safetensors file (too short)")
+        (hlen,) = struct.unpack("<Q", head)
+        if hlen > 100 << 20:
+            raise CheckpointError(f"{path}: header of {hlen} bytes is implausible")
+        try:
+            header = json.loads(f.read(hlen))
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: bad safetensors header: {exc}") from exc
+    base = 8 + hlen
+    out = []
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        st = meta["dtype"]
+        if st not in _ST_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {st}")
+        begin, end = meta["data_offsets"]
+        out.append(
+            TensorInfo(
+                name=name,
+                dtype=_ST_DTYPES[st],
+                shape=tuple(meta["shape"]),
+                file=path,
+                data_offset=base + begin,
+                nbytes=end - begin,
+            )
+        )
+    return out
+
+
+def read_checkpoint_info(directory: str | Path) -> CheckpointInfo:
+    """Headers only (no weight bytes): tensor names, dtypes, shapes and file offsets; plus config.json."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise CheckpointError(f"checkpoint directory {d} does not exist")
+    index = d / INDEX_NAME
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (d / SINGLE_NAME).exists():
+        files = [SINGLE_NAME]
+    else:
+        files = sorted(p.name for p in d.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{d}: no safetensors files")
+    tensors: list[TensorInfo] = []
+    for fname in files:
+        tensors += _read_header(d / fname)
+    tensors.sort(key=lambda t: (str(t.file), t.data_offset))
+    config = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}
+    return CheckpointInfo(directory=d, tensors=tuple(tensors), config=config)
+
+
+def rank_layout(
+    info: CheckpointInfo, *, tp: int = 1, rank: int = 0, max_region_bytes: int = DEFAULT_MAX_REGION_BYTES
+) -> Layout:
+    return plan_layout(
+        [(t.name, t.dtype, shard_shape(t.name, t.shape, tp, rank)) for t in info.tensors],
+        max_region_bytes=max_region_bytes,
+    )
+
+
+def load_rank_from_disk(
+    info: CheckpointInfo,
+    *,
+    tp: int = 1,
+    rank: int = 0,
+    max_region_bytes: int = DEFAULT_MAX_REGION_BYTES,
+) -> tuple[Layout, list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Read one TP rank's slice straight into freshly allocated regions (no intermediate copy at tp=1)."""
+    layout = rank_layout(info, tp=tp, rank=rank, max_region_bytes=max_region_bytes)
+    buffers = allocate(layout)
+    placed = views(layout, buffers)
+    read_rank_into(info, placed, tp=tp, rank=rank)
+    return layout, buffers, placed
+
+
+def read_rank_into(
+    info: CheckpointInfo, tensors: Mapping[str, torch.Tensor], *, tp: int = 1, rank: int = 0
+) -> None:
+    """Read one TP rank's slice into the caller's host tensors (same names, dtypes and shapes).
+
+    Raises CheckpointError naming the first tensor that is missing, extra, or of another dtype/shape.
+    """
+    by_name = {t.name: t for t in info.tensors}
+    for name in tensors:
+        if name not in by_name:
+            raise CheckpointError(f"{info.directory}: destination tensor {name!r} is not in the checkpoint")
+    for t in info.tensors:
+        dest = tensors.get(t.name)
+        want = shard_shape(t.name, t.shape, tp, rank)
+        if dest is None:
+            raise CheckpointError(f"{info.directory}: tensor {t.name!r} has no destination")
+        if dtype_name(dest.dtype) != t.dtype or tuple(dest.shape) != want:
+            raise CheckpointError(
+                f"{info.directory}: tensor {t.name!r} is {t.dtype}{list(want)} on disk, "
+                f"the destination {dtype_name(dest.dtype)}{list(dest.shape)}"
+            )
+        if dest.device.type != "cpu" or not dest.is_contiguous():
+            raise CheckpointError(f"tensor {t.name!r}: the disk loader reads into contiguous host tensors")
+    handles: dict[Path, Any] = {}
+    total = 0
+    try:
+        for t in info.tensors:
+            dest = tensors[t.name]
+            nbytes = dest.numel() * dest.element_size()
+            if nbytes == 0:
+                continue
+            total += nbytes
+            f = handles.get(t.file)
+            if f is None:
+                f = handles[t.file] = t.file.open("rb", buffering=0)
+            if tp == 1 or split_dim(t.name, len(t.shape)) is None:
+                _read_exact(f, t.data_offset, dest.detach().reshape(-1).view(torch.uint8), t)
+            else:
+                full = torch.empty(t.nbytes, dtype=torch.uint8)
+                _read_exact(f, t.data_offset, full, t)
+                full_t = full.view(dtype_from_name(t.dtype)).view(t.shape)
+                dest.detach().copy_(shard_tensor(t.name, full_t, tp, rank))
+    finally:
+        for f in handles.values():
+            f.close()
+    log.info(
+        "read rank %d/%d from %s: %d bytes into %d tensor(s)", rank, tp, info.directory, total, len(tensors)
+    )
+
+
+def _read_exact(f: Any, offset: int, dest: torch.Tensor, t: TensorInfo) -> None:
+    mv = memoryview(dest.numpy()).cast("B")  # type: ignore[arg-type]
+    f.seek(offset)
+    got = 0
+    while got < len(mv):
+        n = f.readinto(mv[got:])
+        if not n:
+            raise CheckpointError(f"{t.file}: truncated data for tensor {t.name!r}")
+        got += n
+
+
+def load_state_dict(directory: str | Path, *, tp: int = 1, rank: int = 0) -> dict[str, torch.Tensor]:
+    """Convenience: a rank's tensors (views into regions) from a checkpoint directory."""
+    return load_rank_from_disk(read_checkpoint_info(directory), tp=tp, rank=rank)[2]
