@@ -60,7 +60,7 @@ class _Pending:
 class RLReceiver:
     """One inference rank taking weight updates from the session's trainers.
 
-    `buffers` are the rank's existing flat parameter regions (the `rfork.weights.regions` placement of its
+    `buffers` are the rank's existing flat parameter regions (the `backends.layout` placement of its
     shards), registered in place as slot 0; slot 1 is a copy. Both slots are registered for remote
     write only, and their descriptors go only to the session's trainers (in HELLO). The engine's
     message callback belongs to the session from here on.

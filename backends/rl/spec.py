@@ -2,7 +2,7 @@
 
 A `TensorSpec` is one logical (unsharded) tensor with the dim tensor parallelism splits it along
 (None: replicated), by the rule in `rfork.weights.checkpoint`. A rank holding shard `tp_rank` of `tp_size`
-stores every tensor's shard contiguously inside a few flat regions placed by `rfork.weights.regions`; the
+stores every tensor's shard contiguously inside a few flat regions placed by `backends.layout`; the
 layout is a pure function of (specs, tp_size, tp_rank, max_region_bytes), so peers exchange those
 four values, never the per-tensor offsets.
 """

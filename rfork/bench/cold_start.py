@@ -81,7 +81,7 @@ def memcpy_seconds(nbytes: int, repeat: int = 3) -> float:
 def _fresh_memcpy_child(nbytes: int, conn: Any) -> None:
     import torch
 
-    from rfork.weights.hostmem import empty_host_buffer
+    from rfork.weights.memory import empty_host_buffer
 
     src = torch.empty(nbytes, dtype=torch.uint8)
     src.fill_(1)

@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from backends.layout import dtype_from_name
-    from rfork.pull.loader import Loader, LoadOptions
+    from rfork.pull.loader import Loader
+    from rfork.pull.result import LoadOptions
     from rfork.weights.checkpoint import read_checkpoint_info, read_rank_into
 
     info = read_checkpoint_info(args.checkpoint)

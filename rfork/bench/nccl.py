@@ -16,17 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
-from backends.nccl import (
-    DEFAULT_BUCKET_BYTES,
-    DEFAULT_MAX_IN_FLIGHT,
-    NcclPeerError,
-    Rendezvous,
-    connect_rendezvous,
-    recv_tensors,
-    send_tensors,
-)
+MiB = 1 << 20
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -61,11 +51,24 @@ class LoopbackBench:
 
 
 def _bench_sender(port: int, nbytes: int, bucket_bytes: int, max_in_flight: int, repeats: int) -> None:
+    # imported here, as in every command module: `rfork --help` imports them all (start-up time)
+    import torch
+
+    from backends.nccl import connect_rendezvous, send_tensors
+
     payload = [torch.ones(nbytes, dtype=torch.uint8)]
     for r in range(repeats):
         store = connect_rendezvous("127.0.0.1", port, timeout_s=30.0)
-        send_tensors(store, payload, session_id=f"bench{r}", local_host="127.0.0.1", timeout_s=30.0,
-                     peer="bench receiver", bucket_bytes=bucket_bytes, max_in_flight=max_in_flight)
+        send_tensors(
+            store,
+            payload,
+            session_id=f"bench{r}",
+            local_host="127.0.0.1",
+            timeout_s=30.0,
+            peer="bench receiver",
+            bucket_bytes=bucket_bytes,
+            max_in_flight=max_in_flight,
+        )
 
 
 def _socket_sender(port: int, nbytes: int, chunk: int) -> None:
@@ -95,7 +98,7 @@ def _socket_seconds(nbytes: int, chunk: int = 1 << 20) -> float:
                 while left:
                     got = conn.recv_into(buf, min(chunk, left))
                     if not got:
-                        raise NcclPeerError("bench socket sender closed early")
+                        raise ConnectionError("bench socket sender closed early")
                     left -= got
                 return time.perf_counter() - t0
         finally:
@@ -104,18 +107,25 @@ def _socket_seconds(nbytes: int, chunk: int = 1 << 20) -> float:
                 proc.kill()
 
 
-def bench_loopback(nbytes: int = 1 << 30, *, repeats: int = 3, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                   max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> LoopbackBench:
+def bench_loopback(
+    nbytes: int = 1 << 30, *, repeats: int = 3, bucket_bytes: int = 64 * MiB, max_in_flight: int = 3
+) -> LoopbackBench:
     """Measure a gloo pull of ``nbytes`` from a spawned sender process, and a raw socket of the same size.
 
     ``gloo_seconds`` is the stream phase (header to completion ack); ``setup_seconds`` the group setup,
     both medians over ``repeats``. The raw-socket figure is the baseline measured in the same run.
     """
+    # imported here, as in every command module: `rfork --help` imports them all (start-up time)
+    import torch
+
+    from backends.nccl import Rendezvous, recv_tensors
+
     ctx = multiprocessing.get_context("spawn")
     rdv = Rendezvous(host="127.0.0.1", timeout_s=60.0)
     dest = [torch.empty(nbytes, dtype=torch.uint8)]
-    proc = ctx.Process(target=_bench_sender, args=(rdv.port, nbytes, bucket_bytes, max_in_flight, repeats),
-                       daemon=True)
+    proc = ctx.Process(
+        target=_bench_sender, args=(rdv.port, nbytes, bucket_bytes, max_in_flight, repeats), daemon=True
+    )
     proc.start()
     stream: list[float] = []
     setup: list[float] = []
@@ -123,8 +133,16 @@ def bench_loopback(nbytes: int = 1 << 30, *, repeats: int = 3, bucket_bytes: int
         assert rdv.store is not None
         for r in range(repeats):
             timings: dict[str, float] = {}
-            recv_tensors(rdv.store, dest, session_id=f"bench{r}", local_host="127.0.0.1", timeout_s=60.0,
-                         peer="bench sender", max_in_flight=max_in_flight, timings=timings)
+            recv_tensors(
+                rdv.store,
+                dest,
+                session_id=f"bench{r}",
+                local_host="127.0.0.1",
+                timeout_s=60.0,
+                peer="bench sender",
+                max_in_flight=max_in_flight,
+                timings=timings,
+            )
             stream.append(timings["stream_s"])
             setup.append(timings["setup_s"])
     finally:
@@ -134,5 +152,11 @@ def bench_loopback(nbytes: int = 1 << 30, *, repeats: int = 3, bucket_bytes: int
         rdv.close()
     sock = sorted(_socket_seconds(nbytes) for _ in range(repeats))[repeats // 2]
     med = sorted(stream)[repeats // 2]
-    return LoopbackBench(nbytes=nbytes, repeats=repeats, gloo_seconds=med, gloo_gbps=nbytes / med / 1e9,
-                         setup_seconds=sorted(setup)[repeats // 2], socket_gbps=nbytes / sock / 1e9)
+    return LoopbackBench(
+        nbytes=nbytes,
+        repeats=repeats,
+        gloo_seconds=med,
+        gloo_gbps=nbytes / med / 1e9,
+        setup_seconds=sorted(setup)[repeats // 2],
+        socket_gbps=nbytes / sock / 1e9,
+    )

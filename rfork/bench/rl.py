@@ -62,7 +62,7 @@ def _worker(
 
     from backends import TransferEngine
     from backends.rl import RLReceiver, RLTrainer, shard_layout
-    from rfork.weights.regions import allocate
+    from rfork.weights.memory import allocate
 
     torch.set_num_threads(1)
     specs = _specs(size_bytes)

@@ -240,7 +240,7 @@ def large_read_gbps(
     region of the same size (the reads cycle through it when `total` is larger).
 
     Both regions are numpy arrays, which get transparent huge pages, as rfork's own buffers do
-    (`rfork.weights.hostmem`); local_huge_pages=False reads into a torch tensor instead (4 KiB pages, as a
+    (`rfork.weights.memory`); local_huge_pages=False reads into a torch tensor instead (4 KiB pages, as a
     framework's own parameters). With passes > 1, the median pass."""
     import numpy as np
 

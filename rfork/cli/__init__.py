@@ -1,38 +1,49 @@
-"""The `rfork` command line: one entry point, subcommands implemented by the packages that own them.
+"""The `rfork` command line: one entry point, one module per command.
 
-Each subcommand lives in a module with `configure(parser)` and `run(args) -> int`. Those modules
-keep their top-level imports light (no torch, no FastAPI) so `rfork --help` stays instant; they
-import what they need inside `run`.
+Each command module has `configure(parser)` and `run(args) -> int` and keeps its top-level imports
+light (no torch, no FastAPI, no transport): every one of them is imported here, so `rfork --help`
+stays instant. They import what they need inside `run`, with a comment saying so.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 from collections.abc import Sequence
 from types import ModuleType
 
 from rfork import __version__
+from rfork.bench import cold_start as bench_cold_start
+from rfork.bench import gpu as bench_gpu
+from rfork.bench import kv as bench_kv
+from rfork.bench import moe as bench_moe
+from rfork.bench import nccl as bench_nccl
+from rfork.bench import planner as bench_planner
+from rfork.bench import rl as bench_rl
+from rfork.bench import scale_out as bench_scale_out
+from rfork.bench import transport as bench_transport
+from rfork.cli import demo, load, planner_migrate, planner_serve, seed, sglang
+from rfork.simulate import scale_out as simulate_scale_out
 
 # (command path, implementing module). Groups ("planner", "bench") are created on the way.
-COMMANDS: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("planner", "serve"), "rfork.cli.planner_serve"),
-    (("planner", "migrate"), "rfork.cli.planner_migrate"),
-    (("seed",), "rfork.cli.seed"),
-    (("load",), "rfork.cli.load"),
-    (("demo",), "rfork.cli.demo"),
-    (("sglang",), "rfork.cli.sglang"),
-    (("bench", "transport"), "rfork.bench.transport"),
-    (("bench", "cold-start"), "rfork.bench.cold_start"),
-    (("bench", "planner"), "rfork.bench.planner"),
-    (("bench", "gpu"), "rfork.bench.gpu"),
-    (("bench", "rl"), "rfork.bench.rl"),
-    (("bench", "moe"), "rfork.bench.moe"),
-    (("bench", "kv"), "rfork.bench.kv"),
-    (("bench", "scale-out"), "rfork.bench.scale_out"),
-    (("simulate", "scale-out"), "rfork.simulate.scale_out"),
+COMMANDS: tuple[tuple[tuple[str, ...], ModuleType], ...] = (
+    (("planner", "serve"), planner_serve),
+    (("planner", "migrate"), planner_migrate),
+    (("seed",), seed),
+    (("load",), load),
+    (("demo",), demo),
+    (("sglang",), sglang),
+    (("bench", "transport"), bench_transport),
+    (("bench", "cold-start"), bench_cold_start),
+    (("bench", "planner"), bench_planner),
+    (("bench", "gpu"), bench_gpu),
+    (("bench", "rl"), bench_rl),
+    (("bench", "moe"), bench_moe),
+    (("bench", "kv"), bench_kv),
+    (("bench", "nccl"), bench_nccl),
+    (("bench", "scale-out"), bench_scale_out),
+    (("simulate", "scale-out"), simulate_scale_out),
 )
 
 GROUP_HELP = {
@@ -57,8 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     top = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     groups: dict[str, argparse._SubParsersAction[argparse.ArgumentParser]] = {}
-    for path, module_name in COMMANDS:
-        module = importlib.import_module(module_name)
+    for path, module in COMMANDS:
         subs = top
         for i, word in enumerate(path[:-1]):
             key = " ".join(path[: i + 1])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import shutil
@@ -58,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"checkpoint: {ckpt} ({time.perf_counter() - t0:.1f} s to generate)")
         else:
             ckpt = args.checkpoint
-        with_nccl = not args.no_nccl and importlib.util.find_spec("rfork.pull.nccl") is not None
+        with_nccl = not args.no_nccl
         providers, skipped = available_providers([p.strip() for p in args.providers.split(",") if p.strip()])
         for s in skipped:
             console.print(f"[yellow]skipping {s}[/yellow]")

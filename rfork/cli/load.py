@@ -110,7 +110,9 @@ def run(args: argparse.Namespace) -> int:
     started = time.time()
     if args.planner and not args.token and not args.insecure_ok:
         raise ValueError("no planner token: pass --token (or $RFORK_TOKEN), or --insecure-ok")
-    from rfork.pull.loader import Loader, LoadOptions, warm_transport
+    from rfork.pull.loader import Loader
+    from rfork.pull.one_sided import warm_transport
+    from rfork.pull.result import LoadOptions
 
     providers = [p.strip() for v in (args.provider or ["tcp"]) for p in v.split(",") if p.strip()]
     if args.planner:

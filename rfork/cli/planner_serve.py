@@ -11,7 +11,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--db", default=None, help="SQLAlchemy URL (default: RFORK_DB_URL or sqlite:///rfork-planner.db)"
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8642, help="port (default 8642; 0 picks a free one)")
+    parser.add_argument("--port", type=int, default=8470, help="port (default 8470; 0 picks a free one)")
     parser.add_argument(
         "--insecure", action="store_true", help="run without bearer-token auth (logs a warning)"
     )

@@ -1,4 +1,5 @@
-"""Loader side of the NCCL/gloo fallback: ask a seed's control endpoint for a session and receive."""
+"""Pulling a rank over the NCCL/gloo fallback: ask the seed's control endpoint for a session, receive
+the tensors in manifest order (backends.nccl), then verify every digest."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ from backends.nccl import (
     local_address_towards,
     recv_tensors,
 )
+from planner.client import Candidate
+from rfork.errors import PullError
+from rfork.weights.manifest import RankManifest
+from rfork.weights.rank_weights import RankWeights
 
 logger = logging.getLogger(__name__)
 
@@ -29,22 +34,25 @@ logger = logging.getLogger(__name__)
 class NcclSessionError(NcclSetupError):
     """The seed's control endpoint refused or failed the session request; ``status`` is the HTTP code."""
 
-    def __init__(self, message: str, *, status: int | None = None,
-                 retry_after_s: float | None = None) -> None:
+    def __init__(
+        self, message: str, *, status: int | None = None, retry_after_s: float | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.retry_after_s = retry_after_s
 
 
-def request_session(control_url: str, rank: int, *, timeout_s: float,
-                    control_token: str | None = None) -> dict[str, Any]:
+def request_session(
+    control_url: str, rank: int, *, timeout_s: float, control_token: str | None = None
+) -> dict[str, Any]:
     """POST /v1/nccl/sessions (with the lease's control token); the seed's JSON answer or NcclSessionError."""
     url = control_url.rstrip("/") + "/v1/nccl/sessions"
     headers = {"Content-Type": "application/json"}
     if control_token:
         headers["Authorization"] = f"Bearer {control_token}"
-    req = urllib.request.Request(url, data=json.dumps({"rank": rank}).encode(), method="POST",
-                                 headers=headers)
+    req = urllib.request.Request(
+        url, data=json.dumps({"rank": rank}).encode(), method="POST", headers=headers
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             body = json.loads(resp.read())
@@ -55,21 +63,31 @@ def request_session(control_url: str, rank: int, *, timeout_s: float,
             detail = {}
         retry = detail.get("retry_after_s") if isinstance(detail, dict) else None
         msg = detail.get("error") if isinstance(detail, dict) else None
-        raise NcclSessionError(f"seed {control_url} refused an nccl session for rank {rank}: "
-                               f"HTTP {exc.code} {msg or exc.reason}", status=exc.code,
-                               retry_after_s=float(retry) if isinstance(retry, (int, float)) else None,
-                               ) from exc
+        raise NcclSessionError(
+            f"seed {control_url} refused an nccl session for rank {rank}: "
+            f"HTTP {exc.code} {msg or exc.reason}",
+            status=exc.code,
+            retry_after_s=float(retry) if isinstance(retry, (int, float)) else None,
+        ) from exc
     except (urllib.error.URLError, OSError, json.JSONDecodeError) as exc:
         raise NcclSessionError(
-            f"seed {control_url} unreachable for an nccl session (rank {rank}): {exc}") from exc
+            f"seed {control_url} unreachable for an nccl session (rank {rank}): {exc}"
+        ) from exc
     if not isinstance(body, dict) or not {"session_id", "host", "port", "backend"} <= body.keys():
         raise NcclSessionError(f"seed {control_url} answered an unexpected session body: {body!r}")
     return body
 
 
-def pull_over_nccl(control_url: str, rank: int, dest_tensors: Sequence[torch.Tensor], *,
-                   timeout_s: float, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-                   on_bucket: BucketCallback | None = None, control_token: str | None = None) -> int:
+def pull_over_nccl(
+    control_url: str,
+    rank: int,
+    dest_tensors: Sequence[torch.Tensor],
+    *,
+    timeout_s: float,
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    on_bucket: BucketCallback | None = None,
+    control_token: str | None = None,
+) -> int:
     """Fill ``dest_tensors`` (rank ``rank``'s tensors in manifest order) from the seed; returns bytes.
 
     ``timeout_s`` bounds every phase (session request, rendezvous, group setup, each bucket).
@@ -81,18 +99,41 @@ def pull_over_nccl(control_url: str, rank: int, dest_tensors: Sequence[torch.Ten
     t0 = time.perf_counter()
     session = request_session(control_url, rank, timeout_s=timeout_s, control_token=control_token)
     if session["backend"] != want:
-        raise NcclSetupError(f"seed {control_url} offers backend {session['backend']!r} for rank {rank}, "
-                             f"destination tensors need {want!r}")
+        raise NcclSetupError(
+            f"seed {control_url} offers backend {session['backend']!r} for rank {rank}, "
+            f"destination tensors need {want!r}"
+        )
     host, port, sid = str(session["host"]), int(session["port"]), str(session["session_id"])
     store = connect_rendezvous(host, port, timeout_s=timeout_s)
     peer = f"seed {host}:{port} rank {rank} (session {sid[:8]})"
     try:
-        n = recv_tensors(store, dest_tensors, session_id=sid, local_host=local_address_towards(host),
-                         timeout_s=timeout_s, peer=peer, max_in_flight=max_in_flight, on_bucket=on_bucket)
+        n = recv_tensors(
+            store,
+            dest_tensors,
+            session_id=sid,
+            local_host=local_address_towards(host),
+            timeout_s=timeout_s,
+            peer=peer,
+            max_in_flight=max_in_flight,
+            on_bucket=on_bucket,
+        )
     except NcclTransferError:
-        logger.warning("nccl pull of rank %d from %s failed after %.2fs", rank, control_url,
-                       time.perf_counter() - t0)
+        logger.warning(
+            "nccl pull of rank %d from %s failed after %.2fs", rank, control_url, time.perf_counter() - t0
+        )
         raise
-    logger.info("nccl pull of rank %d: %d bytes in %.3fs from %s", rank, n, time.perf_counter() - t0,
-                control_url)
+    logger.info(
+        "nccl pull of rank %d: %d bytes in %.3fs from %s", rank, n, time.perf_counter() - t0, control_url
+    )
     return n
+
+
+def pull_nccl(candidate: Candidate, manifest: RankManifest, dest: RankWeights, *, timeout_s: float) -> None:
+    """Fill `dest` from the leased seed over NCCL/gloo (bounded by `timeout_s` per phase) and verify it."""
+    if not candidate.control_url:
+        raise PullError(f"seed {candidate.instance_id} publishes no control endpoint for the NCCL fallback")
+    tensors = [dest.tensors[t.name] for t in manifest.tensors if t.nbytes]
+    pull_over_nccl(
+        candidate.control_url, dest.rank, tensors, timeout_s=timeout_s, control_token=candidate.control_token
+    )
+    dest.verify({t.name: t.checksum for t in manifest.tensors})

@@ -10,9 +10,7 @@ Endpoints (JSON):
                                         expired, replayed or other-rank token.
   GET  /v1/nccl/sessions/{id}        -> 200 {"session_id", "rank", "state", "bytes", "error"}
 Bad input answers 4xx with {"error": message}; a full seed answers 429 {"reason": "busy", ...}.
-
-Every connection has a socket timeout (``request_timeout_s``) and bodies are capped (413), so a
-slow or silent client ties up one thread for a bounded time only.
+Requests are parsed and bounded in `rfork.seed.control_http`; this module decides what they mean.
 
 Thread-safety: the HTTP server and every session run on their own threads; the sends release the
 GIL while data moves, so the seed's other threads (heartbeats, this endpoint) keep answering.
@@ -22,7 +20,6 @@ loaders never collide. A loader that vanishes fails its session within ``timeout
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -31,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import torch
@@ -45,11 +42,11 @@ from backends.nccl import (
     send_tensors,
 )
 from planner.control_token import ControlTokenError, verify
+from rfork.seed.control_http import HttpError, handler_for
 
 logger = logging.getLogger(__name__)
 
 TensorsForRank = Callable[[int], Sequence[torch.Tensor]]
-_MAX_BODY = 64 << 10
 _HISTORY = 256
 
 
@@ -68,16 +65,16 @@ class SessionInfo:
     finished_at: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"session_id": self.session_id, "rank": self.rank, "backend": self.backend, "port": self.port,
-                "state": self.state, "bytes": self.bytes, "error": self.error,
-                "seconds": None if self.finished_at is None else self.finished_at - self.started_at}
-
-
-class _HttpError(Exception):
-    def __init__(self, status: HTTPStatus, message: str, **extra: Any) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body: dict[str, Any] = {"error": message, **extra}
+        return {
+            "session_id": self.session_id,
+            "rank": self.rank,
+            "backend": self.backend,
+            "port": self.port,
+            "state": self.state,
+            "bytes": self.bytes,
+            "error": self.error,
+            "seconds": None if self.finished_at is None else self.finished_at - self.started_at,
+        }
 
 
 class ControlServer:
@@ -88,11 +85,20 @@ class ControlServer:
     of a session (rendezvous, each bucket) is bounded by ``timeout_s``.
     """
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, tensors_for_rank: TensorsForRank,
-                 max_concurrent: int = 2, timeout_s: float = 30.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, control_key: str | None = None,
-                 instance_ids: Callable[[], Sequence[str]] | None = None,
-                 request_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        tensors_for_rank: TensorsForRank,
+        max_concurrent: int = 2,
+        timeout_s: float = 30.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        control_key: str | None = None,
+        instance_ids: Callable[[], Sequence[str]] | None = None,
+        request_timeout_s: float = 10.0,
+    ) -> None:
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
         if timeout_s <= 0:
@@ -124,12 +130,12 @@ class ControlServer:
         """Bind and serve on a daemon thread; returns self (so ``ControlServer(...).start()`` reads well)."""
         if self._httpd is not None:
             raise RuntimeError("ControlServer already started")
-        handler = type("_BoundHandler", (_Handler,), {"control": self, "timeout": self.request_timeout_s})
-        httpd = ThreadingHTTPServer((self.host, self._port), handler)
+        httpd = ThreadingHTTPServer((self.host, self._port), handler_for(self, self.request_timeout_s))
         httpd.daemon_threads = True
         self._httpd = httpd
-        self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="rfork-control-http", daemon=True)
+        self._thread = threading.Thread(
+            target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="rfork-control-http", daemon=True
+        )
         self._thread.start()
         logger.info("control endpoint on %s", self.url)
         return self
@@ -165,8 +171,13 @@ class ControlServer:
     # -- state -------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
         with self._lock:
-            return {"status": "ok", "active_sessions": self._active, "max_concurrent": self.max_concurrent,
-                    "sessions_served": self._served, "sessions_failed": self._failed}
+            return {
+                "status": "ok",
+                "active_sessions": self._active,
+                "max_concurrent": self.max_concurrent,
+                "sessions_served": self._served,
+                "sessions_failed": self._failed,
+            }
 
     def session(self, session_id: str) -> SessionInfo | None:
         with self._lock:
@@ -178,21 +189,24 @@ class ControlServer:
             return
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise _HttpError(HTTPStatus.UNAUTHORIZED,
-                             "Authorization: a per-assignment bearer token is required")
+            raise HttpError(
+                HTTPStatus.UNAUTHORIZED, "Authorization: a per-assignment bearer token is required"
+            )
         now = time.time()
         try:
-            grant = verify(token.strip(), self.control_key, instance_ids=self.instance_ids(), rank=rank,
-                           now=now)
+            grant = verify(
+                token.strip(), self.control_key, instance_ids=self.instance_ids(), rank=rank, now=now
+            )
         except ControlTokenError as exc:
-            raise _HttpError(HTTPStatus.FORBIDDEN, str(exc)) from exc
+            raise HttpError(HTTPStatus.FORBIDDEN, str(exc)) from exc
         with self._lock:
             for lease, expiry in list(self._used_leases.items()):
                 if expiry < now:
                     del self._used_leases[lease]
             if grant.lease_id in self._used_leases:
-                raise _HttpError(HTTPStatus.FORBIDDEN,
-                                 f"control token: lease {grant.lease_id} was already used")
+                raise HttpError(
+                    HTTPStatus.FORBIDDEN, f"control token: lease {grant.lease_id} was already used"
+                )
             self._used_leases[grant.lease_id] = grant.expires_at
 
     def open_session(self, rank: int, local_host: str) -> SessionInfo:
@@ -200,27 +214,39 @@ class ControlServer:
         try:
             tensors = list(self.tensors_for_rank(rank))
         except (LookupError, ValueError) as exc:
-            raise _HttpError(HTTPStatus.NOT_FOUND, f"rank {rank} is not served by this seed: {exc}") from exc
+            raise HttpError(HTTPStatus.NOT_FOUND, f"rank {rank} is not served by this seed: {exc}") from exc
         try:
             backend = backend_for(tensors)
         except NcclTransferError as exc:
-            raise _HttpError(HTTPStatus.CONFLICT, str(exc)) from exc
+            raise HttpError(HTTPStatus.CONFLICT, str(exc)) from exc
         with self._lock:
             if self._active >= self.max_concurrent:
-                raise _HttpError(HTTPStatus.TOO_MANY_REQUESTS,
-                                 f"seed busy: {self._active} of {self.max_concurrent} sessions running",
-                                 reason="busy", retry_after_s=1.0)
+                raise HttpError(
+                    HTTPStatus.TOO_MANY_REQUESTS,
+                    f"seed busy: {self._active} of {self.max_concurrent} sessions running",
+                    reason="busy",
+                    retry_after_s=1.0,
+                )
             self._active += 1
         try:
             rdv = Rendezvous(host=local_host, timeout_s=self.timeout_s)
         except NcclTransferError as exc:
             with self._lock:
                 self._active -= 1
-            raise _HttpError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc)) from exc
-        info = SessionInfo(session_id=uuid.uuid4().hex, rank=rank, backend=backend, port=rdv.port,
-                           started_at=time.monotonic())
-        worker = threading.Thread(target=self._run_session, args=(info, rdv, tensors, local_host),
-                                  name=f"rfork-nccl-send-{info.session_id[:8]}", daemon=True)
+            raise HttpError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc)) from exc
+        info = SessionInfo(
+            session_id=uuid.uuid4().hex,
+            rank=rank,
+            backend=backend,
+            port=rdv.port,
+            started_at=time.monotonic(),
+        )
+        worker = threading.Thread(
+            target=self._run_session,
+            args=(info, rdv, tensors, local_host),
+            name=f"rfork-nccl-send-{info.session_id[:8]}",
+            daemon=True,
+        )
         with self._lock:
             self._sessions[info.session_id] = info
             while len(self._sessions) > _HISTORY:
@@ -230,8 +256,9 @@ class ControlServer:
         worker.start()
         return info
 
-    def _run_session(self, info: SessionInfo, rdv: Rendezvous, tensors: list[torch.Tensor],
-                     local_host: str) -> None:
+    def _run_session(
+        self, info: SessionInfo, rdv: Rendezvous, tensors: list[torch.Tensor], local_host: str
+    ) -> None:
         peer = f"loader of rank {info.rank} (session {info.session_id[:8]})"
 
         def progress(index: int, moved: int) -> None:
@@ -241,9 +268,17 @@ class ControlServer:
 
         try:
             assert rdv.store is not None
-            info.bytes = send_tensors(rdv.store, tensors, session_id=info.session_id, local_host=local_host,
-                                      timeout_s=self.timeout_s, peer=peer, bucket_bytes=self.bucket_bytes,
-                                      max_in_flight=self.max_in_flight, on_bucket=progress)
+            info.bytes = send_tensors(
+                rdv.store,
+                tensors,
+                session_id=info.session_id,
+                local_host=local_host,
+                timeout_s=self.timeout_s,
+                peer=peer,
+                bucket_bytes=self.bucket_bytes,
+                max_in_flight=self.max_in_flight,
+                on_bucket=progress,
+            )
             info.state = "done"
             logger.info("session %s: sent %d bytes of rank %d", info.session_id, info.bytes, info.rank)
         except NcclTransferError as exc:
@@ -263,95 +298,3 @@ class ControlServer:
                         info.error = info.error or "worker ended unexpectedly"
                     self._failed += 1
                 self._workers.pop(info.session_id, None)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    control: ControlServer
-    protocol_version = "HTTP/1.1"
-    server_version = "rfork-control/1"
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
-        logger.debug("control %s: %s", self.address_string(), format % args)
-
-    def _reply(self, status: HTTPStatus, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _fail(self, err: _HttpError) -> None:
-        headers = {}
-        if err.status == HTTPStatus.TOO_MANY_REQUESTS:
-            headers["Retry-After"] = "1"
-        self._reply(err.status, err.body, headers)
-
-    def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0].rstrip("/")
-        if path == "/v1/health":
-            self._reply(HTTPStatus.OK, self.control.health())
-            return
-        prefix = "/v1/nccl/sessions/"
-        if path.startswith(prefix):
-            info = self.control.session(path[len(prefix):])
-            if info is None:
-                self._fail(_HttpError(HTTPStatus.NOT_FOUND, f"no session {path[len(prefix):]!r}"))
-            else:
-                self._reply(HTTPStatus.OK, info.to_json())
-            return
-        self._fail(_HttpError(HTTPStatus.NOT_FOUND, f"no such path {path!r}"))
-
-    def do_POST(self) -> None:
-        path = self.path.split("?", 1)[0].rstrip("/")
-        if path != "/v1/nccl/sessions":
-            self._fail(_HttpError(HTTPStatus.NOT_FOUND, f"no such path {path!r}"))
-            return
-        try:
-            rank = self._read_rank()
-            self.control.authorize(rank, self.headers.get("Authorization"))
-            info = self.control.open_session(rank, str(self.connection.getsockname()[0]))
-        except _HttpError as err:
-            self._fail(err)
-            return
-        host = str(self.connection.getsockname()[0])
-        self._reply(HTTPStatus.CREATED, {"session_id": info.session_id, "host": host, "port": info.port,
-                                         "backend": info.backend})
-
-    def do_PUT(self) -> None:
-        self._fail(_HttpError(HTTPStatus.METHOD_NOT_ALLOWED, f"PUT not allowed on {self.path!r}"))
-
-    do_DELETE = do_PUT
-    do_PATCH = do_PUT
-
-    def _read_rank(self) -> int:
-        raw_len = self.headers.get("Content-Length")
-        if raw_len is None:
-            raise _HttpError(HTTPStatus.LENGTH_REQUIRED, "Content-Length required")
-        try:
-            length = int(raw_len)
-        except ValueError as exc:
-            raise _HttpError(HTTPStatus.BAD_REQUEST, f"bad Content-Length {raw_len!r}") from exc
-        if length < 0 or length > _MAX_BODY:
-            self.close_connection = True
-            raise _HttpError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                             f"body of {length} bytes; limit {_MAX_BODY}")
-        try:
-            raw = self.rfile.read(length)
-        except (TimeoutError, OSError) as exc:
-            self.close_connection = True
-            raise _HttpError(HTTPStatus.REQUEST_TIMEOUT,
-                             f"body not received within the timeout: {exc}") from exc
-        try:
-            body = json.loads(raw or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise _HttpError(HTTPStatus.BAD_REQUEST, f"body is not JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise _HttpError(HTTPStatus.BAD_REQUEST, 'body must be a JSON object like {"rank": 0}')
-        rank = body.get("rank")
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise _HttpError(HTTPStatus.UNPROCESSABLE_ENTITY,
-                             f"field 'rank' must be a non-negative integer, got {rank!r}")
-        return rank

@@ -1,62 +1,63 @@
-"""Seeds: serve a rank's weights for one-sided reads and announce them to the planner.
+"""Seeds: serve a rank's weights in place for one-sided reads and keep them published at the planner.
 
-A seed process holds one or more ranks (`RankWeights`). `RankWeights.from_tensors` serves tensors
-where they already live: the regions are the merged address ranges covering them, nothing is
-copied and the caller's module is never re-pointed (the checkpoint path `rfork seed --checkpoint`
-keeps its own flat regions, read straight from disk). For each transport provider the seed opens
-one engine and registers every region once with remote *read* access only, so the published
-descriptors never allow writes. It then publishes identity + rank manifests (one planner instance
-per provider), goes READY and heartbeats from a background thread. `close()` marks DRAINING,
-deletes the instance and deregisters. The weights must not change while READY (readers would see
-torn tensors and fail their digest check); nothing here writes to them."""
+A seed process holds one or more ranks (`RankWeights`). For each transport provider it opens one
+engine (`RankServer`) and registers every region once with remote *read* access only, so published
+descriptors never allow writes; a loader that becomes a seed hands over the registrations its pull
+made. The seed also runs the NCCL fallback's control endpoint (`rfork.seed.control`), then publishes
+identity + rank manifests (one planner instance per provider, `rfork.seed.publication`), goes READY
+and heartbeats. `close()` drains: DRAINING, delete, deregister. The weights must not change while
+READY (readers would see torn tensors and fail their digest check); nothing here writes to them.
+"""
 
 from __future__ import annotations
 
 import base64
 import contextlib
-import importlib.util
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from backends import Region, TransferEngine
+from planner.control_token import new_control_key
 from rfork.identity import SourceIdentity
+from rfork.seed.control import ControlServer
+from rfork.seed.publication import Publication, default_labels, routable_host
 from rfork.weights.rank_weights import RankWeights
 
 log = logging.getLogger(__name__)
 
 
-def open_engine(provider: str, *, domains: int = 1, timeout_s: float = 10.0) -> Any:
-    from backends import TransferEngine
-
+def open_engine(provider: str, *, domains: int = 1, timeout_s: float = 10.0) -> TransferEngine:
+    """A transfer engine to serve or pull with: `domains` parallel endpoints, dead-peer bound `timeout_s`."""
     return TransferEngine(provider, domains, timeout_s=timeout_s)
 
 
 @dataclass(kw_only=True)
 class ServedRank:
+    """One rank's weights and the registrations that serve them."""
+
     weights: RankWeights
-    regions: list[Any]
+    regions: list[Region]
 
     def descriptors(self) -> list[bytes]:
+        """What peers need to read each region, in region order."""
         return [bytes(r.descriptor.to_bytes()) for r in self.regions]
 
 
 class RankServer:
     """One provider's engine serving some ranks' regions (read-only). Thread-safe close."""
 
-    def __init__(self, *, engine: Any, owns_engine: bool = True) -> None:
+    def __init__(self, *, engine: TransferEngine, owns_engine: bool = True) -> None:
         self.engine = engine
         self.provider = str(getattr(engine, "provider", "tcp"))
         self._owns_engine = owns_engine
         self.ranks: dict[int, ServedRank] = {}
 
-    def serve(self, weights: RankWeights, *, regions: Sequence[Any] | None = None) -> ServedRank:
+    def serve(self, weights: RankWeights, *, regions: Sequence[Region] | None = None) -> ServedRank:
         """Register weights' regions read-only (or adopt registrations made already, e.g. by the loader)."""
         if regions is None:
             t0 = time.perf_counter()
@@ -77,10 +78,11 @@ class RankServer:
         return served
 
     def address_bytes(self) -> bytes:
-        addr = self.engine.address
-        return bytes(addr.to_bytes() if hasattr(addr, "to_bytes") else addr)
+        """The engine's address, as the planner publishes it (base64 on the wire)."""
+        return bytes(self.engine.address)
 
     def close(self) -> None:
+        """Deregister every served region, then close the engine if this server owns it."""
         for served in self.ranks.values():
             for reg in served.regions:
                 with contextlib.suppress(Exception):
@@ -97,16 +99,13 @@ def start_control_server(
     host: str,
     control_key: str,
     instance_ids: Callable[[], Sequence[str]],
-) -> Any | None:
-    """The NCCL-fallback control endpoint (rfork.seed.control, if installed); None when absent or failing.
+) -> ControlServer | None:
+    """The NCCL fallback's control endpoint; None when it fails to start (one-sided serving goes on).
 
     It binds `host` (the seed's routable address) and opens sessions only for loaders presenting a
     planner-issued token signed with `control_key` for one of `instance_ids()`.
     """
-    if importlib.util.find_spec("rfork.seed.control") is None:
-        return None
     try:
-        from rfork.seed.control import ControlServer
 
         def tensors_for_rank(rank: int) -> Sequence[torch.Tensor]:
             return weights_by_rank[rank].ordered_nonempty()
@@ -123,174 +122,6 @@ def start_control_server(
     except Exception:  # noqa: BLE001 - the fallback is optional; one-sided serving goes on without it
         log.warning("seed control endpoint did not start; serving without the NCCL fallback", exc_info=True)
         return None
-
-
-def routable_host(planner_url: str) -> str:
-    """$RFORK_CONTROL_HOST, else this host's address on the route towards the planner (never 0.0.0.0)."""
-    configured = os.environ.get("RFORK_CONTROL_HOST")
-    if configured:
-        return configured
-    from urllib.parse import urlsplit
-
-    target = urlsplit(planner_url).hostname or "127.0.0.1"
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((socket.gethostbyname(target), 9))  # UDP: no packet is sent
-            return str(probe.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"
-
-
-def default_labels() -> dict[str, str]:
-    """Topology labels: $RFORK_NODE / $RFORK_RACK / $RFORK_ZONE when set (and non-empty), else the
-    hostname / rack0 / zone0 (deploy/kubernetes/seed.yaml sets RFORK_NODE from the pod's node name)."""
-    return {
-        "node": os.environ.get("RFORK_NODE") or socket.gethostname(),
-        "rack": os.environ.get("RFORK_RACK") or "rack0",
-        "zone": os.environ.get("RFORK_ZONE") or "zone0",
-    }
-
-
-class Publication:
-    """One planner instance: register, manifests, READY, heartbeat thread, DRAINING + delete on close.
-
-    It keeps itself published: a heartbeat answered STALE sets READY again; a 404 (the planner lost
-    it, e.g. a new database) registers again from scratch. With `retry=True` a planner that cannot be
-    reached at first is retried in the background (the weights stay served meanwhile).
-    """
-
-    def __init__(
-        self,
-        *,
-        planner_url: str,
-        token: str | None,
-        identity: SourceIdentity,
-        ranks: Sequence[dict[str, Any]],
-        manifests: Mapping[int, dict[str, Any]],
-        labels: Mapping[str, str] | None = None,
-        control_url: str | None = None,
-        control_key: str | None = None,
-        max_concurrent_pulls: int = 2,
-        status: str = "READY",
-        origin: Mapping[int, str] | None = None,
-        retry: bool = False,
-        retry_interval_s: float = 2.0,
-        on_heartbeat_error: Callable[[Exception], None] | None = None,
-    ) -> None:
-        from planner.client import PlannerClient, PlannerUnavailable
-
-        self.client = PlannerClient(planner_url, token=token)
-        self._register_token = token
-        self._identity = identity
-        self._ranks = list(ranks)
-        self._manifests = {
-            r: {**m, "origin": (origin or {}).get(r, "disk")} for r, m in manifests.items()
-        }
-        self._labels = dict(labels or default_labels())
-        self._control_url = control_url
-        self._control_key = control_key
-        self._max_pulls = max_concurrent_pulls
-        self._status = status
-        self._retry_interval_s = retry_interval_s
-        self._lock = threading.Lock()
-        self.instance_id: str | None = None
-        self.instance_token: str | None = None  # acts as this instance only (set on registering)
-        self._stop = threading.Event()
-        self._on_error = on_heartbeat_error
-        self._closed = False
-        try:
-            self._publish()
-        except PlannerUnavailable as exc:
-            if not retry:
-                self.client.close()
-                raise
-            log.warning(
-                "planner unreachable (%s); publishing in the background every %.1f s", exc, retry_interval_s
-            )
-        except BaseException:
-            self.client.close()
-            raise
-        self._thread = threading.Thread(target=self._beat, name="rfork-heartbeat", daemon=True)
-        self._thread.start()
-
-    @property
-    def published(self) -> bool:
-        """True once the planner knows this instance (False while retrying in the background)."""
-        return self.instance_id is not None
-
-    def _publish(self) -> None:
-        """Register, put every manifest, set the status; on a failure after registering, delete it again."""
-        self.client.use_token(self._register_token)
-        reg = self.client.register_instance(
-            identity=self._identity.to_dict(),
-            labels=self._labels,
-            control_url=self._control_url,
-            control_key=self._control_key,
-            ranks=self._ranks,
-            max_concurrent_pulls=self._max_pulls,
-        )
-        if getattr(reg, "token", None):
-            self.client.use_token(reg.token)
-        try:
-            for rank, manifest in self._manifests.items():
-                self.client.put_manifest(reg.id, rank, manifest)
-            self.client.set_status(reg.id, self._status)
-        except Exception:
-            with contextlib.suppress(Exception):
-                self.client.delete_instance(reg.id)
-            raise
-        with self._lock:
-            self.instance_id = str(reg.id)
-            self.instance_token = getattr(reg, "token", None)
-        log.info("published instance %s (%d rank(s)) as %s", reg.id, len(self._manifests), self._status)
-
-    def _beat(self) -> None:
-        from planner.client import AuthError, NotFound
-
-        interval = 2.0 if self.published else self._retry_interval_s
-        while not self._stop.wait(interval):
-            try:
-                if self.instance_id is None:
-                    self._publish()
-                    interval = 2.0
-                    continue
-                resp = self.client.heartbeat(self.instance_id)
-                ttl = float(resp.get("ttl_s") or 6.0)
-                interval = max(0.2, min(ttl / 3.0, 10.0))
-                if resp.get("status") == "STALE" and not self._stop.is_set():
-                    self.client.set_status(self.instance_id, self._status)
-                    log.warning("instance %s was STALE; set %s again", self.instance_id, self._status)
-            except (NotFound, AuthError) as exc:
-                # 404, or 401 for our instance token: the planner no longer knows this instance (deleted,
-                # or a new database); anything else (e.g. 403) is a real refusal, retried like an outage
-                forgotten = self.instance_id is not None and (isinstance(exc, NotFound) or exc.status == 401)
-                log.warning("%s: %s", "planner forgot us; registering again" if forgotten else "refused", exc)
-                if forgotten:
-                    with self._lock:
-                        self.instance_id = None
-                interval = 0.0 if forgotten else self._retry_interval_s
-            except Exception as exc:  # noqa: BLE001 - keep beating; a planner restart must not kill the seed
-                log.warning("heartbeat/publish for %s failed: %s", self.instance_id, exc)
-                interval = self._retry_interval_s
-                if self._on_error is not None:
-                    self._on_error(exc)
-
-    def close(self) -> None:
-        """DRAINING, then delete the instance; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._stop.set()
-        self._thread.join(timeout=5)
-        if self.instance_id is not None:
-            try:
-                self.client.set_status(self.instance_id, "DRAINING")
-                self.client.delete_instance(self.instance_id)
-                log.info("instance %s drained and deleted", self.instance_id)
-            except Exception as exc:  # noqa: BLE001 - best effort on the way out; the reaper ages it out
-                log.warning("could not drain instance %s cleanly: %s", self.instance_id, exc)
-        with contextlib.suppress(Exception):
-            self.client.close()
 
 
 class Seed:
@@ -335,7 +166,7 @@ class Seed:
         self.retry_publish = retry_publish
         self.servers: list[RankServer] = list(servers or [])
         self.publications: list[Publication] = []
-        self.control_server: Any | None = None
+        self.control_server: ControlServer | None = None
         self._lock = threading.Lock()
 
     @property
@@ -358,8 +189,6 @@ class Seed:
                     self.servers.append(server)
                     for w in self.weights.values():
                         server.serve(w)
-            from planner.control_token import new_control_key
-
             control_key = new_control_key()
             if self.control:
                 self.control_server = start_control_server(
@@ -368,7 +197,7 @@ class Seed:
                     control_key=control_key,
                     instance_ids=lambda: self.instance_ids,
                 )
-            control_url = getattr(self.control_server, "url", None)
+            control_url = self.control_server.url if self.control_server is not None else None
             for server in self.servers:
                 address = base64.b64encode(server.address_bytes()).decode("ascii")
                 backends = [server.provider] + (["nccl"] if control_url else [])

@@ -2,7 +2,7 @@
 
 One seed holds the model; N loaders ask at t=0. Every planner decision is the real
 `planner.service.Planner` (its selection policy, leases, 429 estimate) called with `now` = simulated
-time, and every 429 is handled by the loader's own wait policy (`rfork.pull.busy_wait.BusyWait.decide`).
+time, and every 429 is handled by the loader's own wait policy (`rfork.pull.result.BusyWait.decide`).
 Only the transfers are modelled: `rfork.simulate.flows` shares NIC, rack-uplink, hub and disk
 capacity max-min fairly. A loader that finishes is READY `ready_overhead_s` later (verify tail,
 publish); with the tree on it then registers as a seed like `Loader._become_seed` does.
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rfork.pull.busy_wait import BusyWait
+from rfork.pull.result import BusyWait
 from rfork.simulate.flows import Network
 
 PROVIDER = "efa"

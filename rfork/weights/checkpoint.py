@@ -20,7 +20,7 @@ from backends.sharding import shard_shape, shard_tensor, split_dim
 from rfork import __version__
 from rfork.errors import CheckpointError
 from rfork.identity import SourceIdentity, fingerprint
-from rfork.weights.regions import allocate
+from rfork.weights.memory import allocate
 
 log = logging.getLogger(__name__)
 

@@ -7,16 +7,18 @@ them), the checkpoint path owns flat region buffers with the tensors as views in
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from backends.layout import DEFAULT_MAX_REGION_BYTES, Layout
+from backends.layout import DEFAULT_MAX_REGION_BYTES, Layout, Placement, dtype_name, views
+from rfork.errors import ChecksumMismatch, DestinationMismatch, LayoutError
 from rfork.weights import checksum as ck
 from rfork.weights.manifest import RankManifest, RegionEntry, TensorEntry
-from rfork.weights.regions import AddressRange, buffer_ranges, cover, pack
+from rfork.weights.memory import allocate, pack
 
 
 @dataclass(kw_only=True)
@@ -72,6 +74,62 @@ class RankWeights:
         )
         return cls(rank=rank, layout=layout, buffers=buffers, tensors=views)
 
+    @classmethod
+    def allocate_for(cls, manifest: RankManifest) -> RankWeights:
+        """Fresh flat region buffers (host memory on huge pages) shaped like a seed's manifest."""
+        sizes = [0] * (max((r.index for r in manifest.regions), default=-1) + 1)
+        for r in manifest.regions:
+            sizes[r.index] = r.nbytes
+        placements = tuple(
+            Placement(
+                name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes, region=t.region, offset=t.offset
+            )
+            for t in manifest.tensors
+        )
+        layout = Layout(region_sizes=tuple(sizes), placements=placements)
+        buffers = allocate(layout)
+        return cls(rank=manifest.rank, layout=layout, buffers=buffers, tensors=views(layout, buffers))
+
+    def check_matches(self, manifest: RankManifest) -> None:
+        """Names, dtypes and shapes against a seed's manifest, before any byte moves.
+
+        Raises DestinationMismatch naming the first bad tensor (manifest order, then extra names).
+        """
+        have = {p.name: p for p in self.layout.placements}
+        for t in manifest.tensors:
+            p = have.get(t.name)
+            if p is None:
+                raise DestinationMismatch(
+                    f"rank {self.rank}: tensor {t.name!r} is in the manifest but has no destination"
+                )
+            if p.dtype != t.dtype or tuple(p.shape) != tuple(t.shape):
+                raise DestinationMismatch(
+                    f"rank {self.rank}: tensor {t.name!r} is {t.dtype}{list(t.shape)} at the seed, "
+                    f"the destination {p.dtype}{list(p.shape)}"
+                )
+        published = {t.name for t in manifest.tensors}
+        for p in self.layout.placements:
+            if p.name not in published:
+                raise DestinationMismatch(
+                    f"rank {self.rank}: destination tensor {p.name!r} is not in the manifest"
+                )
+
+    def verify(self, expected: Mapping[str, str], names: Sequence[str] | None = None) -> None:
+        """Digest `names` (default: every expected one) and compare; ChecksumMismatch names the first bad
+        tensor. Matching digests are kept in `checksums` (a seed this becomes publishes them)."""
+        for name in names if names is not None else list(expected):
+            self.accept_digest([name], ck.tensor_checksum(self.tensors[name]), expected)
+
+    def accept_digest(self, names: Sequence[str], got: str, expected: Mapping[str, str]) -> None:
+        """Keep `got` as the digest of `names` (tensors sharing their bytes), or raise ChecksumMismatch
+        naming the first whose published digest differs."""
+        for name in names:
+            if got != expected[name]:
+                raise ChecksumMismatch(
+                    f"tensor {name!r} of rank {self.rank}: checksum {got} != published {expected[name]}"
+                )
+            self.checksums[name] = got
+
     @property
     def device(self) -> torch.device:
         """Where the weights live (one rank, one device); cpu when there are none."""
@@ -79,6 +137,7 @@ class RankWeights:
 
     @property
     def checksum_algorithm(self) -> str:
+        """The digest these weights are checked with (xxh3-128 on the host, pwsum64 on a GPU)."""
         return ck.algorithm_for(self.device)
 
     def registrables(self) -> list[Any]:
@@ -99,6 +158,7 @@ class RankWeights:
         return mirrors
 
     def compute_checksums(self) -> dict[str, str]:
+        """Every tensor's digest (those already known, e.g. verified by a pull, are kept)."""
         for p in self.layout.placements:
             if p.name not in self.checksums:
                 self.checksums[p.name] = ck.tensor_checksum(self.tensors[p.name])
@@ -109,6 +169,7 @@ class RankWeights:
         return [self.tensors[p.name] for p in self.layout.placements if p.nbytes]
 
     def manifest(self, descriptors: Sequence[bytes]) -> RankManifest:
+        """The manifest a seed publishes: region i reached through descriptors[i], every tensor's digest."""
         sums = self.compute_checksums()
         regions = tuple(
             RegionEntry(index=i, nbytes=n, descriptor=descriptors[i])
@@ -140,3 +201,74 @@ def _range_target(r: AddressRange, tensors: Mapping[str, torch.Tensor]) -> Any:
         if t.numel() and int(t.data_ptr()) == r.ptr and t.numel() * t.element_size() == r.nbytes:
             return t
     return (r.ptr, r.nbytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AddressRange:
+    """A contiguous span of memory on one device that covers some tensors (what gets registered)."""
+
+    ptr: int
+    nbytes: int
+    device: str  # "cpu", "cuda:0", ...
+
+
+def cover(tensors: Mapping[str, torch.Tensor]) -> tuple[Layout, list[AddressRange]]:
+    """In-place layout: the merged address ranges covering `tensors`, and each tensor's place in them.
+
+    Nothing is copied. Spans that overlap or touch (on one device) merge into one range, so tied or
+    shared storage counts once and neighbouring allocations register as one. Ranges are in address
+    order; placements keep the mapping's order. Zero-byte tensors take no space (region 0, offset 0).
+    Raises LayoutError naming the first tensor that is not contiguous or that lives on another device.
+    """
+    spans: list[tuple[str, int, int]] = []  # (device, start, end)
+    placed: list[tuple[str, str, tuple[int, ...], int, int]] = []  # name, dtype, shape, ptr, nbytes
+    device: str | None = None
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        shape = tuple(int(d) for d in t.shape)
+        if nbytes == 0:
+            placed.append((name, dtype_name(t.dtype), shape, 0, 0))
+            continue
+        if not t.is_contiguous():
+            raise LayoutError(
+                f"tensor {name!r} is not contiguous; serving or pulling in place needs contiguous tensors"
+            )
+        dev = str(t.device)
+        if device is None:
+            device = dev
+        elif dev != device:
+            raise LayoutError(f"tensor {name!r} is on {dev}, the others on {device}: one rank, one device")
+        ptr = int(t.data_ptr())
+        spans.append((dev, ptr, ptr + nbytes))
+        placed.append((name, dtype_name(t.dtype), shape, ptr, nbytes))
+    ranges: list[AddressRange] = []
+    starts: list[int] = []
+    for dev, start, end in sorted(spans):
+        if ranges and start <= ranges[-1].ptr + ranges[-1].nbytes:
+            last = ranges[-1]
+            ranges[-1] = AddressRange(
+                ptr=last.ptr, nbytes=max(end, last.ptr + last.nbytes) - last.ptr, device=dev
+            )
+            continue
+        ranges.append(AddressRange(ptr=start, nbytes=end - start, device=dev))
+        starts.append(start)
+    placements: list[Placement] = []
+    for name, dtype, shape, ptr, nbytes in placed:
+        if nbytes == 0:
+            placements.append(Placement(name=name, dtype=dtype, shape=shape, nbytes=0, region=0, offset=0))
+            continue
+        region = bisect.bisect_right(starts, ptr) - 1
+        placements.append(
+            Placement(
+                name=name, dtype=dtype, shape=shape, nbytes=nbytes, region=region, offset=ptr - starts[region]
+            )
+        )
+    return Layout(region_sizes=tuple(r.nbytes for r in ranges), placements=tuple(placements)), ranges
+
+
+def buffer_ranges(buffers: Sequence[torch.Tensor]) -> list[AddressRange]:
+    """The address range of each flat region buffer."""
+    return [
+        AddressRange(ptr=int(b.data_ptr()), nbytes=b.numel() * b.element_size(), device=str(b.device))
+        for b in buffers
+    ]

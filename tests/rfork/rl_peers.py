@@ -64,7 +64,7 @@ def _engine() -> Any:  # noqa: ANN401
 
 def trainer_main(conn: Connection, index: int, tp: int, rank: int) -> None:
     from backends.rl import RLTrainer, shard_layout
-    from rfork.weights.regions import allocate
+    from rfork.weights.memory import allocate
 
     eng = _engine()
     conn.send(eng.address)

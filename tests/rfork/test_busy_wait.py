@@ -8,7 +8,8 @@ import pytest
 
 from planner.client import AllBusy, PlannerClient
 from planner.server import PlannerServer
-from rfork.pull.busy_wait import BusyWait, ask_with_wait, fallback_seconds
+from rfork.pull.planner_session import ask_with_wait, fallback_seconds
+from rfork.pull.result import BusyWait
 from tests.planner.conftest import identity, manifest, ranks
 
 GB = 10**9

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from rfork import Loader, LoadOptions, load
 from rfork.bench.processes import Child, load_args, seed_args
 from rfork.errors import LoadFailed
-from rfork.pull.loader import Loader, LoadOptions, load
 from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
@@ -155,9 +155,9 @@ class KillFirstSeed(Loader):
         self.current: str | None = None
         self.killed: str | None = None
 
-    def _pull(self, cand, rank, source, dest=None):
-        self.current = cand.instance_id
-        return super()._pull(cand, rank, source, dest)
+    def _pull(self, source, rank, dest, phases):
+        self.current = source.instance_id
+        return super()._pull(source, rank, dest, phases)
 
     def _on_progress(self, done: int, total: int) -> None:
         if self.killed is None and 0 < done < total and self.current is not None:

@@ -24,8 +24,8 @@ import pytest
 
 from planner.client import Conflict, PlannerClient
 from planner.server import PlannerServer
+from rfork import Loader, LoadOptions, LoadResult
 from rfork.bench.processes import load_args
-from rfork.pull.loader import Loader, LoadOptions, LoadResult
 from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
@@ -55,9 +55,9 @@ class FaultOnProgress(Loader):
         self.fired: str | None = None
         self.current: str | None = None
 
-    def _pull(self, cand: Any, rank: int, source: str, dest: Any = None) -> Any:
-        self.current = cand.instance_id
-        return super()._pull(cand, rank, source, dest)
+    def _pull(self, source: Any, rank: int, dest: Any, phases: dict[str, float]) -> Any:
+        self.current = source.instance_id
+        return super()._pull(source, rank, dest, phases)
 
     def _on_progress(self, done: int, total: int) -> None:
         if self.fired is None and 0 < done < total and self.current is not None:

@@ -1,4 +1,4 @@
-"""rfork.weights.hostmem: the flat buffers rfork allocates get huge pages; pre-faulting keeps contents."""
+"""rfork.weights.memory: the flat buffers rfork allocates get huge pages; pre-faulting keeps contents."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rfork.weights.hostmem import empty_host_buffer, prefault
+from rfork.weights.memory import empty_host_buffer, prefault
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 import torch
-from rfork.weights.hostmem import empty_host_buffer
+from rfork.weights.memory import empty_host_buffer
 
 def huge_kib_in(ptr, nbytes):
     # AnonHugePages (KiB) of the mappings overlapping [ptr, +nbytes), from /proc/self/smaps

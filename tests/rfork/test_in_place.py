@@ -14,15 +14,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rfork import Loader, LoadOptions, pull_into
 from rfork.errors import ChecksumMismatch, DestinationMismatch, LayoutError
 from rfork.identity import SourceIdentity, fingerprint
-from rfork.pull.loader import Loader, LoadOptions, check_destination, plan_reads, pull_into
+from rfork.pull.one_sided import plan_reads
 from rfork.seed.seed import Seed
 from rfork.weights import checksum as ck
 from rfork.weights.checkpoint import load_state_dict, read_checkpoint_info
 from rfork.weights.manifest import RankManifest, RegionEntry, TensorEntry
-from rfork.weights.rank_weights import RankWeights
-from rfork.weights.regions import cover
+from rfork.weights.rank_weights import RankWeights, cover
 from rfork.weights.synthetic import write_synthetic_checkpoint
 from tests.rfork.conftest import AUTH, REGISTER, SMALL
 from tests.tiny_llama import LlamaForCausalLM
@@ -164,7 +164,7 @@ def _manifest_for(tensors: dict[str, torch.Tensor]) -> RankManifest:
 def test_check_destination_names_the_first_bad_tensor():
     src = {"a": torch.zeros(4, 4), "b": torch.zeros(8, dtype=torch.bfloat16), "c": torch.zeros(2)}
     m = _manifest_for(src)
-    check_destination(RankWeights.from_tensors(tensors={k: v.clone() for k, v in src.items()}), m)
+    RankWeights.from_tensors(tensors={k: v.clone() for k, v in src.items()}).check_matches(m)
     cases = {
         "'b' is bfloat16\\[8\\] at the seed, the destination float32\\[8\\]": {**src, "b": torch.zeros(8)},
         "'a' is float32\\[4, 4\\] at the seed, the destination float32\\[16\\]": {
@@ -176,7 +176,7 @@ def test_check_destination_names_the_first_bad_tensor():
     }
     for message, dest in cases.items():
         with pytest.raises(DestinationMismatch, match=message):
-            check_destination(RankWeights.from_tensors(tensors=dest), m)
+            RankWeights.from_tensors(tensors=dest).check_matches(m)
 
 
 # ---------------------------------------------------------------- real seeds and loaders
@@ -297,10 +297,9 @@ def test_corrupt_seed_falls_back_to_disk_into_the_same_tensors(tmp_path, planner
 def test_mismatching_digest_names_the_tensor():
     t = {"w": torch.arange(10, dtype=torch.float32)}
     w = RankWeights.from_tensors(tensors=t)
-    from rfork.pull.loader import verify_tensors
 
     with pytest.raises(ChecksumMismatch, match="'w'"):
-        verify_tensors(w, {"w": "0" * 32})
+        w.verify({"w": "0" * 32})
 
 
 # ---------------------------------------------------------------- memory: serving adds (almost) nothing

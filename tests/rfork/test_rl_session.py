@@ -12,7 +12,7 @@ import torch
 from backends import TransferEngine
 from backends.rl import RLError, RLReceiver, RLTrainer, TensorSpec, TrainerRank, shard_layout
 from backends.rl.messages import decode, encode
-from rfork.weights.regions import allocate
+from rfork.weights.memory import allocate
 
 SPECS = (
     TensorSpec("w", "float32", (64, 32), 0),

@@ -17,12 +17,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rfork import LoadOptions, load
 from rfork.cli import sglang as launcher
 from rfork.integrations.sglang import lifecycle
 from rfork.integrations.sglang.identity import parameters_fingerprint, parameters_identity
 from rfork.integrations.sglang.serving import publish_seed
 from rfork.integrations.sglang.settings import HookSettings, SettingsError, default_loader_extra
-from rfork.pull.loader import LoadOptions, load
 from rfork.weights.rank_weights import RankWeights
 from tests.rfork.conftest import ADMIN, AUTH, REGISTER, SMALL
 from tests.tiny_llama import LlamaForCausalLM

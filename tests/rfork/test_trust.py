@@ -18,8 +18,8 @@ from sqlalchemy import create_engine, text
 
 from planner.client import Conflict, PlannerClient
 from planner.server import PlannerServer
+from rfork import LoadOptions, load
 from rfork.errors import LoadFailed
-from rfork.pull.loader import LoadOptions, load
 from rfork.pull.nccl import pull_over_nccl
 from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info

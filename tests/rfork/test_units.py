@@ -20,7 +20,7 @@ from rfork.identity import IdentityError, SourceIdentity, fingerprint, global_ra
 from rfork.weights import checksum as ck
 from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
 from rfork.weights.manifest import RankManifest
-from rfork.weights.regions import pack
+from rfork.weights.memory import pack
 from rfork.weights.synthetic import config_for_size, write_synthetic_checkpoint
 from tests.tiny_llama import LlamaForCausalLM
 

@@ -38,7 +38,8 @@ from rfork.identity import SourceIdentity
 from rfork.integrations.sglang.identity import checkpoint_identity, parameters_identity
 from rfork.integrations.sglang.serving import keep_signal_handlers, publish_seed
 from rfork.integrations.sglang.settings import HookSettings, default_loader_extra
-from rfork.pull.loader import LoadOptions, load, pull_into
+from rfork.pull.loader import load, pull_into
+from rfork.pull.result import LoadOptions
 from rfork.seed.seed import Seed
 from rfork.weights.rank_weights import RankWeights
 

@@ -1,4 +1,8 @@
-"""Host memory that rfork allocates itself: transparent huge pages, and faulting pages in early.
+"""Memory for weights: flat region buffers rfork allocates itself, and faulting host pages in early.
+
+`backends.layout` decides where each tensor lies in the regions; `allocate`/`pack` make the flat
+buffers (host ones on transparent huge pages) and `prefault` faults fresh host pages in ahead of a
+pull (rfork.pull.one_sided).
 
 Weights are read by the kernel (socket receive, process_vm_readv) into memory that the loader or a
 seed allocated. With 4 KiB pages each GiB is 262,144 page faults and as many page-table entries for
@@ -16,6 +20,8 @@ import mmap
 from typing import Any
 
 import torch
+
+from backends.layout import Layout, dtype_name, plan_layout, views
 
 log = logging.getLogger(__name__)
 
@@ -64,3 +70,30 @@ def prefault(ptr: int, nbytes: int) -> None:
     length = ptr + nbytes - start
     if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_WRITE) != 0:
         log.debug("MADV_POPULATE_WRITE failed (errno %d); pages fault in during the pull", ctypes.get_errno())
+
+
+def layout_for(tensors: dict[str, torch.Tensor], **kwargs: int) -> Layout:
+    """Plan for existing tensors, in their dict order."""
+    return plan_layout([(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()], **kwargs)
+
+
+def allocate(layout: Layout, *, device: str | torch.device = "cpu") -> list[torch.Tensor]:
+    """One uninitialised flat uint8 buffer per region (host ones advised to use huge pages)."""
+    if torch.device(device).type == "cpu":
+        return [empty_host_buffer(n) for n in layout.region_sizes]
+    return [torch.empty(n, dtype=torch.uint8, device=device) for n in layout.region_sizes]
+
+
+def pack(
+    tensors: dict[str, torch.Tensor],
+    **kwargs: int,
+) -> tuple[Layout, list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Copy tensors into freshly allocated regions; returns the layout, the buffers and the views."""
+    layout = layout_for(tensors, **kwargs)
+    device = next((t.device for t in tensors.values()), torch.device("cpu"))
+    buffers = allocate(layout, device=device)
+    placed = views(layout, buffers)
+    for name, t in tensors.items():
+        if t.numel():
+            placed[name].copy_(t)
+    return layout, buffers, placed

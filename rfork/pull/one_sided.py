@@ -1,0 +1,446 @@
+"""Pulling a rank over one-sided reads: the engine it reads with, and the read-and-verify pipeline.
+
+For one rank from one seed, into `dest` (the caller's tensors, or buffers allocated per the manifest):
+  1. the destination's regions (`RankWeights.registrables`) are registered on a helper thread, region
+     i+1 while region i is on the wire, read-only: the same registrations are served once the loader
+     is a seed, so becoming one costs no second registration and writes are never granted to anyone.
+     The same thread then faults the host pages in (MADV_POPULATE_WRITE) a piece at a time, and reads
+     wait for that front: a read into never-touched pages takes every fault inside the transport's
+     kernel copy, several times slower;
+  2. reads of `chunk_bytes`, up to `max_inflight` in flight, in address order; bytes that several
+     destination tensors share (tied weights) are read once;
+  3. a verifier thread digests each region's bytes in order as soon as they are final (xxh3-128, the
+     chunk still in cache) and compares every tensor with the manifest.
+GPU destinations go through pinned host bounce slots instead (`rfork.pull.staged`).
+
+The engine is opened early, on a helper thread, while the planner round trip runs; after the load
+the seed this instance becomes takes it over (`take_engine`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from backends import MemoryRegionDescriptor, Region, TransferEngine
+from backends.providers.libfabric import provider_available
+from rfork.errors import PullError
+from rfork.pull.result import LoadOptions, ProgressFn
+from rfork.pull.staged import pull_staged
+from rfork.seed.seed import open_engine
+from rfork.weights import checksum as ck
+from rfork.weights.manifest import RankManifest
+from rfork.weights.memory import prefault
+from rfork.weights.rank_weights import RankWeights
+
+log = logging.getLogger(__name__)
+
+_PREFAULT_PIECE = 16 << 20
+_warmed: set[str] = set()
+
+
+def warm_transport(providers: Sequence[str]) -> None:
+    """Get the transport ready to open fast; call it as early as possible (a CLI at start-up).
+
+    Asks libfabric for the first one-sided provider on a helper thread: the first fi_getinfo
+    initialises every provider (about 0.1 s, GIL released), later ones are fast. (The native library
+    itself is loaded when this module is imported: its dlopen holds the GIL for about 0.2 s.)
+    """
+    wanted = [p for p in providers if p != "nccl"][:1]
+    if not wanted or wanted[0] in _warmed:
+        return
+    _warmed.add(wanted[0])
+    threading.Thread(
+        target=provider_available, args=(wanted[0],), name="rfork-transport-warm", daemon=True
+    ).start()
+
+
+class OneSidedReader:
+    """The loader's engine (opened early, handed to the seed after) and `pull` over it. One load at a time."""
+
+    def __init__(self, options: LoadOptions) -> None:
+        self.options = options
+        self._engine: TransferEngine | None = None
+        self._opening: Future[TransferEngine] | None = None
+        self._lock = threading.Lock()
+
+    def open_soon(self) -> None:
+        """Start opening the engine on a helper thread, so it overlaps the planner round trip."""
+        with self._lock:
+            if self._engine is not None or self._opening is not None:
+                return
+            fut: Future[TransferEngine] = Future()
+            self._opening = fut
+        warm_transport(self.options.one_sided)
+
+        def opener() -> None:
+            try:
+                fut.set_result(self._open())
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                fut.set_exception(exc)
+
+        threading.Thread(target=opener, name="rfork-engine-open", daemon=True).start()
+
+    def engine(self) -> TransferEngine:
+        """The open engine (waits for the helper thread, or opens it here if that failed)."""
+        with self._lock:
+            pending, self._opening = self._opening, None
+        if pending is not None:
+            try:
+                engine = pending.result()
+            except Exception:  # noqa: BLE001 - opened again below, where the error surfaces to the caller
+                log.warning("opening the engine in the background failed; trying again", exc_info=True)
+            else:
+                with self._lock:
+                    if self._engine is None:
+                        self._engine = engine
+                        return engine
+                engine.close()
+        with self._lock:
+            if self._engine is None:
+                self._engine = self._open()
+            return self._engine
+
+    def take_engine(self) -> TransferEngine:
+        """The engine, now owned by the caller (the seed this loader becomes)."""
+        engine = self.engine()
+        self._engine = None
+        return engine
+
+    def close(self) -> None:
+        """Close the engine unless a seed took it."""
+        with self._lock:
+            pending, self._opening = self._opening, None
+            engine, self._engine = self._engine, None
+        if pending is not None:
+            with contextlib.suppress(Exception):
+                pending.result().close()
+        if engine is not None:
+            with contextlib.suppress(Exception):
+                engine.close()
+
+    def pull(
+        self,
+        manifest: RankManifest,
+        dest: RankWeights,
+        *,
+        deadline: float,
+        progress: ProgressFn | None,
+        phases: dict[str, float],
+    ) -> list[Region] | None:
+        """Read and verify every tensor of `dest` from the seed's regions; fills `phases`.
+
+        Returns the local registrations (one per destination region) for the seed to reuse, or None
+        when the pull went through bounce slots.
+        """
+        t_engine = time.perf_counter()
+        engine = self.engine()
+        phases["engine"] = time.perf_counter() - t_engine
+        opts = self.options
+        before = torch.get_num_threads()
+        if opts.pull_torch_threads:
+            torch.set_num_threads(opts.pull_torch_threads)
+        try:
+            if opts.staged_reads or dest.device.type == "cuda":
+                pull_staged(engine, manifest, dest, deadline=deadline, progress=progress, phases=phases)
+                return None  # nothing registered: a seed it becomes registers (or mirrors) afresh
+            pipeline = _ReadPipeline(engine, manifest, dest, opts, deadline, progress)
+            try:
+                return pipeline.run()
+            finally:
+                phases.update(pipeline.phases)
+        finally:
+            torch.set_num_threads(before)
+
+    def _open(self) -> TransferEngine:
+        opts = self.options
+        return open_engine(
+            (opts.one_sided or ["tcp"])[0], domains=opts.domains, timeout_s=opts.transfer_timeout_s
+        )
+
+
+@dataclass(slots=True)
+class _Span:
+    """A distinct destination byte span (tied names share one) and its running digest."""
+
+    offset: int
+    end: int
+    names: list[str]
+    digest: ck.StreamingDigest
+    done: bool = False
+
+
+@dataclass(slots=True)
+class _Read:
+    """One read: destination region/offset, source region/offset, length."""
+
+    region: int
+    offset: int
+    src_region: int
+    src_offset: int
+    nbytes: int
+    done: bool = False
+
+
+def plan_reads(dest: RankWeights, manifest: RankManifest, chunk_bytes: int) -> list[list[_Read]]:
+    """Reads per destination region, in address order, at most `chunk_bytes` each; bytes that several
+    destination tensors share (tied or overlapping) are read once."""
+    src = {t.name: t for t in manifest.tensors}
+    per_region: list[list[tuple[int, int, int, int]]] = [[] for _ in dest.layout.region_sizes]
+    for p in dest.layout.placements:
+        if p.nbytes:
+            t = src[p.name]
+            per_region[p.region].append((p.offset, -p.nbytes, t.region, t.offset))
+    plan: list[list[_Read]] = []
+    for region, spans in enumerate(per_region):
+        reads: list[_Read] = []
+        covered = 0
+        for offset, neg, src_region, src_offset in sorted(spans):
+            end = offset - neg
+            if end <= covered:
+                continue
+            start = max(offset, covered)
+            for lo in range(start, end, chunk_bytes):
+                n = min(chunk_bytes, end - lo)
+                reads.append(_Read(region, lo, src_region, src_offset + (lo - offset), n))
+            covered = end
+        plan.append(reads)
+    return plan
+
+
+class _Faulted:
+    """How far each destination region is pre-faulted: the registration thread raises the marks, the
+    submitting thread waits before posting a read above them."""
+
+    def __init__(self, regions: int) -> None:
+        self._upto = [0] * regions
+        self._cond = threading.Condition()
+
+    def raise_to(self, region: int, upto: int) -> None:
+        with self._cond:
+            self._upto[region] = upto
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        """No more pre-faulting (done, not wanted, or stopped): nothing waits any more."""
+        with self._cond:
+            self._upto = [1 << 62] * len(self._upto)
+            self._cond.notify_all()
+
+    def wait(self, region: int, upto: int, timeout_s: float) -> None:
+        if self._upto[region] >= upto:
+            return
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._upto[region] >= upto, timeout=timeout_s):
+                raise TimeoutError("deadline")
+
+
+class _ReadPipeline:
+    """One rank from one seed over one-sided reads into host memory (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: TransferEngine,
+        manifest: RankManifest,
+        dest: RankWeights,
+        opts: LoadOptions,
+        deadline: float,
+        progress: ProgressFn | None,
+    ) -> None:
+        self.engine = engine
+        self.manifest = manifest
+        self.dest = dest
+        self.opts = opts
+        self.deadline = deadline
+        self.progress = progress
+        self.phases: dict[str, float] = {}
+        self._verify_s = 0.0
+        self._expected = {t.name: t.checksum for t in manifest.tensors}
+        if dest.checksum_algorithm != ck.XXH3_128:
+            raise PullError(f"rank {dest.rank}: one-sided reads verify host tensors (xxh3-128) only")
+        self._spans = self._span_table()
+
+    def _span_table(self) -> list[list[_Span]]:
+        by_key: dict[tuple[int, int, int], _Span] = {}
+        table: list[list[_Span]] = [[] for _ in self.dest.layout.region_sizes]
+        for p in self.dest.layout.placements:
+            if not p.nbytes:
+                continue
+            key = (p.region, p.offset, p.nbytes)
+            span = by_key.get(key)
+            if span is None:
+                span = by_key[key] = _Span(p.offset, p.offset + p.nbytes, [], ck.StreamingDigest())
+                table[p.region].append(span)
+            span.names.append(p.name)
+        for spans in table:
+            spans.sort(key=lambda sp: sp.offset)
+        return table
+
+    def run(self) -> list[Region]:
+        """Pull and verify every tensor; the local registrations, one per destination region."""
+        dest = self.dest
+        dest.verify(self._expected, [p.name for p in dest.layout.placements if not p.nbytes])
+        remote = {r.index: MemoryRegionDescriptor.from_bytes(r.descriptor) for r in self.manifest.regions}
+        plan = plan_reads(dest, self.manifest, self.opts.chunk_bytes)
+        total = sum(r.nbytes for reads in plan for r in reads)
+        done_bytes = 0
+        reg_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rfork-register")
+        verify_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rfork-verify")
+        verify_futs: list[Future[None]] = []
+        targets = dest.registrables()
+        reg_futs: list[Future[Region]] = [Future() for _ in targets]
+        stop_prefault = threading.Event()
+        faulted = _Faulted(len(targets))
+        reg_pool.submit(self._register_all, targets, reg_futs, stop_prefault, faulted)
+        frontier = [0] * len(plan)  # per region: reads[:frontier] are all done
+        final_at = [0] * len(plan)  # per region: bytes below this are final
+        t_first = time.perf_counter()
+        reg_wait = 0.0
+        inflight: deque[tuple[Future[None], _Read]] = deque()
+        local_regions: list[Region] = []
+        ok = False
+
+        def retire() -> int:
+            fut, rd = inflight.popleft()
+            fut.result(timeout=self._left())
+            rd.done = True
+            reads, k = plan[rd.region], frontier[rd.region]
+            while k < len(reads) and reads[k].done:
+                k += 1
+            if k != frontier[rd.region]:
+                frontier[rd.region] = k
+                lo, hi = final_at[rd.region], reads[k - 1].offset + reads[k - 1].nbytes
+                if k == len(reads):
+                    hi = dest.layout.region_sizes[rd.region]
+                final_at[rd.region] = hi
+                verify_futs.append(verify_pool.submit(self._verify_upto, rd.region, lo, hi))
+            return rd.nbytes
+
+        try:
+            for region, reads in enumerate(plan):
+                t_reg = time.perf_counter()
+                local = reg_futs[region].result(timeout=self._left())
+                reg_wait += time.perf_counter() - t_reg
+                local_regions.append(local)
+                if not reads:
+                    size = dest.layout.region_sizes[region]
+                    verify_futs.append(verify_pool.submit(self._verify_upto, region, 0, size))
+                for rd in reads:
+                    while len(inflight) >= self.opts.max_inflight:
+                        done_bytes += retire()
+                        self._report(done_bytes, total)
+                    faulted.wait(region, rd.offset + rd.nbytes, self._left())
+                    fut = self.engine.read(local, rd.offset, rd.nbytes, remote[rd.src_region], rd.src_offset)
+                    inflight.append((fut, rd))
+            while inflight:
+                done_bytes += retire()
+                self._report(done_bytes, total)
+            t_last = time.perf_counter()
+            for vf in verify_futs:
+                vf.result(timeout=self._left())
+            t_end = time.perf_counter()
+            self.phases.update(
+                register=reg_wait,
+                transfer=t_last - t_first - reg_wait,
+                verify=self._verify_s,
+                verify_tail=t_end - t_last,
+            )
+            log.info(
+                "rank %d: register wait %.3f s, transfer %.3f s (%.2f GB/s), "
+                "verify %.3f s on the verifier thread, %.3f s of it after the last read",
+                dest.rank,
+                reg_wait,
+                self.phases["transfer"],
+                total / max(t_last - t_first, 1e-9) / 1e9,
+                self._verify_s,
+                t_end - t_last,
+            )
+            ok = True
+            return local_regions
+        except TimeoutError as exc:
+            raise PullError(f"rank {dest.rank}: deadline passed") from exc
+        finally:
+            stop_prefault.set()
+            faulted.finish()
+            for fut, _ in inflight:
+                fut.cancel()
+            if not ok:
+                # outstanding reads may still land in these buffers: wait them out before releasing
+                for fut, _ in inflight:
+                    with contextlib.suppress(Exception):
+                        fut.exception(timeout=max(self._left(), 1.0))
+                for f in reg_futs:
+                    with contextlib.suppress(Exception):
+                        self.engine.deregister(f.result(timeout=30))
+            reg_pool.shutdown(wait=not ok)
+            verify_pool.shutdown(wait=True, cancel_futures=not ok)
+
+    def _verify_upto(self, region: int, lo: int, hi: int) -> None:
+        """Digest region bytes [lo, hi) (final now, fed in order) and check every span that ends by hi."""
+        t = time.perf_counter()
+        try:
+            base = self.dest.ranges[region].ptr
+            for span in self._spans[region]:
+                if span.done or span.offset >= hi:
+                    continue
+                start = max(span.offset, lo, span.offset + span.digest.fed)
+                span.digest.update(base + start, min(span.end, hi) - start)
+                if span.end <= hi:
+                    self._check(span)
+        finally:
+            self._verify_s += time.perf_counter() - t
+
+    def _check(self, span: _Span) -> None:
+        span.done = True
+        self.dest.accept_digest(span.names, span.digest.hexdigest(), self._expected)
+
+    def _register_all(
+        self, targets: Sequence[Any], futs: Sequence[Future[Region]], stop: threading.Event, faulted: _Faulted
+    ) -> None:
+        """Register every destination region read-only (in order: reads of region i start as soon as it
+        is), then pre-fault the host ones in order, a piece at a time, raising `faulted` as it goes."""
+        try:
+            for target, fut in zip(targets, futs, strict=True):
+                try:
+                    fut.set_result(self.engine.register(target, access="read"))
+                except BaseException as exc:  # noqa: BLE001 - handed to the pipeline, which fails the attempt
+                    fut.set_exception(exc)
+                    for rest in futs:
+                        if not rest.done():
+                            rest.set_exception(
+                                PullError(f"rank {self.dest.rank}: an earlier region did not register")
+                            )
+                    return
+            if not self.opts.prefault:
+                return
+            for region, target in enumerate(targets):
+                if isinstance(target, torch.Tensor) and target.device.type != "cpu":
+                    continue  # device memory: nothing to fault in here
+                ptr, nbytes = target if isinstance(target, tuple) else (target.data_ptr(), target.nbytes)
+                for off in range(0, int(nbytes), _PREFAULT_PIECE):
+                    if stop.is_set():
+                        return
+                    prefault(int(ptr) + off, min(_PREFAULT_PIECE, int(nbytes) - off))
+                    faulted.raise_to(region, off + _PREFAULT_PIECE)
+                faulted.raise_to(region, 1 << 62)
+        finally:
+            faulted.finish()
+
+    def _left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline")
+        return left
+
+    def _report(self, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress(done, total)

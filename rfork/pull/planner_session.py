@@ -1,0 +1,269 @@
+"""A loader's side of the planner: ask for a source for each rank, wait out 429s, report every pull.
+
+`PlannerSession.sources(rank)` yields one `Source` per assignment, one-sided providers first and NCCL
+only when no one-sided provider is shared. The loader pulls from it and says how that went
+(`Source.succeeded` / `Source.failed`); the report ends the planner's lease, and after a failure the
+seed is excluded and the planner asked again, up to `max_attempts`. A planner that cannot be reached
+ends the sequence: the loader falls back to its checkpoint.
+
+A candidate's manifest is trusted only when its digest set is the one the planner anchored for the
+identity (planner.integrity): a seed cannot vouch for its own corrupted bytes.
+
+Busy seeds (429 `all_busy`): the loader sleeps the planner's Retry-After and falls back only when
+told. The planner (planner.burst) computes Retry-After from the busy seeds' live leases and the
+recorded pull rates, and sets `fallback` when the requester's own estimate (`fallback_s`, sent with
+the request) beats waiting for a seed. A small jitter spreads a burst of waiters; `max_wait_s` bounds
+the whole wait. `BusyWait.decide` is the decision alone (the scale-out simulator uses it on
+simulated time); `ask_with_wait` is the blocking loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from planner.client import AllBusy, Assignment, Candidate, PlannerClient
+from planner.integrity import digest_set
+from rfork.errors import ChecksumMismatch, ManifestError, PullError
+from rfork.identity import SourceIdentity
+from rfork.pull.result import BusyWait, LoadOptions
+from rfork.seed.publication import default_labels
+from rfork.weights.manifest import RankManifest
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def fallback_seconds(nbytes: int, gbps: float | None) -> float | None:
+    """A loader's estimate of its fallback load (bytes at `gbps` GB/s); None when it has no fallback."""
+    if not gbps or gbps <= 0 or nbytes <= 0:
+        return None
+    return nbytes / (gbps * 1e9)
+
+
+def ask_with_wait(
+    ask: Callable[[float], T],
+    *,
+    policy: BusyWait,
+    busy_type: type[BaseException],
+    what: str,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+    rng: random.Random | None = None,
+) -> T | None:
+    """Call `ask(seconds waited so far)` until it returns; on `busy_type` (429) sleep as `policy`
+    decides; None = fall back."""
+    rng = rng or random.Random()
+    started = clock()
+    while True:
+        try:
+            return ask(clock() - started)
+        except busy_type as exc:
+            waited = clock() - started
+            pause = policy.decide(exc, waited, rng)  # type: ignore[arg-type]
+            if pause is None:
+                log.info(
+                    "%s: every seed busy after %.1f s of waiting (%s); falling back",
+                    what,
+                    waited,
+                    "planner says the fallback is sooner" if getattr(exc, "fallback", False) else "limit",
+                )
+                return None
+            log.info("%s: every seed busy; asking again in %.2f s", what, pause)
+            sleep(pause)
+
+
+@dataclass(kw_only=True)
+class Source:
+    """One leased candidate for one rank; say how the pull went with `succeeded` or `failed`."""
+
+    session: PlannerSession
+    assignment: Assignment
+    rank: int
+    name: str  # "rfork-tcp", "rfork-shm", ..., or "nccl"
+    outcome: bool | None = None
+
+    @property
+    def candidate(self) -> Candidate:
+        """The leased seed."""
+        return self.assignment.candidates[0]
+
+    @property
+    def instance_id(self) -> str:
+        """The leased seed's planner id."""
+        return self.candidate.instance_id
+
+    def manifest(self) -> RankManifest:
+        """The seed's manifest for this rank, once it parses and matches the identity's anchor.
+
+        PullError (malformed, another rank) or ChecksumMismatch (not the anchored digest set).
+        """
+        cand = self.candidate
+        try:
+            manifest = RankManifest.from_dict(cand.manifest)
+        except ManifestError as exc:
+            raise PullError(f"seed {cand.instance_id}: bad manifest: {exc}") from exc
+        if manifest.rank != self.rank:
+            raise PullError(
+                f"seed {cand.instance_id}: manifest is for rank {manifest.rank}, wanted {self.rank}"
+            )
+        check_anchor(cand.instance_id, cand.anchor, manifest)
+        return manifest
+
+    def succeeded(self, nbytes: int, seconds: float) -> None:
+        """Report the pull (ends the lease); the session asks no more for this rank."""
+        self.outcome = True
+        self.session.report(self, ok=True, nbytes=nbytes, seconds=seconds, error=None)
+
+    def failed(self, error: BaseException, seconds: float) -> None:
+        """Report the failure (counts against the seed); the session asks again without this seed."""
+        self.outcome = False
+        self.session.report(self, ok=False, nbytes=0, seconds=seconds, error=error)
+
+
+def check_anchor(seed_id: str, anchor: dict[str, Any] | None, manifest: RankManifest) -> None:
+    """ChecksumMismatch unless `manifest`'s digest set is the anchored one for its algorithm."""
+    if not anchor:
+        raise ChecksumMismatch(f"seed {seed_id}: the planner sent no anchored digest set; not trusting it")
+    if anchor.get("checksum_algorithm") != manifest.checksum_algorithm:
+        raise ChecksumMismatch(
+            f"seed {seed_id}: manifest algorithm {manifest.checksum_algorithm!r} is not the anchored "
+            f"{anchor.get('checksum_algorithm')!r}"
+        )
+    got = digest_set(manifest.checksum_algorithm, manifest.to_dict()["tensors"])
+    if got != anchor.get("digest_set"):
+        raise ChecksumMismatch(
+            f"seed {seed_id}: manifest digest set {got[:16]} differs from the identity's anchored "
+            f"{str(anchor.get('digest_set'))[:16]} (anchored by {anchor.get('instance_id')})"
+        )
+
+
+class PlannerSession:
+    """Assignments and reports for one Loader; `seconds` sums the time spent waiting on the planner."""
+
+    def __init__(
+        self,
+        *,
+        planner_url: str | None,
+        token: str | None,
+        identity: SourceIdentity,
+        options: LoadOptions,
+        fallback_bytes: int | None,
+    ) -> None:
+        self.planner_url = planner_url
+        self.identity = identity
+        self.options = options
+        self.seconds = 0.0
+        self._token = token
+        self._fallback_bytes = fallback_bytes  # one rank's checkpoint bytes, when there is a checkpoint
+        self._client: PlannerClient | None = None
+
+    @property
+    def client(self) -> PlannerClient | None:
+        """The planner client (created on first use; None without a planner)."""
+        if self._client is None and self.planner_url is not None:
+            t0 = time.perf_counter()
+            self._client = PlannerClient(self.planner_url, token=self._token)
+            self.seconds += time.perf_counter() - t0
+        return self._client
+
+    def sources(self, rank: int) -> Iterator[Source]:
+        """Sources for `rank` until one succeeds, the attempts run out or no seed is left."""
+        if self.client is None:
+            return
+        one_sided = self.options.one_sided
+        excluded = list(self.options.exclude)
+        for _ in range(self.options.max_attempts):
+            assignment = self._ask(rank, excluded, one_sided) if one_sided else None
+            if assignment is None and self.options.nccl:
+                assignment = self._ask(rank, excluded, [*one_sided, "nccl"])
+            if assignment is None:
+                return
+            cand = assignment.candidates[0]
+            if cand.provider in one_sided or "nccl" not in (cand.backends or ()):
+                name = f"rfork-{cand.provider}"
+            else:
+                name = "nccl"
+            source = Source(session=self, assignment=assignment, rank=rank, name=name)
+            yield source
+            if source.outcome:
+                return
+            excluded.append(cand.instance_id)
+
+    def report(
+        self, source: Source, *, ok: bool, nbytes: int, seconds: float, error: BaseException | None
+    ) -> None:
+        """End the lease with the pull's outcome; a lost report never fails the load."""
+        if ok:
+            reason = None
+        else:
+            reason = "checksum_mismatch" if isinstance(error, ChecksumMismatch) else type(error).__name__
+        t0 = time.perf_counter()
+        try:
+            assert self.client is not None
+            self.client.report_transfer(
+                source.assignment.id,
+                outcome="success" if ok else "failure",
+                bytes=nbytes,
+                seconds=seconds,
+                backend=source.name.removeprefix("rfork-"),
+                reason=reason,
+                error=None if error is None else str(error)[:2000],
+            )
+        except Exception as exc:  # noqa: BLE001 - the data is here; a lost report must not fail the load
+            log.warning("could not report transfer %s: %s", source.assignment.id, exc)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Close the client's connections."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _ask(self, rank: int, excluded: list[str], backends: list[str]) -> Assignment | None:
+        """One assignment (waiting out 429s as the planner advises), or None: no seed, or fall back now."""
+        client = self.client
+        assert client is not None
+        options = self.options
+        per_rank = (
+            None if self._fallback_bytes is None else self._fallback_bytes // max(self.identity.world_size, 1)
+        )
+
+        def ask(waited_s: float) -> Assignment | None:
+            return client.request_assignment(
+                identity=self.identity.to_dict(),
+                rank=rank,
+                labels=dict(options.labels or default_labels()),
+                providers=options.one_sided,
+                backends=backends,
+                requester_id=None,
+                exclude=excluded,
+                fallback_s=None if per_rank is None else fallback_seconds(per_rank, options.fallback_gbps),
+                serves_after=options.max_concurrent_pulls if options.become_seed else 0,
+                waited_s=waited_s,
+            )
+
+        t0 = time.perf_counter()
+        try:
+            found = ask_with_wait(ask, policy=options.busy_wait, busy_type=AllBusy, what=f"rank {rank}")
+        except Exception as exc:  # noqa: BLE001 - a planner outage must still end in the disk fallback
+            log.warning("rank %d: planner assignment failed: %s", rank, exc)
+            return None
+        finally:
+            self.seconds += time.perf_counter() - t0
+        if found is None:
+            log.info("rank %d: no seed for identity %s (or waiting loses)", rank, self.identity.key()[:12])
+        else:
+            log.info(
+                "rank %d: assigned %s (%d candidate(s))",
+                rank,
+                found.candidates[0].instance_id,
+                len(found.candidates),
+            )
+        return found

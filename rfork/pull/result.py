@@ -1,0 +1,143 @@
+"""What a load is asked to do (LoadOptions) and what it produced (LoadResult, one Attempt per source)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from rfork.identity import SourceIdentity
+from rfork.seed.seed import Seed
+from rfork.weights.rank_weights import RankWeights
+
+ProgressFn = Callable[[int, int], None]
+"""(bytes done so far, total bytes) of the current attempt."""
+
+
+class BusyAnswer(Protocol):
+    """What a 429 carries (planner.errors.AllBusy has these attributes)."""
+
+    retry_after_s: float
+    fallback: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class BusyWait:
+    """The wait policy: follow Retry-After (plus up to `jitter` of it), give up after `max_wait_s`."""
+
+    max_wait_s: float = 900.0
+    jitter: float = 0.1
+    min_sleep_s: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.max_wait_s < 0 or not 0 <= self.jitter <= 1 or self.min_sleep_s <= 0:
+            raise ValueError(
+                f"BusyWait: need max_wait_s >= 0, 0 <= jitter <= 1, min_sleep_s > 0 (got {self})"
+            )
+
+    def decide(self, answer: BusyAnswer, waited_s: float, rng: random.Random) -> float | None:
+        """Seconds to sleep before asking again, or None: stop waiting and use the fallback now."""
+        if getattr(answer, "fallback", False):
+            return None
+        base = max(float(answer.retry_after_s), self.min_sleep_s)
+        sleep = base * (1.0 + self.jitter * rng.random())
+        if waited_s + sleep > self.max_wait_s:
+            return None
+        return sleep
+
+
+@dataclass(kw_only=True)
+class LoadOptions:
+    """How to load: which transports, how hard to try, and whether to become a seed afterwards."""
+
+    providers: Sequence[str] = ("tcp",)
+    domains: int = 1
+    chunk_bytes: int = 8 << 20
+    max_inflight: int = 8
+    transfer_timeout_s: float = 5.0  # the engine's dead-peer bound
+    rank_deadline_s: float = 600.0
+    max_attempts: int = 4
+    exclude: Sequence[str] = ()
+    labels: Mapping[str, str] | None = None
+    become_seed: bool = True
+    allow_nccl: bool = True
+    # torch intra-op threads while a one-sided pull runs (restored after; None: leave as is). The
+    # checksum gains little from a second thread but takes the core the transport's progress thread
+    # (and, on one box, the seed's) needs; measured in docs/benchmarks.md.
+    pull_torch_threads: int | None = 1
+    # Fault destination pages in (MADV_POPULATE_WRITE) on the registration thread, ahead of the reads,
+    # instead of inside the transport's receive copy.
+    prefault: bool = True
+    # Read through pinned host bounce slots (backends.providers.staging). Automatic for GPU destinations,
+    # as tcp and shm cannot register device memory; setting it for host destinations exercises that path.
+    staged_reads: bool = False
+    # 429 all_busy (rfork.pull.planner_session): wait for a seed unless the planner says the checkpoint, read
+    # at `fallback_gbps` GB/s, would be sooner (None: never compare, just wait)
+    busy_wait: BusyWait = field(default_factory=BusyWait)
+    fallback_gbps: float | None = 2.0
+    max_concurrent_pulls: int = 2  # the pull limit this instance publishes once it is a seed
+
+    @property
+    def one_sided(self) -> list[str]:
+        """The one-sided providers asked for ("nccl" in `providers` means: the NCCL fallback only)."""
+        return [p for p in self.providers if p != "nccl"]
+
+    @property
+    def nccl(self) -> bool:
+        """Whether the NCCL/gloo fallback may be used."""
+        return self.allow_nccl or "nccl" in self.providers
+
+
+@dataclass(kw_only=True)
+class Attempt:
+    """One source tried for one rank: which, whether it worked, its figures."""
+
+    source: str  # "rfork-tcp", "nccl", "disk", ...
+    instance_id: str | None
+    rank: int
+    ok: bool
+    bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase (see LoadResult.phases)
+
+
+@dataclass(kw_only=True)
+class LoadResult:
+    """What a load produced: weights per rank (the caller's tensors, or buffers + views), how, and
+    the seed it became. `verified` is true only when every tensor's digest was compared with a seed's."""
+
+    identity: SourceIdentity
+    weights: dict[int, RankWeights]
+    source: str
+    bytes: int
+    seconds: float
+    verified: bool
+    attempts: list[Attempt] = field(default_factory=list)
+    seed: Seed | None = None
+    # Seconds per phase, summed over ranks: planner (assignment + report round trips), alloc (destination
+    # buffers), register (main thread blocked on registration), transfer (first read posted -> last read
+    # done), verify (checksum work on the verifier thread, mostly overlapped with transfer), verify_tail
+    # (waiting for the verifier after the last read), engine (opening the transfer engine), read (disk),
+    # other (the rest of `seconds`: manifest parsing, views, ...).
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def state_dict(self, rank: int = 0) -> dict[str, torch.Tensor]:
+        """Rank `rank`'s tensors by name."""
+        return self.weights[rank].tensors
+
+    def load_into(self, module: torch.nn.Module, rank: int = 0) -> None:
+        """Point the module's parameters at the loaded views (no copy): `load_state_dict(assign=True)`.
+
+        For `load()` results; `Loader.load_into(module)` pulls into the module's own tensors instead.
+        """
+        module.load_state_dict(self.state_dict(rank), strict=True, assign=True)
+
+    def close(self) -> None:
+        """Stop serving as a seed (drain, deregister), if this load became one."""
+        if self.seed is not None:
+            self.seed.close()
+            self.seed = None

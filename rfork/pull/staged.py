@@ -1,0 +1,67 @@
+"""Pulling into GPU tensors over a provider that cannot register device memory (tcp, shm here).
+
+Each distinct destination tensor is read through a `StagedReader` (pinned host bounce slots, then a
+copy to the device) and verified on its device as it lands (pwsum64-v1, computed by the GPU; see
+rfork.weights.checksum). Nothing of the destination is registered, so a seed this loader becomes
+registers (or mirrors) afresh. Not run on a GPU here: the CPU tests exercise it with host tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+from backends import MemoryRegionDescriptor, TransferEngine
+from backends.providers.staging import StagedReader
+from rfork.errors import PullError
+from rfork.pull.result import ProgressFn
+from rfork.weights import checksum as ck
+from rfork.weights.manifest import RankManifest
+from rfork.weights.rank_weights import RankWeights
+
+
+def pull_staged(
+    engine: TransferEngine,
+    manifest: RankManifest,
+    dest: RankWeights,
+    *,
+    deadline: float,
+    progress: ProgressFn | None,
+    phases: dict[str, float],
+) -> None:
+    """Read every distinct destination tensor through bounce slots and verify it; fills `phases`."""
+    remote = {r.index: MemoryRegionDescriptor.from_bytes(r.descriptor) for r in manifest.regions}
+    expected = {t.name: t.checksum for t in manifest.tensors}
+    src = {t.name: t for t in manifest.tensors}
+    dest.verify(expected, [p.name for p in dest.layout.placements if not p.nbytes])
+    spans: dict[tuple[int, int, int], list[str]] = {}  # tied names share one destination span
+    for p in dest.layout.placements:
+        if p.nbytes:
+            spans.setdefault((p.region, p.offset, p.nbytes), []).append(p.name)
+    total = sum(key[2] for key in spans)
+    device = dest.device if dest.device.type == "cuda" else None
+    reader = StagedReader(engine, device=device)
+    t_first = time.perf_counter()
+    verify_s = 0.0
+    futs: list[tuple[list[str], int, Future[int]]] = []
+    try:
+        for (_region, _offset, nbytes), names in spans.items():
+            entry = src[names[0]]
+            fut = reader.read_into(
+                dest.tensors[names[0]], 0, entry.nbytes, remote[entry.region], entry.offset
+            )
+            futs.append((names, nbytes, fut))
+        done = 0
+        for names, nbytes, fut in futs:
+            fut.result(timeout=max(deadline - time.monotonic(), 0.0))
+            done += nbytes
+            if progress is not None:
+                progress(done, total)
+            t = time.perf_counter()
+            dest.accept_digest(names, ck.tensor_checksum(dest.tensors[names[0]]), expected)
+            verify_s += time.perf_counter() - t
+    except TimeoutError as exc:
+        raise PullError(f"rank {dest.rank}: deadline passed") from exc
+    finally:
+        reader.close()  # waits out whatever is still queued: the bounce slots are quiet after
+    phases.update(transfer=time.perf_counter() - t_first - verify_s, verify=verify_s)
