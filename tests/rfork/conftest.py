@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 os.environ.setdefault("RFORK_TCP_HOST", "127.0.0.1")  # keep tcp on loopback (children inherit it)
 
-from rfork.bench.processes import Fleet  # noqa: E402
+from rfork.bench.processes import Child, Fleet, seed_args  # noqa: E402
 from rfork.weights.checkpoint import read_checkpoint_info
 from rfork.weights.synthetic import LlamaConfig, write_synthetic_checkpoint
 
@@ -80,3 +81,19 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
 
 def identity_of(ckpt: Path, tp: int = 1):
     return read_checkpoint_info(ckpt).identity(tp=tp)
+
+
+def start_seed(
+    fleet, ckpt: Path, planner_url: str, name: str = "seed", tp: int = 1
+) -> tuple[list[str], Child]:
+    ready = fleet.workdir / f"{name}.ready.json"
+    child = fleet.spawn(name, seed_args(ckpt, planner_url, ready, tp=tp))
+    info = fleet.wait_file(child, ready, timeout_s=90)
+    return info["instance_ids"], child
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        assert torch.equal(a[k], b[k]), k

@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from rfork import Loader, LoadOptions, load
-from rfork.bench.processes import Child, load_args, seed_args
+from rfork.bench.processes import load_args
 from rfork.errors import LoadFailed
 from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
 from rfork.weights.synthetic import write_synthetic_checkpoint
-from tests.rfork.conftest import ADMIN, AUTH, LOAD, REGISTER, SMALL, identity_of
+from tests.rfork.conftest import ADMIN, AUTH, LOAD, REGISTER, SMALL, assert_same, identity_of, start_seed
 from tests.tiny_llama import LlamaForCausalLM
 
 pytestmark = pytest.mark.slow
@@ -27,22 +23,6 @@ pytestmark = pytest.mark.slow
 
 def opts(**kw) -> LoadOptions:
     return LoadOptions(providers=["tcp"], transfer_timeout_s=3.0, rank_deadline_s=60.0, **kw)
-
-
-def start_seed(
-    fleet, ckpt: Path, planner_url: str, name: str = "seed", tp: int = 1
-) -> tuple[list[str], Child]:
-    ready = fleet.workdir / f"{name}.ready.json"
-    child = fleet.spawn(name, seed_args(ckpt, planner_url, ready, tp=tp))
-    info = fleet.wait_file(child, ready, timeout_s=90)
-    return info["instance_ids"], child
-
-
-def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype, k
-        assert torch.equal(a[k], b[k]), k
 
 
 def test_seed_process_to_loaded_model_bit_identical_then_drains_on_sigterm(fleet, small_ckpt, planner):
@@ -288,38 +268,3 @@ def test_end_to_end_on_postgresql(fleet, small_ckpt, postgres_url):
         assert res["verified"]
         assert res["attempts"][0]["instance_id"] == ids[0]
         assert fleet.stop(seed) == 0
-
-
-def test_demo_runs_and_cleans_up(tmp_path):
-    out = tmp_path / "demo.json"
-    before = set(Path("/tmp").glob("rfork-demo-*"))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rfork",
-            "demo",
-            "--size-gib",
-            "0.03",
-            "--providers",
-            "tcp",
-            "--no-nccl",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-        env={**os.environ, "COLUMNS": "120"},
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc = json.loads(out.read_text())
-    sources = [r["source"] for r in doc["rows"]]
-    assert sources[:2] == ["disk", "rfork-tcp"]
-    assert len(sources) == 3
-    assert doc["rows"][2].get("chain") is True
-    assert [r["verified"] for r in doc["rows"]] == [False, True, True]  # disk has nothing to compare
-    assert doc["model_bytes"] > 0
-    assert "speed-up" in proc.stdout
-    assert set(Path("/tmp").glob("rfork-demo-*")) == before

@@ -30,8 +30,7 @@ from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
 from rfork.weights.synthetic import write_synthetic_checkpoint
-from tests.rfork.conftest import ADMIN, LOAD, READER, REGISTER
-from tests.rfork.test_end_to_end import assert_same, start_seed
+from tests.rfork.conftest import ADMIN, LOAD, READER, REGISTER, assert_same, start_seed
 
 pytestmark = pytest.mark.slow
 TOKENS: dict[str, Any] = {

@@ -1,4 +1,4 @@
-"""Scale-out: the simulator against the real planner, the simulated tree, a real burst of loaders."""
+"""rfork.simulate: the flow model and the real planner on simulated time."""
 
 from __future__ import annotations
 
@@ -11,9 +11,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rfork.bench.scale_out import max_concurrent
 from rfork.simulate.fleet import SCENARIOS, BandwidthModel, FleetSim, hub_baseline, migrated_template
 from rfork.simulate.flows import Network
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return migrated_template(tmp_path_factory.mktemp("sim-template"))
 
 
 def test_flow_model_shares_a_nic_max_min_fairly():
@@ -37,11 +41,6 @@ def test_hub_baseline_and_ideal_tree_follow_the_model():
     assert m.ideal_tree_s(1) == pytest.approx(1 * (1 + 1))  # 100 GB at 100 GB/s + 1 s
     assert m.ideal_tree_s(1000) == pytest.approx(10 * 2)
     assert hub_baseline(m, 4) == pytest.approx(4 + 1)  # the hub's 100 GB/s shared by four
-
-
-@pytest.fixture(scope="module")
-def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return migrated_template(tmp_path_factory.mktemp("sim-template"))
 
 
 def test_simulated_tree_stays_within_limits_and_beats_one_seed(template, tmp_path):
@@ -106,12 +105,6 @@ def test_simulator_decisions_match_the_real_planner_over_http(template, tmp_path
             assert r.json()["reason"] == "all_busy"
 
 
-def test_max_concurrent_counts_overlaps_only():
-    assert max_concurrent([(0, 1), (1, 2), (2, 3)]) == 1
-    assert max_concurrent([(0, 3), (1, 2), (1.5, 4)]) == 3
-    assert max_concurrent([]) == 0
-
-
 def test_simulate_cli_writes_json_markdown_and_plot(tmp_path):
     out, md, png = tmp_path / "sim.json", tmp_path / "sim.md", tmp_path / "sim.png"
     proc = subprocess.run(
@@ -134,32 +127,6 @@ def test_simulate_cli_writes_json_markdown_and_plot(tmp_path):
     )  # fmt: skip
     assert bad.returncode != 0
     assert "--instances" in bad.stderr
-
-
-@pytest.mark.slow
-def test_bench_burst_of_six_loaders_against_one_seed_with_limit_two(tmp_path):
-    """One seed (limit 2), then six `rfork load` processes at once: all verified, no seed over its limit."""
-    out = tmp_path / "burst.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "rfork", "bench", "scale-out", "--instances", "6", "--size-gib", "0.02",
-         "--max-pulls", "2", "--modes", "tree", "disk", "--json", str(out), "--timeout", "600"],
-        capture_output=True, text=True, timeout=900, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads(out.read_text())
-    tree = doc["modes"]["tree"]
-    assert tree["instances"] == 6
-    assert tree["verified"]
-    assert tree["sources"] == {"rfork-tcp": 6}
-    assert tree["within_limit"]
-    assert max(tree["max_pulls_per_seed"].values()) <= 2
-    assert tree["max_pulls_per_seed"]["seed"] >= 1
-    names = {t["loader"] for t in tree["tree"]}
-    for edge in tree["tree"]:
-        assert edge["from"] == "seed" or edge["from"] in names - {edge["loader"]}
-    disk = doc["modes"]["disk"]
-    assert disk["sources"] == {"disk": 6}  # (a plain disk load compares no digests: verified is false)
-    assert doc["load_average"]
 
 
 def test_racks_with_thin_uplinks_complete_within_limits(template, tmp_path):

@@ -1,5 +1,6 @@
-"""The loader's 429 wait policy on a real planner: wait for the computed slot, fall back only when told."""
-
+"""rfork.pull.planner_session: waiting out busy seeds as the planner advises, and falling back when it
+says so.
+"""
 from __future__ import annotations
 
 import random

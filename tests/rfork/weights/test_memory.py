@@ -1,4 +1,4 @@
-"""rfork.weights.memory: the flat buffers rfork allocates get huge pages; pre-faulting keeps contents."""
+"""rfork.weights.memory: flat region buffers (huge pages, packing) and pre-faulting."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import strategies as st
 
-from rfork.weights.memory import empty_host_buffer, prefault
+from rfork.weights.memory import empty_host_buffer, pack, prefault
 
+names = st.text(alphabet="abcdefghij._0123456789", min_size=1, max_size=20)
+dtypes = st.sampled_from(["bfloat16", "float16", "float32", "int8", "int64"])
+shapes = st.lists(st.integers(min_value=0, max_value=9), min_size=0, max_size=3)
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
 _CHECK = """
 import json, sys
 import json
@@ -43,6 +45,16 @@ plain = torch.empty(n, dtype=torch.uint8)
 plain.fill_(1)
 print(json.dumps({"ours": huge_kib_in(ours.data_ptr(), n), "plain": huge_kib_in(plain.data_ptr(), n)}))
 """
+
+
+def test_pack_keeps_values_and_zero_byte_tensors():
+    t = {"a": torch.randn(3, 5).bfloat16(), "empty": torch.empty(0, 4), "b": torch.arange(10.0)}
+    layout, buffers, views = pack(t, max_region_bytes=40)
+    assert len(buffers) == 2
+    assert layout.placements[1].nbytes == 0
+    for k, v in t.items():
+        assert torch.equal(v, views[k])
+        assert views[k].dtype == v.dtype
 
 
 @pytest.mark.skipif(

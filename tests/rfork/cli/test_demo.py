@@ -1,0 +1,48 @@
+"""rfork demo: the main job end to end on embedded defaults, cleaning up after itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_runs_and_cleans_up(tmp_path):
+    out = tmp_path / "demo.json"
+    before = set(Path("/tmp").glob("rfork-demo-*"))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rfork",
+            "demo",
+            "--size-gib",
+            "0.03",
+            "--providers",
+            "tcp",
+            "--no-nccl",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        env={**os.environ, "COLUMNS": "120"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    sources = [r["source"] for r in doc["rows"]]
+    assert sources[:2] == ["disk", "rfork-tcp"]
+    assert len(sources) == 3
+    assert doc["rows"][2].get("chain") is True
+    assert [r["verified"] for r in doc["rows"]] == [False, True, True]  # disk has nothing to compare
+    assert doc["model_bytes"] > 0
+    assert "speed-up" in proc.stdout
+    assert set(Path("/tmp").glob("rfork-demo-*")) == before

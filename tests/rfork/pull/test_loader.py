@@ -1,0 +1,166 @@
+"""rfork.pull.loader: pulling into a framework's own tensors, refusing a mismatch before any byte
+moves, falling back into the same tensors.
+"""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+from hypothesis import strategies as st
+
+from rfork import Loader, LoadOptions, pull_into
+from rfork.errors import DestinationMismatch
+from rfork.identity import SourceIdentity, fingerprint
+from rfork.seed.seed import Seed
+from rfork.weights.checkpoint import load_state_dict, read_checkpoint_info
+from rfork.weights.rank_weights import RankWeights
+from rfork.weights.synthetic import write_synthetic_checkpoint
+from tests.rfork.conftest import AUTH, REGISTER, SMALL
+from tests.tiny_llama import LlamaForCausalLM
+
+# A few backing buffers; tensors are byte spans carved out of them (they may overlap or repeat).
+spans_strategy = st.lists(
+    st.tuples(st.integers(0, 2), st.integers(0, 300), st.integers(0, 120)), min_size=1, max_size=25
+)
+RSS_CHILD = textwrap.dedent(
+    """
+    import json, os, sys, torch
+    from planner.client import PlannerClient  # imported before the baseline: not part of serving
+    from rfork.identity import SourceIdentity
+    from rfork.seed.seed import RankServer, Seed, open_engine
+    from rfork.weights.rank_weights import RankWeights
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    nbytes = int(sys.argv[2])
+    tensors = {f"layer{i}.weight": torch.full((nbytes // 8 // 4,), float(i)) for i in range(8)}
+    server = RankServer(engine=open_engine("tcp"))
+    before = rss()
+    weights = RankWeights.from_tensors(tensors=tensors)
+    server.serve(weights)
+    ident = SourceIdentity(model="rss", revision="r", dtype="float32", fingerprint="f" * 64)
+    seed = Seed(weights=[weights], identity=ident, planner_url=sys.argv[1], servers=[server], control=False,
+                token=os.environ["RFORK_REGISTER_TOKEN"])
+    seed.start()
+    after = rss()
+    total = sum(t.numel() * 4 for t in tensors.values())
+    print(json.dumps({"before": before, "after": after, "weights": total}), flush=True)
+    sys.stdin.readline()  # serve until the parent has pulled
+    seed.close()
+    """
+)
+
+
+def opts(**kw) -> LoadOptions:
+    return LoadOptions(providers=["tcp"], transfer_timeout_s=3.0, rank_deadline_s=60.0, **kw)
+
+
+def tied_model(seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(SMALL)
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied: one storage, two names
+    model.register_buffer("empty_buf", torch.empty(0, 8))
+    return model
+
+
+def identity_for(model: torch.nn.Module) -> SourceIdentity:
+    return SourceIdentity(
+        model="in-place-test",
+        revision="r1",
+        dtype="bfloat16",
+        fingerprint=fingerprint((n, str(t.dtype), t.shape) for n, t in model.state_dict().items()),
+    )
+
+
+@pytest.mark.slow
+def test_serve_in_place_then_pull_into_a_module_then_serve_from_it(planner):
+    model = tied_model(0)
+    before = {n: t.data_ptr() for n, t in model.state_dict().items()}
+    weights = RankWeights.from_tensors(tensors=model.state_dict())
+    assert weights.buffers == []  # nothing copied
+    ident = identity_for(model)
+    with Seed(
+        weights=[weights], identity=ident, planner_url=planner, providers=["tcp"], token=REGISTER
+    ) as seed:
+        assert {n: t.data_ptr() for n, t in model.state_dict().items()} == before  # not re-pointed
+        target = tied_model(1)
+        ptrs = {n: t.data_ptr() for n, t in target.state_dict().items()}
+        loader = Loader(identity=ident, planner_url=planner, options=opts(), **AUTH)
+        a = loader.load_into(target)
+        try:
+            assert a.source == "rfork-tcp"
+            assert a.verified
+            assert a.attempts[0].instance_id == seed.instance_ids[0]
+            assert {n: t.data_ptr() for n, t in target.state_dict().items()} == ptrs  # pulled in place
+            for name, t in model.state_dict().items():
+                assert torch.equal(target.state_dict()[name], t), name
+            # the loaded instance serves its own tensors: a third instance pulls from it
+            third = LlamaForCausalLM(SMALL)
+            third.lm_head.weight = third.model.embed_tokens.weight
+            third.register_buffer("empty_buf", torch.empty(0, 8))
+            b = pull_into(
+                identity=ident,
+                planner_url=planner,
+                tensors=third.state_dict(),
+                options=opts(exclude=seed.instance_ids, become_seed=False),
+                **AUTH,
+            )
+            assert a.seed is not None
+            assert b.attempts[0].instance_id == a.seed.instance_ids[0]
+            for name, t in model.state_dict().items():
+                assert torch.equal(third.state_dict()[name], t), name
+            b.close()
+        finally:
+            a.close()
+
+
+@pytest.mark.slow
+def test_pull_into_mismatch_fails_before_any_byte_moves(planner):
+    model = tied_model(0)
+    ident = identity_for(model)
+    with Seed(
+        weights=[RankWeights.from_tensors(tensors=model.state_dict())],
+        identity=ident,
+        planner_url=planner,
+        token=REGISTER,
+    ):
+        dest = {n: torch.full_like(t, 7) for n, t in model.state_dict().items()}
+        name = "model.layers.1.mlp.up_proj.weight"
+        dest[name] = torch.full((3, 3), 7, dtype=torch.bfloat16)
+        with pytest.raises(DestinationMismatch, match=name):
+            pull_into(
+                identity=ident, planner_url=planner, tensors=dest, options=opts(become_seed=False), **AUTH
+            )
+        assert all(bool((t == 7).all()) for t in dest.values())  # nothing written
+
+
+@pytest.mark.slow
+def test_corrupt_seed_falls_back_to_disk_into_the_same_tensors(tmp_path, planner):
+    ckpt = write_synthetic_checkpoint(tmp_path / "ckpt", config=SMALL, shard_bytes=3 << 20)
+    info = read_checkpoint_info(ckpt)
+    served = {n: t.clone() for n, t in load_state_dict(ckpt).items()}
+    weights = RankWeights.from_tensors(tensors=served)
+    with Seed(
+        weights=[weights], identity=info.identity(), planner_url=planner, control=False, token=REGISTER
+    ):
+        victim = next(iter(served.values()))
+        victim.view(-1)[3] += 1  # after the digests were published
+        dest = {n: torch.empty_like(t) for n, t in served.items()}
+        ptrs = {n: t.data_ptr() for n, t in dest.items()}
+        result = pull_into(
+            identity=info.identity(),
+            planner_url=planner,
+            tensors=dest,
+            checkpoint=ckpt,
+            options=opts(become_seed=False),
+            **AUTH,
+        )
+        assert result.source == "disk"
+        assert not result.verified  # a disk load has nothing to compare digests with
+        assert "checksum" in (result.attempts[0].error or "")
+        assert {n: t.data_ptr() for n, t in dest.items()} == ptrs
+        reference = load_state_dict(ckpt)
+        assert all(torch.equal(dest[n], reference[n]) for n in reference)

@@ -1,0 +1,122 @@
+"""rfork.seed.publication: topology labels, staying published through STALE, a forgetful planner and
+an outage.
+"""
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import pytest
+from hypothesis import strategies as st
+from sqlalchemy import create_engine, text
+
+from planner.client import PlannerClient
+from planner.server import PlannerServer
+from rfork import LoadOptions, load
+from rfork.seed.seed import Seed
+from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
+from rfork.weights.rank_weights import RankWeights
+from tests.rfork.conftest import ADMIN, AUTH, LOAD, READER, REGISTER, assert_same
+
+names = st.text(alphabet="abcdefghij._0123456789", min_size=1, max_size=20)
+dtypes = st.sampled_from(["bfloat16", "float16", "float32", "int8", "int64"])
+shapes = st.lists(st.integers(min_value=0, max_value=9), min_size=0, max_size=3)
+pytestmark = pytest.mark.slow
+TOKENS: dict[str, Any] = {
+    "admin_token": ADMIN,
+    "register_token": REGISTER,
+    "load_token": LOAD,
+    "reader_token": READER,
+}
+
+
+def opts(**kw) -> LoadOptions:
+    return LoadOptions(providers=["tcp"], transfer_timeout_s=3.0, rank_deadline_s=60.0, **kw)
+
+
+def _weights(ckpt) -> RankWeights:
+    layout, buffers, tensors = load_rank_from_disk(read_checkpoint_info(ckpt))
+    return RankWeights(rank=0, layout=layout, buffers=buffers, tensors=tensors)
+
+
+def _until(pred, timeout_s: float, what: str):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_default_labels_from_env_else_hostname(monkeypatch):
+    import socket
+
+    from rfork.seed.seed import default_labels
+
+    for var in ("RFORK_NODE", "RFORK_RACK", "RFORK_ZONE"):
+        monkeypatch.delenv(var, raising=False)
+    assert default_labels() == {"node": socket.gethostname(), "rack": "rack0", "zone": "zone0"}
+    monkeypatch.setenv("RFORK_NODE", "node-a")
+    monkeypatch.setenv("RFORK_RACK", "r7")
+    monkeypatch.setenv("RFORK_ZONE", "z2")
+    assert default_labels() == {"node": "node-a", "rack": "r7", "zone": "z2"}
+    monkeypatch.setenv("RFORK_RACK", "")  # empty counts as unset
+    assert default_labels()["rack"] == "rack0"
+
+
+def test_seed_reasserts_ready_after_stale_and_registers_again_after_404(small_ckpt, sqlite_url):
+    info = read_checkpoint_info(small_ckpt)
+    with PlannerServer(db_url=sqlite_url, heartbeat_ttl_s=1.5, reaper_interval_s=3600, **TOKENS) as srv:
+        admin = PlannerClient(srv.url, token=ADMIN)
+        with Seed(
+            weights=[_weights(small_ckpt)],
+            identity=info.identity(),
+            planner_url=srv.url,
+            control=False,
+            token=REGISTER,
+        ) as seed:
+            first = seed.instance_ids[0]
+            eng = create_engine(sqlite_url)
+            with eng.begin() as conn:  # what the reaper does when heartbeats stopped for a while
+                conn.execute(text("UPDATE instances SET status='STALE' WHERE id=:i"), {"i": first})
+            eng.dispose()
+            _until(lambda: admin.get_instance(first)["status"] == "READY", 10, "READY again after STALE")
+            admin.delete_instance(first)  # the planner forgets it (e.g. a fresh database)
+            again = _until(lambda: [i for i in seed.instance_ids if i != first], 15, "registered again")[0]
+            assert admin.get_instance(again)["status"] == "READY"
+            result = load(
+                identity=info.identity(), planner_url=srv.url, **AUTH, options=opts(become_seed=False)
+            )
+            assert result.attempts[0].instance_id == again
+            assert result.source == "rfork-tcp"
+
+
+def test_planner_down_during_load_keeps_weights_and_publishes_in_background(small_ckpt, sqlite_url):
+    info = read_checkpoint_info(small_ckpt)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    result = load(identity=info.identity(), planner_url=url, checkpoint=small_ckpt, **AUTH, options=opts())
+    try:
+        assert time.monotonic() - t0 < 60
+        assert result.source == "disk"
+        assert_same(result.state_dict(), load_state_dict(small_ckpt))
+        assert result.seed is not None
+        assert result.seed.instance_ids == []  # not published yet: the planner is down
+        with PlannerServer(db_url=sqlite_url, port=port, **TOKENS) as srv:
+            reader = PlannerClient(srv.url, token=READER)
+            _until(lambda: reader.list_instances(status="READY")["total"] == 1, 20, "published after outage")
+            b = load(identity=info.identity(), planner_url=srv.url, **AUTH, options=opts(become_seed=False))
+            assert b.source == "rfork-tcp"  # anchored by the disk-loaded instance, served from it
+            assert b.attempts[0].instance_id == result.seed.instance_ids[0]
+            assert_same(b.state_dict(), load_state_dict(small_ckpt))
+    finally:
+        result.close()

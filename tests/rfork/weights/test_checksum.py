@@ -1,0 +1,119 @@
+"""rfork.weights.checksum: the host digest (xxh3-128, streamed as bytes land) and the device digest
+(pwsum64-v1).
+"""
+from __future__ import annotations
+
+import os
+import textwrap
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rfork.weights import checksum as ck
+
+names = st.text(alphabet="abcdefghij._0123456789", min_size=1, max_size=20)
+dtypes = st.sampled_from(["bfloat16", "float16", "float32", "int8", "int64"])
+shapes = st.lists(st.integers(min_value=0, max_value=9), min_size=0, max_size=3)
+# A few backing buffers; tensors are byte spans carved out of them (they may overlap or repeat).
+spans_strategy = st.lists(
+    st.tuples(st.integers(0, 2), st.integers(0, 300), st.integers(0, 120)), min_size=1, max_size=25
+)
+RSS_CHILD = textwrap.dedent(
+    """
+    import json, os, sys, torch
+    from planner.client import PlannerClient  # imported before the baseline: not part of serving
+    from rfork.identity import SourceIdentity
+    from rfork.seed.seed import RankServer, Seed, open_engine
+    from rfork.weights.rank_weights import RankWeights
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    nbytes = int(sys.argv[2])
+    tensors = {f"layer{i}.weight": torch.full((nbytes // 8 // 4,), float(i)) for i in range(8)}
+    server = RankServer(engine=open_engine("tcp"))
+    before = rss()
+    weights = RankWeights.from_tensors(tensors=tensors)
+    server.serve(weights)
+    ident = SourceIdentity(model="rss", revision="r", dtype="float32", fingerprint="f" * 64)
+    seed = Seed(weights=[weights], identity=ident, planner_url=sys.argv[1], servers=[server], control=False,
+                token=os.environ["RFORK_REGISTER_TOKEN"])
+    seed.start()
+    after = rss()
+    total = sum(t.numel() * 4 for t in tensors.values())
+    print(json.dumps({"before": before, "after": after, "weights": total}), flush=True)
+    sys.stdin.readline()  # serve until the parent has pulled
+    seed.close()
+    """
+)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 4095, ck.CHUNK_WORDS * 8 + 13, 3 * ck.CHUNK_WORDS * 8 + 5])
+def test_checksum_matches_reference(n):
+    raw = os.urandom(n)
+    t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+    assert ck.checksum_bytes(t) == ck.reference_checksum(raw)
+
+
+def test_checksum_sees_one_flipped_byte_and_swapped_words():
+    t = torch.randn(1 << 18, dtype=torch.float32)
+    base = ck.tensor_checksum(t)
+    u = t.clone().view(torch.uint8)
+    u[12345] ^= 1
+    assert ck.tensor_checksum(u) != base
+    w = t.clone().view(torch.int64)
+    w[[10, 20]] = w[[20, 10]]
+    assert ck.tensor_checksum(w) != base
+
+
+def test_checksum_is_dtype_and_view_independent_and_handles_unaligned():
+    t = torch.randn(1001, dtype=torch.bfloat16)
+    assert (
+        ck.tensor_checksum(t) == ck.tensor_checksum(t.view(torch.uint8)) == ck.tensor_checksum(t.view(7, 143))
+    )
+    buf = torch.zeros(4000, dtype=torch.uint8)
+    buf[3 : 3 + 2002] = t.view(torch.uint8)
+    assert ck.xxh3_bytes(buf[3 : 3 + 2002]) == ck.tensor_checksum(t)
+    assert ck.checksum_bytes(buf[3 : 3 + 2002]) == ck.checksum_bytes(t.view(torch.uint8))  # pwsum too
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_checksum_same_on_cuda():
+    t = torch.randn(3_000_001, dtype=torch.bfloat16)
+    assert ck.tensor_checksum(t.cuda()) == ck.checksum_bytes(t.view(torch.uint8))  # pwsum64 on the GPU
+
+
+@given(st.binary(min_size=0, max_size=5000), st.lists(st.integers(1, 700), max_size=20))
+@settings(max_examples=100, deadline=None)
+def test_streaming_xxh3_equals_one_shot_for_any_chunking(data, cuts):
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    d = ck.StreamingDigest()
+    pos = 0
+    for c in cuts:
+        n = min(c, len(data) - pos)
+        d.update(t.data_ptr() + pos, n)
+        pos += n
+    d.update(t.data_ptr() + pos, len(data) - pos)
+    assert d.hexdigest() == ck.tensor_checksum(t)
+    assert len(d.hexdigest()) == 32
+
+
+def test_host_digest_is_xxh3_and_not_linear():
+    import xxhash
+
+    assert ck.algorithm_for("cpu") == ck.XXH3_128
+    assert ck.algorithm_for("cuda:0") == ck.PWSUM64
+    t = torch.arange(4096, dtype=torch.int64)
+    assert ck.tensor_checksum(t) == xxhash.xxh3_128_hexdigest(t.numpy().tobytes())
+    # Two changes that cancel in any position-weighted sum (w0 += 2, w1 -= 1, w2 ... ) still differ:
+    u = t.clone()
+    u[0] += 1
+    u[2] += 1
+    u[1] -= 2  # sum unchanged and sum of w_i*(i+1) unchanged: (1*1) + (1*3) - (2*2) = 0
+    assert int(u.sum()) == int(t.sum())
+    assert ck.tensor_checksum(u) != ck.tensor_checksum(t)
+    assert ck.checksum_bytes(u.view(torch.uint8)) == ck.checksum_bytes(t.view(torch.uint8))  # pwsum cannot

@@ -1,0 +1,113 @@
+"""rfork.weights.manifest: rank manifests round-trip and refuse garbage with ManifestError."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backends.layout import plan_layout
+from rfork.errors import ManifestError
+from rfork.weights import checksum as ck
+from rfork.weights.manifest import RankManifest
+
+names = st.text(alphabet="abcdefghij._0123456789", min_size=1, max_size=20)
+dtypes = st.sampled_from(["bfloat16", "float16", "float32", "int8", "int64"])
+shapes = st.lists(st.integers(min_value=0, max_value=9), min_size=0, max_size=3)
+
+
+def _good_doc():
+    return {
+        "rank": 0,
+        "checksum_algorithm": ck.XXH3_128,
+        "regions": [{"index": 0, "nbytes": 16, "descriptor": base64.b64encode(b"x").decode()}],
+        "tensors": [
+            {
+                "name": "w",
+                "dtype": "float32",
+                "shape": [2, 2],
+                "nbytes": 16,
+                "region": 0,
+                "offset": 0,
+                "checksum": "0" * 32,
+            }
+        ],
+    }
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.dictionaries(names, st.tuples(dtypes, shapes), min_size=0, max_size=12),
+    st.integers(min_value=1, max_value=4096),
+)
+def test_manifest_round_trip_from_any_layout(specs, max_region):
+    layout = plan_layout([(n, d, s) for n, (d, s) in specs.items()], max_region_bytes=max_region)
+    doc = {
+        "rank": 3,
+        "checksum_algorithm": ck.XXH3_128,
+        "regions": [
+            {"index": i, "nbytes": n, "descriptor": base64.b64encode(b"d%d" % i).decode()}
+            for i, n in enumerate(layout.region_sizes)
+        ],
+        "tensors": [
+            {
+                "name": p.name,
+                "dtype": p.dtype,
+                "shape": list(p.shape),
+                "nbytes": p.nbytes,
+                "region": p.region,
+                "offset": p.offset,
+                "checksum": "0" * 32,
+            }
+            for p in layout.placements
+        ],
+    }
+    m = RankManifest.from_dict(json.loads(json.dumps(doc)))
+    assert m.to_dict() == doc
+    # regions never overlap and stay in bounds
+    for r in range(len(layout.region_sizes)):
+        spans = sorted(
+            (p.offset, p.offset + p.nbytes) for p in layout.placements if p.region == r and p.nbytes
+        )
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+        assert all(end <= layout.region_sizes[r] for _, end in spans)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+        max_leaves=12,
+    )
+)
+def test_manifest_parser_rejects_garbage_with_manifest_error(doc):
+    with contextlib.suppress(ManifestError):
+        RankManifest.from_dict(doc)
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("tensors", 0, "nbytes"), 12),
+        (("tensors", 0, "offset"), 4),
+        (("tensors", 0, "region"), 1),
+        (("tensors", 0, "dtype"), "complex999"),
+        (("regions", 0, "descriptor"), "!!"),
+        (("rank",), -1),
+        (("tensors", 0, "shape"), [2, "2"]),
+        (("checksum_algorithm",), ""),
+    ],
+)
+def test_manifest_rejects_inconsistent_fields(path, value):
+    doc = _good_doc()
+    target = doc
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    with pytest.raises(ManifestError):
+        RankManifest.from_dict(doc)
