@@ -81,6 +81,7 @@ def memcpy_seconds(nbytes: int, repeat: int = 3) -> float:
 def _fresh_memcpy_child(nbytes: int, conn: Any) -> None:
     import torch
 
+    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from rfork.weights.memory import empty_host_buffer
 
     src = torch.empty(nbytes, dtype=torch.uint8)
@@ -136,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from planner.server import PlannerServer
     from rfork.bench.processes import Fleet, available_providers, load_args, seed_args
     from rfork.bench.transport import large_read_gbps

@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from backends.layout import dtype_from_name
     from rfork.pull.loader import Loader
     from rfork.pull.result import LoadOptions

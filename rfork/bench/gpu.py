@@ -108,6 +108,7 @@ def _seed_main(conn: Connection, nbytes: int, device_index: int, tcp: bool, doma
     import torch
 
     os.environ.setdefault("FI_TCP_IFACE", "lo")
+    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from backends.providers.cuda_ipc import CudaIpcEngine
     from backends.providers.staging import host_mirror
     from rfork.weights.checksum import checksum_bytes
@@ -142,6 +143,7 @@ def _seed_main(conn: Connection, nbytes: int, device_index: int, tcp: bool, doma
 def _rfork_runs(nbytes: int, device: torch.device, args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
+    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from backends.providers.cuda_ipc import CudaIpcEngine
     from rfork.weights.checksum import checksum_bytes
 
@@ -211,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from rfork.weights.checkpoint import read_checkpoint_info
     from rfork.weights.synthetic import write_synthetic_checkpoint
 

@@ -200,6 +200,7 @@ def available_providers(wanted: Sequence[str]) -> tuple[list[str], list[str]]:
     for p in wanted:
         if p == "shm":
             try:
+                # imported here: `rfork --help` imports this module (start-up time)
                 from backends.providers.libfabric import cma_permitted, provider_available
 
                 ok = cma_permitted() and provider_available("shm")

@@ -69,6 +69,7 @@ def run_burst(
     timeout_s: float = 900.0,
 ) -> dict[str, Any]:
     """One mode: planner + seed (unless disk), then `instances` loader processes at once; the outcome."""
+    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from planner.client import PlannerClient
     from planner.server import PlannerServer
     from rfork.bench.processes import Fleet, load_args, seed_args
@@ -185,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from rfork.weights.synthetic import write_synthetic_checkpoint
 
     console = Console(width=max(Console().width, 120))

@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--size-gib must be positive")
     from rich.console import Console
 
+    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from rfork.bench.processes import Fleet, available_providers
 
     console = Console()
@@ -87,6 +88,7 @@ def _scenario(
     providers: list[str],
     with_nccl: bool,
 ) -> tuple[list[dict[str, Any]], int]:
+    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from rfork.bench.processes import load_args, seed_args
 
     rows: list[dict[str, Any]] = []

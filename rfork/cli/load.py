@@ -78,6 +78,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def resolve_identity(args: argparse.Namespace) -> tuple[Any, Any]:
     """(identity, checkpoint info or None) from --checkpoint and/or --checkpoint-id."""
+    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from rfork.identity import SourceIdentity
     from rfork.weights.checkpoint import read_checkpoint_info
 
@@ -110,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.time()
     if args.planner and not args.token and not args.insecure_ok:
         raise ValueError("no planner token: pass --token (or $RFORK_TOKEN), or --insecure-ok")
+    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from rfork.pull.loader import Loader
     from rfork.pull.one_sided import warm_transport
     from rfork.pull.result import LoadOptions

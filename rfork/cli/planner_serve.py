@@ -36,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from planner.app import create_app
     from planner.db import migrate
     from planner.settings import PlannerSettings

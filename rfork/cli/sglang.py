@@ -121,6 +121,7 @@ def build_command(
     args: argparse.Namespace, sglang_args: Sequence[str], environ: Mapping[str, str]
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) of the SGLang server to exec; raises LaunchError / SettingsError."""
+    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from rfork.integrations.sglang.settings import HookSettings
 
     rest = list(sglang_args)

@@ -14,6 +14,7 @@ from typing import Any
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Options of `rfork simulate scale-out`."""
+    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from rfork.simulate.fleet import SCENARIOS, BandwidthModel
 
     d = BandwidthModel()
@@ -67,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from rfork.simulate.fleet import SCENARIOS, BandwidthModel, FleetSim, hub_baseline, migrated_template
 
     if args.instances < 1:

@@ -71,6 +71,7 @@ def record_publication(*, instance_id: str, token: str | None, planner_url: str)
 
 def drain_recorded(run_dir: str | Path | None = None, *, timeout_s: float = 3.0) -> int:
     """DRAINING + delete every recorded seed (best effort, bounded); returns how many drained."""
+    # imported here: SGLang imports the plugin in each of its processes (start-up time)
     from planner.client import PlannerClient
 
     d = Path(run_dir or os.environ.get(RUN_DIR_ENV) or "")

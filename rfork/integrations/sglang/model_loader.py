@@ -268,6 +268,7 @@ class RforkModelLoader(BaseModelLoader):
 
 def _local_checkpoint(model_path: str) -> Any | None:
     """rfork's view of a local safetensors checkpoint (headers only), or None."""
+    # imported here: SGLang imports the plugin in each of its processes (start-up time)
     from rfork.weights.checkpoint import read_checkpoint_info
 
     path = Path(model_path)

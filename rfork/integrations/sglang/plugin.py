@@ -65,6 +65,7 @@ def select_model_loader(original: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND `get_model_loader(load_config, model_config=None)`."""
     load_config = kwargs.get("load_config", args[0] if args else None)
     if load_config is not None and is_rfork_format(load_config.load_format):
+        # imported here: SGLang imports the plugin in each of its processes (start-up time)
         from rfork.integrations.sglang.model_loader import RforkModelLoader
 
         return RforkModelLoader(load_config)
