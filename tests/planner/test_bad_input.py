@@ -62,6 +62,24 @@ def test_named_fields(server):
     assert httpx.get(url + "/v1/instances?limit=0").status_code == 422
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "ftp://seed:1",
+        "http://0.0.0.0:8000",
+        "http://user:pw@seed:1",
+        "http://seed:1/x?y",
+        "http://seed:99999",
+        "javascript:alert(1)",
+        "http://",
+    ],
+)
+def test_control_url_is_validated(server, url):
+    r = httpx.post(server.url + "/v1/instances", json={"identity": identity(), "control_url": url})
+    assert r.status_code == 422
+    assert "control_url" in r.text
+
+
 def test_manifest_size_limit(planner_url):
     with PlannerServer(db_url=planner_url, port=0, insecure=True, max_manifest_bytes=4096) as srv:
         reg = httpx.post(srv.url + "/v1/instances", json={"identity": identity()}).json()

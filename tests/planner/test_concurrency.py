@@ -14,6 +14,7 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, text
 
+from planner.client import PlannerClient
 from tests.planner.conftest import identity, manifest, ranks
 
 
@@ -61,8 +62,6 @@ def test_two_processes_never_exceed_the_limit(planner_url, n_requests):
     try:
         for base, proc in zip(bases, procs, strict=True):
             _wait(base, proc)
-        from planner.client import PlannerClient
-
         c = PlannerClient(bases[0])
         seed = c.register_instance(identity=identity(), ranks=ranks(0), max_concurrent_pulls=2).id
         c.put_manifest(seed, 0, manifest(0))
