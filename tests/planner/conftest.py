@@ -72,16 +72,21 @@ def ranks(*nums: int, backends: tuple[str, ...] = ("tcp", "nccl")) -> list[dict[
     ]
 
 
-@pytest.fixture
-def planner_url(db_url: str) -> str:
-    """`db_url`, migrated to head and emptied (PostgreSQL is shared by the session, so truncate)."""
-    migrate(db_url)
-    if db_url.startswith("postgresql"):
-        eng = create_engine(db_url)
+def empty_database(url: str) -> str:
+    """`url`, migrated to head and emptied (PostgreSQL is shared by the session, so truncate)."""
+    migrate(url)
+    if url.startswith("postgresql"):
+        eng = create_engine(url)
         with eng.begin() as conn:
             conn.execute(text(f"TRUNCATE {', '.join(TABLES)} CASCADE"))
         eng.dispose()
-    return db_url
+    return url
+
+
+@pytest.fixture
+def planner_url(db_url: str) -> str:
+    """`db_url`, migrated to head and emptied."""
+    return empty_database(db_url)
 
 
 @pytest.fixture
