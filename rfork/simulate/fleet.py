@@ -1,11 +1,12 @@
 """A simulated scale-out burst driven by the real planner (in process, on SQLite, on simulated time).
 
-One seed holds the model; N loaders ask at t=0. Every planner decision is the real
-`planner.service.Planner` (its selection policy, leases, 429 estimate) called with `now` = simulated
-time, and every 429 is handled by the loader's own wait policy (`rfork.pull.busy_wait.BusyWait.decide`).
-Only the transfers are modelled: `rfork.simulate.flows` shares NIC, rack-uplink, hub and disk
-capacity max-min fairly. A loader that finishes is READY `ready_overhead_s` later (verify tail,
-publish); with the tree on it then registers as a seed like `Loader._become_seed` does.
+One seed holds the model; N loaders ask at t=0. Every planner decision is the real `planner.Planner`
+(embedded through planner's public API: its selection policy, leases, 429 estimate) called with
+`now` = simulated time, and every 429 is handled by the loader's own wait policy
+(`rfork.pull.busy_wait.BusyWait.decide`). Only the transfers are modelled: `rfork.simulate.flows`
+shares NIC, rack-uplink, hub and disk capacity max-min fairly. A loader that finishes is READY
+`ready_overhead_s` later (verify tail, publish); with the tree on it then registers as a seed like
+`Loader._become_seed` does.
 """
 
 from __future__ import annotations
