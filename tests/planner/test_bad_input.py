@@ -10,7 +10,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import pytest
@@ -197,9 +197,16 @@ def mutated(draw: st.DrawFn, doc: Any) -> Any:
 PROPERTY = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+class Peer(NamedTuple):
+    """A client of the planner the property tests share, and which database that planner runs on."""
+
+    http: httpx.Client
+    postgres: bool
+
+
 @pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def peer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    """A client of one planner shared by the property tests of this module (SQLite, PostgreSQL)."""
+def peer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Peer]:
+    """One planner shared by the property tests of this module (SQLite, PostgreSQL)."""
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path_factory.mktemp('db') / 'planner.db'}"
     else:
@@ -208,7 +215,7 @@ def peer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         PlannerServer(db_url=empty_database(url), port=0, insecure=True, reaper_interval_s=3600) as srv,
         httpx.Client(base_url=srv.url, timeout=30) as client,
     ):
-        yield client
+        yield Peer(client, postgres=request.param == "postgres")
 
 
 def _verdict(model: type[RegistrationRequest] | type[AssignmentRequest], body: Any) -> int | None:
@@ -224,7 +231,7 @@ def _verdict(model: type[RegistrationRequest] | type[AssignmentRequest], body: A
 
 @PROPERTY
 @given(data=st.data())
-def test_any_registration_is_answered_as_the_wire_type_decides(peer: httpx.Client, data: st.DataObject):
+def test_any_registration_is_answered_as_the_wire_type_decides(peer: Peer, data: st.DataObject):
     rank0 = {**ranks(0)[0], "address": "YWRkcjA="}
     valid = {
         "identity": identity(),
@@ -233,13 +240,13 @@ def test_any_registration_is_answered_as_the_wire_type_decides(peer: httpx.Clien
         "ranks": [rank0],
     }
     body = data.draw(mutated(valid))
-    r = peer.post("/v1/instances", json=body)
+    r = peer.http.post("/v1/instances", json=body)
     assert r.status_code == (_verdict(RegistrationRequest, body) or 201), r.text
 
 
 @PROPERTY
 @given(data=st.data())
-def test_any_assignment_request_is_answered_as_the_wire_type_decides(peer: httpx.Client, data: st.DataObject):
+def test_any_assignment_request_is_answered_as_the_wire_type_decides(peer: Peer, data: st.DataObject):
     valid = {
         "identity": identity(model=uuid.uuid4().hex),
         "rank": 0,
@@ -247,7 +254,7 @@ def test_any_assignment_request_is_answered_as_the_wire_type_decides(peer: httpx
         "requester_id": "me",
     }
     body = data.draw(mutated(valid))
-    r = peer.post("/v1/assignments", json=body)
+    r = peer.http.post("/v1/assignments", json=body)
     want = _verdict(AssignmentRequest, body)
     assert r.status_code == (want or 404), r.text  # a valid request for an unknown identity: no source
     if want is None:
@@ -256,18 +263,24 @@ def test_any_assignment_request_is_answered_as_the_wire_type_decides(peer: httpx
 
 @PROPERTY
 @given(data=st.data())
-def test_any_manifest_is_answered_as_the_wire_type_decides(peer: httpx.Client, data: st.DataObject):
+def test_any_manifest_is_answered_as_the_wire_type_decides(peer: Peer, data: st.DataObject):
     # a fresh identity each time, so no anchor from an earlier example takes part
-    reg = peer.post("/v1/instances", json={"identity": identity(model=uuid.uuid4().hex)})
+    reg = peer.http.post("/v1/instances", json={"identity": identity(model=uuid.uuid4().hex)})
     assert reg.status_code == 201
     body = data.draw(mutated(manifest(0)))
-    r = peer.put(f"/v1/instances/{reg.json()['id']}/manifests/0", json=body)
+    r = peer.http.put(f"/v1/instances/{reg.json()['id']}/manifests/0", json=body)
     try:
         parsed = RankManifest.model_validate_json(json.dumps(body))
     except ValidationError:
         want = 422
     else:
         want = 409 if parsed.conflicts() is not None or parsed.rank != 0 else 204
+        if want == 204 and peer.postgres and "\x00" in parsed.checksum_algorithm:
+            # the wire type lets a NUL through here (SQLite stores it), PostgreSQL's column cannot hold
+            # it: the DataError handler answers 422 naming that (left as it was; see docs/planner.md)
+            want = 422
+            assert r.status_code == want, r.text
+            assert "does not fit its column" in r.text
     assert r.status_code == want, r.text
     if want == 204:  # stored verbatim: what was sent comes back
-        assert peer.get(f"/v1/instances/{reg.json()['id']}/manifests/0").json() == body
+        assert peer.http.get(f"/v1/instances/{reg.json()['id']}/manifests/0").json() == body
