@@ -11,8 +11,13 @@ from typing import Any
 
 import anyio.to_thread
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DataError, IntegrityError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.routing import Match
 
 from planner.auth import Authenticator
 from planner.db import Database
@@ -20,9 +25,11 @@ from planner.errors import AllBusy, AuthError, BadRequest, Conflict, NotFound, P
 from planner.guard import RequestGuard
 from planner.heartbeats import HeartbeatBatcher, HeartbeatFastPath
 from planner.metrics import MetricsMiddleware, PlannerMetrics
+from planner.routes import assignments, instances, observe
 from planner.selection import make_policy
 from planner.service import Planner, reap
 from planner.settings import PlannerSettings
+from planner.wire import RankManifest
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +90,6 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
         if settings.has_tokens()
         else None
     )
-    from planner.routes import assignments, instances, observe
-
     app.include_router(instances.router)
     app.include_router(assignments.router)
     app.include_router(observe.router)
@@ -121,17 +126,15 @@ async def _reaper_loop(planner: Planner, metrics: PlannerMetrics) -> None:
 
 def _add_manifest_schema(app: FastAPI) -> None:
     """The manifest body is parsed by hand (to store it verbatim); publish its schema in the components."""
-    from planner.schemas import ManifestIn
-
     plain = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             doc = plain()
-            defs = ManifestIn.model_json_schema(ref_template="#/components/schemas/{model}")
+            defs = RankManifest.model_json_schema(ref_template="#/components/schemas/{model}")
             comps = doc.setdefault("components", {}).setdefault("schemas", {})
             comps.update(defs.pop("$defs", {}))
-            comps["ManifestIn"] = defs
+            comps["RankManifest"] = defs
             app.openapi_schema = doc
         return app.openapi_schema
 
@@ -149,12 +152,6 @@ def _error(status: int, detail: Any, **extra: Any) -> JSONResponse:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    from fastapi.exception_handlers import http_exception_handler
-    from sqlalchemy.exc import DataError, IntegrityError
-    from starlette.exceptions import HTTPException as StarletteHTTPException
-    from starlette.responses import Response
-    from starlette.routing import Match
-
     @app.exception_handler(PlannerError)
     async def _planner_error(_req: Request, exc: PlannerError) -> JSONResponse:
         if isinstance(exc, AllBusy):

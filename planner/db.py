@@ -21,7 +21,10 @@ try:
 except ImportError:  # not on Windows: SQLite's busy timeout alone then
     fcntl = None  # type: ignore[assignment]
 
+from alembic import command
+from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 log = logging.getLogger(__name__)
@@ -107,8 +110,6 @@ def _file_lock_for(url: str) -> int | None:
     """An open fd on `<database file>-writelock` (None for in-memory databases or without flock)."""
     if fcntl is None:
         return None
-    from sqlalchemy.engine import make_url
-
     path = make_url(url).database
     if not path or path == ":memory:" or path.startswith("file:"):
         return None
@@ -135,10 +136,8 @@ def migrations_dir() -> Path:
     return Path(str(resources.files("migrations")))
 
 
-def alembic_config(url: str) -> Any:
+def alembic_config(url: str) -> Config:
     """An Alembic Config built in code (no alembic.ini), so it works from an installed package."""
-    from alembic.config import Config
-
     cfg = Config()
     cfg.set_main_option("script_location", str(migrations_dir()))
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
@@ -148,20 +147,14 @@ def alembic_config(url: str) -> Any:
 
 def migrate(url: str, revision: str = "head") -> None:
     """Upgrade the database at `url` to `revision` (default: the newest)."""
-    from alembic import command
-
     log.info("migrating %s to %s", _redact(url), revision)
     command.upgrade(alembic_config(url), revision)
 
 
 def downgrade(url: str, revision: str = "base") -> None:
     """Downgrade the database at `url` to `revision` (default: empty)."""
-    from alembic import command
-
     command.downgrade(alembic_config(url), revision)
 
 
 def _redact(url: str) -> str:
-    from sqlalchemy.engine import make_url
-
     return make_url(url).render_as_string(hide_password=True)

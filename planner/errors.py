@@ -24,6 +24,13 @@ class NotFound(PlannerError):
     """The instance, manifest or assignment does not exist (404)."""
 
 
+class NoSource(NotFound):
+    """No READY identical source for this rank (404 `no_source`): load from disk."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=404, reason="no_source")
+
+
 class Conflict(PlannerError):
     """The request contradicts the current state, e.g. an illegal status transition (409)."""
 

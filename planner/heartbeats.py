@@ -14,6 +14,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from planner.service import Planner
+from planner.wire import HeartbeatAnswer, InstanceStatus, dump_json
 
 
 class HeartbeatBatcher:
@@ -106,10 +107,10 @@ class HeartbeatFastPath:
                 (r for r in scope["app"].routes if getattr(r, "path", None) == HEARTBEAT_ROUTE), None
             )
         scope["route"] = self.route  # for the metrics' route label
-        body = b'{"status":"%s","ttl_s":%s}' % (
-            status.encode(),
-            repr(float(self.batcher.planner.settings.heartbeat_ttl_s)).encode(),
+        answer = HeartbeatAnswer(
+            status=InstanceStatus(status), ttl_s=self.batcher.planner.settings.heartbeat_ttl_s
         )
+        body = dump_json(answer)
         await send(
             {
                 "type": "http.response.start",

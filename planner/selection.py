@@ -10,7 +10,7 @@ import hashlib
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 ONE_SIDED = ("tcp", "shm", "efa", "verbs")
 
@@ -118,16 +118,20 @@ class RendezvousPolicy:
         return sorted(free, key=lambda s: (-rendezvous_score(req.key, s.instance_id), s.instance_id))
 
 
-def make_policy(name: str) -> SelectionPolicy:
-    """The policy called `name` (load_aware, random, rendezvous)."""
-    policies: dict[str, type[SelectionPolicy]] = {
-        "load_aware": LoadAwarePolicy,
-        "random": RandomPolicy,
-        "rendezvous": RendezvousPolicy,
-    }
-    if name not in policies:
-        raise ValueError(f"selection_policy: unknown policy {name!r} (choose from {sorted(policies)})")
-    return policies[name]()
+PolicyName = Literal["load_aware", "random", "rendezvous"]
+POLICY_NAMES: tuple[str, ...] = get_args(PolicyName)
+
+
+def make_policy(name: str, *, rng: random.Random | None = None) -> SelectionPolicy:
+    """The policy called `name` (load_aware, random, rendezvous); `rng` drives the random one
+    (a seeded Random makes it reproducible; the others are deterministic and ignore it)."""
+    if name == "load_aware":
+        return LoadAwarePolicy()
+    if name == "random":
+        return RandomPolicy(rng)
+    if name == "rendezvous":
+        return RendezvousPolicy()
+    raise ValueError(f"selection_policy: unknown policy {name!r} (choose from {sorted(POLICY_NAMES)})")
 
 
 def choose_provider(

@@ -1,4 +1,8 @@
-"""PlannerServer: the planner in a background thread (uvicorn), for tests and the demo."""
+"""PlannerServer: the planner in a background thread (uvicorn), for tests and the demo.
+
+It binds the port it is given (0: a free one); `rfork planner serve`, the production way to run the
+planner, listens on 8470 by default (planner.settings.DEFAULT_PORT).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,10 @@ import time
 from types import TracebackType
 from typing import Any
 
+import uvicorn
+from fastapi import FastAPI
+
+from planner.app import create_app
 from planner.db import migrate
 from planner.errors import PlannerUnavailable
 from planner.settings import PlannerSettings
@@ -36,21 +44,17 @@ class PlannerServer:
         self.host = host
         self.port = port
         self.start_timeout_s = start_timeout_s
-        self._server: Any = None
+        self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
-        self.app: Any = None
+        self.app: FastAPI | None = None
 
     @property
     def url(self) -> str:
-        """Base URL, e.g. http://127.0.0.1:8642."""
+        """Base URL, e.g. http://127.0.0.1:8470 (`rfork planner serve`'s default port, DEFAULT_PORT)."""
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> PlannerServer:
         """Migrate, bind and serve; returns once the server accepts connections."""
-        import uvicorn
-
-        from planner.app import create_app
-
         migrate(self.settings.db_url)
         self.app = create_app(self.settings)
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
@@ -59,13 +63,13 @@ class PlannerServer:
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="on")
-        self._server = uvicorn.Server(config)
+        server = self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [sock]}, name=f"planner-{self.port}", daemon=True
+            target=server.run, kwargs={"sockets": [sock]}, name=f"planner-{self.port}", daemon=True
         )
         self._thread.start()
         deadline = time.monotonic() + self.start_timeout_s
-        while not self._server.started:
+        while not server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 self.close()
                 raise PlannerUnavailable(f"planner on {self.url} did not start")
@@ -79,7 +83,8 @@ class PlannerServer:
             self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=10)
-        self._server = self._thread = None
+        self._server = None
+        self._thread = None
 
     def __enter__(self) -> PlannerServer:
         return self.start()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
-import json
 import logging
 import time
 import uuid
@@ -17,13 +16,14 @@ from typing import Any
 
 from sqlalchemy import and_, bindparam, delete, func, insert, or_, select, update
 
-from planner import control_token, integrity, schemas
+from planner import control_token, integrity, wire
 from planner.auth import new_instance_token
 from planner.burst import BusyEstimate, WaitingRoom, estimate_busy, pull_rate_bps
 from planner.db import Database
-from planner.errors import AllBusy, Conflict, DigestMismatch, NotFound
+from planner.errors import AllBusy, Conflict, DigestMismatch, NoSource, NotFound
 from planner.models import Anchor, Instance, InstanceRank, Lease, Manifest
-from planner.selection import Requester, SeedView, SelectionPolicy, choose_provider
+from planner.schemas import InstancePage, ModelsPage, ModelView, TransfersPage, TransferView
+from planner.selection import Requester, SeedView, SelectionPolicy, choose_provider, make_policy
 from planner.settings import PlannerSettings
 
 log = logging.getLogger(__name__)
@@ -38,28 +38,21 @@ ALLOWED: dict[str, frozenset[str]] = {
 LIVE_STATUSES = ("INITIALIZING", "LOADING", "READY")
 
 
-class NoSource(NotFound):
-    """No READY identical source for this rank: load from disk."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, status=404, reason="no_source")
-
-
-def instance_out(inst: Instance) -> dict[str, Any]:
-    """The API view of an instance."""
+def _instance_fields(inst: Instance) -> dict[str, Any]:
+    """The fields of an instance's API view (wire.InstanceView)."""
     return {
         "id": inst.id,
         "identity_key": inst.identity_key,
         "identity": inst.identity,
-        "labels": {"node": inst.node, "rack": inst.rack, "zone": inst.zone},
+        "labels": wire.Labels(node=inst.node, rack=inst.rack, zone=inst.zone),
         "control_url": inst.control_url,
         "ranks": [
-            {
-                "rank": r.rank,
-                "provider": r.provider,
-                "address": base64.b64encode(r.address).decode(),
-                "backends": r.backends,
-            }
+            wire.RankView(
+                rank=r.rank,
+                provider=r.provider,
+                address=base64.b64encode(r.address).decode(),
+                backends=r.backends,
+            )
             for r in inst.ranks
         ],
         "max_concurrent_pulls": inst.max_concurrent_pulls,
@@ -71,8 +64,18 @@ def instance_out(inst: Instance) -> dict[str, Any]:
     }
 
 
+def instance_view(inst: Instance) -> wire.InstanceView:
+    """The API view of an instance."""
+    return wire.InstanceView(**_instance_fields(inst))
+
+
 class Planner:
-    """The service behind the routes: one per app, thread-safe (state lives in the database)."""
+    """The service behind the routes: one per app, thread-safe (state lives in the database).
+
+    Embedding it without HTTP (the simulator, tests): `Planner.open(settings)` on a migrated
+    database (planner.db.migrate), then `close()`. Methods take `now` (UNIX seconds) and return
+    planner.wire types; errors are planner.errors (NotFound, Conflict, NoSource, AllBusy, ...).
+    """
 
     def __init__(self, *, db: Database, settings: PlannerSettings, policy: SelectionPolicy) -> None:
         self.db = db
@@ -81,14 +84,27 @@ class Planner:
         self._rank_bytes_cache: dict[tuple[str, int], int] = {}
         self.waiting = WaitingRoom()
 
+    @classmethod
+    def open(cls, settings: PlannerSettings, *, policy: SelectionPolicy | None = None) -> Planner:
+        """The service on `settings.db_url` (already migrated); `policy` None: settings.selection_policy."""
+        return cls(
+            db=Database(settings.db_url, pool_size=settings.db_pool_size),
+            settings=settings,
+            policy=policy or make_policy(settings.selection_policy),
+        )
+
+    def close(self) -> None:
+        """Close the database connections."""
+        self.db.close()
+
     # ---- instances -------------------------------------------------------------------------
-    def register(self, body: schemas.InstanceIn, now: float) -> dict[str, Any]:
+    def register(self, body: wire.RegistrationRequest, now: float) -> wire.Registration:
         """Create an instance in INITIALIZING; returns its view plus its bearer token."""
         token, digest = new_instance_token()
         ident = body.identity.model_dump()
         inst = Instance(
             id=uuid.uuid4().hex,
-            identity_key=schemas.identity_key(ident),
+            identity_key=wire.identity_key(ident),
             identity=ident,
             model=body.identity.model,
             fingerprint=body.identity.fingerprint,
@@ -116,18 +132,16 @@ class Planner:
         )
         with self.db.write() as s:
             s.add(inst)
-        out = instance_out(inst)
-        out["token"] = token
         log.info("registered instance %s model=%s ranks=%d", inst.id, inst.model, len(inst.ranks))
-        return out
+        return wire.Registration(**_instance_fields(inst), token=token)
 
-    def get(self, instance_id: str) -> dict[str, Any]:
+    def get(self, instance_id: str) -> wire.InstanceView:
         """One instance's view; NotFound if absent."""
         with self.db.read() as s:
             inst = s.get(Instance, instance_id)
             if inst is None:
                 raise NotFound(f"instance {instance_id} not found")
-            return instance_out(inst)
+            return instance_view(inst)
 
     def list(
         self,
@@ -139,7 +153,7 @@ class Planner:
         identity_key: str | None,
         limit: int,
         offset: int,
-    ) -> dict[str, Any]:
+    ) -> InstancePage:
         """A filtered page of instances, oldest first, with the total count."""
         conds = []
         for col, val in (
@@ -160,7 +174,7 @@ class Planner:
                 .limit(limit)
                 .offset(offset)
             ).all()
-            return {"items": [instance_out(i) for i in rows], "total": total}
+            return InstancePage(items=[instance_view(i) for i in rows], total=total)
 
     def delete(self, instance_id: str, now: float) -> None:
         """Remove an instance, its ranks and manifests; its live leases end (its transfer history stays)."""
@@ -175,7 +189,7 @@ class Planner:
                 .values(ended_at=now, outcome="released")
             )
 
-    def set_status(self, instance_id: str, status: str, now: float) -> dict[str, Any]:
+    def set_status(self, instance_id: str, status: str, now: float) -> wire.InstanceView:
         """Move along the lifecycle; Conflict (409) for an illegal transition."""
         with self.db.write() as s:
             inst = s.get(Instance, instance_id, with_for_update=True)
@@ -189,9 +203,9 @@ class Planner:
             inst.updated_at = now
             inst.last_heartbeat = now
             s.flush()
-            return instance_out(inst)
+            return instance_view(inst)
 
-    def heartbeat(self, instance_id: str, now: float) -> dict[str, Any]:
+    def heartbeat(self, instance_id: str, now: float) -> wire.HeartbeatAnswer:
         """Record liveness; a STALE instance stays STALE until it sets a status."""
         with self.db.write() as s:
             status = s.execute(
@@ -202,7 +216,7 @@ class Planner:
             ).scalar()
         if status is None:
             raise NotFound(f"instance {instance_id} not found")
-        return {"status": status, "ttl_s": self.settings.heartbeat_ttl_s}
+        return wire.HeartbeatAnswer(status=wire.InstanceStatus(status), ttl_s=self.settings.heartbeat_ttl_s)
 
     def heartbeat_many(self, instance_ids: Sequence[str], now: float) -> dict[str, str]:
         """Heartbeats of many instances in one transaction; {id: status} for those that exist."""
@@ -222,7 +236,7 @@ class Planner:
 
     # ---- manifests -------------------------------------------------------------------------
     def put_manifest(
-        self, instance_id: str, rank: int, raw: str, now: float, manifest: schemas.ManifestIn | None = None
+        self, instance_id: str, rank: int, raw: str, now: float, manifest: wire.RankManifest | None = None
     ) -> bool:
         """Store a validated manifest verbatim (replaces any earlier one for that rank); True if it anchored.
 
@@ -231,7 +245,7 @@ class Planner:
         instance quarantined: its memory no longer holds the identity's weights.
         """
         if manifest is None:
-            manifest = schemas.ManifestIn.model_validate_json(raw)
+            manifest = wire.RankManifest.model_validate_json(raw)
         algo = manifest.checksum_algorithm
         tensors = [t.model_dump() for t in manifest.tensors]
         dset = integrity.digest_set(algo, tensors)
@@ -298,8 +312,10 @@ class Planner:
         return body
 
     # ---- assignments -----------------------------------------------------------------------
-    def assign(self, body: schemas.AssignmentIn, now: float | None, holder: str | None = None) -> str:
-        """Lease the best free seed for one rank; returns the 201 JSON text (manifests spliced verbatim).
+    def assign(
+        self, body: wire.AssignmentRequest, now: float | None, holder: str | None = None
+    ) -> wire.Assignment:
+        """Lease the best free seed for one rank; the candidates carry their manifests as stored text.
 
         Raises NoSource (404) or AllBusy (429). Atomic across planner processes: the candidate seeds'
         rows are locked (PostgreSQL) or the whole write is serialised (SQLite) while leases are counted.
@@ -427,7 +443,7 @@ class Planner:
                     )
                 ).all()
             )
-        parts = []
+        candidates = []
         for iid in chosen:
             r, provider = by_id[iid]
             token = (
@@ -437,32 +453,33 @@ class Planner:
                 if iid == chosen[0] and r.control_key
                 else None
             )
-            head = json.dumps(
-                {
-                    "instance_id": iid,
-                    "rank": body.rank,
-                    "provider": provider,
-                    "address": base64.b64encode(r.address).decode(),
-                    "backends": r.backends,
-                    "control_url": r.control_url,
-                    "labels": {"node": r.node, "rack": r.rack, "zone": r.zone},
-                    "anchor": {
-                        "checksum_algorithm": r.checksum_algorithm,
-                        "digest_set": r.digest_set,
-                        "instance_id": r.anchored_by,
-                    },
-                    "control_token": token,
-                }
+            candidates.append(
+                wire.Candidate(
+                    instance_id=iid,
+                    rank=body.rank,
+                    provider=provider,
+                    address=base64.b64encode(r.address).decode(),
+                    backends=r.backends,
+                    control_url=r.control_url,
+                    labels=wire.Labels(node=r.node, rack=r.rack, zone=r.zone),
+                    anchor=wire.Anchor(
+                        checksum_algorithm=r.checksum_algorithm,
+                        digest_set=r.digest_set,
+                        instance_id=r.anchored_by,
+                    ),
+                    control_token=token,
+                    manifest=wire.StoredManifest(manifests[iid]),  # as stored: never parsed here
+                )
             )
-            parts.append(head[:-1] + ', "manifest": ' + manifests[iid] + "}")
-        expires = dt.datetime.fromtimestamp(expires_at, tz=dt.timezone.utc).isoformat()
-        return (
-            f'{{"id": "{lease_id}", "expires_at": "{expires}", "expires_at_unix": {expires_at!r}, '
-            f'"candidates": [{", ".join(parts)}]}}'
+        return wire.Assignment(
+            id=lease_id,
+            expires_at=dt.datetime.fromtimestamp(expires_at, tz=dt.timezone.utc).isoformat(),
+            expires_at_unix=expires_at,
+            candidates=candidates,
         )
 
     def _busy_estimate(
-        self, s: Any, key: str, body: schemas.AssignmentIn, seed_ids: Sequence[str], now: float
+        self, s: Any, key: str, body: wire.AssignmentRequest, seed_ids: Sequence[str], now: float
     ) -> BusyEstimate:
         """planner.burst's estimate from the busy seeds' live leases and this identity's recorded pulls."""
         st = self.settings
@@ -513,15 +530,15 @@ class Planner:
         raw = s.execute(
             select(Manifest.body).where(Manifest.instance_id == instance_id, Manifest.rank == rank)
         ).scalar()
-        nbytes = sum(int(r.get("nbytes", 0)) for r in json.loads(raw).get("regions", ())) if raw else 0
+        nbytes = wire.RankManifest.model_validate_json(raw).region_bytes if raw else 0
         if len(self._rank_bytes_cache) > 4096:
             self._rank_bytes_cache.clear()
         self._rank_bytes_cache[(key, rank)] = nbytes
         return nbytes
 
     def report(
-        self, lease_id: str, body: schemas.ReportIn, now: float | None, reporter: str | None = None
-    ) -> dict[str, Any]:
+        self, lease_id: str, body: wire.TransferReport, now: float | None, reporter: str | None = None
+    ) -> wire.ReportAnswer:
         """End a lease with the pull's outcome; failures count against the seed (quarantine).
 
         `reporter` is the caller's Principal.holder (None: admin); only the lease's holder may report.
@@ -592,10 +609,10 @@ class Planner:
                         fails,
                         " (checksum mismatch)" if integrity_failure else "",
                     )
-        return {"id": lease_id, "outcome": body.outcome, "seed_quarantined": quarantined}
+        return wire.ReportAnswer(id=lease_id, outcome=body.outcome, seed_quarantined=quarantined)
 
     # ---- views -----------------------------------------------------------------------------
-    def models(self, now: float) -> dict[str, Any]:
+    def models(self, now: float) -> ModelsPage:
         """Every identity with its instance count and READY (fresh, not quarantined) count."""
         with self.db.read() as s:
             rows = s.execute(
@@ -619,14 +636,14 @@ class Planner:
                     s.scalar(select(Instance.identity).where(Instance.identity_key == k).limit(1)) or {}
                 )
         items = [
-            {"identity_key": k, "identity": idents[k], "instances": a[0], "ready": a[1]}
+            ModelView(identity_key=k, identity=idents[k], instances=a[0], ready=a[1])
             for k, a in sorted(agg.items(), key=lambda kv: (str(idents[kv[0]].get("model")), kv[0]))
         ]
-        return {"items": items}
+        return ModelsPage(items=items)
 
     def transfers(
         self, *, limit: int, offset: int, seed_id: str | None, outcome: str | None
-    ) -> dict[str, Any]:
+    ) -> TransfersPage:
         """Ended assignments, newest first, with bytes, seconds and GB/s."""
         conds: list[Any] = [Lease.ended_at.is_not(None)]
         if seed_id is not None:
@@ -643,26 +660,26 @@ class Planner:
                 .offset(offset)
             ).all()
         items = [
-            {
-                "id": r.id,
-                "seed_id": r.instance_id,
-                "rank": r.rank,
-                "requester_id": r.requester_id,
-                "identity_key": r.identity_key,
-                "provider": r.provider,
-                "created_at": r.created_at,
-                "ended_at": r.ended_at,
-                "outcome": r.outcome,
-                "bytes": r.bytes,
-                "seconds": r.seconds,
-                "gbps": (r.bytes / r.seconds / 1e9) if r.bytes and r.seconds else None,
-                "backend": r.backend,
-                "reason": r.reason,
-                "error": r.error,
-            }
+            TransferView(
+                id=r.id,
+                seed_id=r.instance_id,
+                rank=r.rank,
+                requester_id=r.requester_id,
+                identity_key=r.identity_key,
+                provider=r.provider,
+                created_at=r.created_at,
+                ended_at=r.ended_at,
+                outcome=r.outcome,
+                bytes=r.bytes,
+                seconds=r.seconds,
+                gbps=(r.bytes / r.seconds / 1e9) if r.bytes and r.seconds else None,
+                backend=r.backend,
+                reason=r.reason,
+                error=r.error,
+            )
             for r in rows
         ]
-        return {"items": items, "total": total}
+        return TransfersPage(items=items, total=total)
 
     def status_counts(self) -> dict[str, int]:
         """Instances per status (for /metrics)."""

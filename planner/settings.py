@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from planner.selection import PolicyName
+
 DEFAULT_DB_URL = "sqlite:///rfork-planner.db"
-PolicyName = Literal["load_aware", "random", "rendezvous"]
+DEFAULT_PORT = 8470  # `rfork planner serve`; README, deploy/ and the docs use it
 
 
 class PlannerSettings(BaseSettings):

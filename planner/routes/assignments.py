@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response
 
-from planner import schemas
+from planner import wire
 from planner.auth import Principal
 from planner.deps import get_planner, leaser
 from planner.service import Planner
@@ -17,7 +17,7 @@ router = APIRouter(prefix="/v1/assignments", tags=["assignments"])
 @router.post(
     "",
     status_code=201,
-    response_model=schemas.AssignmentOut,
+    response_model=wire.Assignment,
     operation_id="request_assignment",
     responses={
         400: {"description": "the body is not JSON"},
@@ -41,7 +41,7 @@ router = APIRouter(prefix="/v1/assignments", tags=["assignments"])
     },
 )
 def request_assignment(
-    body: schemas.AssignmentIn,
+    body: wire.AssignmentRequest,
     request: Request,
     planner: Planner = Depends(get_planner),
     principal: Principal = Depends(leaser),
@@ -51,24 +51,25 @@ def request_assignment(
         if body.requester_id not in (None, principal.instance_id):
             raise HTTPException(403, f"requester_id: this token acts for instance {principal.instance_id}")
         body.requester_id = principal.instance_id
-    text = planner.assign(body, None, holder=principal.holder)  # the clock is read under the write lock
+    assignment = planner.assign(body, None, holder=principal.holder)  # the clock is read under the write lock
     request.app.state.metrics.assignments.labels(result="leased").inc()
-    return Response(text, status_code=201, media_type="application/json")
+    # encoded here, not by FastAPI: the candidates' manifests go in as stored text, unparsed
+    return Response(wire.dump_json(assignment), status_code=201, media_type="application/json")
 
 
 @router.post(
     "/{assignment_id}/report",
-    response_model=schemas.ReportOut,
+    response_model=wire.ReportAnswer,
     responses={400: {}, 401: {}, 403: {}, 404: {}, 409: {}, 413: {}, 422: {}},
     operation_id="report_transfer",
 )
 def report(
     assignment_id: Annotated[str, Path(pattern=r"^[0-9a-f]{32}$")],
-    body: schemas.ReportIn,
+    body: wire.TransferReport,
     request: Request,
     planner: Planner = Depends(get_planner),
     principal: Principal = Depends(leaser),
-) -> dict[str, Any]:
+) -> wire.ReportAnswer:
     """End the lease with the pull's outcome and figures (its requester only; 409 once it has ended)."""
     reporter = None if principal.has("admin") else principal.holder
     try:

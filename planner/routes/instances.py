@@ -8,11 +8,13 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 
-from planner import schemas
+from planner import wire
 from planner.auth import Principal
 from planner.deps import get_planner, get_principal, owner_of, registrar, writer
 from planner.errors import DigestMismatch, NotFound
+from planner.schemas import InstancePage
 from planner.service import Planner
 
 router = APIRouter(prefix="/v1/instances", tags=["instances"])
@@ -38,7 +40,7 @@ INSTANCE_LINKS = {
 @router.post(
     "",
     status_code=201,
-    response_model=schemas.Registered,
+    response_model=wire.Registration,
     responses={
         **BODY_ERRORS,
         409: {"description": "the body contradicts itself (a rank outside tp*pp, or listed twice)"},
@@ -47,29 +49,29 @@ INSTANCE_LINKS = {
     operation_id="register_instance",
 )
 def register(
-    body: schemas.InstanceIn,
+    body: wire.RegistrationRequest,
     planner: Planner = Depends(get_planner),
     principal: Principal = Depends(registrar),
-) -> dict[str, Any]:
+) -> wire.Registration:
     """Register an instance (INITIALIZING); the answer carries a token scoped to it."""
-    conflict = schemas.body_conflicts(body)
+    conflict = body.conflicts()
     if conflict is not None:
         raise HTTPException(409, conflict)
     return planner.register(body, time.time())
 
 
-@router.get("", response_model=schemas.InstancePage, responses=ERRORS, operation_id="list_instances")
+@router.get("", response_model=InstancePage, responses=ERRORS, operation_id="list_instances")
 def list_instances(
     planner: Planner = Depends(get_planner),
     principal: Principal = Depends(get_principal),
-    model: Annotated[str | None, Query(max_length=512, pattern=schemas.NO_NUL)] = None,
-    fingerprint: Annotated[str | None, Query(max_length=256, pattern=schemas.NO_NUL)] = None,
-    status: schemas.Status | None = None,
-    node: Annotated[str | None, Query(max_length=256, pattern=schemas.NO_NUL)] = None,
-    identity_key: Annotated[str | None, Query(max_length=64, pattern=schemas.NO_NUL)] = None,
+    model: Annotated[str | None, Query(max_length=512, pattern=wire.NO_NUL)] = None,
+    fingerprint: Annotated[str | None, Query(max_length=256, pattern=wire.NO_NUL)] = None,
+    status: wire.InstanceStatus | None = None,
+    node: Annotated[str | None, Query(max_length=256, pattern=wire.NO_NUL)] = None,
+    identity_key: Annotated[str | None, Query(max_length=64, pattern=wire.NO_NUL)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
-) -> dict[str, Any]:
+) -> InstancePage:
     """Instances filtered by model, fingerprint, status, node or identity_key; paginated."""
     return planner.list(
         model=model,
@@ -83,13 +85,13 @@ def list_instances(
 
 
 @router.get(
-    "/{instance_id}", response_model=schemas.InstanceOut, responses=ERRORS, operation_id="get_instance"
+    "/{instance_id}", response_model=wire.InstanceView, responses=ERRORS, operation_id="get_instance"
 )
 def get_instance(
     instance_id: IdPath,
     planner: Planner = Depends(get_planner),
     principal: Principal = Depends(get_principal),
-) -> dict[str, Any]:
+) -> wire.InstanceView:
     """One instance."""
     return planner.get(instance_id)
 
@@ -111,16 +113,16 @@ def delete_instance(
 
 @router.post(
     "/{instance_id}/status",
-    response_model=schemas.InstanceOut,
+    response_model=wire.InstanceView,
     responses={**BODY_ERRORS, 409: {}},
     operation_id="set_status",
 )
 def set_status(
     instance_id: IdPath,
-    body: schemas.StatusIn,
+    body: wire.StatusChange,
     planner: Planner = Depends(get_planner),
     principal: Principal = Depends(writer),
-) -> dict[str, Any]:
+) -> wire.InstanceView:
     """INITIALIZING -> LOADING -> READY -> DRAINING (INITIALIZING -> READY, any -> DRAINING); else 409."""
     owner_of(instance_id, principal)
     return planner.set_status(instance_id, body.status, time.time())
@@ -128,7 +130,7 @@ def set_status(
 
 @router.post(
     "/{instance_id}/heartbeat",
-    response_model=schemas.HeartbeatOut,
+    response_model=wire.HeartbeatAnswer,
     responses=ERRORS,
     operation_id="heartbeat",
 )
@@ -137,14 +139,14 @@ async def heartbeat(
     request: Request,
     planner: Planner = Depends(get_planner),
     principal: Principal = Depends(writer),
-) -> dict[str, Any]:
+) -> wire.HeartbeatAnswer:
     """Liveness; without one for ttl_s the instance turns STALE."""
     owner_of(instance_id, principal)
     # coalesced with concurrent heartbeats into one UPDATE (planner/heartbeats.py)
     status = await request.app.state.heartbeats.beat(instance_id)
     if status is None:
         raise NotFound(f"instance {instance_id} not found")
-    return {"status": status, "ttl_s": planner.settings.heartbeat_ttl_s}
+    return wire.HeartbeatAnswer(status=wire.InstanceStatus(status), ttl_s=planner.settings.heartbeat_ttl_s)
 
 
 MANIFEST_BODY = {
@@ -152,7 +154,7 @@ MANIFEST_BODY = {
         "required": True,
         "content": {
             "application/json": {
-                "schema": schemas.ManifestIn.model_json_schema(ref_template="#/components/schemas/{model}")
+                "schema": wire.RankManifest.model_json_schema(ref_template="#/components/schemas/{model}")
             }
         },
     }
@@ -189,8 +191,6 @@ async def put_manifest(
     principal: Principal = Depends(writer),
 ) -> Response:
     """Store a rank manifest verbatim after checking its shape and size."""
-    from starlette.concurrency import run_in_threadpool
-
     owner_of(instance_id, principal)
     limit = planner.settings.max_manifest_bytes
     declared = request.headers.get("content-length", "")
@@ -203,13 +203,13 @@ async def put_manifest(
             raise HTTPException(413, f"body: manifest exceeds the limit of {limit} bytes")
     try:
         text = raw.decode("utf-8")
-        manifest = schemas.ManifestIn.model_validate_json(text)
+        manifest = wire.RankManifest.model_validate_json(text)
     except UnicodeDecodeError as exc:
         raise HTTPException(400, "body: manifest is not UTF-8") from exc
     except ValidationError as exc:
         raise HTTPException(422, _errors(exc)) from exc
     # stored as text, verbatim: an escaped NUL (\\u0000) is just six characters there; a raw one is no JSON
-    conflict = schemas.manifest_conflicts(manifest)
+    conflict = manifest.conflicts()
     if conflict is not None:
         raise HTTPException(409, f"body: {conflict}")
     if manifest.rank != rank:  # both well-formed, they contradict each other: a conflict, not bad input
@@ -231,7 +231,7 @@ async def put_manifest(
     "/{instance_id}/manifests/{rank}",
     responses={
         **ERRORS,
-        200: {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ManifestIn"}}}},
+        200: {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/RankManifest"}}}},
     },
     operation_id="get_manifest",
 )

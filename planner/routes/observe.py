@@ -3,28 +3,30 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
 from planner.auth import Principal
 from planner.deps import get_planner, get_principal
-from planner.schemas import ModelsOut, TransfersOut
+from planner.schemas import ModelsPage, TransfersPage
 from planner.service import Planner
 
 router = APIRouter(tags=["views"])
 
 
-@router.get("/v1/models", response_model=ModelsOut, responses={401: {}})
+@router.get("/v1/models", response_model=ModelsPage, responses={401: {}})
 def models(
     planner: Planner = Depends(get_planner), principal: Principal = Depends(get_principal)
-) -> dict[str, Any]:
+) -> ModelsPage:
     """Identities known to the planner with their instance and READY counts."""
     return planner.models(time.time())
 
 
-@router.get("/v1/transfers", response_model=TransfersOut, responses={401: {}, 422: {}})
+@router.get("/v1/transfers", response_model=TransfersPage, responses={401: {}, 422: {}})
 def transfers(
     planner: Planner = Depends(get_planner),
     principal: Principal = Depends(get_principal),
@@ -32,7 +34,7 @@ def transfers(
     outcome: Literal["success", "failure", "expired", "released"] | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
-) -> dict[str, Any]:
+) -> TransfersPage:
     """Finished assignments, newest first, with bytes, seconds and GB/s."""
     return planner.transfers(limit=limit, offset=offset, seed_id=seed_id, outcome=outcome)
 
@@ -50,19 +52,13 @@ def readyz(planner: Planner = Depends(get_planner)) -> Response:
         with planner.db.read() as s:
             s.execute(text("SELECT 1"))
     except Exception as exc:  # noqa: BLE001 - any database failure means not ready
-        return Response(
-            f'{{"status": "unavailable", "detail": "database: {type(exc).__name__}"}}',
-            status_code=503,
-            media_type="application/json",
-        )
-    return Response('{"status": "ready"}', media_type="application/json")
+        return JSONResponse({"status": "unavailable", "detail": f"database: {type(exc).__name__}"}, 503)
+    return JSONResponse({"status": "ready"})
 
 
 @router.get("/metrics", tags=["ops"], response_class=Response)
 def metrics(request: Request, planner: Planner = Depends(get_planner)) -> Response:
     """Prometheus text exposition."""
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
     m = request.app.state.metrics
     counts = planner.status_counts()
     for status in ("INITIALIZING", "LOADING", "READY", "DRAINING", "STALE"):

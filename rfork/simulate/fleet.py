@@ -1,11 +1,12 @@
 """A simulated scale-out burst driven by the real planner (in process, on SQLite, on simulated time).
 
-One seed holds the model; N loaders ask at t=0. Every planner decision is the real
-`planner.service.Planner` (its selection policy, leases, 429 estimate) called with `now` = simulated
-time, and every 429 is handled by the loader's own wait policy (`rfork.pull.result.BusyWait.decide`).
-Only the transfers are modelled: `rfork.simulate.flows` shares NIC, rack-uplink, hub and disk
-capacity max-min fairly. A loader that finishes is READY `ready_overhead_s` later (verify tail,
-publish); with the tree on it then registers as a seed like `Loader._become_seed` does.
+One seed holds the model; N loaders ask at t=0. Every planner decision is the real `planner.Planner`
+(embedded through planner's public API: its selection policy, leases, 429 estimate) called with
+`now` = simulated time, and every 429 is handled by the loader's own wait policy
+(`rfork.pull.result.BusyWait.decide`). Only the transfers are modelled: `rfork.simulate.flows`
+shares NIC, rack-uplink, hub and disk capacity max-min fairly. A loader that finishes is READY
+`ready_overhead_s` later (verify tail, publish); with the tree on it then registers as a seed like
+`Loader._become_seed` does.
 """
 
 from __future__ import annotations
@@ -21,8 +22,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from planner import (
+    AllBusy,
+    AssignmentRequest,
+    NoSource,
+    Planner,
+    PlannerSettings,
+    RegistrationRequest,
+    TransferReport,
+    make_policy,
+    migrate,
+)
 from rfork.pull.result import BusyWait
 from rfork.simulate.flows import Network
+from rfork.simulate.model import SCENARIOS, BandwidthModel, Scenario
+
+# the model's names are re-exported: callers import the whole simulator from here
+__all__ = [
+    "SCENARIOS",
+    "BandwidthModel",
+    "FleetSim",
+    "Scenario",
+    "SimResult",
+    "hub_baseline",
+    "migrated_template",
+]
 
 PROVIDER = "efa"
 IDENTITY: dict[str, Any] = {
@@ -38,67 +62,6 @@ IDENTITY: dict[str, Any] = {
     "framework": "rfork-sim",
     "framework_version": "1",
     "device_kind": "cuda:sm90",
-}
-
-
-@dataclass(frozen=True, kw_only=True)
-class BandwidthModel:
-    """The fleet's hardware. Network rates in Gbit/s (as NICs are sold), disk in GB/s."""
-
-    model_gb: float = 140.0  # bytes per instance (10^9), one rank per instance
-    nic_gbit_s: float = 400.0  # per node, each direction
-    max_concurrent_pulls: int = 2  # per seed (the planner's limit)
-    disk_gbyte_s: float = 5.0  # local disk read per node: the loaders' fallback
-    hub_gbit_s: float = 200.0  # aggregate egress of the hub / shared storage (the all-from-hub baseline)
-    racks: int = 0  # 0: flat network; else loaders spread round-robin over this many racks
-    uplink_gbit_s: float = 1600.0  # per rack and direction, crossed by inter-rack pulls (racks > 0)
-    ready_overhead_s: float = 1.0  # pull done -> READY (verify tail, publish); also in the ideal
-
-    def __post_init__(self) -> None:
-        for name in ("model_gb", "nic_gbit_s", "disk_gbyte_s", "hub_gbit_s", "uplink_gbit_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
-        if self.max_concurrent_pulls < 1 or self.racks < 0 or self.ready_overhead_s < 0:
-            raise ValueError("max_concurrent_pulls >= 1, racks >= 0 and ready_overhead_s >= 0 required")
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.model_gb * 1e9)
-
-    @property
-    def nic_bps(self) -> float:
-        return self.nic_gbit_s * 1e9 / 8
-
-    def ideal_tree_s(self, n: int) -> float:
-        """Every holder serves one newcomer at full NIC rate per generation: ceil(log2(n+1)) hops."""
-        return math.ceil(math.log2(n + 1)) * (self.nbytes / self.nic_bps + self.ready_overhead_s)
-
-    def hub_s(self, n: int) -> float:
-        """All n at once from the hub (fair share of its egress, capped by each NIC)."""
-        return self.nbytes / min(self.nic_bps, self.hub_gbit_s * 1e9 / 8 / n) + self.ready_overhead_s
-
-    def disk_s(self) -> float:
-        """One instance from its own local disk."""
-        return self.nbytes / (self.disk_gbyte_s * 1e9) + self.ready_overhead_s
-
-
-@dataclass(frozen=True)
-class Scenario:
-    """A planner policy and whether loaded instances become seeds (the tree)."""
-
-    name: str
-    policy: str
-    tree: bool
-
-
-SCENARIOS: dict[str, Scenario] = {
-    s.name: s
-    for s in (
-        Scenario("tree-load-aware", "load_aware", True),
-        Scenario("tree-random", "random", True),
-        Scenario("tree-rendezvous", "rendezvous", True),
-        Scenario("first-seed-only", "load_aware", False),
-    )
 }
 
 
@@ -146,8 +109,6 @@ def _manifest(nbytes: int, origin: str) -> str:
 
 def migrated_template(directory: Path) -> Path:
     """An empty planner database at the newest schema (copied for every run)."""
-    from planner.db import migrate
-
     path = directory / "template.db"
     if not path.exists():
         migrate(f"sqlite:///{path}")
@@ -170,11 +131,6 @@ class FleetSim:
         before_assign: BeforeAssign | None = None,
         record_decisions: bool = False,
     ) -> None:
-        from planner.db import Database
-        from planner.selection import RandomPolicy, SelectionPolicy, make_policy
-        from planner.service import Planner
-        from planner.settings import PlannerSettings
-
         if instances < 1:
             raise ValueError(f"instances: need at least 1, got {instances}")
         self.model = model
@@ -197,11 +153,9 @@ class FleetSim:
             # what an operator sets before any pull is recorded: one pull's share of a seed's NIC
             assumed_pull_gbps=model.nic_bps / 1e9 / model.max_concurrent_pulls,
             selection_policy=scenario.policy,  # type: ignore[arg-type]
+            db_pool_size=2,
         )
-        policy: SelectionPolicy = (
-            RandomPolicy(random.Random(seed)) if scenario.policy == "random" else make_policy(scenario.policy)
-        )
-        self.planner = Planner(db=Database(url, pool_size=2), settings=settings, policy=policy)
+        self.planner = Planner.open(settings, policy=make_policy(scenario.policy, rng=random.Random(seed)))
         self.t0 = float(int(time.time()))  # planner times are UNIX seconds: simulated t=0 is now
         self.net = Network()
         self.node_of_instance: dict[str, str] = {}
@@ -221,9 +175,7 @@ class FleetSim:
         return {"node": self._node(i), "rack": self._rack(i), "zone": "zone0"}
 
     def _register_seed(self, i: int, now: float) -> str:
-        from planner import schemas
-
-        body = schemas.InstanceIn.model_validate(
+        body = RegistrationRequest.model_validate(
             {
                 "identity": IDENTITY,
                 "labels": self._labels(i),
@@ -231,7 +183,7 @@ class FleetSim:
                 "max_concurrent_pulls": self.model.max_concurrent_pulls,
             }
         )
-        iid = str(self.planner.register(body, now)["id"])
+        iid = self.planner.register(body, now).id
         # the first seed loaded from disk and anchors the identity's digests (#12); the rest pulled
         origin = "disk" if i < 0 else "peer"
         self.planner.put_manifest(iid, 0, _manifest(self.model.nbytes, origin), now)
@@ -259,10 +211,6 @@ class FleetSim:
 
     def run(self) -> SimResult:
         """Simulate until every loader is READY."""
-        from planner import schemas
-        from planner.errors import AllBusy
-        from planner.service import NoSource
-
         wall0 = time.perf_counter()
         m = self.model
         self._capacities()
@@ -307,7 +255,7 @@ class FleetSim:
                     active[seed_id] -= 1
                     self.planner.report(
                         lease_id,
-                        schemas.ReportIn(
+                        TransferReport(
                             outcome="success", bytes=m.nbytes, seconds=t - started, backend=PROVIDER
                         ),
                         now,
@@ -332,7 +280,7 @@ class FleetSim:
             calls += 1
             decision: dict[str, Any] = {"call": calls - 1, "t": t, "loader": i}
             try:
-                text = self.planner.assign(schemas.AssignmentIn.model_validate(body_json), now)
+                assignment = self.planner.assign(AssignmentRequest.model_validate(body_json), now)
             except AllBusy as exc:
                 busy += 1
                 decision.update(result="all_busy", retry_after_s=exc.retry_after_s, fallback=exc.fallback)
@@ -346,20 +294,19 @@ class FleetSim:
                 decision.update(result="no_source")
                 self._fallback(i, parents, sources)
             else:
-                out = json.loads(text)
-                cand = out["candidates"][0]
-                seed_id = cand["instance_id"]
-                decision.update(result="leased", candidates=[c["instance_id"] for c in out["candidates"]])
-                lease[i] = (out["id"], t, seed_id)
+                cand = assignment.candidates[0]
+                seed_id = cand.instance_id
+                decision.update(result="leased", candidates=[c.instance_id for c in assignment.candidates])
+                lease[i] = (assignment.id, t, seed_id)
                 active[seed_id] = active.get(seed_id, 0) + 1
                 max_active = max(max_active, active[seed_id])
                 src_node = self.node_of_instance[seed_id]
                 parents[self._node(i)] = src_node
                 sources["seed"] += 1
-                self.net.start(("pull", i), m.nbytes, self._pull_path(src_node, cand["labels"]["rack"], i))
+                self.net.start(("pull", i), m.nbytes, self._pull_path(src_node, cand.labels.rack, i))
             if self.record:
                 decisions.append(decision)
-        self.planner.db.close()
+        self.planner.close()
         times = [ready[i] for i in range(self.n)]
         return SimResult(
             scenario=self.scenario.name,

@@ -11,12 +11,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from rfork.simulate.model import SCENARIOS, BandwidthModel
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Options of `rfork simulate scale-out`."""
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
-    from rfork.simulate.fleet import SCENARIOS, BandwidthModel
-
     d = BandwidthModel()
     parser.add_argument("--instances", type=int, default=1000, help="loaders in the burst (default 1000)")
     parser.add_argument(
@@ -68,8 +67,9 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
-    from rfork.simulate.fleet import SCENARIOS, BandwidthModel, FleetSim, hub_baseline, migrated_template
+    # here, not at the top: the simulator imports the planner (SQLAlchemy), and every `rfork` command
+    # imports this module to build its parser
+    from rfork.simulate.fleet import FleetSim, hub_baseline, migrated_template
 
     if args.instances < 1:
         raise ValueError("--instances must be >= 1")

@@ -9,11 +9,7 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, text
 
-from planner.db import Database, migrate
-from planner.selection import make_policy
-from planner.server import PlannerServer
-from planner.service import Planner
-from planner.settings import PlannerSettings
+from planner import Planner, PlannerServer, PlannerSettings, migrate
 
 TABLES = ("manifests", "instance_ranks", "leases", "instances", "anchors")
 
@@ -76,16 +72,21 @@ def ranks(*nums: int, backends: tuple[str, ...] = ("tcp", "nccl")) -> list[dict[
     ]
 
 
-@pytest.fixture
-def planner_url(db_url: str) -> str:
-    """`db_url`, migrated to head and emptied (PostgreSQL is shared by the session, so truncate)."""
-    migrate(db_url)
-    if db_url.startswith("postgresql"):
-        eng = create_engine(db_url)
+def empty_database(url: str) -> str:
+    """`url`, migrated to head and emptied (PostgreSQL is shared by the session, so truncate)."""
+    migrate(url)
+    if url.startswith("postgresql"):
+        eng = create_engine(url)
         with eng.begin() as conn:
             conn.execute(text(f"TRUNCATE {', '.join(TABLES)} CASCADE"))
         eng.dispose()
-    return db_url
+    return url
+
+
+@pytest.fixture
+def planner_url(db_url: str) -> str:
+    """`db_url`, migrated to head and emptied."""
+    return empty_database(db_url)
 
 
 @pytest.fixture
@@ -97,8 +98,7 @@ def server(planner_url: str) -> Iterator[PlannerServer]:
 
 def make_planner(url: str, **settings: Any) -> Planner:
     """A service object on `url` (no HTTP), for tests that move time."""
-    st = PlannerSettings(db_url=url, insecure=True, **settings)
-    return Planner(db=Database(url, pool_size=4), settings=st, policy=make_policy(st.selection_policy))
+    return Planner.open(PlannerSettings(db_url=url, insecure=True, db_pool_size=4, **settings))
 
 
 @pytest.fixture
@@ -106,4 +106,4 @@ def svc(planner_url: str) -> Iterator[Planner]:
     """A Planner service object with default settings."""
     p = make_planner(planner_url)
     yield p
-    p.db.close()
+    p.close()

@@ -3,6 +3,8 @@ to their requester; auth and body limits before the body is read; refusing to st
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from typing import Any
@@ -180,9 +182,6 @@ def test_insecure_logs_a_warning(sqlite_url, caplog):
 def test_planner_bench_ignores_tokens_in_the_environment_and_writes_json_without_nan(tmp_path):
     """`rfork bench planner` starts its own --insecure server: an RFORK_ADMIN_TOKEN in the caller's
     environment used to turn auth on there while its clients sent none (every request a 401)."""
-    import json
-    import os
-
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, "-m", "rfork", "bench", "planner", "--instances", "20", "--seconds", "2",

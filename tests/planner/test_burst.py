@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import threading
 from typing import Any
 
 import httpx
@@ -10,9 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner import schemas
+from planner import AllBusy, AssignmentRequest, RegistrationRequest, TransferReport, migrate
 from planner.burst import WaitingRoom, estimate_busy, pull_rate_bps, slot_time
-from planner.errors import AllBusy
+from planner.client import PlannerClient
+from rfork.bench.scale_out import max_concurrent
 from tests.planner.conftest import identity, make_planner, manifest, ranks
 
 GB = 10**9
@@ -113,7 +116,7 @@ def test_waiting_room_is_first_come_first_served_and_forgets_past_promises():
 
 
 def _seed(svc, now: float, *, limit: int, nbytes: int = 64) -> str:
-    body = schemas.InstanceIn.model_validate(
+    body = RegistrationRequest.model_validate(
         {
             "identity": identity(),
             "labels": {"node": "s", "rack": "r", "zone": "z"},
@@ -121,33 +124,27 @@ def _seed(svc, now: float, *, limit: int, nbytes: int = 64) -> str:
             "max_concurrent_pulls": limit,
         }
     )
-    iid = svc.register(body, now)["id"]
+    iid = svc.register(body, now).id
     m = manifest(0)
     m["regions"][0]["nbytes"] = nbytes
-    import json
-
     svc.put_manifest(iid, 0, json.dumps(m), now)
     svc.set_status(iid, "READY", now)
     return iid
 
 
 def _ask(**over):
-    return schemas.AssignmentIn.model_validate(
+    return AssignmentRequest.model_validate(
         {"identity": identity(), "rank": 0, "providers": ["tcp"], "backends": ["tcp"], **over}
     )
 
 
 def test_retry_after_from_live_leases_and_recorded_rate(sqlite_url):
-    from planner.db import migrate
-
     migrate(sqlite_url)
     svc = make_planner(sqlite_url, assumed_pull_gbps=1.0, retry_after_min_s=0.01)
     try:
         now = 1000.0
         _seed(svc, now, limit=1, nbytes=4 * GB)
-        import json
-
-        lease = json.loads(svc.assign(_ask(), now))["id"]
+        lease = svc.assign(_ask(), now).id
         # nothing recorded yet: 4 GB at the assumed 1 GB/s; the lease started at 1000, so ends at 1004
         with pytest.raises(AllBusy) as busy:
             svc.assign(_ask(), now + 1)
@@ -163,21 +160,19 @@ def test_retry_after_from_live_leases_and_recorded_rate(sqlite_url):
         with pytest.raises(AllBusy) as hurry:
             svc.assign(_ask(fallback_s=5.0), now + 1)
         assert hurry.value.fallback
-        svc.report(lease, schemas.ReportIn(outcome="success", bytes=4 * GB, seconds=2.0), now + 2)
+        svc.report(lease, TransferReport(outcome="success", bytes=4 * GB, seconds=2.0), now + 2)
         # a recorded pull: 2 GB/s from now on
-        lease2 = json.loads(svc.assign(_ask(), now + 2))["id"]
+        lease2 = svc.assign(_ask(), now + 2).id
         with pytest.raises(AllBusy) as busy2:
             svc.assign(_ask(waited_s=100.0), now + 2.5)  # waited longest: first in line
         assert busy2.value.expected_pull_s == pytest.approx(2.0)
         assert busy2.value.retry_after_s == pytest.approx(1.5)
         assert lease2
     finally:
-        svc.db.close()
+        svc.close()
 
 
 def test_http_429_carries_the_estimate_and_a_retry_after_header(server):
-    from planner.client import PlannerClient
-
     with PlannerClient(server.url) as c:
         reg = c.register_instance(identity=identity(), ranks=ranks(0, 1), max_concurrent_pulls=1)
         big = manifest(0)
@@ -206,11 +201,6 @@ def test_http_429_carries_the_estimate_and_a_retry_after_header(server):
 def test_recorded_leases_never_show_a_seed_over_its_limit(server):
     """Many threads lease and report at once: lease times are read under the write lock, so the
     recorded history follows the order of the decisions and never overlaps beyond the limit."""
-    import threading
-
-    from planner.client import PlannerClient
-    from rfork.bench.scale_out import max_concurrent
-
     with PlannerClient(server.url) as c:
         reg = c.register_instance(identity=identity(), ranks=ranks(0, 1), max_concurrent_pulls=2)
         c.put_manifest(reg.id, 0, manifest(0))

@@ -1,0 +1,483 @@
+"""The planner's wire types (docs/contracts.md), one definition for the server and its Python clients.
+
+Pydantic models only: no FastAPI, no SQLAlchemy, so a loader or seed can import them without the
+server. Every bound here is a 4xx on the server, never a 500. Requests refuse unknown fields (a typo
+is a 422 naming it); a rank manifest keeps them (it is stored verbatim).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+from collections.abc import Mapping
+from enum import Enum
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
+    StringConstraints,
+    field_validator,
+)
+from pydantic_core import CoreSchema, core_schema
+
+
+def _json_int(value: Any) -> Any:
+    """JSON Schema's integer: a number with no fraction (5 or 5.0), never a boolean or a string."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("must be an integer")  # noqa: TRY004 - pydantic turns only ValueError into a 422
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError("must be an integer")  # noqa: TRY004 - pydantic turns only ValueError into a 422
+        return int(value)
+    return value
+
+
+def _json_number(value: Any) -> Any:
+    """JSON Schema's number: never a boolean or a string."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("must be a number")  # noqa: TRY004 - pydantic turns only ValueError into a 422
+    return value
+
+
+# placed after a Field's bounds, so the schema keeps them as minimum/maximum
+JSON_INT = BeforeValidator(_json_int)
+JSON_NUMBER = BeforeValidator(_json_number)
+
+# Text that PostgreSQL can store (no NUL) and that fits its column.
+NO_NUL = r"^[^\x00]*$"
+Name = Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=NO_NUL)]
+Label = Annotated[str, StringConstraints(max_length=256, pattern=NO_NUL)]
+ProviderName = Annotated[str, StringConstraints(min_length=1, max_length=32, pattern=r"^[a-z0-9_+-]+$")]
+Rank = Annotated[int, Field(ge=0, le=1_000_000), JSON_INT]
+ParallelSize = Annotated[int, Field(ge=1, le=65_536), JSON_INT]
+# Byte counts, sizes and offsets: at most 2**53 (8 PiB), the largest integer a JSON number carries exactly
+# (a larger bound would let a schema-valid value round past it).
+MAX_BYTES = 2**53
+Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES), JSON_INT]
+RegionIndex = Annotated[int, Field(ge=0, le=1_000_000), JSON_INT]
+BASE64 = r"^([A-Za-z0-9+/]{4})*([A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+# A seed's control endpoint: http(s)://host[:port][/], host a name, an IPv4 address (not 0.0.0.0) or
+# a bracketed IPv6 address; no credentials, path, query or fragment. The pattern is the whole rule,
+# so the OpenAPI schema states exactly what is accepted.
+_PORT = r"(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})"
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,62})"
+_HOST = rf"((?!0\.0\.0\.0(:|/|$)){_LABEL}(\.{_LABEL})*|\[[0-9A-Fa-f:.]{{2,45}}\])"
+CONTROL_URL = rf"^https?://{_HOST}(:{_PORT})?/?$"
+# non-empty text without NUL, at most N characters
+Text64 = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=NO_NUL)]
+Text128 = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=NO_NUL)]
+Text256 = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=NO_NUL)]
+ControlKey = Annotated[str, StringConstraints(min_length=32, max_length=128, pattern=r"^[0-9a-f]+$")]
+
+
+def identity_key(identity: Mapping[str, Any]) -> str:
+    """The planner's identity_key: sha256 (hex) of the canonical JSON (sorted keys, no spaces)."""
+    canon = json.dumps(dict(identity), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()
+
+
+def _b64decode(value: str, what: str) -> bytes:
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"{what} must be base64") from exc
+
+
+class Strict(BaseModel):
+    """Unknown fields are refused, so a typo is a 422 naming it instead of silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- identity, labels, ranks ------------------------------------------------------------------
+
+
+class SourceIdentity(Strict):
+    """Source identity: two instances are interchangeable iff every field is equal.
+
+    On the wire every field is required (docs/contracts.md); constructed in Python, quantization,
+    tp/pp/ep/dp, framework, framework_version and device_kind have defaults. Frozen, so hashable.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: Name
+    revision: Name
+    fingerprint: Text256
+    dtype: Text64
+    quantization: Text64
+    tp: ParallelSize
+    pp: ParallelSize
+    ep: ParallelSize
+    dp: ParallelSize
+    framework: Text128
+    framework_version: Text128
+    device_kind: Text64
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        revision: str,
+        fingerprint: str,
+        dtype: str,
+        quantization: str = "none",
+        tp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+        dp: int = 1,
+        framework: str = "rfork",
+        framework_version: str = "0",
+        device_kind: str = "cpu",
+    ) -> None:
+        fields = {
+            "model": model,
+            "revision": revision,
+            "fingerprint": fingerprint,
+            "dtype": dtype,
+            "quantization": quantization,
+            "tp": tp,
+            "pp": pp,
+            "ep": ep,
+            "dp": dp,
+            "framework": framework,
+            "framework_version": framework_version,
+            "device_kind": device_kind,
+        }
+        super().__init__(**fields)
+
+    # Pydantic calls a model's own __init__ when it validates data (model_validate, FastAPI bodies),
+    # which would give JSON these defaults; this marker says the __init__ above only forwards to
+    # validation (as BaseModel.__init__ does), so data is validated as given: every field required.
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    @property
+    def world_size(self) -> int:
+        """Ranks that hold weights: tp * pp (global rank = pp_rank * tp + tp_rank)."""
+        return self.tp * self.pp
+
+    def key(self) -> str:
+        """The planner's identity_key of this identity."""
+        return identity_key(self.model_dump())
+
+
+class Labels(Strict):
+    """Where an instance runs; selection prefers the same node, then rack, then zone."""
+
+    node: Label = ""
+    rack: Label = ""
+    zone: Label = ""
+
+
+class RankEndpoint(Strict):
+    """One global rank's transport as a seed registers it: default provider, engine address (base64)
+    and the backends it serves (one-sided provider names and/or nccl; empty: the provider alone)."""
+
+    rank: Rank
+    provider: ProviderName
+    address: Annotated[str, StringConstraints(max_length=65_536, pattern=BASE64)]
+    backends: Annotated[list[ProviderName], Field(max_length=16)] = []
+
+    @field_validator("address")
+    @classmethod
+    def _b64(cls, v: str) -> str:
+        _b64decode(v, "address")
+        return v
+
+    def address_bytes(self) -> bytes:
+        """The engine address (base64 on the wire)."""
+        return _b64decode(self.address, "address")
+
+
+# ---- rank manifests ---------------------------------------------------------------------------
+
+
+class RegionEntry(BaseModel):
+    """One registered memory region of a rank."""
+
+    index: RegionIndex
+    nbytes: Bytes
+    descriptor: Annotated[str, StringConstraints(max_length=1_048_576)]
+
+    def descriptor_bytes(self) -> bytes:
+        """MemoryRegionDescriptor.to_bytes() (base64 on the wire; "" where the reader may not see it)."""
+        return _b64decode(self.descriptor, f"regions[index={self.index}].descriptor")
+
+
+class TensorEntry(BaseModel):
+    """One tensor of a rank and where it lives in the regions."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=4096)]
+    dtype: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    shape: Annotated[list[Annotated[int, Field(ge=0, le=MAX_BYTES), JSON_INT]], Field(max_length=64)]
+    nbytes: Bytes
+    region: RegionIndex
+    offset: Bytes
+    checksum: Annotated[str, StringConstraints(max_length=1024)]
+
+
+class RankManifest(BaseModel):
+    """A rank manifest: which regions a rank serves and where each tensor lies in them.
+
+    The planner checks this shape and `conflicts()`, then stores the text verbatim (unknown fields
+    included).
+    """
+
+    rank: Rank
+    checksum_algorithm: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    regions: list[RegionEntry]
+    tensors: list[TensorEntry]
+    # "disk": the publisher loaded these weights from a checkpoint (may anchor the identity's digests);
+    # "peer": it pulled them from another instance (never anchors)
+    origin: Literal["disk", "peer"] = "peer"
+
+    def conflicts(self) -> str | None:
+        """What a well-formed manifest contradicts in itself (409; JSON Schema cannot say it), or None."""
+        sizes = {r.index: r.nbytes for r in self.regions}
+        if len(sizes) != len(self.regions):
+            return "regions: index values must be unique"
+        for i, t in enumerate(self.tensors):
+            if t.region not in sizes:
+                return f"tensors[{i}].region: no region {t.region}"
+            if t.offset + t.nbytes > sizes[t.region]:
+                return f"tensors[{i}]: offset+nbytes exceeds region {t.region}'s nbytes"
+        return None
+
+    @property
+    def region_bytes(self) -> int:
+        """Bytes of every region together: what a pull of this rank moves."""
+        return sum(r.nbytes for r in self.regions)
+
+
+class StoredManifest:
+    """A rank manifest's JSON text as the planner stored it (checked when it was published).
+
+    An assignment carries it as-is: manifests go up to 32 MiB, and parsing one per candidate per
+    answer would cost more than the rest of the request. `dump_json` embeds the text unparsed.
+    """
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return f"StoredManifest({len(self.text)} characters)"
+
+    def parse(self) -> RankManifest:
+        """The manifest as a RankManifest."""
+        return RankManifest.model_validate_json(self.text)
+
+
+def _stored_manifest_json(value: Any, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:
+    if not isinstance(value, StoredManifest):
+        return handler(value)
+    # Python mode keeps the object (dump_json embeds its text); JSON mode has no raw-text escape hatch
+    return value if info.mode == "python" else json.loads(value.text)
+
+
+class _ManifestOrStored:
+    """Schema of Candidate.manifest: JSON gives a RankManifest; the server may put a StoredManifest."""
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, _source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        parsed = handler.generate_schema(RankManifest)
+        return core_schema.json_or_python_schema(
+            json_schema=parsed,  # and so the JSON Schema (OpenAPI) is RankManifest's
+            python_schema=core_schema.union_schema([core_schema.is_instance_schema(StoredManifest), parsed]),
+            serialization=core_schema.wrap_serializer_function_ser_schema(
+                _stored_manifest_json, info_arg=True, schema=parsed
+            ),
+        )
+
+
+def _embed(value: Any) -> Any:
+    if isinstance(value, StoredManifest):
+        return orjson.Fragment(value.text)
+    raise TypeError(f"cannot serialise {type(value).__name__} as JSON")
+
+
+def dump_json(model: BaseModel) -> bytes:
+    """`model` as JSON bytes (orjson, one pass); a StoredManifest goes in as its text, unparsed."""
+    return orjson.dumps(model.model_dump(), default=_embed)
+
+
+# ---- instances --------------------------------------------------------------------------------
+
+
+class InstanceStatus(str, Enum):
+    """Instance lifecycle; STALE is set only by the reaper."""
+
+    INITIALIZING = "INITIALIZING"
+    LOADING = "LOADING"
+    READY = "READY"
+    DRAINING = "DRAINING"
+    STALE = "STALE"
+
+
+SettableStatus = Literal["INITIALIZING", "LOADING", "READY", "DRAINING"]
+
+
+class RegistrationRequest(Strict):
+    """POST /v1/instances."""
+
+    model_config = ConfigDict(extra="forbid", regex_engine="python-re")  # CONTROL_URL uses a look-ahead
+
+    identity: SourceIdentity
+    labels: Labels = Labels()
+    control_url: Annotated[str, StringConstraints(max_length=2048, pattern=CONTROL_URL)] | None = None
+    control_key: ControlKey | None = Field(default=None, repr=False)  # hex; signs control tokens; never shown
+    ranks: Annotated[list[RankEndpoint], Field(max_length=65_536)] = []
+    max_concurrent_pulls: Annotated[int, Field(ge=1, le=10_000), JSON_INT] = 2
+
+    def conflicts(self) -> str | None:
+        """What a well-formed registration contradicts in itself (409; JSON Schema cannot say it), or None."""
+        world = self.identity.world_size
+        seen: set[int] = set()
+        for r in self.ranks:
+            if r.rank >= world:
+                return f"ranks: rank {r.rank} is outside tp*pp = {world}"
+            if r.rank in seen:
+                return f"ranks: rank {r.rank} is listed twice"
+            seen.add(r.rank)
+        return None
+
+
+class RankView(BaseModel):
+    """A rank as stored (backends filled in: the provider alone when none were registered)."""
+
+    rank: int
+    provider: str
+    address: str
+    backends: list[str]
+
+
+class InstanceView(BaseModel):
+    """An instance as the API shows it (never its control_key)."""
+
+    id: str
+    identity_key: str
+    identity: dict[str, Any]
+    labels: Labels
+    control_url: str | None
+    ranks: list[RankView]
+    max_concurrent_pulls: int
+    status: InstanceStatus
+    created_at: float
+    updated_at: float
+    last_heartbeat: float
+    quarantined_until: float | None
+
+
+class Registration(InstanceView):
+    """201 answer to a registration: the instance plus its bearer token (shown once, never in repr)."""
+
+    token: str = Field(repr=False)
+
+
+class StatusChange(Strict):
+    """POST /v1/instances/{id}/status."""
+
+    status: SettableStatus
+
+
+class HeartbeatAnswer(BaseModel):
+    """Answer to a heartbeat: the instance's status and how long until it turns STALE without one."""
+
+    status: InstanceStatus
+    ttl_s: float
+
+
+# ---- assignments ------------------------------------------------------------------------------
+
+
+class AssignmentRequest(Strict):
+    """POST /v1/assignments: who wants which rank, and what it can speak."""
+
+    identity: SourceIdentity
+    rank: Rank
+    labels: Labels = Labels()
+    providers: Annotated[list[ProviderName], Field(max_length=16)] = []
+    backends: Annotated[list[ProviderName], Field(max_length=16)] = []
+    requester_id: Text64 | None = None
+    exclude: Annotated[
+        list[Annotated[str, StringConstraints(max_length=64, pattern=NO_NUL)]], Field(max_length=1024)
+    ] = []
+    # the requester's own estimate of loading this rank without a seed (disk, hub), in seconds: when
+    # every seed is busy and waiting for one would take longer, the 429 says `fallback: true`
+    fallback_s: Annotated[float, Field(gt=0, le=1e7)] | None = None
+    # the pull limit this requester will serve at once it is READY (0: it will not serve); the 429
+    # estimate counts those future slots for the waiters behind it
+    serves_after: Annotated[int, Field(ge=0, le=10_000)] = 0
+    # seconds this requester has already waited for this rank (after 429s): it keeps its place in line
+    waited_s: Annotated[float, Field(ge=0, le=1e7)] = 0.0
+
+
+class Anchor(BaseModel):
+    """The identity's anchored digest set for a rank (planner.integrity.digest_set) and who anchored it."""
+
+    checksum_algorithm: str
+    digest_set: str
+    instance_id: str
+
+
+class Candidate(BaseModel):
+    """One ranked source for a rank: where to pull from, how, and what (its manifest)."""
+
+    instance_id: str
+    rank: int
+    provider: str
+    address: str
+    backends: list[str]
+    control_url: str | None
+    labels: Labels
+    anchor: Anchor
+    # leased candidate only: present it to its control endpoint
+    control_token: str | None = Field(default=None, repr=False)
+    manifest: Annotated[RankManifest | StoredManifest, _ManifestOrStored] = Field(repr=False)
+
+    def address_bytes(self) -> bytes:
+        """The seed rank's engine address (base64 on the wire)."""
+        return _b64decode(self.address, "address")
+
+    def rank_manifest(self) -> RankManifest:
+        """The manifest, parsed (the server holds it as stored text)."""
+        m = self.manifest
+        return m.parse() if isinstance(m, StoredManifest) else m
+
+
+class Assignment(BaseModel):
+    """201 answer: a lease on candidates[0] until expires_at; the others are unleased alternatives."""
+
+    id: str
+    expires_at: str  # ISO 8601, UTC
+    expires_at_unix: float
+    candidates: list[Candidate]
+
+
+class TransferReport(Strict):
+    """POST /v1/assignments/{id}/report: how the pull went; ends the lease."""
+
+    outcome: Literal["success", "failure"]
+    bytes: Annotated[int, Field(ge=0, le=MAX_BYTES), JSON_INT] = 0
+    seconds: Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False), JSON_NUMBER] = 0.0
+    backend: Annotated[str, StringConstraints(max_length=32, pattern=NO_NUL)] = ""
+    reason: Annotated[str, StringConstraints(max_length=1024, pattern=NO_NUL)] | None = None
+    error: Annotated[str, StringConstraints(max_length=65_536, pattern=NO_NUL)] | None = None
+
+
+class ReportAnswer(BaseModel):
+    """Answer to a report."""
+
+    id: str
+    outcome: str
+    seed_quarantined: bool
