@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import torch
-from hypothesis import strategies as st
 
 from rfork.weights.checkpoint import load_state_dict
 from rfork.weights.synthetic import config_for_size, write_synthetic_checkpoint
 from tests.tiny_llama import LlamaForCausalLM
-
-names = st.text(alphabet="abcdefghij._0123456789", min_size=1, max_size=20)
-dtypes = st.sampled_from(["bfloat16", "float16", "float32", "int8", "int64"])
-shapes = st.lists(st.integers(min_value=0, max_value=9), min_size=0, max_size=3)
 
 
 def test_model_runs_and_is_deterministic(tmp_path):

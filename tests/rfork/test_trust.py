@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 import urllib.error
 import urllib.request
-from typing import Any
 
 import pytest
 
@@ -16,15 +15,9 @@ from rfork.errors import LoadFailed
 from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
-from tests.rfork.conftest import ADMIN, AUTH, LOAD, READER, REGISTER, assert_same
+from tests.rfork.conftest import ADMIN, AUTH, REGISTER, assert_same
 
 pytestmark = pytest.mark.slow
-TOKENS: dict[str, Any] = {
-    "admin_token": ADMIN,
-    "register_token": REGISTER,
-    "load_token": LOAD,
-    "reader_token": READER,
-}
 
 
 def opts(**kw) -> LoadOptions:

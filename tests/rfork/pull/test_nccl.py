@@ -1,6 +1,7 @@
 """rfork.pull.nccl with the seed's control endpoint: pulls over the NCCL/gloo fallback (gloo on CPU),
 concurrency, peers that die.
 """
+
 from __future__ import annotations
 
 import json

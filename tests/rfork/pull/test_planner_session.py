@@ -1,6 +1,7 @@
 """rfork.pull.planner_session: waiting out busy seeds as the planner advises, and falling back when it
 says so.
 """
+
 from __future__ import annotations
 
 import random

@@ -20,15 +20,9 @@ from rfork.seed.control import ControlServer
 from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
-from tests.rfork.conftest import ADMIN, AUTH, LOAD, READER, REGISTER, assert_same
+from tests.rfork.conftest import AUTH, LOAD, READER, REGISTER, assert_same
 
 pytestmark = pytest.mark.slow
-TOKENS: dict[str, Any] = {
-    "admin_token": ADMIN,
-    "register_token": REGISTER,
-    "load_token": LOAD,
-    "reader_token": READER,
-}
 
 
 def _weights(ckpt) -> RankWeights:

@@ -1,6 +1,7 @@
 """rfork.seed.publication: topology labels, staying published through STALE, a forgetful planner and
 an outage.
 """
+
 from __future__ import annotations
 
 import socket
@@ -8,7 +9,6 @@ import time
 from typing import Any
 
 import pytest
-from hypothesis import strategies as st
 from sqlalchemy import create_engine, text
 
 from planner.client import PlannerClient
@@ -19,9 +19,6 @@ from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_
 from rfork.weights.rank_weights import RankWeights
 from tests.rfork.conftest import ADMIN, AUTH, LOAD, READER, REGISTER, assert_same
 
-names = st.text(alphabet="abcdefghij._0123456789", min_size=1, max_size=20)
-dtypes = st.sampled_from(["bfloat16", "float16", "float32", "int8", "int64"])
-shapes = st.lists(st.integers(min_value=0, max_value=9), min_size=0, max_size=3)
 pytestmark = pytest.mark.slow
 TOKENS: dict[str, Any] = {
     "admin_token": ADMIN,

@@ -11,16 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import strategies as st
 
 from rfork import LoadOptions, pull_into
 from rfork.identity import SourceIdentity
 from tests.rfork.conftest import AUTH
 
-# A few backing buffers; tensors are byte spans carved out of them (they may overlap or repeat).
-spans_strategy = st.lists(
-    st.tuples(st.integers(0, 2), st.integers(0, 300), st.integers(0, 120)), min_size=1, max_size=25
-)
 RSS_CHILD = textwrap.dedent(
     """
     import json, os, sys, torch

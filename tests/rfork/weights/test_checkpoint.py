@@ -1,18 +1,14 @@
 """rfork.weights.checkpoint and .synthetic: safetensors headers, the disk loader and its TP shards,
 synthetic checkpoints.
 """
+
 from __future__ import annotations
 
 import torch
-from hypothesis import strategies as st
 
 from backends.sharding import shard_range, split_dim
 from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
 from rfork.weights.synthetic import config_for_size, write_synthetic_checkpoint
-
-names = st.text(alphabet="abcdefghij._0123456789", min_size=1, max_size=20)
-dtypes = st.sampled_from(["bfloat16", "float16", "float32", "int8", "int64"])
-shapes = st.lists(st.integers(min_value=0, max_value=9), min_size=0, max_size=3)
 
 
 def test_config_for_size_is_close():

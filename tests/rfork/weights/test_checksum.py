@@ -1,10 +1,10 @@
 """rfork.weights.checksum: the host digest (xxh3-128, streamed as bytes land) and the device digest
 (pwsum64-v1).
 """
+
 from __future__ import annotations
 
 import os
-import textwrap
 
 import pytest
 import torch
@@ -12,43 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rfork.weights import checksum as ck
-
-names = st.text(alphabet="abcdefghij._0123456789", min_size=1, max_size=20)
-dtypes = st.sampled_from(["bfloat16", "float16", "float32", "int8", "int64"])
-shapes = st.lists(st.integers(min_value=0, max_value=9), min_size=0, max_size=3)
-# A few backing buffers; tensors are byte spans carved out of them (they may overlap or repeat).
-spans_strategy = st.lists(
-    st.tuples(st.integers(0, 2), st.integers(0, 300), st.integers(0, 120)), min_size=1, max_size=25
-)
-RSS_CHILD = textwrap.dedent(
-    """
-    import json, os, sys, torch
-    from planner.client import PlannerClient  # imported before the baseline: not part of serving
-    from rfork.identity import SourceIdentity
-    from rfork.seed.seed import RankServer, Seed, open_engine
-    from rfork.weights.rank_weights import RankWeights
-
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    nbytes = int(sys.argv[2])
-    tensors = {f"layer{i}.weight": torch.full((nbytes // 8 // 4,), float(i)) for i in range(8)}
-    server = RankServer(engine=open_engine("tcp"))
-    before = rss()
-    weights = RankWeights.from_tensors(tensors=tensors)
-    server.serve(weights)
-    ident = SourceIdentity(model="rss", revision="r", dtype="float32", fingerprint="f" * 64)
-    seed = Seed(weights=[weights], identity=ident, planner_url=sys.argv[1], servers=[server], control=False,
-                token=os.environ["RFORK_REGISTER_TOKEN"])
-    seed.start()
-    after = rss()
-    total = sum(t.numel() * 4 for t in tensors.values())
-    print(json.dumps({"before": before, "after": after, "weights": total}), flush=True)
-    sys.stdin.readline()  # serve until the parent has pulled
-    seed.close()
-    """
-)
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 4095, ck.CHUNK_WORDS * 8 + 13, 3 * ck.CHUNK_WORDS * 8 + 5])

@@ -9,13 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import strategies as st
 
 from rfork.weights.memory import empty_host_buffer, pack, prefault
 
-names = st.text(alphabet="abcdefghij._0123456789", min_size=1, max_size=20)
-dtypes = st.sampled_from(["bfloat16", "float16", "float32", "int8", "int64"])
-shapes = st.lists(st.integers(min_value=0, max_value=9), min_size=0, max_size=3)
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _CHECK = """
 import json, sys
