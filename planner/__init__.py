@@ -1,9 +1,10 @@
 """The R-Fork planner: which running instance a new instance should pull its weights from.
 
 Public surface (pinned by tests/planner/test_public_surface.py): the errors, the wire types
-(planner.wire), PlannerServer (the planner in a background thread, for tests and the demo) and the
-in-process API for embedding the real planner on a database: Planner (Planner.open(settings)),
-PlannerSettings, make_policy and migrate. Every other module is internal.
+(planner.wire), PlannerClient (the Python client), PlannerServer (the planner in a background
+thread, for tests and the demo) and the in-process API for embedding the real planner on a
+database: Planner (Planner.open(settings)), PlannerSettings, make_policy and migrate. Every other
+module is internal.
 """
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ from planner.wire import (
     AssignmentRequest,
     Candidate,
     HeartbeatAnswer,
+    InstancePage,
     InstanceStatus,
     InstanceView,
     Labels,
+    ModelsPage,
+    ModelView,
     RankEndpoint,
     RankManifest,
     RankView,
@@ -43,10 +47,13 @@ from planner.wire import (
     StoredManifest,
     TensorEntry,
     TransferReport,
+    TransfersPage,
+    TransferView,
     identity_key,
 )
 
 if TYPE_CHECKING:
+    from planner.client import PlannerClient
     from planner.db import migrate
     from planner.selection import make_policy
     from planner.server import PlannerServer
@@ -57,6 +64,7 @@ if TYPE_CHECKING:
 # loads on first use of one of these names, so a loader or seed that imports planner.client or
 # planner.wire does not pay for it at start-up.
 _SERVER_SIDE = {
+    "PlannerClient": "planner.client",
     "Planner": "planner.service",
     "PlannerServer": "planner.server",
     "PlannerSettings": "planner.settings",
@@ -75,12 +83,16 @@ __all__ = [
     "Conflict",
     "DigestMismatch",
     "HeartbeatAnswer",
+    "InstancePage",
     "InstanceStatus",
     "InstanceView",
     "Labels",
+    "ModelView",
+    "ModelsPage",
     "NoSource",
     "NotFound",
     "Planner",
+    "PlannerClient",
     "PlannerError",
     "PlannerServer",
     "PlannerSettings",
@@ -97,6 +109,8 @@ __all__ = [
     "StoredManifest",
     "TensorEntry",
     "TransferReport",
+    "TransferView",
+    "TransfersPage",
     "identity_key",
     "make_policy",
     "migrate",

@@ -1,14 +1,18 @@
-"""PlannerClient: the synchronous Python client of the planner's REST API (httpx)."""
+"""PlannerClient: the synchronous Python client of the planner's REST API (httpx).
+
+Requests are built from and answers parsed into the wire types of `planner.wire`, the same models the
+server validates with, so a field has one definition on both sides.
+"""
 
 from __future__ import annotations
 
 import base64
-import datetime as dt
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
 from planner.errors import (
     AllBusy,
@@ -19,57 +23,37 @@ from planner.errors import (
     PlannerError,
     PlannerUnavailable,
 )
+from planner.wire import (
+    Assignment,
+    AssignmentRequest,
+    HeartbeatAnswer,
+    InstancePage,
+    InstanceView,
+    Labels,
+    ModelsPage,
+    RankEndpoint,
+    RankManifest,
+    Registration,
+    RegistrationRequest,
+    ReportAnswer,
+    SourceIdentity,
+    StatusChange,
+    TransferReport,
+    TransfersPage,
+)
 
 __all__ = [
     "AllBusy",
-    "Assignment",
     "AuthError",
     "BadRequest",
-    "Candidate",
     "Conflict",
     "NotFound",
     "PlannerClient",
     "PlannerError",
     "PlannerUnavailable",
-    "Registration",
 ]
 
-
-@dataclass(frozen=True)
-class Registration:
-    """A registered instance: its id and the bearer token scoped to it."""
-
-    id: str
-    token: str
-    status: str
-    identity_key: str
-    raw: dict[str, Any] = field(repr=False, default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One source for a rank: where to pull from, how, and what (its manifest)."""
-
-    instance_id: str
-    rank: int
-    provider: str
-    address: bytes
-    backends: list[str]
-    control_url: str | None
-    labels: dict[str, str]
-    manifest: dict[str, Any] = field(repr=False)
-    # the identity's anchored digest set for this rank: {checksum_algorithm, digest_set, instance_id}
-    anchor: dict[str, Any] | None = None
-    control_token: str | None = field(default=None, repr=False)  # for the leased candidate's control endpoint
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """A lease on `candidates[0]` (the others are unleased alternatives) until `expires_at`."""
-
-    id: str
-    expires_at: dt.datetime
-    candidates: list[Candidate]
+M = TypeVar("M", bound=BaseModel)
 
 
 class PlannerClient:
@@ -102,87 +86,73 @@ class PlannerClient:
     def register_instance(
         self,
         *,
-        identity: Mapping[str, Any],
+        identity: SourceIdentity | Mapping[str, Any],
         labels: Mapping[str, str] | None = None,
         control_url: str | None = None,
-        ranks: Sequence[Mapping[str, Any]] = (),
+        ranks: Sequence[RankEndpoint | Mapping[str, Any]] = (),
         max_concurrent_pulls: int = 2,
         control_key: str | None = None,
     ) -> Registration:
-        """Register an instance (INITIALIZING); ranks: {rank, provider, address (bytes or b64), backends}.
+        """Register an instance (INITIALIZING); ranks: RankEndpoint or {rank, provider, address (bytes or
+        base64), backends}.
 
         `control_key` (hex, planner.control_token.new_control_key) lets the planner sign per-assignment
         tokens for the instance's control endpoint; it is never shown back.
         """
-        body = {
-            "identity": dict(identity),
-            "labels": dict(labels or {}),
-            "control_url": control_url,
-            "control_key": control_key,
-            "ranks": [_rank_json(r) for r in ranks],
-            "max_concurrent_pulls": max_concurrent_pulls,
-        }
-        data = self._call("POST", "/v1/instances", "register instance", json=body)
-        return Registration(
-            id=data["id"],
-            token=data["token"],
-            status=data["status"],
-            identity_key=data["identity_key"],
-            raw=data,
-        )
-
-    def get_instance(self, instance_id: str) -> dict[str, Any]:
-        """One instance's record."""
-        return dict(self._call("GET", f"/v1/instances/{instance_id}", f"get instance {instance_id}"))
-
-    def list_instances(self, **filters: Any) -> dict[str, Any]:
-        """`{items, total}`; filters: model, fingerprint, status, node, identity_key, limit, offset."""
-        params = {k: v for k, v in filters.items() if v is not None}
-        return dict(self._call("GET", "/v1/instances", "list instances", params=params))
-
-    def set_status(self, instance_id: str, status: str) -> dict[str, Any]:
-        """Move the instance along its lifecycle (Conflict on an illegal transition)."""
-        return dict(
-            self._call(
-                "POST",
-                f"/v1/instances/{instance_id}/status",
-                f"set status of {instance_id}",
-                json={"status": status},
+        with _checked("register instance"):
+            body = RegistrationRequest(
+                identity=_identity(identity),
+                labels=Labels(**dict(labels or {})),
+                control_url=control_url,
+                control_key=control_key,
+                ranks=[_rank(r) for r in ranks],
+                max_concurrent_pulls=max_concurrent_pulls,
             )
-        )
+        return self._call("POST", "/v1/instances", "register instance", Registration, body=body)
 
-    def heartbeat(self, instance_id: str) -> dict[str, Any]:
-        """`{status, ttl_s}`."""
-        return dict(self._call("POST", f"/v1/instances/{instance_id}/heartbeat", f"heartbeat {instance_id}"))
+    def get_instance(self, instance_id: str) -> InstanceView:
+        """One instance's record."""
+        return self._call("GET", f"/v1/instances/{instance_id}", f"get instance {instance_id}", InstanceView)
+
+    def list_instances(self, **filters: Any) -> InstancePage:
+        """One page of instances; filters: model, fingerprint, status, node, identity_key, limit, offset."""
+        params = {k: v for k, v in filters.items() if v is not None}
+        return self._call("GET", "/v1/instances", "list instances", InstancePage, params=params)
+
+    def set_status(self, instance_id: str, status: str) -> InstanceView:
+        """Move the instance along its lifecycle (Conflict on an illegal transition)."""
+        op = f"set status of {instance_id}"
+        with _checked(op):
+            body = StatusChange(status=status)  # type: ignore[arg-type]
+        return self._call("POST", f"/v1/instances/{instance_id}/status", op, InstanceView, body=body)
+
+    def heartbeat(self, instance_id: str) -> HeartbeatAnswer:
+        """The instance is alive; the answer says its status and how long until it turns STALE."""
+        return self._call(
+            "POST", f"/v1/instances/{instance_id}/heartbeat", f"heartbeat {instance_id}", HeartbeatAnswer
+        )
 
     def delete_instance(self, instance_id: str) -> None:
         """Remove the instance."""
-        self._call("DELETE", f"/v1/instances/{instance_id}", f"delete instance {instance_id}")
+        self._call("DELETE", f"/v1/instances/{instance_id}", f"delete instance {instance_id}", None)
 
-    def put_manifest(self, instance_id: str, rank: int, manifest: Mapping[str, Any]) -> None:
+    def put_manifest(self, instance_id: str, rank: int, manifest: RankManifest | Mapping[str, Any]) -> None:
         """Publish the manifest of one global rank."""
-        self._call(
-            "PUT",
-            f"/v1/instances/{instance_id}/manifests/{rank}",
-            f"put manifest {instance_id} rank {rank}",
-            json=dict(manifest),
-        )
+        op = f"put manifest {instance_id} rank {rank}"
+        with _checked(op):
+            body = manifest if isinstance(manifest, RankManifest) else RankManifest.model_validate(manifest)
+        self._call("PUT", f"/v1/instances/{instance_id}/manifests/{rank}", op, None, body=body)
 
-    def get_manifest(self, instance_id: str, rank: int) -> dict[str, Any]:
-        """The manifest as published."""
-        return dict(
-            self._call(
-                "GET",
-                f"/v1/instances/{instance_id}/manifests/{rank}",
-                f"get manifest {instance_id} rank {rank}",
-            )
-        )
+    def get_manifest(self, instance_id: str, rank: int) -> RankManifest:
+        """The manifest as published (a reader sees descriptors as "")."""
+        op = f"get manifest {instance_id} rank {rank}"
+        return self._call("GET", f"/v1/instances/{instance_id}/manifests/{rank}", op, RankManifest)
 
     # ---- assignments -------------------------------------------------------------------------
     def request_assignment(
         self,
         *,
-        identity: Mapping[str, Any],
+        identity: SourceIdentity | Mapping[str, Any],
         rank: int,
         labels: Mapping[str, str] | None = None,
         providers: Sequence[str] = ("tcp",),
@@ -198,46 +168,27 @@ class PlannerClient:
         Raises AllBusy(retry_after_s, expected_pull_s, fallback) when every source is at its pull
         limit; `fallback` is true when `fallback_s` (this requester's disk/hub estimate) beats waiting.
         """
-        body = {
-            "identity": dict(identity),
-            "rank": rank,
-            "labels": dict(labels or {}),
-            "providers": list(providers),
-            "backends": list(backends),
-            "requester_id": requester_id,
-            "exclude": list(exclude),
-        }
-        if fallback_s is not None:
-            body["fallback_s"] = fallback_s
-        if serves_after:
-            body["serves_after"] = serves_after
-        if waited_s > 0:
-            body["waited_s"] = waited_s
+        with _checked(f"request assignment rank {rank}"):
+            body = AssignmentRequest(
+                identity=_identity(identity),
+                rank=rank,
+                labels=Labels(**dict(labels or {})),
+                providers=list(providers),
+                backends=list(backends),
+                requester_id=requester_id,
+                exclude=list(exclude),
+                fallback_s=fallback_s,
+                serves_after=serves_after,
+                waited_s=waited_s,
+            )
         try:
-            data = self._call("POST", "/v1/assignments", f"request assignment rank {rank}", json=body)
+            return self._call(
+                "POST", "/v1/assignments", f"request assignment rank {rank}", Assignment, body=body
+            )
         except NotFound as exc:
             if exc.reason == "no_source":
                 return None
             raise
-        return Assignment(
-            id=data["id"],
-            expires_at=dt.datetime.fromisoformat(data["expires_at"]),
-            candidates=[
-                Candidate(
-                    instance_id=c["instance_id"],
-                    rank=c["rank"],
-                    provider=c["provider"],
-                    address=base64.b64decode(c["address"]),
-                    backends=list(c["backends"]),
-                    control_url=c["control_url"],
-                    labels=dict(c["labels"]),
-                    manifest=c["manifest"],
-                    anchor=c.get("anchor"),
-                    control_token=c.get("control_token"),
-                )
-                for c in data["candidates"]
-            ],
-        )
 
     def report_transfer(
         self,
@@ -249,80 +200,109 @@ class PlannerClient:
         backend: str = "",
         reason: str | None = None,
         error: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> ReportAnswer:
         """End the lease with the pull's outcome and figures."""
-        body = {
-            "outcome": outcome,
-            "bytes": bytes,
-            "seconds": seconds,
-            "backend": backend,
-            "reason": reason,
-            "error": error,
-        }
-        return dict(
-            self._call(
-                "POST",
-                f"/v1/assignments/{assignment_id}/report",
-                f"report assignment {assignment_id}",
-                json=body,
+        op = f"report assignment {assignment_id}"
+        with _checked(op):
+            body = TransferReport(
+                outcome=outcome,  # type: ignore[arg-type]
+                bytes=bytes,
+                seconds=seconds,
+                backend=backend,
+                reason=reason,
+                error=error,
             )
-        )
+        return self._call("POST", f"/v1/assignments/{assignment_id}/report", op, ReportAnswer, body=body)
 
     # ---- views -------------------------------------------------------------------------------
-    def models(self) -> list[dict[str, Any]]:
-        """Identities with their READY counts."""
-        return list(self._call("GET", "/v1/models", "list models")["items"])
+    def models(self) -> ModelsPage:
+        """Identities with their instance and READY counts."""
+        return self._call("GET", "/v1/models", "list models", ModelsPage)
 
-    def transfers(self, **filters: Any) -> dict[str, Any]:
-        """`{items, total}` of finished assignments."""
+    def transfers(self, **filters: Any) -> TransfersPage:
+        """One page of finished assignments; filters: seed_id, outcome, limit, offset."""
         params = {k: v for k, v in filters.items() if v is not None}
-        return dict(self._call("GET", "/v1/transfers", "list transfers", params=params))
+        return self._call("GET", "/v1/transfers", "list transfers", TransfersPage, params=params)
 
-    def _call(self, method: str, path: str, op: str, **kwargs: Any) -> Any:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        op: str,
+        answer: type[M] | None,
+        *,
+        body: BaseModel | None = None,
+        params: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """One request; the answer parsed as `answer` (None: no body expected), or a PlannerError."""
+        content = body.model_dump_json().encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if content is not None else None
         try:
-            resp = self._http.request(method, path, **kwargs)
+            resp = self._http.request(method, path, content=content, headers=headers, params=params)
         except httpx.HTTPError as exc:
             raise PlannerUnavailable(f"{op}: planner at {self.base_url} unreachable: {exc}") from exc
         if resp.status_code < 300:
-            return resp.json() if resp.content else None
-        try:
-            payload = resp.json()
-        except ValueError:
-            payload = {"detail": resp.text[:500]}
-        if not isinstance(payload, dict):
-            payload = {"detail": payload}
-        detail = payload.get("message") or payload.get("detail") or resp.reason_phrase
-        msg = f"{op}: {resp.status_code} {detail}"
-        reason = payload.get("reason")
-        code = resp.status_code
-        if code == 429:
-            pull = payload.get("expected_pull_s")
-            raise AllBusy(
-                msg,
-                retry_after_s=float(payload.get("retry_after_s") or 1.0),
-                expected_pull_s=float(pull) if isinstance(pull, (int, float)) else None,
-                fallback=payload.get("fallback") is True,
-            )
-        cls: type[PlannerError]
-        if code in (401, 403):
-            cls = AuthError
-        elif code == 404:
-            cls = NotFound
-        elif code == 409:
-            cls = Conflict
-        elif code in (400, 413, 422):
-            cls = BadRequest
-        elif code >= 500:
-            cls = PlannerUnavailable
-        else:
-            cls = PlannerError
-        raise cls(msg, status=code, reason=reason)
+            return None if answer is None else answer.model_validate_json(resp.content)
+        raise _error(op, resp)
 
 
-def _rank_json(r: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(r)
-    addr = out.get("address", b"")
+@contextlib.contextmanager
+def _checked(op: str) -> Iterator[None]:
+    """A request the wire type refuses fails here, as BadRequest naming the field (nothing is sent)."""
+    try:
+        yield
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise BadRequest(f"{op}: {where}: {first.get('msg')}", reason="invalid_request") from exc
+
+
+def _identity(identity: SourceIdentity | Mapping[str, Any]) -> SourceIdentity:
+    return identity if isinstance(identity, SourceIdentity) else SourceIdentity.model_validate(identity)
+
+
+def _rank(r: RankEndpoint | Mapping[str, Any]) -> RankEndpoint:
+    if isinstance(r, RankEndpoint):
+        return r
+    row = dict(r)
+    addr = row.get("address", b"")
     if isinstance(addr, (bytes, bytearray, memoryview)):
-        out["address"] = base64.b64encode(bytes(addr)).decode()
-    out.setdefault("backends", [out.get("provider", "tcp")])
-    return out
+        row["address"] = base64.b64encode(bytes(addr)).decode()
+    row.setdefault("backends", [row.get("provider", "tcp")])
+    return RankEndpoint.model_validate(row)
+
+
+def _error(op: str, resp: httpx.Response) -> PlannerError:
+    """The PlannerError for a non-2xx answer, its message naming the op and what the planner said."""
+    try:
+        payload = resp.json()
+    except ValueError:
+        payload = {"detail": resp.text[:500]}
+    if not isinstance(payload, dict):
+        payload = {"detail": payload}
+    detail = payload.get("message") or payload.get("detail") or resp.reason_phrase
+    msg = f"{op}: {resp.status_code} {detail}"
+    reason = payload.get("reason")
+    code = resp.status_code
+    if code == 429:
+        pull = payload.get("expected_pull_s")
+        return AllBusy(
+            msg,
+            retry_after_s=float(payload.get("retry_after_s") or 1.0),
+            expected_pull_s=float(pull) if isinstance(pull, (int, float)) else None,
+            fallback=payload.get("fallback") is True,
+        )
+    cls: type[PlannerError]
+    if code in (401, 403):
+        cls = AuthError
+    elif code == 404:
+        cls = NotFound
+    elif code == 409:
+        cls = Conflict
+    elif code in (400, 413, 422):
+        cls = BadRequest
+    elif code >= 500:
+        cls = PlannerUnavailable
+    else:
+        cls = PlannerError
+    return cls(msg, status=code, reason=reason)

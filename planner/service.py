@@ -22,9 +22,9 @@ from planner.burst import BusyEstimate, WaitingRoom, estimate_busy, pull_rate_bp
 from planner.db import Database
 from planner.errors import AllBusy, Conflict, DigestMismatch, NoSource, NotFound
 from planner.models import Anchor, Instance, InstanceRank, Lease, Manifest
-from planner.schemas import InstancePage, ModelsPage, ModelView, TransfersPage, TransferView
 from planner.selection import Requester, SeedView, SelectionPolicy, choose_provider, make_policy
 from planner.settings import PlannerSettings
+from planner.wire import InstancePage, ModelsPage, ModelView, TransfersPage, TransferView
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from planner import wire
 from planner.auth import Principal
 from planner.deps import get_planner, get_principal, owner_of, registrar, writer
 from planner.errors import DigestMismatch, NotFound
-from planner.schemas import InstancePage
 from planner.service import Planner
+from planner.wire import InstancePage
 
 router = APIRouter(prefix="/v1/instances", tags=["instances"])
 IdPath = Annotated[str, Path(pattern=r"^[0-9a-f]{32}$", description="instance id (32 hex digits)")]

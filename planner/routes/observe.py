@@ -12,8 +12,8 @@ from sqlalchemy import text
 
 from planner.auth import Principal
 from planner.deps import get_planner, get_principal
-from planner.schemas import ModelsPage, TransfersPage
 from planner.service import Planner
+from planner.wire import ModelsPage, TransfersPage
 
 router = APIRouter(tags=["views"])
 

@@ -112,7 +112,7 @@ def run_burst(
                 for c, o in zip(children, outs, strict=True)
             ]
             with PlannerClient(planner.url) as client:
-                leases = client.transfers(limit=1000)["items"]
+                leases = [t.model_dump() for t in client.transfers(limit=1000).items]
     finally:
         fleet.close()
     return summarize(mode=mode, t0=t0, results=results, seed_ids=seed_ids, leases=leases, max_pulls=max_pulls)

@@ -94,13 +94,13 @@ def resolve_identity(args: argparse.Namespace) -> tuple[Any, Any]:
 
     with PlannerClient(args.planner, token=args.token or None) as client:
         listing = client.list_instances(model=model, status="READY", limit=100)
-    for item in listing.get("items", []):
-        ident = item.get("identity") or {}
+    for item in listing.items:
+        ident = item.identity
         if (revision and ident.get("revision") != revision) or (args.tp and ident.get("tp") != args.tp):
             continue
         if info is not None and ident.get("fingerprint") != info.fingerprint():
             continue
-        return SourceIdentity.from_dict(ident), info
+        return SourceIdentity.model_validate(ident), info
     if info is not None:
         return info.identity(tp=args.tp or 1), info
     raise ValueError(f"no READY seed of {args.checkpoint_id!r} on {args.planner} and no --checkpoint to load")

@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
             ready = {
                 "instance_ids": ids,
                 "pid": os.getpid(),
-                "identity": identity.to_dict(),
+                "identity": identity.model_dump(),
                 "bytes": info.total_bytes,
             }
             tmp.write_text(json.dumps(ready))

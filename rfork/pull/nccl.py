@@ -23,9 +23,8 @@ from backends.nccl import (
     local_address_towards,
     recv_tensors,
 )
-from planner.client import Candidate
+from planner.wire import Candidate, RankManifest
 from rfork.errors import PullError
-from rfork.weights.manifest import RankManifest
 from rfork.weights.rank_weights import RankWeights
 
 logger = logging.getLogger(__name__)

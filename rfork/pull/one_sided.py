@@ -33,12 +33,12 @@ import torch
 
 from backends import MemoryRegionDescriptor, Region, TransferEngine
 from backends.providers.libfabric import provider_available
+from planner.wire import RankManifest
 from rfork.errors import PullError
 from rfork.pull.result import LoadOptions, ProgressFn
 from rfork.pull.staged import pull_staged
 from rfork.seed.seed import open_engine
 from rfork.weights import checksum as ck
-from rfork.weights.manifest import RankManifest
 from rfork.weights.memory import prefault
 from rfork.weights.rank_weights import RankWeights
 
@@ -289,7 +289,9 @@ class _ReadPipeline:
         """Pull and verify every tensor; the local registrations, one per destination region."""
         dest = self.dest
         dest.verify(self._expected, [p.name for p in dest.layout.placements if not p.nbytes])
-        remote = {r.index: MemoryRegionDescriptor.from_bytes(r.descriptor) for r in self.manifest.regions}
+        remote = {
+            r.index: MemoryRegionDescriptor.from_bytes(r.descriptor_bytes()) for r in self.manifest.regions
+        }
         plan = plan_reads(dest, self.manifest, self.opts.chunk_bytes)
         total = sum(r.nbytes for reads in plan for r in reads)
         done_bytes = 0

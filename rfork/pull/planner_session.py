@@ -24,15 +24,16 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from planner.client import AllBusy, Assignment, Candidate, PlannerClient
+from backends.layout import dtype_from_name, expected_nbytes
+from planner.client import AllBusy, PlannerClient
 from planner.integrity import digest_set
+from planner.wire import Anchor, Assignment, Candidate, RankManifest
 from rfork.errors import ChecksumMismatch, ManifestError, PullError
 from rfork.identity import SourceIdentity
 from rfork.pull.result import BusyWait, LoadOptions
 from rfork.seed.publication import default_labels
-from rfork.weights.manifest import RankManifest
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +105,9 @@ class Source:
         PullError (malformed, another rank) or ChecksumMismatch (not the anchored digest set).
         """
         cand = self.candidate
+        manifest = cand.rank_manifest()
         try:
-            manifest = RankManifest.from_dict(cand.manifest)
+            check_manifest(manifest)
         except ManifestError as exc:
             raise PullError(f"seed {cand.instance_id}: bad manifest: {exc}") from exc
         if manifest.rank != self.rank:
@@ -126,21 +128,56 @@ class Source:
         self.session.report(self, ok=False, nbytes=0, seconds=seconds, error=error)
 
 
-def check_anchor(seed_id: str, anchor: dict[str, Any] | None, manifest: RankManifest) -> None:
+def check_anchor(seed_id: str, anchor: Anchor | None, manifest: RankManifest) -> None:
     """ChecksumMismatch unless `manifest`'s digest set is the anchored one for its algorithm."""
-    if not anchor:
+    if anchor is None:
         raise ChecksumMismatch(f"seed {seed_id}: the planner sent no anchored digest set; not trusting it")
-    if anchor.get("checksum_algorithm") != manifest.checksum_algorithm:
+    if anchor.checksum_algorithm != manifest.checksum_algorithm:
         raise ChecksumMismatch(
             f"seed {seed_id}: manifest algorithm {manifest.checksum_algorithm!r} is not the anchored "
-            f"{anchor.get('checksum_algorithm')!r}"
+            f"{anchor.checksum_algorithm!r}"
         )
-    got = digest_set(manifest.checksum_algorithm, manifest.to_dict()["tensors"])
-    if got != anchor.get("digest_set"):
+    got = digest_set(manifest.checksum_algorithm, [t.model_dump() for t in manifest.tensors])
+    if got != anchor.digest_set:
         raise ChecksumMismatch(
             f"seed {seed_id}: manifest digest set {got[:16]} differs from the identity's anchored "
-            f"{str(anchor.get('digest_set'))[:16]} (anchored by {anchor.get('instance_id')})"
+            f"{anchor.digest_set[:16]} (anchored by {anchor.instance_id})"
         )
+
+
+def check_manifest(manifest: RankManifest) -> None:
+    """ManifestError naming the first tensor or region that does not add up."""
+    regions: dict[int, int] = {}
+    for r in manifest.regions:
+        if r.index in regions:
+            raise ManifestError(f"duplicate region index {r.index}")
+        try:
+            r.descriptor_bytes()
+        except ValueError as exc:
+            raise ManifestError(str(exc)) from exc
+        regions[r.index] = r.nbytes
+    names: set[str] = set()
+    for t in manifest.tensors:
+        if t.name in names:
+            raise ManifestError(f"duplicate tensor {t.name!r}")
+        names.add(t.name)
+        try:
+            want = expected_nbytes(dtype_from_name(t.dtype), t.shape)
+        except ValueError as exc:
+            raise ManifestError(f"tensor {t.name!r}: {exc}") from exc
+        if t.nbytes != want:
+            raise ManifestError(
+                f"tensor {t.name!r}: nbytes {t.nbytes} != {want} for {t.dtype}{list(t.shape)}"
+            )
+        if t.nbytes == 0:
+            continue
+        size = regions.get(t.region)
+        if size is None:
+            raise ManifestError(f"tensor {t.name!r} names missing region {t.region}")
+        if t.offset + t.nbytes > size:
+            raise ManifestError(
+                f"tensor {t.name!r} [{t.offset}, +{t.nbytes}) overruns region {t.region} ({size} bytes)"
+            )
 
 
 class PlannerSession:
@@ -237,7 +274,7 @@ class PlannerSession:
 
         def ask(waited_s: float) -> Assignment | None:
             return client.request_assignment(
-                identity=self.identity.to_dict(),
+                identity=self.identity,
                 rank=rank,
                 labels=dict(options.labels or default_labels()),
                 providers=options.one_sided,

@@ -13,10 +13,10 @@ from concurrent.futures import Future
 
 from backends import MemoryRegionDescriptor, TransferEngine
 from backends.providers.staging import StagedReader
+from planner.wire import RankManifest
 from rfork.errors import PullError
 from rfork.pull.result import ProgressFn
 from rfork.weights import checksum as ck
-from rfork.weights.manifest import RankManifest
 from rfork.weights.rank_weights import RankWeights
 
 
@@ -30,7 +30,7 @@ def pull_staged(
     phases: dict[str, float],
 ) -> None:
     """Read every distinct destination tensor through bounce slots and verify it; fills `phases`."""
-    remote = {r.index: MemoryRegionDescriptor.from_bytes(r.descriptor) for r in manifest.regions}
+    remote = {r.index: MemoryRegionDescriptor.from_bytes(r.descriptor_bytes()) for r in manifest.regions}
     expected = {t.name: t.checksum for t in manifest.tensors}
     src = {t.name: t for t in manifest.tensors}
     dest.verify(expected, [p.name for p in dest.layout.placements if not p.nbytes])

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from planner.wire import RankEndpoint, RankManifest
 from rfork.identity import SourceIdentity
 from rfork.seed.publication import Publication
 from rfork.seed.seed import RankServer, Seed, open_engine
@@ -115,14 +116,14 @@ def _serve_tp(
                 prov, address, manifest = per_provider[i]
                 assert prov == provider
                 rows.append(
-                    {
-                        "rank": rank,
-                        "provider": provider,
-                        "address": base64.b64encode(address).decode(),
-                        "backends": [provider],
-                    }
+                    RankEndpoint(
+                        rank=rank,
+                        provider=provider,
+                        address=base64.b64encode(address).decode(),
+                        backends=[provider],
+                    )
                 )
-                manifests[rank] = manifest
+                manifests[rank] = RankManifest.model_validate(manifest)
             pubs.append(
                 Publication(
                     planner_url=planner_url,
@@ -171,7 +172,9 @@ def _rank_worker(
             server = RankServer(engine=open_engine(provider, domains=domains))
             servers.append(server)
             served = server.serve(weights)
-            rows.append((provider, server.address_bytes(), weights.manifest(served.descriptors()).to_dict()))
+            rows.append(
+                (provider, server.address_bytes(), weights.manifest(served.descriptors()).model_dump())
+            )
         conn.send(("ok", rows))
         with contextlib.suppress(EOFError, OSError):
             conn.recv()  # "stop", or EOF when the parent died

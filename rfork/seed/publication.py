@@ -14,10 +14,10 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 from urllib.parse import urlsplit
 
 from planner.client import AuthError, NotFound, PlannerClient, PlannerUnavailable
+from planner.wire import InstanceStatus, RankEndpoint, RankManifest
 from rfork.identity import SourceIdentity
 
 log = logging.getLogger(__name__)
@@ -61,14 +61,13 @@ class Publication:
         planner_url: str,
         token: str | None,
         identity: SourceIdentity,
-        ranks: Sequence[dict[str, Any]],
-        manifests: Mapping[int, dict[str, Any]],
+        ranks: Sequence[RankEndpoint],
+        manifests: Mapping[int, RankManifest],
         labels: Mapping[str, str] | None = None,
         control_url: str | None = None,
         control_key: str | None = None,
         max_concurrent_pulls: int = 2,
         status: str = "READY",
-        origin: Mapping[int, str] | None = None,
         retry: bool = False,
         retry_interval_s: float = 2.0,
         on_heartbeat_error: Callable[[Exception], None] | None = None,
@@ -77,7 +76,7 @@ class Publication:
         self._register_token = token
         self._identity = identity
         self._ranks = list(ranks)
-        self._manifests = {r: {**m, "origin": (origin or {}).get(r, "disk")} for r, m in manifests.items()}
+        self._manifests = dict(manifests)
         self._labels = dict(labels or default_labels())
         self._control_url = control_url
         self._control_key = control_key
@@ -114,15 +113,14 @@ class Publication:
         """Register, put every manifest, set the status; on a failure after registering, delete it again."""
         self.client.use_token(self._register_token)
         reg = self.client.register_instance(
-            identity=self._identity.to_dict(),
+            identity=self._identity,
             labels=self._labels,
             control_url=self._control_url,
             control_key=self._control_key,
             ranks=self._ranks,
             max_concurrent_pulls=self._max_pulls,
         )
-        if getattr(reg, "token", None):
-            self.client.use_token(reg.token)
+        self.client.use_token(reg.token)
         try:
             for rank, manifest in self._manifests.items():
                 self.client.put_manifest(reg.id, rank, manifest)
@@ -133,7 +131,7 @@ class Publication:
             raise
         with self._lock:
             self.instance_id = str(reg.id)
-            self.instance_token = getattr(reg, "token", None)
+            self.instance_token = reg.token
         log.info("published instance %s (%d rank(s)) as %s", reg.id, len(self._manifests), self._status)
 
     def _beat(self) -> None:
@@ -144,10 +142,9 @@ class Publication:
                     self._publish()
                     interval = 2.0
                     continue
-                resp = self.client.heartbeat(self.instance_id)
-                ttl = float(resp.get("ttl_s") or 6.0)
-                interval = max(0.2, min(ttl / 3.0, 10.0))
-                if resp.get("status") == "STALE" and not self._stop.is_set():
+                beat = self.client.heartbeat(self.instance_id)
+                interval = max(0.2, min((beat.ttl_s or 6.0) / 3.0, 10.0))
+                if beat.status == InstanceStatus.STALE and not self._stop.is_set():
                     self.client.set_status(self.instance_id, self._status)
                     log.warning("instance %s was STALE; set %s again", self.instance_id, self._status)
             except (NotFound, AuthError) as exc:

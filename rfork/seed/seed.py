@@ -23,6 +23,7 @@ import torch
 
 from backends import Region, TransferEngine
 from planner.control_token import new_control_key
+from planner.wire import RankEndpoint
 from rfork.identity import SourceIdentity
 from rfork.seed.control import ControlServer
 from rfork.seed.publication import Publication, default_labels, routable_host
@@ -202,12 +203,10 @@ class Seed:
                 address = base64.b64encode(server.address_bytes()).decode("ascii")
                 backends = [server.provider] + (["nccl"] if control_url else [])
                 rank_rows = [
-                    {"rank": r, "provider": server.provider, "address": address, "backends": backends}
+                    RankEndpoint(rank=r, provider=server.provider, address=address, backends=backends)
                     for r in sorted(server.ranks)
                 ]
-                manifests = {
-                    r: s.weights.manifest(s.descriptors()).to_dict() for r, s in server.ranks.items()
-                }
+                manifests = {r: s.weights.manifest(s.descriptors()) for r, s in server.ranks.items()}
                 self.publications.append(
                     Publication(
                         planner_url=self.planner_url,
@@ -219,7 +218,6 @@ class Seed:
                         control_url=control_url,
                         control_key=control_key if control_url else None,
                         max_concurrent_pulls=self.max_concurrent_pulls,
-                        origin={r: s.weights.origin for r, s in server.ranks.items()},
                         retry=self.retry_publish,
                     )
                 )

@@ -7,17 +7,18 @@ them), the checkpoint path owns flat region buffers with the tensors as views in
 
 from __future__ import annotations
 
+import base64
 import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from backends.layout import DEFAULT_MAX_REGION_BYTES, Layout, Placement, dtype_name, views
+from planner.wire import RankManifest, RegionEntry, TensorEntry
 from rfork.errors import ChecksumMismatch, DestinationMismatch, LayoutError
 from rfork.weights import checksum as ck
-from rfork.weights.manifest import RankManifest, RegionEntry, TensorEntry
 from rfork.weights.memory import allocate, pack
 
 
@@ -38,7 +39,7 @@ class RankWeights:
     checksums: dict[str, str] = field(default_factory=dict)
     # where the bytes came from: "disk" (a checkpoint, or the caller's own state dict) may anchor the
     # identity's digests at the planner; "peer" (pulled from another instance) never does
-    origin: str = "disk"
+    origin: Literal["disk", "peer"] = "disk"
 
     def __post_init__(self) -> None:
         if not self.ranges:
@@ -82,7 +83,12 @@ class RankWeights:
             sizes[r.index] = r.nbytes
         placements = tuple(
             Placement(
-                name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes, region=t.region, offset=t.offset
+                name=t.name,
+                dtype=t.dtype,
+                shape=tuple(t.shape),
+                nbytes=t.nbytes,
+                region=t.region,
+                offset=t.offset,
             )
             for t in manifest.tensors
         )
@@ -169,26 +175,29 @@ class RankWeights:
         return [self.tensors[p.name] for p in self.layout.placements if p.nbytes]
 
     def manifest(self, descriptors: Sequence[bytes]) -> RankManifest:
-        """The manifest a seed publishes: region i reached through descriptors[i], every tensor's digest."""
+        """The manifest a seed publishes: region i reached through descriptors[i], every tensor's digest,
+        and where the bytes came from (`origin`)."""
         sums = self.compute_checksums()
-        regions = tuple(
-            RegionEntry(index=i, nbytes=n, descriptor=descriptors[i])
-            for i, n in enumerate(self.layout.region_sizes)
-        )
-        tensors = tuple(
-            TensorEntry(
-                name=p.name,
-                dtype=p.dtype,
-                shape=p.shape,
-                nbytes=p.nbytes,
-                region=p.region,
-                offset=p.offset,
-                checksum=sums[p.name],
-            )
-            for p in self.layout.placements
-        )
         return RankManifest(
-            rank=self.rank, checksum_algorithm=self.checksum_algorithm, regions=regions, tensors=tensors
+            rank=self.rank,
+            checksum_algorithm=self.checksum_algorithm,
+            regions=[
+                RegionEntry(index=i, nbytes=n, descriptor=base64.b64encode(descriptors[i]).decode("ascii"))
+                for i, n in enumerate(self.layout.region_sizes)
+            ],
+            tensors=[
+                TensorEntry(
+                    name=p.name,
+                    dtype=p.dtype,
+                    shape=list(p.shape),
+                    nbytes=p.nbytes,
+                    region=p.region,
+                    offset=p.offset,
+                    checksum=sums[p.name],
+                )
+                for p in self.layout.placements
+            ],
+            origin="disk" if self.origin == "disk" else "peer",
         )
 
 

@@ -16,6 +16,7 @@ from planner.app import InsecureRefused, create_app
 from planner.client import AuthError, Conflict, PlannerClient
 from planner.server import PlannerServer
 from planner.settings import PlannerSettings
+from planner.wire import RankManifest
 from tests.planner.conftest import identity, manifest, ranks
 
 TOKENS: dict[str, Any] = {
@@ -72,7 +73,7 @@ def test_least_privilege_roles(secure):
         load.heartbeat(a.id)
     lease = load.request_assignment(identity=identity(), rank=0)
     assert lease is not None
-    assert lease.candidates[0].manifest["regions"][0]["descriptor"]  # a loader needs the keys
+    assert lease.candidates[0].rank_manifest().regions[0].descriptor  # a loader needs the keys
 
     reader = PlannerClient(secure.url, token="read-secret")
     with pytest.raises(AuthError):
@@ -90,17 +91,17 @@ def test_least_privilege_roles(secure):
     with pytest.raises(AuthError):  # the load token did not request this one
         load.report_transfer(lease_b.id, outcome="failure")
     as_b.report_transfer(lease_b.id, outcome="success")
-    assert reader.transfers()["items"][0]["requester_id"] == b.id
+    assert reader.transfers().items[0].requester_id == b.id
 
     # readers (and other instances) see manifests without descriptors; the owner and admins with them
-    assert reader.get_manifest(a.id, 0)["regions"][0]["descriptor"] == ""
-    assert reader.get_manifest(a.id, 0)["tensors"] == manifest(0)["tensors"]
-    assert as_b.get_manifest(a.id, 0)["regions"][0]["descriptor"] == ""
-    assert own.get_manifest(a.id, 0) == manifest(0)
+    assert reader.get_manifest(a.id, 0).regions[0].descriptor == ""
+    assert [t.model_dump() for t in reader.get_manifest(a.id, 0).tensors] == manifest(0)["tensors"]
+    assert as_b.get_manifest(a.id, 0).regions[0].descriptor == ""
+    assert own.get_manifest(a.id, 0) == RankManifest.model_validate(manifest(0))
     admin = PlannerClient(secure.url, token="adm-secret")
-    assert admin.get_manifest(a.id, 0) == manifest(0)
-    assert reader.list_instances()["total"] == 2
-    assert reader.transfers()["total"] == 2
+    assert admin.get_manifest(a.id, 0) == RankManifest.model_validate(manifest(0))
+    assert reader.list_instances().total == 2
+    assert reader.transfers().total == 2
     with pytest.raises(AuthError):
         reader.heartbeat(a.id)
     with pytest.raises(AuthError):

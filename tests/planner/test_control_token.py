@@ -20,7 +20,7 @@ def test_control_token_issued_with_the_lease_and_checked_offline(server):
     )
     c.put_manifest(reg.id, 0, manifest(0))
     c.set_status(reg.id, "READY")
-    assert "control_key" not in c.get_instance(reg.id)
+    assert "control_key" not in c.get_instance(reg.id).model_dump()
     lease = c.request_assignment(identity=identity(), rank=0)
     assert lease is not None
     token = lease.candidates[0].control_token

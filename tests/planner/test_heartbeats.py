@@ -20,13 +20,13 @@ def test_concurrent_heartbeats_each_get_their_status(server):
     before = time.time()
 
     def beat(i: int) -> str:
-        return str(PlannerClient(server.url).heartbeat(ids[i % len(ids)])["status"])
+        return PlannerClient(server.url).heartbeat(ids[i % len(ids)]).status.value
 
     with ThreadPoolExecutor(24) as pool:
         got = list(pool.map(beat, range(48)))
     assert got == ["READY" if i % len(ids) == 0 else "INITIALIZING" for i in range(48)]
     for iid in ids:
-        assert c.get_instance(iid)["last_heartbeat"] >= before
+        assert c.get_instance(iid).last_heartbeat >= before
     with pytest.raises(NotFound):
         c.heartbeat("f" * 32)
     text = httpx.get(server.url + "/metrics").text

@@ -50,7 +50,7 @@ def test_first_disk_publication_anchors_and_differing_manifests_are_refused(serv
     assert lease is not None
     assert lease.candidates[0].instance_id == unanchored  # its manifest matches the anchor: served
     want = digest_set("xxh64", manifest(0)["tensors"])
-    assert lease.candidates[0].anchor == {
+    assert lease.candidates[0].anchor.model_dump() == {
         "checksum_algorithm": "xxh64",
         "digest_set": want,
         "instance_id": anchor,
@@ -70,7 +70,7 @@ def test_first_disk_publication_anchors_and_differing_manifests_are_refused(serv
     # a READY seed republishing different digests (its memory changed) is refused and quarantined
     with pytest.raises(Conflict):
         c.put_manifest(anchor, 0, corrupted)
-    assert c.get_instance(anchor)["quarantined_until"] is not None
+    assert c.get_instance(anchor).quarantined_until is not None
     lease2 = c.request_assignment(identity=identity(), rank=0, exclude=[unanchored])
     assert lease2 is None  # neither the quarantined seed nor the refused one is offered
     # the anchor is per checksum algorithm: a device-side digest anchors separately
@@ -84,8 +84,10 @@ def test_checksum_mismatch_report_quarantines_at_once(server):
     lease = c.request_assignment(identity=identity(), rank=0)
     assert lease is not None
     out = c.report_transfer(lease.id, outcome="failure", reason="checksum_mismatch", error="bad bytes")
-    assert out["seed_quarantined"] is True
-    assert c.get_instance(seed)["quarantined_until"] > time.time()
+    assert out.seed_quarantined is True
+    quarantined_until = c.get_instance(seed).quarantined_until
+    assert quarantined_until is not None
+    assert quarantined_until > time.time()
     assert c.request_assignment(identity=identity(), rank=0) is None
 
 

@@ -43,6 +43,14 @@ PUBLIC = [
     "TensorEntry",
     "TransferReport",
     "identity_key",
+    # reader views (planner.wire)
+    "InstancePage",
+    "ModelView",
+    "ModelsPage",
+    "TransferView",
+    "TransfersPage",
+    # the Python client (planner.client)
+    "PlannerClient",
     # the planner in a thread (tests, demo) and embedded on a database (the simulator)
     "PlannerServer",
     "Planner",

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from planner.client import AllBusy, Conflict, NotFound, PlannerClient
+from planner.wire import RankManifest
 from tests.planner.conftest import identity, manifest, ranks
 
 
@@ -42,10 +43,10 @@ def test_no_source_then_lease_limit_and_report(server):
     a1 = c.request_assignment(identity=identity(), rank=0, labels={"node": "n9"})
     assert a1 is not None
     cand = a1.candidates[0]
-    assert (cand.instance_id, cand.rank, cand.provider, cand.address) == (seed, 0, "tcp", b"addr0")
-    assert cand.manifest == manifest(0)
+    assert (cand.instance_id, cand.rank, cand.provider, cand.address_bytes()) == (seed, 0, "tcp", b"addr0")
+    assert cand.rank_manifest() == RankManifest.model_validate(manifest(0))
     assert cand.control_url == "http://n1:9"
-    assert a1.expires_at.timestamp() > time.time()
+    assert a1.expires_at_unix > time.time()
     a2 = c.request_assignment(identity=identity(), rank=0)
     with pytest.raises(AllBusy) as busy:
         c.request_assignment(identity=identity(), rank=0)
@@ -60,15 +61,15 @@ def test_no_source_then_lease_limit_and_report(server):
     assert a2 is not None
     c.report_transfer(a2.id, outcome="failure", error="checksum mismatch", backend="tcp")
     hist = c.transfers()
-    assert hist["total"] == 2
-    ok = next(t for t in hist["items"] if t["outcome"] == "success")
-    assert ok["bytes"] == 64
-    assert ok["gbps"] == pytest.approx(64 / 0.5 / 1e9)
+    assert hist.total == 2
+    ok = next(t for t in hist.items if t.outcome == "success")
+    assert ok.bytes == 64
+    assert ok.gbps == pytest.approx(64 / 0.5 / 1e9)
     with pytest.raises(NotFound):
         c.report_transfer("f" * 32, outcome="success")
     models = c.models()
-    assert models[0]["ready"] == 1
-    assert models[0]["identity"]["model"] == "llama-test"
+    assert models.items[0].ready == 1
+    assert models.items[0].identity["model"] == "llama-test"
 
 
 def test_provider_choice(server):

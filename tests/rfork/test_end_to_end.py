@@ -45,10 +45,10 @@ def test_seed_process_to_loaded_model_bit_identical_then_drains_on_sigterm(fleet
     finally:
         result.close()
     with PlannerClient(planner, token=ADMIN) as client:
-        transfers = client.transfers()["items"]
-        assert [t["outcome"] for t in transfers] == ["success"]
+        transfers = client.transfers().items
+        assert [t.outcome for t in transfers] == ["success"]
         assert fleet.stop(seed) == 0
-        assert client.list_instances()["total"] == 0  # drained and deregistered
+        assert client.list_instances().total == 0  # drained and deregistered
 
 
 def test_in_process_seed_from_module_zero_byte_and_loaded_instance_serves(tmp_path, planner):
@@ -169,7 +169,7 @@ def test_failover_when_seed_killed_mid_transfer(fleet, medium_ckpt, planner):
     finally:
         result.close()
     with PlannerClient(planner, token=ADMIN) as client:
-        outcomes = sorted(t["outcome"] for t in client.transfers()["items"])
+        outcomes = sorted(str(t.outcome) for t in client.transfers().items)
         assert outcomes == ["failure", "success"]
 
 
@@ -215,7 +215,7 @@ def test_corrupted_seed_byte_caught_then_disk(small_ckpt, planner):
         assert result.attempts[0].instance_id == seed.instance_ids[0]
         assert_same(result.state_dict(), load_state_dict(small_ckpt))
         with PlannerClient(planner, token=ADMIN) as client:
-            reasons = [t.get("reason") for t in client.transfers()["items"]]
+            reasons = [t.reason for t in client.transfers().items]
             assert reasons == ["checksum_mismatch"]
 
 
@@ -233,12 +233,12 @@ def test_mismatched_identity_refused(small_ckpt, planner, tmp_path):
         PlannerClient(planner, token=ADMIN) as c,
     ):
         for other in (
-            replace(ident, fingerprint="0" * 64),
-            replace(ident, tp=2),
-            replace(ident, revision="x"),
-            replace(ident, device_kind="cuda:sm90"),
+            ident.model_copy(update={"fingerprint": "0" * 64}),
+            ident.model_copy(update={"tp": 2}),
+            ident.model_copy(update={"revision": "x"}),
+            ident.model_copy(update={"device_kind": "cuda:sm90"}),
         ):
-            assert c.request_assignment(identity=other.to_dict(), rank=0, providers=["tcp"]) is None
+            assert c.request_assignment(identity=other, rank=0, providers=["tcp"]) is None
         # a loader whose own checkpoint differs (one tensor reshaped) never reaches that seed
         other_dir = write_synthetic_checkpoint(tmp_path / "other", config=replace(SMALL, vocab_size=1024))
         result = load(

@@ -87,8 +87,8 @@ def assert_consistent(url: str, *, ready: int, timeout_s: float = 30.0) -> None:
     end = time.monotonic() + timeout_s
     while True:
         leases = live_leases(url)
-        n_ready = admin.list_instances(status="READY")["total"]
-        outcomes = [t["outcome"] for t in admin.transfers(limit=1000)["items"]]
+        n_ready = admin.list_instances(status="READY").total
+        outcomes = [t.outcome for t in admin.transfers(limit=1000).items]
         if leases == 0 and n_ready == ready and all(outcomes):
             return
         if time.monotonic() > end:
@@ -134,7 +134,7 @@ def test_seed_killed_or_stalled_mid_pull(fleet, medium_ckpt, planner, sig):
         admin = PlannerClient(planner, token=ADMIN)
         admin.delete_instance(loader.fired)  # what the reaper's STALE + an operator would do
         assert_consistent(planner, ready=1)
-        assert sorted(t["outcome"] for t in admin.transfers()["items"]) == ["failure", "success"]
+        assert sorted(str(t.outcome) for t in admin.transfers().items) == ["failure", "success"]
     finally:
         with contextlib.suppress(ProcessLookupError):
             for pid in pids.values():
@@ -283,10 +283,12 @@ def test_corrupted_byte_mid_pull(medium_ckpt, planner):
         assert "checksum" in (result.attempts[0].error or "")
         assert_same(result.state_dict(), load_state_dict(medium_ckpt))
         admin = PlannerClient(planner, token=ADMIN)
-        assert admin.get_instance(seed.instance_ids[0])["quarantined_until"] > time.time()
-        assert [t["reason"] for t in admin.transfers()["items"]] == ["checksum_mismatch"]
+        quarantined_until = admin.get_instance(seed.instance_ids[0]).quarantined_until
+        assert quarantined_until is not None
+        assert quarantined_until > time.time()
+        assert [t.reason for t in admin.transfers().items] == ["checksum_mismatch"]
         assert_consistent(planner, ready=1)  # READY but quarantined: never offered (checked below)
-        assert admin.request_assignment(identity=info.identity().to_dict(), rank=0) is None
+        assert admin.request_assignment(identity=info.identity(), rank=0) is None
 
 
 # ---- 6: an instance with the same identity but other weights publishes mid-pull ---------------------
@@ -363,5 +365,5 @@ def test_full_disk_at_the_loader(fleet, small_ckpt, planner, tmp_path):
         assert not out.exists()
     # the loaded instance served for a moment, then drained on the error: only the seed is left
     assert_consistent(planner, ready=1)
-    assert PlannerClient(planner, token=ADMIN).list_instances()["total"] == 1
+    assert PlannerClient(planner, token=ADMIN).list_instances().total == 1
     assert ids

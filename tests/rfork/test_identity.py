@@ -7,8 +7,9 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
-from rfork.identity import IdentityError, SourceIdentity, fingerprint, global_rank
+from rfork.identity import SourceIdentity, fingerprint, global_rank
 
 names = st.text(alphabet="abcdefghij._0123456789", min_size=1, max_size=20)
 dtypes = st.sampled_from(["bfloat16", "float16", "float32", "int8", "int64"])
@@ -24,15 +25,15 @@ def test_fingerprint_ignores_order_and_sees_shape_and_dtype():
 
 def test_identity_round_trip_and_validation():
     ident = SourceIdentity(model="m", revision="r", fingerprint="f", dtype="bfloat16", tp=2, pp=2)
-    assert SourceIdentity.from_dict(json.loads(json.dumps(ident.to_dict()))) == ident
+    assert SourceIdentity.model_validate(json.loads(json.dumps(ident.model_dump()))) == ident
     assert ident.world_size == 4
     assert len(ident.key()) == 64
-    with pytest.raises(IdentityError):
-        SourceIdentity.from_dict({k: v for k, v in ident.to_dict().items() if k != "tp"})
-    with pytest.raises(IdentityError):
+    with pytest.raises(ValidationError, match="tp"):  # on the wire every field is required
+        SourceIdentity.model_validate({k: v for k, v in ident.model_dump().items() if k != "tp"})
+    with pytest.raises(ValidationError, match="tp"):
         SourceIdentity(model="m", revision="r", fingerprint="f", dtype="bf16", tp=0)
     assert global_rank(tp_rank=1, pp_rank=1, tp_size=2) == 3  # not tp_rank alone
-    with pytest.raises(IdentityError):
+    with pytest.raises(ValueError, match="tp_rank=2"):
         global_rank(tp_rank=2, pp_rank=0, tp_size=2)
 
 

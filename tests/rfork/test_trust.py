@@ -49,13 +49,15 @@ def test_flipped_byte_in_a_ready_seed_is_never_accepted_and_quarantines_it(small
         assert first.attempts[0].instance_id == seed.instance_ids[0]
         assert "checksum" in (first.attempts[0].error or "")
         assert_same(first.state_dict(), load_state_dict(small_ckpt))
-        assert admin.get_instance(seed.instance_ids[0])["quarantined_until"] > time.time()
+        quarantined_until = admin.get_instance(seed.instance_ids[0]).quarantined_until
+        assert quarantined_until is not None
+        assert quarantined_until > time.time()
         with pytest.raises(LoadFailed):  # no loader is ever handed that seed again
             load(identity=info.identity(), planner_url=planner, **AUTH, options=opts(become_seed=False))
         # republishing from the corrupted memory is refused against the anchor
         pub = seed.publications[0]
         weights.checksums.clear()
-        fresh = weights.manifest(seed.servers[0].ranks[0].descriptors()).to_dict()
+        fresh = weights.manifest(seed.servers[0].ranks[0].descriptors()).model_dump()
         with pytest.raises(Conflict) as err:
             pub.client.put_manifest(seed.instance_ids[0], 0, {**fresh, "origin": "disk"})
         assert err.value.reason == "digest_mismatch"

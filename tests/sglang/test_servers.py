@@ -60,7 +60,7 @@ def flow() -> Flow:
 
 
 def instances(planner: Any, **filters: Any) -> list[dict[str, Any]]:
-    return list(planner.list_instances(limit=100, **filters)["items"])
+    return [i.model_dump() for i in planner.list_instances(limit=100, **filters).items]
 
 
 def ids_by_framework(planner: Any, framework: str) -> set[str]:
@@ -68,7 +68,7 @@ def ids_by_framework(planner: Any, framework: str) -> set[str]:
 
 
 def transfers(planner: Any) -> list[dict[str, Any]]:
-    return list(planner.transfers(limit=100)["items"])
+    return [t.model_dump() for t in planner.transfers(limit=100).items]
 
 
 def test_1_pull_from_an_rfork_seed_and_tokens_equal_auto(planner, server_fleet, flow, tiny_model):

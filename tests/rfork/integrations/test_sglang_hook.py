@@ -249,9 +249,9 @@ def test_parameters_served_in_place_are_pulled_bit_identical_then_drained(tmp_pa
         finally:
             result.close()
         with PlannerClient(planner, token=ADMIN) as client:
-            assert client.list_instances(status="READY")["total"] == 1
+            assert client.list_instances(status="READY").total == 1
             assert lifecycle.drain_recorded() == 1
-            assert client.list_instances()["total"] == 0
+            assert client.list_instances().total == 0
         assert not (tmp_path / "run").exists()
     finally:
         seed.close()

@@ -9,12 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from planner.wire import RankManifest, RegionEntry, TensorEntry
 from rfork import Loader, LoadOptions, pull_into
 from rfork.identity import SourceIdentity, fingerprint
 from rfork.pull.one_sided import plan_reads
 from rfork.seed.seed import Seed
 from rfork.weights import checksum as ck
-from rfork.weights.manifest import RankManifest, RegionEntry, TensorEntry
 from rfork.weights.rank_weights import RankWeights
 from tests.rfork.conftest import AUTH, REGISTER, SMALL
 from tests.tiny_llama import LlamaForCausalLM
@@ -69,15 +69,21 @@ def test_read_plan_writes_each_destination_byte_once_from_the_right_source_byte(
     for p in dest.layout.placements:
         entries.append(
             TensorEntry(
-                name=p.name, dtype=p.dtype, shape=p.shape, nbytes=p.nbytes, region=0, offset=off, checksum=""
+                name=p.name,
+                dtype=p.dtype,
+                shape=list(p.shape),
+                nbytes=p.nbytes,
+                region=0,
+                offset=off,
+                checksum="",
             )
         )
         off += p.nbytes
     manifest = RankManifest(
         rank=0,
         checksum_algorithm=ck.XXH3_128,
-        regions=(RegionEntry(index=0, nbytes=off, descriptor=b""),),
-        tensors=tuple(entries),
+        regions=[RegionEntry(index=0, nbytes=off, descriptor="")],
+        tensors=entries,
     )
     plan = plan_reads(dest, manifest, chunk_bytes=16)
     written: dict[tuple[int, int], int] = {}  # (region, offset) -> source byte

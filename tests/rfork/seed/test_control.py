@@ -66,7 +66,7 @@ def test_control_endpoint_needs_the_lease_token_and_works_across_two_addresses(s
         control_url = seed.control_server.url
         assert control_url.startswith("http://127.0.0.2:")  # bound to its routable address, published
         published = PlannerClient(planner, token=READER).get_instance(seed.instance_ids[0])
-        assert published["control_url"] == control_url
+        assert published.control_url == control_url
         # the loader (on 127.0.0.1) pulls over the NCCL/gloo fallback with the lease's token
         result = load(
             identity=info.identity(),
@@ -81,7 +81,7 @@ def test_control_endpoint_needs_the_lease_token_and_works_across_two_addresses(s
         assert status == 401
         loader = PlannerClient(planner, token=LOAD)
         lease = loader.request_assignment(
-            identity=info.identity().to_dict(), rank=0, providers=[], backends=["nccl"]
+            identity=info.identity(), rank=0, providers=[], backends=["nccl"]
         )
         assert lease is not None
         token = lease.candidates[0].control_token

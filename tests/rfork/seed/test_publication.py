@@ -85,10 +85,10 @@ def test_seed_reasserts_ready_after_stale_and_registers_again_after_404(small_ck
             with eng.begin() as conn:  # what the reaper does when heartbeats stopped for a while
                 conn.execute(text("UPDATE instances SET status='STALE' WHERE id=:i"), {"i": first})
             eng.dispose()
-            _until(lambda: admin.get_instance(first)["status"] == "READY", 10, "READY again after STALE")
+            _until(lambda: admin.get_instance(first).status == "READY", 10, "READY again after STALE")
             admin.delete_instance(first)  # the planner forgets it (e.g. a fresh database)
             again = _until(lambda: [i for i in seed.instance_ids if i != first], 15, "registered again")[0]
-            assert admin.get_instance(again)["status"] == "READY"
+            assert admin.get_instance(again).status == "READY"
             result = load(
                 identity=info.identity(), planner_url=srv.url, **AUTH, options=opts(become_seed=False)
             )
@@ -110,7 +110,7 @@ def test_planner_down_during_load_keeps_weights_and_publishes_in_background(smal
         assert result.seed.instance_ids == []  # not published yet: the planner is down
         with PlannerServer(db_url=sqlite_url, port=port, **TOKENS) as srv:
             reader = PlannerClient(srv.url, token=READER)
-            _until(lambda: reader.list_instances(status="READY")["total"] == 1, 20, "published after outage")
+            _until(lambda: reader.list_instances(status="READY").total == 1, 20, "published after outage")
             b = load(identity=info.identity(), planner_url=srv.url, **AUTH, options=opts(become_seed=False))
             assert b.source == "rfork-tcp"  # anchored by the disk-loaded instance, served from it
             assert b.attempts[0].instance_id == result.seed.instance_ids[0]

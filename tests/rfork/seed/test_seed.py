@@ -63,7 +63,7 @@ def test_seed_process_serves_in_place_adding_at_most_one_percent_rss_and_a_loade
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "RFORK_TCP_HOST": "127.0.0.1"},
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=Path(__file__).resolve().parents[3],
     )
     try:
         assert proc.stdout is not None

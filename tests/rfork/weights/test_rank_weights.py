@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from planner.wire import RankManifest
 from rfork.errors import ChecksumMismatch, DestinationMismatch, LayoutError
-from rfork.weights.manifest import RankManifest
 from rfork.weights.rank_weights import RankWeights, cover
 
 # A few backing buffers; tensors are byte spans carved out of them (they may overlap or repeat).

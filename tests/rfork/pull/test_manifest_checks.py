@@ -1,4 +1,5 @@
-"""rfork.weights.manifest: rank manifests round-trip and refuse garbage with ManifestError."""
+"""The manifest a loader accepts: the wire type (planner.wire.RankManifest) plus the loader's own
+checks (rfork.pull.planner_session.check_manifest); anything else is refused with a clear error."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from backends.layout import plan_layout
+from planner.wire import RankManifest
 from rfork.errors import ManifestError
+from rfork.pull.planner_session import check_manifest
 from rfork.weights import checksum as ck
-from rfork.weights.manifest import RankManifest
 
 names = st.text(alphabet="abcdefghij._0123456789", min_size=1, max_size=20)
 dtypes = st.sampled_from(["bfloat16", "float16", "float32", "int8", "int64"])
@@ -66,8 +69,9 @@ def test_manifest_round_trip_from_any_layout(specs, max_region):
             for p in layout.placements
         ],
     }
-    m = RankManifest.from_dict(json.loads(json.dumps(doc)))
-    assert m.to_dict() == doc
+    m = RankManifest.model_validate(json.loads(json.dumps(doc)))
+    check_manifest(m)
+    assert m.model_dump(exclude={"origin"}) == doc
     # regions never overlap and stay in bounds
     for r in range(len(layout.region_sizes)):
         spans = sorted(
@@ -85,9 +89,9 @@ def test_manifest_round_trip_from_any_layout(specs, max_region):
         max_leaves=12,
     )
 )
-def test_manifest_parser_rejects_garbage_with_manifest_error(doc):
-    with contextlib.suppress(ManifestError):
-        RankManifest.from_dict(doc)
+def test_garbage_is_refused_by_the_wire_type_or_the_loader_check(doc):
+    with contextlib.suppress(ValidationError, ManifestError):
+        check_manifest(RankManifest.model_validate(doc))
 
 
 @pytest.mark.parametrize(
@@ -103,11 +107,12 @@ def test_manifest_parser_rejects_garbage_with_manifest_error(doc):
         (("checksum_algorithm",), ""),
     ],
 )
-def test_manifest_rejects_inconsistent_fields(path, value):
+def test_inconsistent_fields_are_refused(path, value):
     doc = _good_doc()
+    check_manifest(RankManifest.model_validate(doc))
     target = doc
     for key in path[:-1]:
         target = target[key]
     target[path[-1]] = value
-    with pytest.raises(ManifestError):
-        RankManifest.from_dict(doc)
+    with pytest.raises((ValidationError, ManifestError)):
+        check_manifest(RankManifest.model_validate(doc))
