@@ -9,7 +9,8 @@ or spinning on that handle, on its own thread. Peers need nothing new: a lane on
 progress threads serve it like any other initiator.
 
 Thread-safety: a lane belongs to the thread that opened it; another thread gets a TransferError.
-Open one lane per thread that needs one (`engine.open_lane()`).
+Open one lane per thread that needs one (`FastLane(engine)`). The engine knows its lanes only
+through the hooks a lane subscribes (region released, engine closing).
 """
 
 from __future__ import annotations
@@ -19,19 +20,15 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from backends.descriptor import EngineAddress, MemoryRegionDescriptor
+from backends.engine import Region, TransferEngine, as_descriptor, check_imm, check_local, check_remote
 from backends.errors import EngineClosed, PeerUnreachable, TransferError, TransferTimeout
-from backends.providers.domain import EAGAIN, Domain, LocalRegistration
-
-if TYPE_CHECKING:
-    from backends.engine import Region, TransferEngine
-
-_READ, _WRITE = 0, 1
-# shm 1.17 completes writes up to its inject size when they are queued, not when they land; larger
-# writes complete after the copy. Only those small ones need delivery-complete before an immediate.
-SHM_INJECT_BYTES = 4096
+from backends.progress import READ as _READ
+from backends.progress import SHM_INJECT_BYTES
+from backends.progress import WRITE as _WRITE
+from backends.providers.domain import EAGAIN, LocalRegistration
 
 
 @dataclass(slots=True)
@@ -107,8 +104,7 @@ class Batch:
 
     def write_imm(self, imm: int, remote_desc: MemoryRegionDescriptor | bytes) -> Batch:
         """Add an immediate for the region's owner, sent once every data op of this batch completed."""
-        if not 0 <= imm < 2**32:
-            raise ValueError(f"imm {imm} is not a 32-bit unsigned value")
+        check_imm(imm)
         lane = self._lane
         rdesc = lane._remote(remote_desc, 0, 0, "write_imm")
         peer, rd, label = lane._peer_for(rdesc, 0)
@@ -128,11 +124,7 @@ class Batch:
             raise TransferError(f"{self.name}: batch already submitted")
         lane = self._lane
         engine = lane.engine
-        rdesc = (
-            remote_desc
-            if isinstance(remote_desc, MemoryRegionDescriptor)
-            else (MemoryRegionDescriptor.from_bytes(remote_desc))
-        )
+        rdesc = as_descriptor(remote_desc)
         local_desc = lane._local_desc(region)
         csize = engine.chunk_bytes
         peer, rd, label = lane._peer_for(rdesc, len(self._ops))
@@ -140,7 +132,7 @@ class Batch:
         key, base = rdesc.keys[rd], rdesc.base
         ops = self._ops
         for lo, ro, n in spans:
-            engine._check_local(region, lo, n, what)
+            check_local(engine, region, lo, n, what)
             lane._remote(rdesc, ro, n, what)
             for k in range(0, n, csize):
                 m = min(csize, n - k)
@@ -210,13 +202,13 @@ class Batch:
 class FastLane:
     """An initiator-only endpoint driven by its owner thread; see the module docstring."""
 
-    def __init__(self, engine: TransferEngine, domain: Domain) -> None:
+    def __init__(self, engine: TransferEngine) -> None:
         self.engine = engine
-        self._dom = domain
+        self._dom = engine.open_domain()
         self._owner = threading.get_ident()
         self._delivery_complete = engine.provider != "shm"
         self._small_write_dc = engine.provider == "shm"
-        self._mr_local = bool(getattr(domain, "mr_local", False))
+        self._mr_local = bool(getattr(self._dom, "mr_local", False))
         self._inflight: dict[int, _LaneOp] = {}
         self._backlog: deque[_LaneOp] = deque()
         self._next_ctx = 1
@@ -224,6 +216,7 @@ class FastLane:
         self._regs: dict[int, LocalRegistration] = {}
         self._lock = threading.Lock()  # guards _regs against engine.deregister from other threads
         self.closed = False
+        self._unsubscribe = engine.add_hooks(on_release=self._forget, on_close=self.close)
 
     def batch(self, name: str = "batch") -> Batch:
         """A new, empty batch; add ops to it, then `submit` it."""
@@ -331,7 +324,7 @@ class FastLane:
         for reg in regs:
             self._dom.deregister(reg)
         self._dom.close()
-        self.engine._forget_lane(self)
+        self._unsubscribe()
 
     def __enter__(self) -> FastLane:
         return self
@@ -400,12 +393,8 @@ class FastLane:
     def _remote(
         self, remote_desc: MemoryRegionDescriptor | bytes, offset: int, length: int, what: str
     ) -> MemoryRegionDescriptor:
-        rdesc = (
-            remote_desc
-            if isinstance(remote_desc, MemoryRegionDescriptor)
-            else (MemoryRegionDescriptor.from_bytes(remote_desc))
-        )
-        self.engine._check_remote(rdesc, offset, length, what)
+        rdesc = as_descriptor(remote_desc)
+        check_remote(rdesc, offset, length, what, need="read" if what == "read" else "write")
         return rdesc
 
     def _peer_for(self, rdesc: MemoryRegionDescriptor, spread: int) -> tuple[int, int, str]:

@@ -29,6 +29,7 @@ def measure(eng: Any, reg: Any, src: Any, dst: Any, provider: str, *, seconds: f
     """Latency (us) and page-batch GB/s; eng/reg are the bench's engine and 64 MiB local region."""
     import numpy as np
 
+    from backends.lane import FastLane  # here, not at the top: `rfork` start-up does not load the transport
     from rfork.bench.native import native_round_trip_us
 
     out: dict[str, Any] = {}
@@ -37,7 +38,7 @@ def measure(eng: Any, reg: Any, src: Any, dst: Any, provider: str, *, seconds: f
     except RuntimeError as exc:
         log.warning("native baseline unavailable: %s", exc)
         out["native_round_trip_us"] = 0.0
-    with eng.open_lane() as lane:
+    with FastLane(eng) as lane:
         lane.read(reg, 0, 64, src, 0).wait(10)  # connect this lane's endpoint
         lat = []
         for _ in range(3000):

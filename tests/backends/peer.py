@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -22,9 +23,12 @@ def engine_kwargs(provider: str) -> dict[str, Any]:
 def serve(
     conn: Connection, provider: str, domains: int, regions: list[tuple[str, int, str]], reorder: bool
 ) -> None:
-    """Open an engine, register `regions` (name, nbytes, access; "src" ones hold pattern(1)), then obey."""
+    """Open an engine, register `regions` (name, nbytes, access; "src" ones hold pattern(1)), then obey.
+
+    Channels open on first use by name; what each receives is kept for the "inbox" command.
+    """
     os.environ.setdefault("FI_TCP_IFACE", "lo")
-    from backends import MemoryRegionDescriptor, TransferEngine, TransferError
+    from backends import Channel, MemoryRegionDescriptor, Message, TransferEngine, TransferError
 
     eng = TransferEngine(
         provider, domains, timeout_s=8.0, reorder_for_test=reorder, **engine_kwargs(provider)
@@ -36,6 +40,20 @@ def serve(
         regs[name] = eng.register(bufs[name], access)
     conn.send((eng.address, {n: r.descriptor.to_bytes() for n, r in regs.items()}))
     pending_expects = {}
+    channels: dict[str, Channel] = {}
+    inbox: dict[str, list[tuple[str, bytes, bytes]]] = {}
+
+    def channel(name: str, imms: int = 0) -> Channel:
+        if name not in channels:
+            inbox[name] = []
+            channels[name] = eng.channel(name, imms=imms)
+
+            def keep(m: Message, box: list[tuple[str, bytes, bytes]] = inbox[name]) -> None:
+                box.append((m.kind, m.data, m.sender))
+
+            channels[name].on_message(keep)
+        return channels[name]
+
     try:
         while True:
             cmd, *args = conn.recv()
@@ -72,10 +90,24 @@ def serve(
                         conn.send(True)
                     except TimeoutError:
                         conn.send(False)
-                elif cmd == "send":
+                elif cmd == "channel":  # (name, imms) -> its immediate range [base, count]
+                    name, imms = args
+                    conn.send(channel(name, imms).imms.to_json())
+                elif cmd == "send":  # (address, channel name, kind, data)
+                    addr, name, kind, data = args
+                    channel(name).send(addr, kind, data).result(10)
+                    conn.send(True)
+                elif cmd == "send_raw":  # (address, frame): anything, framed or not
                     addr, data = args
                     eng.send(addr, data).result(10)
                     conn.send(True)
+                elif cmd == "inbox":  # (channel name, count, timeout) -> what it received, once count arrived
+                    name, count, timeout = args
+                    channel(name)
+                    deadline = time.monotonic() + timeout
+                    while len(inbox[name]) < count and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    conn.send(list(inbox[name]))
                 else:
                     conn.send(f"unknown command {cmd}")
             except TransferError as exc:

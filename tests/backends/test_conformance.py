@@ -20,6 +20,7 @@ import pytest
 
 from backends import (
     MemoryRegionDescriptor,
+    Message,
     PeerUnreachable,
     RemoteAccessError,
     TransferEngine,
@@ -313,19 +314,27 @@ def test_forged_write_access_is_refused_by_provider(
 
 @pytest.mark.timeout(60)
 def test_messages_both_ways(engine: TransferEngine, peer: Peer, provider: str) -> None:
-    got: list[bytes] = []
+    got: list[Message] = []
     arrived = threading.Event()
 
-    def on_msg(data: bytes) -> None:
-        got.append(data)
+    def on_msg(message: Message) -> None:
+        got.append(message)
         if len(got) == 3:
             arrived.set()
 
-    engine.on_message(on_msg)
+    channel = engine.channel("conformance")
+    channel.on_message(on_msg)
     # shm 1.17 moves sends above its 4 KiB inline size through a path that stalls here (see docs)
     big = provider != "shm"
     payloads = [b"x", b"hello" * (1000 if big else 100), bytes(range(256)) * (200 if big else 10)]
     for payload in payloads:
-        assert peer.call("send", engine.address, payload) is True
+        assert peer.call("send", engine.address, "conformance", "data", payload) is True
     assert arrived.wait(10)
-    assert got == payloads
+    assert [m.data for m in got] == payloads
+    assert {(m.channel, m.kind, m.sender) for m in got} == {("conformance", "data", peer.address)}
+    for payload in payloads:  # and the other way
+        channel.send(peer.address, "back", payload).result(10)
+    back = peer.call("inbox", "conformance", 3, 10)
+    assert [(k, d) for k, d, _ in back] == [("back", p) for p in payloads]
+    assert {s for _, _, s in back} == {engine.address}
+    channel.close()

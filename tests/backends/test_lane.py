@@ -35,7 +35,7 @@ def engine(provider: str) -> Iterator[TransferEngine]:
 
 @pytest.fixture
 def lane(engine: TransferEngine) -> Iterator[FastLane]:
-    with engine.open_lane() as ln:
+    with FastLane(engine) as ln:
         yield ln
 
 
@@ -115,7 +115,7 @@ def test_dead_peer_fails_the_batch_within_the_timeout(provider: str, peer: Peer)
         pytest.skip("shm 1.17: after a peer dies the provider can stall its endpoint (docs/transport.md)")
     with (
         TransferEngine(provider, 1, timeout_s=3.0, **engine_kwargs(provider)) as eng,
-        eng.open_lane() as lane,
+        FastLane(eng) as lane,
     ):
         victim = start_peer(provider, [("src", 64 * MiB, "read")], domains=1, reorder=False)
         buf = np.zeros(64 * MiB, dtype=np.uint8)

@@ -1,4 +1,4 @@
-"""One expert-parallel rank in its own spawned process, driven over a pipe by tests/backends/test_moe.py."""
+"""One expert-parallel rank in a spawned process, driven by tests/backends/moe/test_expert_parallel.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from tests.backends.moe_cases import Case, apply_expert, expert_tables, rank_inputs
+from tests.backends.moe.cases import Case, apply_expert, expert_tables, rank_inputs
 
 
 def run_rank(

@@ -22,7 +22,7 @@ import torch
 
 from backends import PeerUnreachable, TransferEngine, provider_available
 from backends.kv import KvPool, KvSender
-from tests.rfork.kv_decoder import PAGE_TOKENS, TINY, build_model, page_bytes, pages_digest, serve
+from tests.backends.kv.decoder import PAGE_TOKENS, TINY, build_model, page_bytes, pages_digest, serve
 from tests.tiny_llama import PagedKvCache, greedy_decode, prefill
 
 PROVIDERS = [p.strip() for p in os.environ.get("RFORK_TEST_PROVIDERS", "tcp,shm").split(",") if p.strip()]

@@ -32,8 +32,8 @@ from backends.moe.routing import (
     plan_dispatch,
     plan_receive,
 )
-from tests.backends.moe_cases import ROUTINGS, Case, apply_expert, expert_tables, rank_inputs, routing_ids
-from tests.backends.moe_worker import run_rank
+from tests.backends.moe.cases import ROUTINGS, Case, apply_expert, expert_tables, rank_inputs, routing_ids
+from tests.backends.moe.worker import run_rank
 
 PROVIDERS = [p.strip() for p in os.environ.get("RFORK_TEST_PROVIDERS", "tcp,shm").split(",") if p.strip()]
 CTX = mp.get_context("spawn")
