@@ -135,6 +135,8 @@ class Transport(Protocol):
     @property
     def imm(self) -> ImmCounter: ...
 
+    def expect(self, imm: int, count: int = 1) -> Future[None]: ...
+
     def send(self, peer_address: bytes, frame: bytes) -> Future[None]: ...
 
 
@@ -178,7 +180,9 @@ class Channel:
 
     def expect(self, index: int, count: int = 1) -> Future[None]:
         """Future resolved once `count` immediates for `index` arrived (since engine open); consumes them."""
-        return self._hub.transport.imm.expect(self.imms.value(index), count)
+        if self.closed:
+            raise ChannelError(f"channel {self.name!r} is closed")
+        return self._hub.transport.expect(self.imms.value(index), count)
 
     def discard(self, index: int, future: Future[None]) -> bool:
         """Withdraw an expect no longer wanted; True if it was still waiting."""
