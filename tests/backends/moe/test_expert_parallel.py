@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -27,9 +26,9 @@ from backends.moe import ExpertParallel, MoEError, MoETimeout
 from tests.backends.moe.cases import Case, apply_expert, expert_tables, rank_inputs, reference
 from tests.backends.moe.test_routing import moe_cases
 from tests.backends.moe.worker import run_rank
+from tests.backends.processes import CTX
 
 PROVIDERS = [p.strip() for p in os.environ.get("RFORK_TEST_PROVIDERS", "tcp,shm").split(",") if p.strip()]
-CTX = mp.get_context("spawn")
 _groups = itertools.count()  # a fresh group (channel) name per group: nothing left over between examples
 
 

@@ -25,8 +25,8 @@ from backends.nccl import (
     send_tensors,
     tensor_nbytes,
 )
+from tests.backends.processes import CTX
 
-CTX = mp.get_context("spawn")
 BUCKET = 64 << 10
 
 
