@@ -1,7 +1,9 @@
-"""A peer engine in its own (spawned) process, driven over a multiprocessing pipe by the tests."""
+"""A peer engine in its own process, driven over a multiprocessing pipe by the tests; and the helpers
+both sides use for test data (patterns, digests, buffers)."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 from multiprocessing.connection import Connection
@@ -15,6 +17,24 @@ def pattern(seed: int, nbytes: int) -> np.ndarray:
     """Deterministic random bytes both sides can regenerate; a shorter one is a prefix of a longer one."""
     words = np.random.default_rng(seed).integers(0, 2**64, -(-nbytes // 8), dtype=np.uint64, endpoint=False)
     return words.view(np.uint8)[:nbytes]
+
+
+def host_buffer(nbytes: int, seed: int | None = None) -> np.ndarray:
+    """nbytes of zeros (or of pattern(seed)) in memory advised to use huge pages.
+
+    The first touch of memory dominates tests that move GiBs on this VM; huge pages make it cheaper.
+    A pattern is drawn in slices straight into the buffer: the same bytes as pattern(seed, nbytes).
+    """
+    area = mmap.mmap(-1, max(nbytes, 1))
+    area.madvise(mmap.MADV_HUGEPAGE)
+    buf = np.frombuffer(area, dtype=np.uint8)[:nbytes]
+    if seed is not None:
+        rng, step = np.random.default_rng(seed), 16 << 20  # 64-bit draws continue across slices
+        for off in range(0, nbytes, step):
+            n = min(step, nbytes - off)
+            words = rng.integers(0, 2**64, -(-n // 8), dtype=np.uint64, endpoint=False)
+            buf[off : off + n] = words.view(np.uint8)[:n]
+    return buf
 
 
 def digest(a: np.ndarray) -> str:
@@ -42,7 +62,7 @@ def serve(
     bufs: dict[str, np.ndarray] = {}
     regs = {}
     for name, nbytes, access in regions:
-        bufs[name] = pattern(1, nbytes) if name.startswith("src") else np.zeros(nbytes, dtype=np.uint8)
+        bufs[name] = host_buffer(nbytes, 1 if name.startswith("src") else None)
         regs[name] = eng.register(bufs[name], access)
     conn.send((eng.address, {n: r.descriptor.to_bytes() for n, r in regs.items()}))
     pending_expects = {}

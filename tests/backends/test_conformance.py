@@ -26,7 +26,7 @@ from backends import (
     TransferError,
 )
 from tests.backends.conftest import SRC_BYTES, Peer, start_peer
-from tests.backends.peer import digest, engine_kwargs, pattern
+from tests.backends.peer import digest, engine_kwargs, host_buffer, pattern
 
 MiB = 1 << 20
 
@@ -42,7 +42,7 @@ def engine(provider: str) -> Iterator[TransferEngine]:
 def test_read_and_write_1gib(engine: TransferEngine, peer: Peer) -> None:
     # Every byte is checked through digests of whole GiBs: a second random GiB to compare with (or a
     # copy to hash) would cost seconds of first-touch page faults on this VM and prove nothing more.
-    buf = np.zeros(SRC_BYTES, dtype=np.uint8)
+    buf = host_buffer(SRC_BYTES)
     region = engine.register(buf, "rw")
     src = MemoryRegionDescriptor.from_bytes(peer.descs["src"])
     engine.read(region, 0, SRC_BYTES, src, 0).result(60)

@@ -152,6 +152,9 @@ def _until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
     return cond()
 
 
+BOUND = 0.5  # the waits' bound here: long enough to be sure nothing came, short enough to cost little
+
+
 def _timed_out_within(call: Callable[[], object], bound: float, slack: float = 3.0) -> str:
     """call() must raise TransferTimeout no earlier than bound and no later than bound + slack."""
     t0 = time.monotonic()
@@ -178,8 +181,8 @@ def test_completion_counted_before_a_layer_does_not_complete_the_request(
     inc.wait_layer(1, 10)
     assert _until(lambda: inc._complete.done())  # the completion was counted here
     assert not inc.done.done()
-    assert "layer 0 did not arrive" in _timed_out_within(lambda: inc.wait_layer(0, 1.0), 1.0)
-    _timed_out_within(lambda: inc.wait(1.0), 1.0)
+    assert "layer 0 did not arrive" in _timed_out_within(lambda: inc.wait_layer(0, BOUND), BOUND)
+    _timed_out_within(lambda: inc.wait(BOUND), BOUND)
     assert raw_sender.call("write_imms", _imms(inc, 0), desc) is True
     inc.wait_layer(0, 10)
     inc.wait(10)
@@ -195,12 +198,12 @@ def test_silent_sender_never_holds_a_wait_past_its_bound(rx: KvReceiver, raw_sen
     inc.wait_layer(1, 10)
     os.kill(_pid(raw_sender), signal.SIGSTOP)
     for layer in (0, 2):
-        _timed_out_within(functools.partial(inc.wait_layer, layer, 1.0), 1.0)
-    _timed_out_within(lambda: inc.wait(1.0), 1.0)
-    assert "did not answer" in _timed_out_within(lambda: rx.join(raw_sender.address, 1.0), 1.0)
+        _timed_out_within(functools.partial(inc.wait_layer, layer, BOUND), BOUND)
+    _timed_out_within(lambda: inc.wait(BOUND), BOUND)
+    assert "did not answer" in _timed_out_within(lambda: rx.join(raw_sender.address, BOUND), BOUND)
     # The default bound is the receiver's timeout_s.
-    rx.timeout_s = 1.5
-    _timed_out_within(lambda: inc.wait_layer(0), 1.5)
+    rx.timeout_s = 1.5 * BOUND
+    _timed_out_within(lambda: inc.wait_layer(0), 1.5 * BOUND)
     # The request is still alive: once the sender resumes, what it sends completes it.
     os.kill(_pid(raw_sender), signal.SIGCONT)
     assert raw_sender.call("write_imms", _imms(inc, 2, 0, DONE), desc) is True
