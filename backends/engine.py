@@ -25,7 +25,6 @@ from backends.providers.domain import Domain, LocalRegistration
 from backends.providers.libfabric import AUTO_ORDER, buffer_address, open_domains, provider_available
 from backends.spans import page_spans
 
-__all__ = ["MAX_MESSAGE", "Region", "TransferEngine", "check_local", "check_range", "check_remote"]
 log = logging.getLogger(__name__)
 
 
@@ -178,8 +177,8 @@ class TransferEngine:
         self._routes: dict[bytes, Route] = {}
         self._imm: ImmCounter | None = None  # both made on first use: a plain read never needs them
         self._channels: ChannelHub | None = None
-        self._release_hooks: list[Callable[[Region], None]] = []
-        self._close_hooks: list[Callable[[], None]] = []
+        # (on_release, on_close) of caller-driven endpoints
+        self._hooks: list[tuple[Callable[[Region], None] | None, Callable[[], None] | None]] = []
         self._domains: list[Domain] = []
         self._progress: Progress | None = None
         try:
@@ -237,8 +236,9 @@ class TransferEngine:
         self._release(region)
 
     def _release(self, region: Region) -> None:
-        for hook in list(self._release_hooks):
-            hook(region)
+        for on_release, _ in list(self._hooks):
+            if on_release is not None:
+                on_release(region)
         for dom, reg in zip(self._domains, region.regs, strict=True):
             dom.deregister(reg)
         region.regs = []
@@ -250,17 +250,14 @@ class TransferEngine:
     ) -> Callable[[], None]:
         """Call on_release(region) as each region is released (any thread) and on_close() once at close
         (after the progress threads stopped, before the regions go); returns the unsubscribe function."""
+        hooks = (on_release, on_close)
         with self._lock:
-            if on_release is not None:
-                self._release_hooks.append(on_release)
-            if on_close is not None:
-                self._close_hooks.append(on_close)
+            self._hooks.append(hooks)
 
         def unsubscribe() -> None:
             with self._lock:
-                for hooks, hook in ((self._release_hooks, on_release), (self._close_hooks, on_close)):
-                    if hook in hooks:
-                        hooks.remove(hook)  # type: ignore[arg-type]
+                if hooks in self._hooks:
+                    self._hooks.remove(hooks)
 
         return unsubscribe
 
@@ -411,9 +408,10 @@ class TransferEngine:
         self._closed = True
         if self._progress is not None:
             self._progress.stop()
-        for hook in list(self._close_hooks):  # no provider call of ours runs beside them any more
+        for _, on_close in list(self._hooks):  # no provider call of ours runs beside them any more
             try:
-                hook()
+                if on_close is not None:
+                    on_close()
             except Exception:
                 log.exception("a close hook of the engine raised")
         if self._imm is not None:
