@@ -17,9 +17,9 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
+import backends.kv.messages as wire
 from backends.channel import Message
 from backends.errors import TransferError, TransferTimeout
-from backends.kv import messages as wire
 from backends.kv.futures import fail, settle, settle_error
 from backends.kv.pool import KvError, KvPool
 

@@ -19,10 +19,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import backends.kv.messages as wire
 from backends.channel import ImmRange, Message
 from backends.descriptor import MemoryRegionDescriptor
 from backends.errors import PeerUnreachable, TransferError, TransferTimeout
-from backends.kv import messages as wire
 from backends.kv.futures import fail, log_failure, settle
 from backends.kv.pool import KvError, KvGeometry, KvPool, layer_spans
 

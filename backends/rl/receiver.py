@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
+import backends.rl.messages as protocol
 from backends.channel import Message
 from backends.engine import Region, TransferEngine
 from backends.errors import TransferError
 from backends.layout import views
-from backends.rl import messages as protocol
 from backends.rl.schedule import RankShard, ReceiverSchedule, build_receiver_schedule
 from backends.rl.spec import (
     DEFAULT_MAX_REGION_BYTES,

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+import backends.rl.messages as protocol
 from backends.channel import ImmRange, Message
 from backends.descriptor import MemoryRegionDescriptor
 from backends.engine import Region, TransferEngine
 from backends.errors import TransferError
 from backends.layout import views
-from backends.rl import messages as protocol
 from backends.rl.schedule import RankShard, Run, build_receiver_schedule
 from backends.rl.spec import RLError, TensorSpec, TrainerRank, check_tp, shard_layout, specs_digest
 
