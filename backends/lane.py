@@ -25,9 +25,7 @@ from typing import Any
 from backends.descriptor import EngineAddress, MemoryRegionDescriptor
 from backends.engine import Region, TransferEngine, as_descriptor, check_imm, check_local, check_remote
 from backends.errors import EngineClosed, PeerUnreachable, TransferError, TransferTimeout
-from backends.progress import READ as _READ
-from backends.progress import SHM_INJECT_BYTES
-from backends.progress import WRITE as _WRITE
+from backends.progress import READ, SHM_INJECT_BYTES, WRITE
 from backends.providers.domain import EAGAIN, LocalRegistration
 
 
@@ -77,7 +75,7 @@ class Batch:
         remote_offset: int,
     ) -> Batch:
         """Add a read of remote [remote_offset, +length) into region[offset, +length)."""
-        self._add(_READ, region, [(offset, remote_offset, length)], remote_desc, "read")
+        self._add(READ, region, [(offset, remote_offset, length)], remote_desc, "read")
         return self
 
     def write(
@@ -89,7 +87,7 @@ class Batch:
         remote_offset: int,
     ) -> Batch:
         """Add a write of region[offset, +length) to remote [remote_offset, +length)."""
-        self._add(_WRITE, region, [(offset, remote_offset, length)], remote_desc, "write")
+        self._add(WRITE, region, [(offset, remote_offset, length)], remote_desc, "write")
         return self
 
     def write_spans(
@@ -99,7 +97,7 @@ class Batch:
         remote_desc: MemoryRegionDescriptor | bytes,
     ) -> Batch:
         """Add writes of (local_offset, remote_offset, length) spans into one remote region."""
-        self._add(_WRITE, region, spans, remote_desc, "write_spans")
+        self._add(WRITE, region, spans, remote_desc, "write_spans")
         return self
 
     def write_imm(self, imm: int, remote_desc: MemoryRegionDescriptor | bytes) -> Batch:
@@ -109,7 +107,7 @@ class Batch:
         rdesc = lane._remote(remote_desc, 0, 0, "write_imm")
         peer, rd, label = lane._peer_for(rdesc, 0)
         self._peers.add(label)
-        self._after.append(_LaneOp(self, _WRITE, 0, 0, None, peer, rdesc.base, rdesc.keys[rd], imm, False))
+        self._after.append(_LaneOp(self, WRITE, 0, 0, None, peer, rdesc.base, rdesc.keys[rd], imm, False))
         return self
 
     def _add(
@@ -147,7 +145,7 @@ class Batch:
                         base + ro + k,
                         key,
                         None,
-                        kind == _WRITE and lane._delivery_complete,
+                        kind == WRITE and lane._delivery_complete,
                     )
                 )
 
@@ -238,7 +236,7 @@ class FastLane:
         batch._ops = []
         if self._small_write_dc and batch._after:
             for op in ops:
-                if op.kind == _WRITE and op.length <= SHM_INJECT_BYTES:
+                if op.kind == WRITE and op.length <= SHM_INJECT_BYTES:
                     op.delivery_complete = True
         if ops:
             batch.remaining = len(ops)
@@ -292,7 +290,7 @@ class FastLane:
             if c.error:
                 b._fail(
                     PeerUnreachable(
-                        f"{b.name} ({'read' if op.kind == _READ else 'write'} of {op.length} bytes) "
+                        f"{b.name} ({'read' if op.kind == READ else 'write'} of {op.length} bytes) "
                         f"with peer {self._label(op.peer)} failed: {c.message}"
                     )
                 )
