@@ -25,3 +25,7 @@ class TransferTimeout(PeerUnreachable):
 
 class EngineClosed(TransferError):
     """The engine was closed before the op completed."""
+
+
+class ChannelError(TransferError):
+    """A channel was misused (name taken, closed) or its engine has no immediate values left for it."""

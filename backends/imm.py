@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections import defaultdict, deque
+from collections import deque
 from concurrent.futures import Future
 
 
@@ -11,26 +11,28 @@ class ImmCounter:
     """Per-value arrival counts since the engine opened; waiters consume arrivals in FIFO order.
 
     Thread-safe: arrivals come from progress threads, expects from any thread. Futures are resolved
-    outside the lock (their callbacks may call back into the counter).
+    outside the lock (their callbacks may call back into the counter). Only values with arrivals
+    not yet consumed are stored.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts: dict[int, int] = defaultdict(int)
+        self._counts: dict[int, int] = {}
         self._waiters: dict[int, deque[tuple[int, Future[None]]]] = {}
 
     def arrive(self, imm: int, n: int = 1) -> None:
         """Record n arrivals of imm and resolve the waiters they satisfy."""
         ready: list[Future[None]] = []
         with self._lock:
-            self._counts[imm] += n
+            have = self._counts.get(imm, 0) + n
             queue = self._waiters.get(imm)
-            while queue and self._counts[imm] >= queue[0][0]:
+            while queue and have >= queue[0][0]:
                 need, fut = queue.popleft()
-                self._counts[imm] -= need
+                have -= need
                 ready.append(fut)
             if queue is not None and not queue:
                 del self._waiters[imm]
+            self._set(imm, have)
         for fut in ready:
             fut.set_result(None)
 
@@ -43,15 +45,21 @@ class ImmCounter:
         fut: Future[None] = Future()
         fut.set_running_or_notify_cancel()
         with self._lock:
-            if imm not in self._waiters and self._counts[imm] >= count:
-                self._counts[imm] -= count
-                done = True
+            have = self._counts.get(imm, 0)
+            done = imm not in self._waiters and have >= count
+            if done:
+                self._set(imm, have - count)
             else:
                 self._waiters.setdefault(imm, deque()).append((count, fut))
-                done = False
         if done:
             fut.set_result(None)
         return fut
+
+    def _set(self, imm: int, count: int) -> None:
+        if count:
+            self._counts[imm] = count
+        else:
+            self._counts.pop(imm, None)
 
     def discard(self, imm: int, fut: Future[None]) -> bool:
         """Withdraw a waiter that is no longer wanted (its request failed); True if it was waiting."""
@@ -71,6 +79,16 @@ class ImmCounter:
         """Arrivals of imm not yet consumed by an expect."""
         with self._lock:
             return self._counts.get(imm, 0)
+
+    def forget(self, base: int, count: int, exc: BaseException) -> None:
+        """Drop the counts of values [base, base + count) and fail their waiters (a channel closed)."""
+        with self._lock:
+            for imm in [v for v in self._counts if base <= v < base + count]:
+                del self._counts[imm]
+            gone = [v for v in self._waiters if base <= v < base + count]
+            futs = [f for v in gone for _, f in self._waiters.pop(v)]
+        for fut in futs:
+            fut.set_exception(exc)
 
     def fail_all(self, exc: BaseException) -> None:
         """Fail every outstanding expect (engine closing)."""

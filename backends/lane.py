@@ -9,7 +9,8 @@ or spinning on that handle, on its own thread. Peers need nothing new: a lane on
 progress threads serve it like any other initiator.
 
 Thread-safety: a lane belongs to the thread that opened it; another thread gets a TransferError.
-Open one lane per thread that needs one (`engine.open_lane()`).
+Open one lane per thread that needs one (`FastLane(engine)`). The engine knows its lanes only
+through the hooks a lane subscribes (region released, engine closing).
 """
 
 from __future__ import annotations
@@ -19,19 +20,13 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from backends.descriptor import EngineAddress, MemoryRegionDescriptor
+from backends.engine import Region, TransferEngine, as_descriptor, check_imm, check_local, check_remote
 from backends.errors import EngineClosed, PeerUnreachable, TransferError, TransferTimeout
-from backends.providers.domain import EAGAIN, Domain, LocalRegistration
-
-if TYPE_CHECKING:
-    from backends.engine import Region, TransferEngine
-
-_READ, _WRITE = 0, 1
-# shm 1.17 completes writes up to its inject size when they are queued, not when they land; larger
-# writes complete after the copy. Only those small ones need delivery-complete before an immediate.
-SHM_INJECT_BYTES = 4096
+from backends.progress import READ, SHM_INJECT_BYTES, WRITE
+from backends.providers.domain import EAGAIN, LocalRegistration
 
 
 @dataclass(slots=True)
@@ -80,7 +75,7 @@ class Batch:
         remote_offset: int,
     ) -> Batch:
         """Add a read of remote [remote_offset, +length) into region[offset, +length)."""
-        self._add(_READ, region, [(offset, remote_offset, length)], remote_desc, "read")
+        self._add(READ, region, [(offset, remote_offset, length)], remote_desc, "read")
         return self
 
     def write(
@@ -92,7 +87,7 @@ class Batch:
         remote_offset: int,
     ) -> Batch:
         """Add a write of region[offset, +length) to remote [remote_offset, +length)."""
-        self._add(_WRITE, region, [(offset, remote_offset, length)], remote_desc, "write")
+        self._add(WRITE, region, [(offset, remote_offset, length)], remote_desc, "write")
         return self
 
     def write_spans(
@@ -102,18 +97,17 @@ class Batch:
         remote_desc: MemoryRegionDescriptor | bytes,
     ) -> Batch:
         """Add writes of (local_offset, remote_offset, length) spans into one remote region."""
-        self._add(_WRITE, region, spans, remote_desc, "write_spans")
+        self._add(WRITE, region, spans, remote_desc, "write_spans")
         return self
 
     def write_imm(self, imm: int, remote_desc: MemoryRegionDescriptor | bytes) -> Batch:
         """Add an immediate for the region's owner, sent once every data op of this batch completed."""
-        if not 0 <= imm < 2**32:
-            raise ValueError(f"imm {imm} is not a 32-bit unsigned value")
+        check_imm(imm)
         lane = self._lane
         rdesc = lane._remote(remote_desc, 0, 0, "write_imm")
         peer, rd, label = lane._peer_for(rdesc, 0)
         self._peers.add(label)
-        self._after.append(_LaneOp(self, _WRITE, 0, 0, None, peer, rdesc.base, rdesc.keys[rd], imm, False))
+        self._after.append(_LaneOp(self, WRITE, 0, 0, None, peer, rdesc.base, rdesc.keys[rd], imm, False))
         return self
 
     def _add(
@@ -128,11 +122,7 @@ class Batch:
             raise TransferError(f"{self.name}: batch already submitted")
         lane = self._lane
         engine = lane.engine
-        rdesc = (
-            remote_desc
-            if isinstance(remote_desc, MemoryRegionDescriptor)
-            else (MemoryRegionDescriptor.from_bytes(remote_desc))
-        )
+        rdesc = as_descriptor(remote_desc)
         local_desc = lane._local_desc(region)
         csize = engine.chunk_bytes
         peer, rd, label = lane._peer_for(rdesc, len(self._ops))
@@ -140,7 +130,7 @@ class Batch:
         key, base = rdesc.keys[rd], rdesc.base
         ops = self._ops
         for lo, ro, n in spans:
-            engine._check_local(region, lo, n, what)
+            check_local(engine, region, lo, n, what)
             lane._remote(rdesc, ro, n, what)
             for k in range(0, n, csize):
                 m = min(csize, n - k)
@@ -155,7 +145,7 @@ class Batch:
                         base + ro + k,
                         key,
                         None,
-                        kind == _WRITE and lane._delivery_complete,
+                        kind == WRITE and lane._delivery_complete,
                     )
                 )
 
@@ -210,13 +200,13 @@ class Batch:
 class FastLane:
     """An initiator-only endpoint driven by its owner thread; see the module docstring."""
 
-    def __init__(self, engine: TransferEngine, domain: Domain) -> None:
+    def __init__(self, engine: TransferEngine) -> None:
         self.engine = engine
-        self._dom = domain
+        self._dom = engine.open_domain()
         self._owner = threading.get_ident()
         self._delivery_complete = engine.provider != "shm"
         self._small_write_dc = engine.provider == "shm"
-        self._mr_local = bool(getattr(domain, "mr_local", False))
+        self._mr_local = bool(getattr(self._dom, "mr_local", False))
         self._inflight: dict[int, _LaneOp] = {}
         self._backlog: deque[_LaneOp] = deque()
         self._next_ctx = 1
@@ -224,6 +214,7 @@ class FastLane:
         self._regs: dict[int, LocalRegistration] = {}
         self._lock = threading.Lock()  # guards _regs against engine.deregister from other threads
         self.closed = False
+        self._unsubscribe = engine.add_hooks(on_release=self._forget, on_close=self.close)
 
     def batch(self, name: str = "batch") -> Batch:
         """A new, empty batch; add ops to it, then `submit` it."""
@@ -245,7 +236,7 @@ class FastLane:
         batch._ops = []
         if self._small_write_dc and batch._after:
             for op in ops:
-                if op.kind == _WRITE and op.length <= SHM_INJECT_BYTES:
+                if op.kind == WRITE and op.length <= SHM_INJECT_BYTES:
                     op.delivery_complete = True
         if ops:
             batch.remaining = len(ops)
@@ -299,7 +290,7 @@ class FastLane:
             if c.error:
                 b._fail(
                     PeerUnreachable(
-                        f"{b.name} ({'read' if op.kind == _READ else 'write'} of {op.length} bytes) "
+                        f"{b.name} ({'read' if op.kind == READ else 'write'} of {op.length} bytes) "
                         f"with peer {self._label(op.peer)} failed: {c.message}"
                     )
                 )
@@ -331,7 +322,7 @@ class FastLane:
         for reg in regs:
             self._dom.deregister(reg)
         self._dom.close()
-        self.engine._forget_lane(self)
+        self._unsubscribe()
 
     def __enter__(self) -> FastLane:
         return self
@@ -400,12 +391,8 @@ class FastLane:
     def _remote(
         self, remote_desc: MemoryRegionDescriptor | bytes, offset: int, length: int, what: str
     ) -> MemoryRegionDescriptor:
-        rdesc = (
-            remote_desc
-            if isinstance(remote_desc, MemoryRegionDescriptor)
-            else (MemoryRegionDescriptor.from_bytes(remote_desc))
-        )
-        self.engine._check_remote(rdesc, offset, length, what)
+        rdesc = as_descriptor(remote_desc)
+        check_remote(rdesc, offset, length, what, need="read" if what == "read" else "write")
         return rdesc
 
     def _peer_for(self, rdesc: MemoryRegionDescriptor, spread: int) -> tuple[int, int, str]:

@@ -1,21 +1,14 @@
-"""Paged KV-cache transfer for disaggregated prefill/decode (docs/kv.md)."""
+"""Paged KV-cache transfer for disaggregated prefill/decode (docs/kv.md).
 
-from backends.kv.transfer import (
-    KV_IMM_TAG,
-    MAX_LAYERS,
-    IncomingRequest,
-    KvError,
-    KvGeometry,
-    KvPool,
-    KvReceiver,
-    KvSender,
-    OutgoingRequest,
-    imm_for,
-    layer_spans,
-)
+`pool` (geometry, the registered pool, a layer's page spans), `messages` (the handshake on the
+engine channel "kv"), `sender` (prefill side), `receiver` (decode side).
+"""
+
+from backends.kv.pool import MAX_LAYERS, KvError, KvGeometry, KvPool, layer_spans
+from backends.kv.receiver import IncomingRequest, KvReceiver
+from backends.kv.sender import KvSender, OutgoingRequest
 
 __all__ = [
-    "KV_IMM_TAG",
     "MAX_LAYERS",
     "IncomingRequest",
     "KvError",
@@ -24,6 +17,5 @@ __all__ = [
     "KvReceiver",
     "KvSender",
     "OutgoingRequest",
-    "imm_for",
     "layer_spans",
 ]

@@ -19,12 +19,13 @@ tokens, and every source writes every peer each round (a header alone when it ha
 it). Combine writes each source's pairs as one contiguous block of bf16 rows at the offset the
 source put in its header.
 
-Completion: writes carry 32-bit immediates (imm_base + source rank for dispatch, + P + rank for
-combine), counted by the engine's ImmCounter, so a receiver waits for exactly P-1 arrivals per
-phase and never for a barrier. Buffer reuse is safe without one: a rank starts round N+1 only
-after its combine_recv of round N, which needs every peer's combine_send of round N, which each
-peer calls only once it no longer needs round N's dispatch buffer. Writes of a round complete
-before its receive call returns.
+Completion: writes carry 32-bit immediates from the receiver's channel range ("moe/<group>", 3P
+values advertised in its set-up blob: index source rank for dispatch, P + rank for combine, 2P +
+rank for the connect handshake), counted by the engine's ImmCounter, so a receiver waits for
+exactly P-1 arrivals per phase and never for a barrier. Buffer reuse is safe without one: a rank
+starts round N+1 only after its combine_recv of round N, which needs every peer's combine_send of
+round N, which each peer calls only once it no longer needs round N's dispatch buffer. Writes of a
+round complete before its receive call returns.
 
 Engines: give the engine a chunk_bytes at least as large as the largest write
 (`ExpertParallel.largest_write`), so each write is one message that carries its imm itself; a
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backends.channel import ImmRange
 from backends.descriptor import MemoryRegionDescriptor
 from backends.engine import TransferEngine
 from backends.errors import TransferError
@@ -64,9 +66,8 @@ from backends.moe.routing import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT_IMM_BASE = 0x4D6F0000  # "Mo" in the high half; other users of the engine pick other ranges
 _HEADER_FIELDS = 4  # round, tokens, combine offset (rows), pairs
-_BLOB_VERSION = 1
+_BLOB_VERSION = 2  # 2: each rank's immediate range instead of a shared imm_base
 
 
 class MoEError(TransferError):
@@ -90,6 +91,15 @@ class _RecordViews:
     scales: torch.Tensor | None  # [P * slots] float32 (strided), fp8 only
     ids: torch.Tensor  # [P * slots, k] int32 (strided)
     headers: torch.Tensor  # [P, header fields] int64 (strided), record 0 of each slot
+
+
+@dataclass(frozen=True)
+class _Peer:
+    """What a rank tells the others at set-up: where to write its tokens and outputs, how to signal it."""
+
+    dispatch: MemoryRegionDescriptor  # its dispatch receive buffer
+    combine: MemoryRegionDescriptor  # its combine receive buffer
+    imms: ImmRange  # its channel's immediates
 
 
 @dataclass
@@ -135,7 +145,8 @@ class ExpertParallel:
 
     Not thread-safe: one thread drives the rounds. Calls must come in the order dispatch_send,
     dispatch_recv, combine_send, combine_recv (MoEError otherwise). After a failure the group is
-    broken: every later call raises, because peers may have half a round in flight.
+    broken: every later call raises, because peers may have half a round in flight. `group` names the
+    group (every rank gives the same; groups sharing an engine need different names).
     """
 
     def __init__(
@@ -150,7 +161,7 @@ class ExpertParallel:
         max_tokens: int,
         expert_to_rank: Sequence[int] | torch.Tensor | None = None,
         wire: str = "bf16",
-        imm_base: int = DEFAULT_IMM_BASE,
+        group: str = "moe",
         timeout_s: float = 30.0,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
@@ -159,8 +170,6 @@ class ExpertParallel:
             raise ValueError(f"hidden ({hidden}), topk ({topk}) and max_tokens ({max_tokens}) must be >= 1")
         if wire not in WIRE_DTYPES:
             raise ValueError(f"wire must be one of {WIRE_DTYPES}, not {wire!r}")
-        if not 0 <= imm_base <= 2**32 - 3 * world_size:
-            raise ValueError(f"imm_base {imm_base:#x} leaves no room for {3 * world_size} immediates")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, not {timeout_s}")
         self.engine = engine
@@ -171,7 +180,7 @@ class ExpertParallel:
         self.topk = topk
         self.max_tokens = max_tokens
         self.wire = wire
-        self.imm_base = imm_base
+        self.group = group
         self.timeout_s = float(timeout_s)
         self.expert_to_rank, self.expert_to_local = expert_placement(num_experts, world_size, expert_to_rank)
         self.num_local_experts = int((self.expert_to_rank == rank).sum())
@@ -195,6 +204,7 @@ class ExpertParallel:
         self._out_buf = self._pair_rows[:max_pairs_in]
         self._back_buf = self._pair_rows[max_pairs_in:]
         self._self_block = (0, 0, 0)  # (offset in back, start in out, rows) of our pairs for ourselves
+        self.channel = engine.channel(f"moe/{group}", imms=3 * world_size)
         self._send_reg = engine.register(self._send_buf, "read")
         self._recv_reg = engine.register(self._recv_buf, "write")
         self._out_reg = engine.register((self._out_buf.data_ptr(), self._out_buf.nbytes), "read")
@@ -210,8 +220,7 @@ class ExpertParallel:
                 engine.chunk_bytes,
                 self.largest_write,
             )
-        # Per rank: (its dispatch receive buffer, its combine receive buffer); filled by connect.
-        self._peer_descs: list[tuple[MemoryRegionDescriptor, MemoryRegionDescriptor]] = []
+        self._peers: list[_Peer] = []  # per rank, filled by connect
         self._round = 0
         self._state = "idle"
         self._broken: str | None = None
@@ -235,6 +244,7 @@ class ExpertParallel:
             "settings": self._settings(),
             "dispatch": base64.b64encode(self._recv_reg.descriptor.to_bytes()).decode(),
             "combine": base64.b64encode(self._back_reg.descriptor.to_bytes()).decode(),
+            "imms": self.channel.imms.to_json(),
         }
         return json.dumps(doc, sort_keys=True).encode()
 
@@ -246,7 +256,7 @@ class ExpertParallel:
             "topk": self.topk,
             "max_tokens": self.max_tokens,
             "wire": self.wire,
-            "imm_base": self.imm_base,
+            "group": self.group,
             "expert_to_rank": self.expert_to_rank.tolist(),
             "provider": self.engine.provider,
         }
@@ -257,7 +267,7 @@ class ExpertParallel:
         The handshake (one immediate each way) makes the first round pay no connection set-up and
         proves every peer can write to us. MoEError names the rank and field that disagree.
         """
-        if self._peer_descs:
+        if self._peers:
             raise MoEError(f"rank {self.rank}: connect called twice")
         if len(blobs) != self.world_size:
             raise MoEError(
@@ -265,25 +275,25 @@ class ExpertParallel:
             )
         mine = self._settings()
         peers = [self._peer_from_blob(r, blob, mine) for r, blob in enumerate(blobs)]
-        self._peer_descs = peers
-        hello = self.imm_base + 2 * self.world_size
+        self._peers = peers
+        hello = 2 * self.world_size
         others = [r for r in range(self.world_size) if r != self.rank]
         with self._step("connect", "idle"):
-            sent = [(r, self.engine.write_imm(hello + self.rank, peers[r][0])) for r in others]
-            arrived = [(r, self.engine.expect(hello + r, 1)) for r in others]
+            sent = [(r, self.engine.write_imm(peers[r].imms.value(hello + self.rank), peers[r].dispatch))
+                    for r in others]
+            arrived = self._expect_from_peers(hello)
             self._wait(sent, "connect", "handshake write to")
             self._wait(arrived, "connect", "handshake from")
         log.info("moe rank %d/%d connected (%s)", self.rank, self.world_size, self.engine.provider)
 
-    def _peer_from_blob(
-        self, r: int, blob: bytes, mine: dict[str, object]
-    ) -> tuple[MemoryRegionDescriptor, MemoryRegionDescriptor]:
-        """Rank r's (dispatch, combine) descriptors, once its blob is well formed and agrees with ours."""
+    def _peer_from_blob(self, r: int, blob: bytes, mine: dict[str, object]) -> _Peer:
+        """Rank r's buffers and immediates, once its blob is well formed and agrees with ours."""
         try:
             doc = json.loads(blob)
             version, rank, settings = doc.get("v"), doc["rank"], dict(doc["settings"])
             dispatch = MemoryRegionDescriptor.from_bytes(base64.b64decode(doc["dispatch"]))
             combine = MemoryRegionDescriptor.from_bytes(base64.b64decode(doc["combine"]))
+            imms = ImmRange.from_json(doc["imms"])
         except (ValueError, KeyError, TypeError, AttributeError, TransferError) as exc:
             raise MoEError(f"rank {self.rank}: rank {r}'s set-up blob is malformed: {exc}") from exc
         if version != _BLOB_VERSION:
@@ -295,7 +305,10 @@ class ExpertParallel:
                 raise MoEError(f"rank {r} has {name}={settings.get(name)!r}, rank {self.rank} has {value!r}")
         if dispatch.length != self._recv_buf.numel() or combine.length != self._back_buf.numel() * 2:
             raise MoEError(f"rank {r}'s buffers have sizes this rank's settings do not produce")
-        return dispatch, combine
+        if imms.count != 3 * self.world_size:
+            need = 3 * self.world_size
+            raise MoEError(f"rank {r} has {imms.count} immediates, a group of {self.world_size} needs {need}")
+        return _Peer(dispatch, combine, imms)
 
     # ----- the round ----------------------------------------------------------------------------
     def dispatch_send(self, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
@@ -323,24 +336,23 @@ class ExpertParallel:
                 rows = self._as_row_bytes(q)
             else:
                 rows = self._as_row_bytes(x)
-            imm = self.imm_base + self.rank
             for dest in self._peer_order():
                 # Our own tokens go straight into our receive buffer; the others into send slot `dest`.
                 self._pack(self._recv if dest == self.rank else self._send, rows, scales, plan, dest)
                 if dest == self.rank:
                     continue
                 nbytes = (1 + int(plan.dest_tokens[dest].numel())) * self.record_bytes
-                remote = self._peer_descs[dest][0]
+                peer = self._peers[dest]
                 fut = self.engine.write(
                     self._send_reg,
                     dest * self._slot_bytes,
                     nbytes,
-                    remote,
+                    peer.dispatch,
                     self.rank * self._slot_bytes,
-                    imm=imm,
+                    imm=peer.imms.value(self.rank),
                 )
                 self._inflight.append((dest, fut))
-            self._arrivals = self._expect_from_peers(self.imm_base)
+            self._arrivals = self._expect_from_peers(0)
 
     def dispatch_recv(self) -> Dispatched:
         """Wait for every peer's tokens of this round (bounded by timeout_s) and plan the expert work."""
@@ -395,7 +407,6 @@ class ExpertParallel:
         with self._step("combine_send", "combined"):
             if out is not None:
                 dispatched.out.copy_(out)
-            imm = self.imm_base + self.world_size + self.rank
             row = self._out_row_bytes
             start = [0] * self.world_size
             for s in range(1, self.world_size):
@@ -408,15 +419,16 @@ class ExpertParallel:
                 if src == self.rank:
                     self._self_block = (offset, start[src], n)
                     continue
-                remote = self._peer_descs[src][1]
+                peer = self._peers[src]
+                imm = peer.imms.value(self.world_size + self.rank)
                 if n:
                     fut = self.engine.write(
-                        self._out_reg, start[src] * row, n * row, remote, offset * row, imm=imm
+                        self._out_reg, start[src] * row, n * row, peer.combine, offset * row, imm=imm
                     )
                 else:
-                    fut = self.engine.write_imm(imm, remote)
+                    fut = self.engine.write_imm(imm, peer.combine)
                 self._inflight.append((src, fut))
-            self._arrivals = self._expect_from_peers(self.imm_base + self.world_size)
+            self._arrivals = self._expect_from_peers(self.world_size)
 
     def combine_recv(self, topk_weights: torch.Tensor) -> torch.Tensor:
         """Wait for every expert output of this rank's tokens, then reduce: [T, hidden] bf16.
@@ -446,6 +458,7 @@ class ExpertParallel:
         """Deregister the buffers (the engine stays open: it belongs to the caller)."""
         for reg in (self._send_reg, self._recv_reg, self._out_reg, self._back_reg):
             self.engine.deregister(reg)
+        self.channel.close()
         self._state = "closed"
 
     def __enter__(self) -> ExpertParallel:
@@ -506,7 +519,7 @@ class ExpertParallel:
     def _enter(self, call: str, state: str) -> None:
         if self._broken is not None:
             raise MoEError(f"rank {self.rank}: {call} on a broken group ({self._broken})")
-        if not self._peer_descs:
+        if not self._peers:
             raise MoEError(f"rank {self.rank}: {call} before connect")
         if self._state != state:
             raise MoEError(f"rank {self.rank}: {call} called in state {self._state!r}, needs {state!r}")
@@ -521,9 +534,9 @@ class ExpertParallel:
             raise
         self._state = next_state
 
-    def _expect_from_peers(self, imm_base: int) -> list[tuple[int, Future[None]]]:
-        """An expect per peer for imm_base + its rank (per-peer values: a timeout names who is missing)."""
-        return [(r, self.engine.expect(imm_base + r, 1)) for r in range(self.world_size) if r != self.rank]
+    def _expect_from_peers(self, first: int) -> list[tuple[int, Future[None]]]:
+        """An expect per peer for index first + its rank (per-peer values: a timeout names who is missing)."""
+        return [(r, self.channel.expect(first + r)) for r in range(self.world_size) if r != self.rank]
 
     def _wait(self, futures: list[tuple[int, Future[None]]], call: str, what: str) -> None:
         """Wait for every (rank, future) within timeout_s overall; MoEError naming the ranks that failed."""

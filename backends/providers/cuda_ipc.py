@@ -42,11 +42,11 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import torch
 
 from backends.descriptor import ACCESS_NAMES
+from backends.engine import check_local, check_remote
 from backends.errors import (
     BackendUnavailable,
     EngineClosed,
     PeerUnreachable,
-    RemoteAccessError,
     TransferError,
 )
 
@@ -389,7 +389,7 @@ class CudaIpcEngine:
              remote_offset: int) -> Future[None]:
         """Copy remote [remote_offset, +length) into region[offset, +length) on the loader's stream."""
         rdesc = _desc(remote_desc)
-        self._check_local(region, offset, length, "read")
+        check_local(self, region, offset, length, "read")
         self._check_remote(rdesc, remote_offset, length, "read")
         return self._submit("read", rdesc, lambda src: (region.data[offset:offset + length],
                                                         src[remote_offset:remote_offset + length]))
@@ -398,7 +398,7 @@ class CudaIpcEngine:
               remote_offset: int) -> Future[None]:
         """Copy region[offset, +length) into remote [remote_offset, +length)."""
         rdesc = _desc(remote_desc)
-        self._check_local(region, offset, length, "write")
+        check_local(self, region, offset, length, "write")
         self._check_remote(rdesc, remote_offset, length, "write")
         return self._submit("write", rdesc, lambda dst: (dst[remote_offset:remote_offset + length],
                                                          region.data[offset:offset + length]))
@@ -425,30 +425,22 @@ class CudaIpcEngine:
         self.close()
 
     # ----- internals ----------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """True once close() began."""
+        return self._closed
+
     def _check_open(self, what: str) -> None:
         if self._closed:
             raise EngineClosed(f"{what}: engine is closed")
 
-    def _check_local(self, region: IpcRegion, offset: int, length: int, op: str) -> None:
-        self._check_open(op)
-        if region.engine is not self or region.closed:
-            raise TransferError(f"{op}: local region is deregistered or belongs to another engine")
-        if offset < 0 or length < 0 or offset + length > region.nbytes:
-            raise RemoteAccessError(
-                f"{op}: local range [{offset}, {offset + length}) is outside the {region.nbytes}-byte region")
-
     def _check_remote(self, desc: CudaIpcDescriptor, offset: int, length: int, op: str) -> None:
+        """The engine's remote check (backends.engine.check_remote) plus CUDA IPC's own: same host,
+        and the region inside its shared storage."""
         if desc.host != self.host:
             raise TransferError(f"{op}: descriptor is from host {desc.host!r}, this is {self.host!r}; "
                                 "CUDA IPC only works between processes of one host")
-        need_read = op == "read"
-        if need_read and not desc.readable:
-            raise RemoteAccessError(f"{op}: remote region grants {desc.access!r} access, not read")
-        if not need_read and not desc.writable:
-            raise RemoteAccessError(f"{op}: remote region grants {desc.access!r} access, not write")
-        if offset < 0 or length < 0 or offset + length > desc.length:
-            raise RemoteAccessError(
-                f"{op}: remote range [{offset}, {offset + length}) is outside the {desc.length}-byte region")
+        check_remote(desc, offset, length, op, need=op)
         if desc.region_offset + desc.length > desc.ipc.storage_size:
             raise TransferError(f"{op}: descriptor region [{desc.region_offset}, +{desc.length}) exceeds its "
                                 f"{desc.ipc.storage_size}-byte storage")

@@ -1,13 +1,22 @@
-"""libfabric providers (tcp;ofi_rxm, shm, efa, verbs;ofi_rxm) behind the Domain interface."""
+"""libfabric providers (tcp;ofi_rxm, shm, efa, verbs;ofi_rxm) behind the Domain interface.
+
+Opening a libfabric domain can install C-level signal handlers (the shm provider cleans up its
+shared memory on SIGINT/SIGTERM and friends), replacing the Python handlers the application set: a
+seed's SIGTERM would then end the process without draining. `open_domains` records the Python-level
+handlers before and puts them back after (Python allows that only on the main thread; elsewhere it
+logs what it could not restore).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import secrets
+import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from backends.errors import BackendUnavailable, TransferError
@@ -69,6 +78,61 @@ def open_info(provider: str, host: str | None) -> Any:
             f"libfabric provider {PROVIDERS[provider]!r} is not available on this machine"
         )
     return info
+
+
+def open_domains(provider: str, count: int, *, host: str | None) -> list[LibfabricDomain]:
+    """Open `count` domains of a provider, keeping the application's Python signal handlers."""
+    domains: list[LibfabricDomain] = []
+    try:
+        with _preserved_signal_handlers():
+            for _ in range(count):
+                domains.append(LibfabricDomain(provider, host=host))
+    except BaseException:
+        for dom in domains:
+            dom.close()
+        raise
+    return domains
+
+
+def buffer_address(obj: Any) -> tuple[int, int, Any]:
+    """(address, nbytes, object to keep alive) of anything with the buffer protocol, read-only too.
+
+    TypeError when obj has no buffer.
+    """
+    cbuf = ffi.from_buffer(obj, require_writable=False)
+    return int(ffi.cast("uintptr_t", cbuf)), len(cbuf), (obj, cbuf)
+
+
+_WATCHED_SIGNALS = tuple(
+    getattr(signal, name)
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGPIPE", "SIGABRT")
+    if hasattr(signal, name)
+)
+
+
+@contextlib.contextmanager
+def _preserved_signal_handlers() -> Iterator[None]:
+    """Run the body, then reinstall the Python handlers it displaced (main thread only)."""
+    before: dict[int, Any] = {}
+    for sig in _WATCHED_SIGNALS:
+        with contextlib.suppress(ValueError, OSError):
+            before[sig] = signal.getsignal(sig)
+    try:
+        yield
+    finally:
+        on_main = threading.current_thread() is threading.main_thread()
+        for sig, handler in before.items():
+            if handler is None:  # installed outside Python: getsignal cannot tell, leave it
+                continue
+            if not on_main:
+                log.debug("not on the main thread: cannot re-check the handler of signal %d", sig)
+                continue
+            try:
+                # set it again even if getsignal still reports it: libfabric replaces the C-level
+                # handler with sigaction, which Python's bookkeeping does not see
+                signal.signal(sig, handler)
+            except (ValueError, OSError, TypeError):
+                log.warning("could not restore the handler of signal %d after opening libfabric", sig)
 
 
 def provider_available(provider: str, host: str | None = None) -> bool:

@@ -30,15 +30,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
-from backends.errors import RemoteAccessError, TransferError
-
-if TYPE_CHECKING:
-    from backends.descriptor import MemoryRegionDescriptor
-    from backends.engine import Region, TransferEngine
+from backends.descriptor import MemoryRegionDescriptor
+from backends.engine import Region, TransferEngine, as_descriptor, check_range, check_remote
+from backends.errors import TransferError
 
 log = logging.getLogger(__name__)
 
@@ -227,19 +225,6 @@ def _pinned_bounce(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
 
-def _check_remote(desc: MemoryRegionDescriptor | bytes, offset: int, length: int, op: str) -> None:
-    from backends.descriptor import MemoryRegionDescriptor
-
-    d = desc if isinstance(desc, MemoryRegionDescriptor) else MemoryRegionDescriptor.from_bytes(desc)
-    reading = op.endswith("read")
-    if not (d.readable if reading else d.writable):
-        need = "read" if reading else "write"
-        raise RemoteAccessError(f"{op}: remote region grants {d.access!r} access, not {need}")
-    if offset < 0 or offset + length > d.length:
-        raise RemoteAccessError(
-            f"{op}: remote range [{offset}, {offset + length}) is outside the {d.length}-byte region")
-
-
 class _Event:
     """Adapter: a recorded torch.cuda.Event as a Waitable."""
 
@@ -334,10 +319,8 @@ class StagedReader(_Staged):
         Range errors (local or remote, or access) raise here before any byte moves.
         """
         view = byte_view(dst)
-        if dst_offset < 0 or length < 0 or dst_offset + length > view.numel():
-            raise RemoteAccessError(f"staged read: destination range [{dst_offset}, {dst_offset + length}) "
-                                    f"is outside the {view.numel()}-byte tensor")
-        _check_remote(remote_desc, remote_offset, length, "staged read")
+        check_range("staged read", "destination", dst_offset, length, view.numel(), "tensor")
+        check_remote(as_descriptor(remote_desc), remote_offset, length, "staged read", need="read")
         chunks = plan_chunks(dst_offset, length, remote_offset, self.bounce_bytes)
 
         def fetch(slot: int, n: int, roff: int) -> Future[None]:
@@ -367,10 +350,8 @@ class StagedWriter(_Staged):
         Range errors (local or remote, or access) raise here before any byte moves.
         """
         view = byte_view(src)
-        if src_offset < 0 or length < 0 or src_offset + length > view.numel():
-            raise RemoteAccessError(f"staged write: source range [{src_offset}, {src_offset + length}) is "
-                                    f"outside the {view.numel()}-byte tensor")
-        _check_remote(remote_desc, remote_offset, length, "staged write")
+        check_range("staged write", "source", src_offset, length, view.numel(), "tensor")
+        check_remote(as_descriptor(remote_desc), remote_offset, length, "staged write", need="write")
         chunks = plan_chunks(src_offset, length, remote_offset, self.bounce_bytes)
 
         def from_device(slot: int, n: int, off: int) -> Waitable:

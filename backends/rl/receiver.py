@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import logging
-import secrets
 import threading
 import time
 from collections import deque
@@ -25,9 +24,11 @@ from typing import Any
 
 import torch
 
-from backends import Region, TransferEngine, TransferError
+import backends.rl.messages as protocol
+from backends.channel import Message
+from backends.engine import Region, TransferEngine
+from backends.errors import TransferError
 from backends.layout import views
-from backends.rl import messages as protocol
 from backends.rl.schedule import RankShard, ReceiverSchedule, build_receiver_schedule
 from backends.rl.spec import (
     DEFAULT_MAX_REGION_BYTES,
@@ -62,8 +63,8 @@ class RLReceiver:
 
     `buffers` are the rank's existing flat parameter regions (the `backends.layout` placement of its
     shards), registered in place as slot 0; slot 1 is a copy. Both slots are registered for remote
-    write only, and their descriptors go only to the session's trainers (in HELLO). The engine's
-    message callback belongs to the session from here on.
+    write only, and their descriptors go only to the session's trainers (in HELLO). The session
+    talks on its own channel, whose immediate range (advertised in HELLO) carries completions.
     """
 
     def __init__(
@@ -124,7 +125,6 @@ class RLReceiver:
         except BaseException:
             self._release()
             raise
-        self.tag = secrets.randbelow(256)
         self._cond = threading.Condition()
         self._active = 0
         self._version = version
@@ -133,12 +133,13 @@ class RLReceiver:
         self._abandoned_up_to = version
         self._announce = False
         self._confirmed = version  # the last version a READY told the trainers about
-        self._inbox: deque[bytes] = deque()
+        self._inbox: deque[Message] = deque()
         self._closed = False
         self.rejected: str | None = None
         self.applied = 0
         self.abandoned = 0
-        engine.on_message(self._on_message)
+        self.channel = engine.channel(protocol.channel_name(session), imms=protocol.IMMS)
+        self.channel.on_message(self._on_message)
         self._thread = threading.Thread(target=self._control_loop, name=f"rl-receiver-{index}", daemon=True)
         self._thread.start()
         self._hello()
@@ -181,21 +182,19 @@ class RLReceiver:
         descs = [[base64.b64encode(r.descriptor.to_bytes()).decode() for r in slot] for slot in self._regions]
         with self._cond:
             version, free = self._version, 1 - self._active
-        msg = protocol.encode(
-            self.session,
-            protocol.HELLO,
-            receiver=self.index,
-            tp=[tp_size, tp_rank],
-            max_region_bytes=mrb,
-            digest=specs_digest(self.specs),
-            tag=self.tag,
-            address=base64.b64encode(self.engine.address).decode(),
-            slots=descs,
-            contributors=list(self.contributors),
-            version=version,
-            slot=free,
-        )
-        futures = [(i, self.engine.send(t.address, msg)) for i, t in enumerate(self.trainers)]
+        hello = {
+            "receiver": self.index,
+            "tp": [tp_size, tp_rank],
+            "max_region_bytes": mrb,
+            "digest": specs_digest(self.specs),
+            "imms": self.channel.imms.to_json(),
+            "slots": descs,
+            "contributors": list(self.contributors),
+            "version": version,
+            "slot": free,
+        }
+        futures = [(i, protocol.send(self.channel, t.address, protocol.HELLO, **hello))
+                   for i, t in enumerate(self.trainers)]
         for i, fut in futures:
             try:
                 fut.result(timeout=self.engine.timeout_s + 5)
@@ -203,10 +202,10 @@ class RLReceiver:
                 self.close()
                 raise RLError(f"receiver {self.index}: HELLO to trainer {i} failed: {exc}") from exc
 
-    def _on_message(self, data: bytes) -> None:
+    def _on_message(self, message: Message) -> None:
         # Progress thread: queue only.
         with self._cond:
-            self._inbox.append(data)
+            self._inbox.append(message)
             self._cond.notify_all()
 
     def _control_loop(self) -> None:
@@ -234,8 +233,8 @@ class RLReceiver:
                     ready = (self._version, None)
                 if ready is not None:
                     self._confirmed = ready[0]
-            for data in inbox:
-                self._handle(data)
+            for message in inbox:
+                self._handle(message)
             if ready is not None:
                 self._broadcast(protocol.READY, version=ready[0], slot=ready[1])
 
@@ -269,11 +268,9 @@ class RLReceiver:
         self.abandoned += 1
         self._announce = True  # the free slot is garbage now but free: offer it again
 
-    def _handle(self, data: bytes) -> None:
+    def _handle(self, message: Message) -> None:
         try:
-            msg = protocol.decode(data, self.session)
-            if msg is None:
-                return
+            msg = protocol.decode(message)
             kind = msg["kind"]
             if kind == protocol.BEGIN:
                 self._begin(protocol.field(msg, "version", int))
@@ -309,7 +306,7 @@ class RLReceiver:
         if not self.contributors:
             self._complete(pending, None)
             return
-        fut = self.engine.expect(protocol.imm_for(self.tag, version), len(self.contributors))
+        fut = self.channel.expect(protocol.imm_index(version), len(self.contributors))
         fut.add_done_callback(lambda f: self._complete(pending, f))
 
     def _complete(self, pending: _Pending, fut: Future[None] | None) -> None:
@@ -327,10 +324,11 @@ class RLReceiver:
         log.info("receiver %d: now on version %d", self.index, pending.version)
 
     def _broadcast(self, kind: str, **fields: Any) -> None:  # noqa: ANN401
-        msg = protocol.encode(self.session, kind, receiver=self.index, **fields)
         for i, t in enumerate(self.trainers):
             try:
-                self.engine.send(t.address, msg).add_done_callback(self._sent(kind, i))
+                protocol.send(self.channel, t.address, kind, receiver=self.index, **fields).add_done_callback(
+                    self._sent(kind, i)
+                )
             except TransferError as exc:
                 log.warning("receiver %d: %s to trainer %d failed: %s", self.index, kind, i, exc)
 
@@ -376,7 +374,7 @@ class RLReceiver:
             self._cond.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        self.engine.on_message(lambda _data: None)
+        self.channel.close()
         self._release()
 
     def __enter__(self) -> RLReceiver:

@@ -1,7 +1,7 @@
 """What both sides of a weight-update session agree on: the model's tensors and each rank's TP shard.
 
 A `TensorSpec` is one logical (unsharded) tensor with the dim tensor parallelism splits it along
-(None: replicated), by the rule in `rfork.weights.checkpoint`. A rank holding shard `tp_rank` of `tp_size`
+(None: replicated), by the rule in `backends.sharding`. A rank holding shard `tp_rank` of `tp_size`
 stores every tensor's shard contiguously inside a few flat regions placed by `backends.layout`; the
 layout is a pure function of (specs, tp_size, tp_rank, max_region_bytes), so peers exchange those
 four values, never the per-tensor offsets.
@@ -14,14 +14,14 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from backends.errors import TransferError
 from backends.layout import Layout, dtype_from_name, plan_layout
 from backends.sharding import shard_range, split_dim
-from rfork.errors import RforkError
 
 DEFAULT_MAX_REGION_BYTES = 1 << 30  # few regions: every one costs a registration per slot
 
 
-class RLError(RforkError):
+class RLError(TransferError):
     """A weight-update session failed or was misused; the message names the rank, peer or field."""
 
 

@@ -22,9 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backends import MemoryRegionDescriptor, Region, TransferEngine, TransferError
+import backends.rl.messages as protocol
+from backends.channel import ImmRange, Message
+from backends.descriptor import MemoryRegionDescriptor
+from backends.engine import Region, TransferEngine
+from backends.errors import TransferError
 from backends.layout import views
-from backends.rl import messages as protocol
 from backends.rl.schedule import RankShard, Run, build_receiver_schedule
 from backends.rl.spec import RLError, TensorSpec, TrainerRank, check_tp, shard_layout, specs_digest
 
@@ -48,7 +51,7 @@ class _ReceiverState:
     index: int
     address: bytes
     slots: list[list[MemoryRegionDescriptor]]
-    tag: int
+    imms: ImmRange
     runs: tuple[Run, ...]
     version: int
     free_slot: int | None
@@ -63,7 +66,7 @@ class RLTrainer:
 
     `trainers` is the whole trainer roster, the same list every member got; `index` is this rank's
     position in it. The training loop writes new weights into `tensors` (views of `buffers`) between
-    updates, never during one. The engine's message callback belongs to the session from here on.
+    updates, never during one. The session talks on its own channel of the engine.
     """
 
     def __init__(
@@ -116,10 +119,11 @@ class RLTrainer:
         self._src: list[Region] = [engine.register(b, "read") for b in self.buffers]
         self._cond = threading.Condition()
         self._receivers: dict[int, _ReceiverState] = {}
-        self._inbox: deque[bytes] = deque()
+        self._inbox: deque[Message] = deque()
         self._closed = False
         self._version = version
-        engine.on_message(self._on_message)
+        self.channel = engine.channel(protocol.channel_name(session))
+        self.channel.on_message(self._on_message)
         self._thread = threading.Thread(target=self._control_loop, name=f"rl-trainer-{index}", daemon=True)
         self._thread.start()
 
@@ -291,13 +295,13 @@ class RLTrainer:
                 last = outstanding[0] == 0
             if last and not done.done():
                 try:
-                    eng.write_imm(protocol.imm_for(rec.tag, version), descs[0]).add_done_callback(finish)
+                    imm = rec.imms.value(protocol.imm_index(version))
+                    eng.write_imm(imm, descs[0]).add_done_callback(finish)
                 except TransferError as exc2:
                     fail(exc2)
 
         try:
-            begin = protocol.encode(self.session, protocol.BEGIN, version=version)
-            futures.append(eng.send(rec.address, begin))
+            futures.append(protocol.send(self.channel, rec.address, protocol.BEGIN, version=version))
             src = self._src
             for run in rec.runs:
                 if run.count == 1:
@@ -343,9 +347,9 @@ class RLTrainer:
             self._cond.notify_all()
 
     # ----- messages -----------------------------------------------------------------------------
-    def _on_message(self, data: bytes) -> None:
+    def _on_message(self, message: Message) -> None:
         with self._cond:
-            self._inbox.append(data)
+            self._inbox.append(message)
             self._cond.notify_all()
 
     def _control_loop(self) -> None:
@@ -357,13 +361,11 @@ class RLTrainer:
                     return
                 inbox = list(self._inbox)
                 self._inbox.clear()
-            for data in inbox:
+            for message in inbox:
                 try:
-                    msg = protocol.decode(data, self.session)
-                    if msg is None:
-                        continue
+                    msg = protocol.decode(message)
                     if msg["kind"] == protocol.HELLO:
-                        self._hello(msg)
+                        self._hello(message.sender, msg)
                     elif msg["kind"] == protocol.READY:
                         self._ready(msg)
                 except RLError as exc:
@@ -379,21 +381,15 @@ class RLTrainer:
             rec.free_slot = None if msg.get("slot") is None else protocol.field(msg, "slot", int) & 1
             self._cond.notify_all()
 
-    def _hello(self, msg: dict[str, object]) -> None:
+    def _hello(self, address: bytes, msg: dict[str, object]) -> None:
         index = protocol.field(msg, "receiver", int)
-        try:
-            address = base64.b64decode(protocol.field(msg, "address", str))
-        except ValueError as exc:
-            raise RLError(f"HELLO from receiver {index}: bad address") from exc
         try:
             rec = self._join(index, address, msg)
         except (RLError, TransferError, ValueError) as exc:
             reason = f"trainer {self.index} rejects receiver {index}: {exc}"
             log.warning("%s", reason)
             try:
-                self.engine.send(
-                    address, protocol.encode(self.session, protocol.REJECT, reason=reason[:2000])
-                )
+                protocol.send(self.channel, address, protocol.REJECT, reason=reason[:2000])
             except TransferError:
                 log.debug("REJECT to receiver %d failed", index, exc_info=True)
             return
@@ -440,12 +436,15 @@ class RLTrainer:
                 if not d.writable or d.length < n or d.address != address:
                     raise RLError("a slot region is not writable, too small, or not the receiver's")
             slots.append(descs)
+        imms = ImmRange.from_json(msg.get("imms"))
+        if imms.count < protocol.IMMS:
+            raise RLError(f"its immediate range holds {imms.count} values, a session needs {protocol.IMMS}")
         runs = schedule.runs_for(self.index)
         return _ReceiverState(
             index=index,
             address=address,
             slots=slots,
-            tag=protocol.field(msg, "tag", int),
+            imms=imms,
             runs=runs,
             version=protocol.field(msg, "version", int),
             free_slot=protocol.field(msg, "slot", int) & 1,
@@ -462,7 +461,7 @@ class RLTrainer:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=5)
-        self.engine.on_message(lambda _data: None)
+        self.channel.close()
         for region in self._src:
             region.close()
         self._src = []

@@ -30,6 +30,7 @@ def measure(eng: Any, reg: Any, src: Any, dst: Any, provider: str, *, seconds: f
     import numpy as np
 
     # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    from backends.lane import FastLane
     from rfork.bench.native import native_round_trip_us
 
     out: dict[str, Any] = {}
@@ -38,7 +39,7 @@ def measure(eng: Any, reg: Any, src: Any, dst: Any, provider: str, *, seconds: f
     except RuntimeError as exc:
         log.warning("native baseline unavailable: %s", exc)
         out["native_round_trip_us"] = 0.0
-    with eng.open_lane() as lane:
+    with FastLane(eng) as lane:
         lane.read(reg, 0, 64, src, 0).wait(10)  # connect this lane's endpoint
         lat = []
         for _ in range(3000):

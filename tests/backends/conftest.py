@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ import pytest
 os.environ.setdefault("FI_TCP_IFACE", "lo")  # pin tcp to loopback (children inherit it)
 
 from tests.backends.peer import serve  # noqa: E402
+from tests.backends.processes import CTX
 
 PROVIDERS = [p.strip() for p in os.environ.get("RFORK_TEST_PROVIDERS", "tcp,shm").split(",") if p.strip()]
 SRC_BYTES = 1 << 30
@@ -49,7 +49,7 @@ class Peer:
 def start_peer(
     provider: str, regions: list[tuple[str, int, str]], *, domains: int = 2, reorder: bool = True
 ) -> Peer:
-    ctx = mp.get_context("spawn")
+    ctx = CTX
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=serve, args=(child, provider, domains, regions, reorder), daemon=True)
     proc.start()

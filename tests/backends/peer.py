@@ -1,18 +1,45 @@
-"""A peer engine in its own (spawned) process, driven over a multiprocessing pipe by the tests."""
+"""A peer engine in its own process, driven over a multiprocessing pipe by the tests; and the helpers
+both sides use for test data (patterns, digests, buffers)."""
 
 from __future__ import annotations
 
-import hashlib
+import mmap
 import os
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+import xxhash
 
 
 def pattern(seed: int, nbytes: int) -> np.ndarray:
-    """Deterministic random bytes both sides can regenerate."""
-    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    """Deterministic random bytes both sides can regenerate; a shorter one is a prefix of a longer one."""
+    words = np.random.default_rng(seed).integers(0, 2**64, -(-nbytes // 8), dtype=np.uint64, endpoint=False)
+    return words.view(np.uint8)[:nbytes]
+
+
+def host_buffer(nbytes: int, seed: int | None = None) -> np.ndarray:
+    """nbytes of zeros (or of pattern(seed)) in memory advised to use huge pages.
+
+    The first touch of memory dominates tests that move GiBs on this VM; huge pages make it cheaper.
+    A pattern is drawn in slices straight into the buffer: the same bytes as pattern(seed, nbytes).
+    """
+    area = mmap.mmap(-1, max(nbytes, 1))
+    area.madvise(mmap.MADV_HUGEPAGE)
+    buf = np.frombuffer(area, dtype=np.uint8)[:nbytes]
+    if seed is not None:
+        rng, step = np.random.default_rng(seed), 16 << 20  # 64-bit draws continue across slices
+        for off in range(0, nbytes, step):
+            n = min(step, nbytes - off)
+            words = rng.integers(0, 2**64, -(-n // 8), dtype=np.uint64, endpoint=False)
+            buf[off : off + n] = words.view(np.uint8)[:n]
+    return buf
+
+
+def digest(a: np.ndarray) -> str:
+    """XXH3-128 of a contiguous array's bytes, hashed in place (copying 1 GiB costs seconds here)."""
+    return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(a).data)
 
 
 def engine_kwargs(provider: str) -> dict[str, Any]:
@@ -22,9 +49,12 @@ def engine_kwargs(provider: str) -> dict[str, Any]:
 def serve(
     conn: Connection, provider: str, domains: int, regions: list[tuple[str, int, str]], reorder: bool
 ) -> None:
-    """Open an engine, register `regions` (name, nbytes, access; "src" ones hold pattern(1)), then obey."""
+    """Open an engine, register `regions` (name, nbytes, access; "src" ones hold pattern(1)), then obey.
+
+    Channels open on first use by name; what each receives is kept for the "inbox" command.
+    """
     os.environ.setdefault("FI_TCP_IFACE", "lo")
-    from backends import MemoryRegionDescriptor, TransferEngine, TransferError
+    from backends import Channel, MemoryRegionDescriptor, Message, TransferEngine, TransferError
 
     eng = TransferEngine(
         provider, domains, timeout_s=8.0, reorder_for_test=reorder, **engine_kwargs(provider)
@@ -32,19 +62,33 @@ def serve(
     bufs: dict[str, np.ndarray] = {}
     regs = {}
     for name, nbytes, access in regions:
-        bufs[name] = pattern(1, nbytes) if name.startswith("src") else np.zeros(nbytes, dtype=np.uint8)
+        bufs[name] = host_buffer(nbytes, 1 if name.startswith("src") else None)
         regs[name] = eng.register(bufs[name], access)
     conn.send((eng.address, {n: r.descriptor.to_bytes() for n, r in regs.items()}))
     pending_expects = {}
+    channels: dict[str, Channel] = {}
+    inbox: dict[str, list[tuple[str, bytes, bytes]]] = {}
+
+    def channel(name: str, imms: int = 0) -> Channel:
+        if name not in channels:
+            inbox[name] = []
+            channels[name] = eng.channel(name, imms=imms)
+
+            def keep(m: Message, box: list[tuple[str, bytes, bytes]] = inbox[name]) -> None:
+                box.append((m.kind, m.data, m.sender))
+
+            channels[name].on_message(keep)
+        return channels[name]
+
     try:
         while True:
             cmd, *args = conn.recv()
             if cmd == "exit":
                 break
             try:
-                if cmd == "sha":
+                if cmd == "digest":
                     name, off, n = args
-                    conn.send(hashlib.sha1(bufs[name][off : off + n].tobytes()).hexdigest())
+                    conn.send(digest(bufs[name][off : off + n]))
                 elif cmd == "fill":
                     name, seed = args
                     bufs[name][:] = pattern(seed, len(bufs[name]))
@@ -72,10 +116,24 @@ def serve(
                         conn.send(True)
                     except TimeoutError:
                         conn.send(False)
-                elif cmd == "send":
+                elif cmd == "channel":  # (name, imms) -> its immediate range [base, count]
+                    name, imms = args
+                    conn.send(channel(name, imms).imms.to_json())
+                elif cmd == "send":  # (address, channel name, kind, data)
+                    addr, name, kind, data = args
+                    channel(name).send(addr, kind, data).result(10)
+                    conn.send(True)
+                elif cmd == "send_raw":  # (address, frame): anything, framed or not
                     addr, data = args
                     eng.send(addr, data).result(10)
                     conn.send(True)
+                elif cmd == "inbox":  # (channel name, count, timeout) -> what it received, once count arrived
+                    name, count, timeout = args
+                    channel(name)
+                    deadline = time.monotonic() + timeout
+                    while len(inbox[name]) < count and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    conn.send(list(inbox[name]))
                 else:
                     conn.send(f"unknown command {cmd}")
             except TransferError as exc:

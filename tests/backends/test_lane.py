@@ -14,7 +14,7 @@ import pytest
 from backends import MemoryRegionDescriptor, PeerUnreachable, RemoteAccessError, TransferEngine, TransferError
 from backends.lane import FastLane
 from tests.backends.conftest import Peer, start_peer
-from tests.backends.peer import engine_kwargs, pattern
+from tests.backends.peer import digest, engine_kwargs, pattern
 
 MiB = 1 << 20
 
@@ -35,7 +35,7 @@ def engine(provider: str) -> Iterator[TransferEngine]:
 
 @pytest.fixture
 def lane(engine: TransferEngine) -> Iterator[FastLane]:
-    with engine.open_lane() as ln:
+    with FastLane(engine) as ln:
         yield ln
 
 
@@ -57,7 +57,7 @@ def test_small_reads_and_writes_byte_for_byte(engine: TransferEngine, lane: Fast
         batch.write(region2, int(j) * 256, 256, small, int(j) * 256)
     lane.submit(batch).wait(30)
     assert batch.done
-    assert peer.call("sha", "small", 0, 1 * MiB) == _sha(data)
+    assert peer.call("digest", "small", 0, 1 * MiB) == digest(data)
 
 
 @pytest.mark.timeout(90)
@@ -76,7 +76,7 @@ def test_batch_immediate_arrives_after_all_its_data(
         want = np.zeros(64 * page, dtype=np.uint8)
         for lo, ro, n in spans:
             want[ro : ro + n] = data[lo : lo + n]
-        assert peer.call("sha", "small", 0, 64 * page) == _sha(want)
+        assert peer.call("digest", "small", 0, 64 * page) == digest(want)
         region.close()
 
 
@@ -115,7 +115,7 @@ def test_dead_peer_fails_the_batch_within_the_timeout(provider: str, peer: Peer)
         pytest.skip("shm 1.17: after a peer dies the provider can stall its endpoint (docs/transport.md)")
     with (
         TransferEngine(provider, 1, timeout_s=3.0, **engine_kwargs(provider)) as eng,
-        eng.open_lane() as lane,
+        FastLane(eng) as lane,
     ):
         victim = start_peer(provider, [("src", 64 * MiB, "read")], domains=1, reorder=False)
         buf = np.zeros(64 * MiB, dtype=np.uint8)
@@ -135,9 +135,3 @@ def test_dead_peer_fails_the_batch_within_the_timeout(provider: str, peer: Peer)
             assert np.array_equal(buf[: 1 * MiB], pattern(1, 1 * MiB))
         finally:
             victim.conn.close()
-
-
-def _sha(a: np.ndarray) -> str:
-    import hashlib
-
-    return hashlib.sha1(a.tobytes()).hexdigest()

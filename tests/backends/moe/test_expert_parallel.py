@@ -1,15 +1,14 @@
-"""Expert-parallel dispatch/combine (backends.moe): exact against the single-process reference.
+"""Expert-parallel dispatch/combine (backends.moe) over real engines: exact against the reference.
 
-Three layers: the routing-plan math alone (hypothesis, no transport); the real transport with P
-engines in this process (hypothesis over T, k, P, hidden); and 4 spawned ranks on tcp and shm.
-Plus misuse, bad input, a stalled peer and a SIGKILLed rank.
+Two layers (the routing-plan math alone is in test_routing.py): the real transport with P engines
+in this process (hypothesis over T, k, P, hidden), and 4 spawned ranks on tcp and shm. Plus
+misuse, bad input, a stalled peer and a SIGKILLed rank.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -24,20 +23,13 @@ from hypothesis import strategies as st
 
 from backends import TransferEngine, provider_available
 from backends.moe import ExpertParallel, MoEError, MoETimeout
-from backends.moe.routing import (
-    combine_reduce,
-    expert_placement,
-    group_by_expert,
-    moe_reference,
-    plan_dispatch,
-    plan_receive,
-)
-from tests.backends.moe_cases import ROUTINGS, Case, apply_expert, expert_tables, rank_inputs, routing_ids
-from tests.backends.moe_worker import run_rank
+from tests.backends.moe.cases import Case, apply_expert, expert_tables, rank_inputs, reference
+from tests.backends.moe.test_routing import moe_cases
+from tests.backends.moe.worker import run_rank
+from tests.backends.processes import CTX
 
 PROVIDERS = [p.strip() for p in os.environ.get("RFORK_TEST_PROVIDERS", "tcp,shm").split(",") if p.strip()]
-CTX = mp.get_context("spawn")
-_imm_bases = itertools.count(0x10000000, 64)  # a fresh imm range per group: no leftovers between examples
+_groups = itertools.count()  # a fresh group (channel) name per group: nothing left over between examples
 
 
 def _skip_unless(provider: str) -> None:
@@ -45,134 +37,6 @@ def _skip_unless(provider: str) -> None:
         pytest.skip(f"{provider} is not exercised by the MoE tests")
     if not provider_available(provider, "127.0.0.1" if provider == "tcp" else None):
         pytest.skip(f"provider {provider} is not available on this machine")
-
-
-def _reference(case: Case, round_: int) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """Reference outputs per rank, and per rank the pair count of each of its local experts."""
-    inputs = [rank_inputs(case, r, round_) for r in range(case.world)]
-    tables = expert_tables(case)
-    ref = moe_reference(
-        [i[0] for i in inputs],
-        [i[1] for i in inputs],
-        [i[2] for i in inputs],
-        lambda e, rows: apply_expert(tables, e, rows),
-        wire=case.wire,
-    )
-    to_rank, _ = expert_placement(case.num_experts, case.world)
-    ids = torch.cat([i[1] for i in inputs]).flatten()
-    per_expert = torch.bincount(ids[ids >= 0], minlength=case.num_experts)
-    counts = [per_expert[to_rank == r].tolist() for r in range(case.world)]
-    return ref, counts
-
-
-# ----- 1. the routing-plan math, no transport -------------------------------------------------------
-@st.composite
-def moe_cases(draw: st.DrawFn, max_world: int = 6) -> Case:
-    world = draw(st.integers(1, max_world))
-    topk = draw(st.integers(1, 6))
-    num_experts = draw(st.integers(topk, 24))
-    return Case(
-        world=world,
-        num_experts=num_experts,
-        hidden=draw(st.integers(1, 40)),
-        topk=topk,
-        max_tokens=draw(st.integers(1, 12)),
-        routing=draw(st.sampled_from(ROUTINGS)),
-        seed=draw(st.integers(0, 2**16)),
-    )
-
-
-def _simulate(case: Case, round_: int, placement: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """Dispatch and combine through the plans alone: what the wire would carry, moved by torch ops."""
-    to_rank, to_local = expert_placement(case.num_experts, case.world, placement)
-    tables = expert_tables(case)
-    inputs = [rank_inputs(case, r, round_) for r in range(case.world)]
-    plans = [plan_dispatch(ids, to_rank, case.world) for _, ids, _ in inputs]
-    outs: list[torch.Tensor] = []
-    recv_plans = []
-    for r in range(case.world):
-        rows = torch.cat([inputs[s][0][plans[s].dest_tokens[r]] for s in range(case.world)])
-        sizes = [int(plans[s].dest_tokens[r].numel()) for s in range(case.world)]
-        bases = [sum(sizes[:s]) for s in range(case.world)]
-        rp = plan_receive([plans[s].dest_ids[r] for s in range(case.world)], bases, to_rank, to_local, r)
-        assert rp.source_pairs == [plans[s].pair_counts[r] for s in range(case.world)]
-        mine = (to_rank == r).nonzero().squeeze(1).tolist()
-        out = torch.zeros(rp.total_pairs, case.hidden, dtype=torch.bfloat16)
-        for local, pairs in enumerate(group_by_expert(rp.pair_expert, len(mine))):
-            if pairs.numel():
-                out[pairs] = apply_expert(tables, mine[local], rows[rp.pair_row[pairs]])
-        outs.append(out)
-        recv_plans.append(rp)
-    results = []
-    for s in range(case.world):
-        back = torch.zeros(plans[s].total_pairs, case.hidden, dtype=torch.bfloat16)
-        for r in range(case.world):
-            start = sum(recv_plans[r].source_pairs[:s])
-            n = plans[s].pair_counts[r]
-            off = plans[s].combine_offsets[r]
-            back[off : off + n] = outs[r][start : start + n]
-        results.append(combine_reduce(back, plans[s].pair_slot, inputs[s][2], torch.bfloat16))
-    return results
-
-
-@settings(max_examples=150, deadline=None)
-@given(case=moe_cases(), round_=st.integers(0, 5))
-def test_plan_math_matches_reference(case: Case, round_: int) -> None:
-    got = _simulate(case, round_)
-    ref, _ = _reference(case, round_)
-    for r, (a, b) in enumerate(zip(got, ref, strict=True)):
-        assert torch.equal(a, b), f"rank {r} differs from the reference"
-
-
-@settings(max_examples=60, deadline=None)
-@given(case=moe_cases(), round_=st.integers(0, 5), data=st.data())
-def test_plan_math_with_any_placement(case: Case, round_: int, data: st.DataObject) -> None:
-    """Arbitrary expert → rank maps, ranks owning no expert included."""
-    placement = data.draw(
-        st.lists(st.integers(0, case.world - 1), min_size=case.num_experts, max_size=case.num_experts)
-    )
-    got = _simulate(case, round_, torch.tensor(placement))
-    ref, _ = _reference(case, round_)
-    for a, b in zip(got, ref, strict=True):
-        assert torch.equal(a, b)
-
-
-@settings(max_examples=80, deadline=None)
-@given(
-    t=st.integers(0, 20),
-    k=st.integers(1, 8),
-    world=st.integers(1, 8),
-    seed=st.integers(0, 999),
-    routing=st.sampled_from(ROUTINGS),
-)
-def test_send_plan_invariants(t: int, k: int, world: int, seed: int, routing: str) -> None:
-    case = Case(world=world, num_experts=max(k, 2 * world), hidden=1, topk=k, max_tokens=max(t, 1))
-    ids = routing_ids(torch.Generator().manual_seed(seed), t, case, routing)
-    to_rank, _ = expert_placement(case.num_experts, world)
-    plan = plan_dispatch(ids, to_rank, world)
-    valid = ids >= 0
-    assert plan.total_pairs == int(valid.sum())
-    slots = plan.pair_slot[valid]
-    assert sorted(slots.tolist()) == list(range(plan.total_pairs)), "every pair gets exactly one slot"
-    assert bool((plan.pair_slot[~valid] == -1).all())
-    for r in range(world):
-        hit = (to_rank[ids.clamp(min=0)] == r) & valid
-        assert plan.dest_tokens[r].tolist() == hit.any(1).nonzero().squeeze(1).tolist()
-        block = plan.pair_slot[hit]  # row-major: (t, j) order
-        assert block.tolist() == list(range(plan.combine_offsets[r], plan.combine_offsets[r] + len(block)))
-
-
-def test_receiver_refuses_experts_it_does_not_own() -> None:
-    to_rank, to_local = expert_placement(8, 2)
-    with pytest.raises(ValueError, match="source rank 0 sent tokens for experts this rank does not own"):
-        plan_receive([torch.tensor([[0, 5]], dtype=torch.int32)], [0], to_rank, to_local, 1)
-
-
-def test_placement_is_checked() -> None:
-    with pytest.raises(ValueError, match="3 entries for 4 experts"):
-        expert_placement(4, 2, [0, 1, 1])
-    with pytest.raises(ValueError, match="outside"):
-        expert_placement(4, 2, [0, 1, 2, 1])
 
 
 # ----- 2. the real transport, P engines in this process -------------------------------------------
@@ -191,7 +55,7 @@ def engines(request: pytest.FixtureRequest) -> Iterator[list[TransferEngine]]:
 
 
 def _group(engs: list[TransferEngine], case: Case, **kw: Any) -> list[ExpertParallel]:
-    base = next(_imm_bases)
+    group = f"g{next(_groups)}"
     eps = [
         ExpertParallel(
             engs[r],
@@ -202,7 +66,7 @@ def _group(engs: list[TransferEngine], case: Case, **kw: Any) -> list[ExpertPara
             topk=case.topk,
             max_tokens=case.max_tokens,
             wire=case.wire,
-            imm_base=base,
+            group=group,
             **kw,
         )
         for r in range(case.world)
@@ -254,7 +118,7 @@ def test_transport_matches_reference(engines: list[TransferEngine], case: Case, 
     try:
         for round_ in range(2):
             ys, counts = _round(eps, case, round_)
-            ref, ref_counts = _reference(case, round_)
+            ref, ref_counts = reference(case, round_)
             assert counts == ref_counts
             for r, (a, b) in enumerate(zip(ys, ref, strict=True)):
                 assert torch.equal(a, b), f"rank {r} round {round_} differs from the reference"
@@ -274,7 +138,7 @@ def test_writes_split_into_chunks_stay_exact(caplog: pytest.LogCaptureFixture) -
         assert "splits writes" in caplog.text
         for round_ in range(2):
             ys, _ = _round(eps, case, round_)
-            ref, _ = _reference(case, round_)
+            ref, _ = reference(case, round_)
             assert all(torch.equal(a, b) for a, b in zip(ys, ref, strict=True))
         for ep in eps:
             ep.close()
@@ -298,19 +162,19 @@ def test_misuse_and_bad_input_leave_the_group_usable(engines: list[TransferEngin
     with pytest.raises(ValueError, match="exceed max_tokens"):
         eps[0].dispatch_send(torch.cat([x, x]), torch.cat([ids, ids]))
     ys, _ = _round(eps, case, 0)  # still works, and still exact
-    ref, _ = _reference(case, 0)
+    ref, _ = reference(case, 0)
     assert all(torch.equal(a, b) for a, b in zip(ys, ref, strict=True))
     for ep in eps:
         ep.close()
 
 
 def test_connect_names_the_mismatched_setting(engines: list[TransferEngine]) -> None:
-    base = next(_imm_bases)
+    group = f"g{next(_groups)}"
     a = ExpertParallel(
-        engines[0], rank=0, world_size=2, num_experts=4, hidden=16, topk=2, max_tokens=4, imm_base=base
+        engines[0], rank=0, world_size=2, num_experts=4, hidden=16, topk=2, max_tokens=4, group=group
     )
     b = ExpertParallel(
-        engines[1], rank=1, world_size=2, num_experts=4, hidden=32, topk=2, max_tokens=4, imm_base=base
+        engines[1], rank=1, world_size=2, num_experts=4, hidden=32, topk=2, max_tokens=4, group=group
     )
     with pytest.raises(MoEError, match="rank 1 has hidden=32, rank 0 has 16"):
         a.connect([a.setup_blob(), b.setup_blob()])
@@ -396,7 +260,7 @@ def test_four_processes_match_reference(provider: str) -> None:
         for wire in wires:
             wcase = replace(case, wire=wire)
             for round_ in range(rounds):
-                ref, ref_counts = _reference(wcase, round_)
+                ref, ref_counts = reference(wcase, round_)
                 for r in range(case.world):
                     kind, got_wire, got_round, y, counts, source_tokens = ranks.recv(r, 60)
                     assert (kind, got_wire, got_round) == ("round", wire, round_)

@@ -7,7 +7,6 @@ Llama. B's greedy tokens must equal the ones A decodes locally from its own page
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import random
 import time
@@ -22,7 +21,8 @@ import torch
 
 from backends import PeerUnreachable, TransferEngine, provider_available
 from backends.kv import KvPool, KvSender
-from tests.rfork.kv_decoder import PAGE_TOKENS, TINY, build_model, page_bytes, pages_digest, serve
+from tests.backends.kv.decoder import PAGE_TOKENS, TINY, build_model, page_bytes, pages_digest, serve
+from tests.backends.processes import CTX
 from tests.tiny_llama import PagedKvCache, greedy_decode, prefill
 
 PROVIDERS = [p.strip() for p in os.environ.get("RFORK_TEST_PROVIDERS", "tcp,shm").split(",") if p.strip()]
@@ -63,7 +63,7 @@ class Decoder:
 
 
 def start_decoder(provider: str, name: str) -> Decoder:
-    ctx = mp.get_context("spawn")
+    ctx = CTX
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=serve, args=(child, provider, POOL_PAGES, name), daemon=True)
     proc.start()

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from backends import TransferEngine
+from backends import Message, TransferEngine
 from backends.rl import RLError, RLReceiver, RLTrainer, TensorSpec, TrainerRank, shard_layout
-from backends.rl.messages import decode, encode
+from backends.rl.messages import decode
 from rfork.weights.memory import allocate
 
 SPECS = (
@@ -125,10 +125,23 @@ def test_receiver_buffers_must_hold_the_layout(engines: list[TransferEngine]) ->
         )
 
 
-def test_messages_of_other_sessions_are_ignored_and_garbage_is_an_error() -> None:
-    assert decode(encode("a", "ready", version=1), "b") is None
-    assert decode(encode("a", "ready", version=1), "a") == {"session": "a", "kind": "ready", "version": 1}
+def test_messages_of_other_sessions_are_ignored_and_garbage_is_an_error(
+    engines: list[TransferEngine],
+) -> None:
+    sender = engines[0].address
+    assert decode(Message("rl/a", "ready", sender, b'{"version":1}')) == {"kind": "ready", "version": 1}
     with pytest.raises(RLError, match="malformed"):
-        decode(b"\xff not json", "a")
+        decode(Message("rl/a", "ready", sender, b"\xff not json"))
     with pytest.raises(RLError, match="malformed"):
-        decode(b'{"kind": "launch"}', "a")
+        decode(Message("rl/a", "launch", sender, b"{}"))
+    # A receiver of another session talks on another channel: this session's trainer never hears it.
+    teng, reng = engines
+    trainer = make_trainer(teng)
+    roster = [TrainerRank(teng.address, 1, 0)]
+    other = RLReceiver(reng, session="other", specs=SPECS, trainers=roster, index=0)
+    try:
+        with pytest.raises(RLError, match="0 of 1 receivers joined"):
+            trainer.wait_receivers(1, 0.5)
+    finally:
+        other.close()
+        trainer.close()

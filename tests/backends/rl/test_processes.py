@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from backends.rl import TrainerRank
-from tests.rfork import rl_peers
-from tests.rfork.rl_peers import Proc
+from tests.backends.rl import peers as rl_peers
+from tests.backends.rl.peers import Proc
 
 pytestmark = pytest.mark.slow
 

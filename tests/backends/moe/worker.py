@@ -1,4 +1,4 @@
-"""One expert-parallel rank in its own spawned process, driven over a pipe by tests/backends/test_moe.py."""
+"""One expert-parallel rank in a spawned process, driven by tests/backends/moe/test_expert_parallel.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from tests.backends.moe_cases import Case, apply_expert, expert_tables, rank_inputs
+from tests.backends.moe.cases import Case, apply_expert, expert_tables, rank_inputs
 
 
 def run_rank(
@@ -26,7 +26,7 @@ def run_rank(
     os.environ.setdefault("FI_TCP_IFACE", "lo")
     torch.set_num_threads(1)
     from backends import TransferEngine
-    from backends.moe import DEFAULT_IMM_BASE, ExpertParallel
+    from backends.moe import ExpertParallel
 
     wires = opts.get("wires", [case.wire])
     try:
@@ -44,10 +44,10 @@ def run_rank(
                     topk=case.topk,
                     max_tokens=case.max_tokens,
                     wire=wire,
-                    imm_base=DEFAULT_IMM_BASE + 64 * i,
+                    group=wire,
                     timeout_s=opts.get("timeout_s", 20.0),
                 )
-                for i, wire in enumerate(wires)
+                for wire in wires
             ]
             conn.send(("blobs", [ep.setup_blob() for ep in groups]))
             for ep, blobs in zip(groups, conn.recv(), strict=True):

@@ -25,8 +25,8 @@ from backends.nccl import (
     send_tensors,
     tensor_nbytes,
 )
+from tests.backends.processes import CTX
 
-CTX = mp.get_context("spawn")
 BUCKET = 64 << 10
 
 
@@ -226,9 +226,9 @@ def test_sender_killed_mid_stream_fails_receiver_within_timeout() -> None:
 
 def test_stalled_receiver_times_out_sender() -> None:
     # The timeout bounds group setup too. The receiver has already started (start_peer), so setup is
-    # only the gloo group between two running processes; 6 s leaves room for that on a loaded box
-    # while still proving that a stall is bounded.
-    stall_timeout_s = 6.0
+    # only the gloo group between two running processes (well under a second even on a loaded box);
+    # 4 s leaves room for that while still proving that a stall is bounded.
+    stall_timeout_s = 4.0
     rdv = Rendezvous(host="127.0.0.1", timeout_s=stall_timeout_s)
     progressed = CTX.Event()
     proc = start_peer(_receiver_main, rdv.port, 5, 8, 0.2, progressed)

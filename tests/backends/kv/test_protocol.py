@@ -1,8 +1,8 @@
-"""backends.kv: page-span planning (property tests) and the handshake/request protocol on real engines.
+"""backends.kv's handshake and requests on real engines: good and bad requests, and a receiver against
+a sender in another process that misbehaves or falls silent.
 
 The cross-process end-to-end runs (prefill -> decode with the small Llama, two receivers, a killed
-receiver) are in tests/rfork/test_kv_end_to_end.py; here both engines live in this process, which
-is enough to check the protocol's answers to good and bad input.
+receiver) are in tests/backends/kv/test_end_to_end.py.
 """
 
 from __future__ import annotations
@@ -17,87 +17,11 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from backends import TransferEngine, TransferTimeout
-from backends.kv.transfer import (
-    KvError,
-    KvGeometry,
-    KvPool,
-    KvReceiver,
-    KvSender,
-    _parts,
-    _runs,
-    _unruns,
-    imm_for,
-    layer_spans,
-)
+from backends.kv import IncomingRequest, KvError, KvPool, KvReceiver, KvSender
 from tests.backends.conftest import Peer, start_peer
 from tests.backends.peer import engine_kwargs
-
-
-@st.composite
-def _mapping(draw: st.DrawFn) -> tuple[KvGeometry, list[int], KvGeometry, list[int], int]:
-    layers = draw(st.integers(1, 4))
-    page = draw(st.sampled_from([1, 8, 64]))
-    sp_n, dp_n = draw(st.integers(1, 40)), draw(st.integers(1, 40))
-    n = draw(st.integers(0, min(sp_n, dp_n)))
-    src = draw(st.permutations(range(sp_n)))[:n]
-    dst = draw(st.permutations(range(dp_n)))[:n]
-    if draw(st.booleans()):  # runs, as allocators often hand out
-        src, dst = sorted(src), sorted(dst)
-    layer = draw(st.integers(0, layers - 1))
-    return KvGeometry(layers, sp_n, page), list(src), KvGeometry(layers, dp_n, page), list(dst), layer
-
-
-@settings(max_examples=300, deadline=None)
-@given(_mapping())
-def test_layer_spans_move_exactly_the_mapped_pages(
-    case: tuple[KvGeometry, list[int], KvGeometry, list[int], int],
-) -> None:
-    sg, sp, dg, dp, layer = case
-    src = np.arange(sg.nbytes, dtype=np.int64)
-    dst = np.full(dg.nbytes, -1, dtype=np.int64)
-    spans = layer_spans(sg, sp, dg, dp, layer)
-    for lo, ro, n in spans:
-        assert n > 0
-        dst[ro : ro + n] = src[lo : lo + n]
-    want = np.full(dg.nbytes, -1, dtype=np.int64)
-    for kv in (0, 1):
-        for s, d in zip(sp, dp, strict=True):
-            so, do = sg.offset(layer, kv, s), dg.offset(layer, kv, d)
-            want[do : do + sg.page_bytes] = src[so : so + sg.page_bytes]
-    assert np.array_equal(dst, want)
-    if (
-        sp == list(range(sp[0], sp[0] + len(sp))) and dp == list(range(dp[0], dp[0] + len(dp)))
-        if sp
-        else False
-    ):
-        assert len(spans) == 2  # one run per half when both sides are contiguous
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 100_000), max_size=3000))
-def test_page_runs_round_trip_and_fit_in_small_messages(pages: list[int]) -> None:
-    runs = _runs(pages)
-    assert _unruns(runs) == pages
-    parts = _parts(runs)
-    assert [r for p in parts for r in p] == runs
-    import json
-
-    assert all(len(json.dumps(p)) < 3500 for p in parts)
-
-
-def test_geometry_refuses_bad_shapes() -> None:
-    with pytest.raises(ValueError, match="layers"):
-        KvGeometry(0, 4, 16)
-    with pytest.raises(ValueError, match="layers"):
-        KvGeometry(5000, 4, 16)
-    with pytest.raises(ValueError, match="positive"):
-        KvGeometry(2, 0, 16)
-    with pytest.raises(KvError, match="page id 9"):
-        KvGeometry(2, 8, 16).check_pages([1, 9], "test")
 
 
 @pytest.fixture
@@ -169,9 +93,10 @@ def test_protocol_good_and_bad_requests(pair: tuple[TransferEngine, TransferEngi
     with pytest.raises(KvError, match="2 pages"):
         bad.wait(10)
     deadline = time.monotonic() + 5  # done-callbacks run just after the waiter woke
-    while [w for w in b.imm._waiters if (w >> 12) & 0x7FFFF == inc.slot] and time.monotonic() < deadline:
+    mine = {inc.layer_imm(layer) for layer in range(3)} | {inc.done_imm}
+    while [w for w in b.imm._waiters if w in mine] and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not [w for w in b.imm._waiters if (w >> 12) & 0x7FFFF == inc.slot]  # failed: waiters withdrawn
+    assert not [w for w in b.imm._waiters if w in mine]  # failed: waiters withdrawn
 
     # Elastic: a receiver leaves (its pending request fails on the sender) and joins again.
     pending = sender.start("orphan", [10, 11])
@@ -186,27 +111,17 @@ def test_protocol_good_and_bad_requests(pair: tuple[TransferEngine, TransferEngi
     inc.wait(10)
 
 
-def test_imm_counter_discard_withdraws_only_that_waiter() -> None:
-    from backends.imm import ImmCounter
-
-    c = ImmCounter()
-    a, b = c.expect(5, 1), c.expect(5, 1)
-    assert c.discard(5, a) is True
-    assert c.discard(5, a) is False
-    c.arrive(5)
-    assert b.done()
-    assert not a.done()
-    assert c.discard(6, b) is False
-
-
 # ----- the receiver against a sender in another process that misbehaves or falls silent -----------
 # The peer (tests/backends/peer.py) is no KvSender: it writes exactly the immediates a test names into
 # the receiver's pool, in the order named, so arrival orders a real sender only hits by chance
 # (issue #13) happen every run. SIGSTOP makes it silent down to the transport.
 
 
-def _imms(slot: int, *layers: int) -> list[int]:
-    return [imm_for(slot, layer) for layer in layers]
+DONE = -1  # stands for the completing immediate in _imms
+
+
+def _imms(inc: IncomingRequest, *layers: int) -> list[int]:
+    return [inc.done_imm if layer == DONE else inc.layer_imm(layer) for layer in layers]
 
 
 @pytest.fixture
@@ -237,6 +152,9 @@ def _until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
     return cond()
 
 
+BOUND = 0.5  # the waits' bound here: long enough to be sure nothing came, short enough to cost little
+
+
 def _timed_out_within(call: Callable[[], object], bound: float, slack: float = 3.0) -> str:
     """call() must raise TransferTimeout no earlier than bound and no later than bound + slack."""
     t0 = time.monotonic()
@@ -258,14 +176,14 @@ def test_completion_counted_before_a_layer_does_not_complete_the_request(
     """
     inc = rx.request(raw_sender.address, "early-done", [0, 1])
     desc = rx.pool.descriptor.to_bytes()
-    assert raw_sender.call("write_imms", _imms(inc.slot, 0xFFF, 2, 1), desc) is True
+    assert raw_sender.call("write_imms", _imms(inc, DONE, 2, 1), desc) is True
     inc.wait_layer(2, 10)
     inc.wait_layer(1, 10)
     assert _until(lambda: inc._complete.done())  # the completion was counted here
     assert not inc.done.done()
-    assert "layer 0 did not arrive" in _timed_out_within(lambda: inc.wait_layer(0, 1.0), 1.0)
-    _timed_out_within(lambda: inc.wait(1.0), 1.0)
-    assert raw_sender.call("write_imms", _imms(inc.slot, 0), desc) is True
+    assert "layer 0 did not arrive" in _timed_out_within(lambda: inc.wait_layer(0, BOUND), BOUND)
+    _timed_out_within(lambda: inc.wait(BOUND), BOUND)
+    assert raw_sender.call("write_imms", _imms(inc, 0), desc) is True
     inc.wait_layer(0, 10)
     inc.wait(10)
     assert inc.done.result(0) is None
@@ -276,17 +194,17 @@ def test_silent_sender_never_holds_a_wait_past_its_bound(rx: KvReceiver, raw_sen
     """A sender that delivered part of a request and then stopped (SIGSTOP): every wait ends at its bound."""
     inc = rx.request(raw_sender.address, "half", [3])
     desc = rx.pool.descriptor.to_bytes()
-    assert raw_sender.call("write_imms", _imms(inc.slot, 1), desc) is True
+    assert raw_sender.call("write_imms", _imms(inc, 1), desc) is True
     inc.wait_layer(1, 10)
     os.kill(_pid(raw_sender), signal.SIGSTOP)
     for layer in (0, 2):
-        _timed_out_within(functools.partial(inc.wait_layer, layer, 1.0), 1.0)
-    _timed_out_within(lambda: inc.wait(1.0), 1.0)
-    assert "did not answer" in _timed_out_within(lambda: rx.join(raw_sender.address, 1.0), 1.0)
+        _timed_out_within(functools.partial(inc.wait_layer, layer, BOUND), BOUND)
+    _timed_out_within(lambda: inc.wait(BOUND), BOUND)
+    assert "did not answer" in _timed_out_within(lambda: rx.join(raw_sender.address, BOUND), BOUND)
     # The default bound is the receiver's timeout_s.
-    rx.timeout_s = 1.5
-    _timed_out_within(lambda: inc.wait_layer(0), 1.5)
+    rx.timeout_s = 1.5 * BOUND
+    _timed_out_within(lambda: inc.wait_layer(0), 1.5 * BOUND)
     # The request is still alive: once the sender resumes, what it sends completes it.
     os.kill(_pid(raw_sender), signal.SIGCONT)
-    assert raw_sender.call("write_imms", _imms(inc.slot, 2, 0, 0xFFF), desc) is True
+    assert raw_sender.call("write_imms", _imms(inc, 2, 0, DONE), desc) is True
     inc.wait(10)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from backends.moe.routing import expert_placement, moe_reference
+
 ROUTINGS = ("uniform", "skewed", "sparse", "masked")
 MIXED = "mixed"  # a different routing each round, in ROUTINGS order
 
@@ -73,3 +75,21 @@ def apply_expert(tables: tuple[torch.Tensor, torch.Tensor], e: int, rows: torch.
     """Expert e on rows [n, H] (bf16 in, bf16 out); row-wise, so batch composition cannot matter."""
     a, b = tables
     return (rows.to(torch.float32) * a[e] + b[e]).to(torch.bfloat16)
+
+
+def reference(case: Case, round_: int) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Reference outputs per rank, and per rank the pair count of each of its local experts."""
+    inputs = [rank_inputs(case, r, round_) for r in range(case.world)]
+    tables = expert_tables(case)
+    ref = moe_reference(
+        [i[0] for i in inputs],
+        [i[1] for i in inputs],
+        [i[2] for i in inputs],
+        lambda e, rows: apply_expert(tables, e, rows),
+        wire=case.wire,
+    )
+    to_rank, _ = expert_placement(case.num_experts, case.world)
+    ids = torch.cat([i[1] for i in inputs]).flatten()
+    per_expert = torch.bincount(ids[ids >= 0], minlength=case.num_experts)
+    counts = [per_expert[to_rank == r].tolist() for r in range(case.world)]
+    return ref, counts

@@ -7,7 +7,6 @@ any rank must hold at any version and check it byte for byte.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -24,6 +23,7 @@ import torch
 from backends.rl import TensorSpec, model_specs
 from backends.sharding import shard_range
 from rfork.weights.synthetic import LlamaConfig
+from tests.backends.processes import CTX
 
 CONFIG = LlamaConfig(
     hidden_size=256,
@@ -236,7 +236,7 @@ class Proc:
 
 
 def start(target: Any, *args: Any) -> tuple[Proc, Connection]:  # noqa: ANN401
-    ctx = mp.get_context("spawn")
+    ctx = CTX
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=target, args=(child, *args), daemon=True)
     proc.start()

@@ -1,0 +1,312 @@
+"""Channels: how paths (KV, RL, MoE, ...) share one engine without seeing each other's traffic.
+
+`engine.channel(name, imms=n)` opens a channel: messages sent on it reach only the channel of the
+same name on the peer engine, and its `n` immediate values are allocated by this engine, disjoint
+from every other open channel's. A peer learns a channel's range from a message or a set-up blob
+(`ImmRange.to_json`) and writes `ImmRange.value(i)` to signal index i; the owner waits with
+`channel.expect(i, count)`. The engine's ImmCounter counts every immediate from the moment the
+engine opens, so an expect never races the writes it waits for.
+
+Every two-sided message is one frame, little-endian:
+    b"RFCH" | version u8 | len(name) u8 | len(kind) u8 | 0 u8 | len(sender) u16 | name | kind | sender | data
+The sender's engine address travels in every frame, so a receiver can answer. A frame that does
+not decode is dropped and counted, never raised on the progress thread; frames for a channel with
+no callback yet are kept (at most EARLY_LIMIT of them) and delivered, in order, by `on_message`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from backends.descriptor import EngineAddress
+from backends.errors import ChannelError, TransferError
+from backends.imm import ImmCounter
+from backends.progress import MAX_MESSAGE
+
+log = logging.getLogger(__name__)
+
+_MAGIC = b"RFCH"
+_VERSION = 1
+_HEAD = struct.Struct("<4sBBBxH")
+EARLY_LIMIT = 256  # frames kept for channels that have no callback yet
+IMM_FIRST = 1 << 24  # channel ranges come from [IMM_FIRST, 2**32); smaller values are left to raw write_imm
+_IMM_END = 1 << 32
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One received frame: the channel and kind it was sent with, the sender's address, its data."""
+
+    channel: str
+    kind: str
+    sender: bytes
+    data: bytes
+
+    def fields(self) -> dict[str, Any]:
+        """The data as a JSON object (what `Channel.send_json` sent); ValueError when it is not one."""
+        try:
+            doc = json.loads(self.data) if self.data else {}
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{self.kind} message on channel {self.channel!r} is not JSON ({exc})") from exc
+        if not isinstance(doc, dict):
+            raise ValueError(f"{self.kind} message on channel {self.channel!r} is not a JSON object")  # noqa: TRY004
+        return doc
+
+
+def encode_frame(channel: str, kind: str, sender: bytes, data: bytes) -> bytes:
+    """One frame; ValueError naming the channel when a field or the whole frame is too large."""
+    name, k = channel.encode(), kind.encode()
+    if not 0 < len(name) < 256 or not 0 < len(k) < 256 or not 0 < len(sender) < 65536:
+        raise ValueError(f"channel {channel!r}: name and kind must be 1..255 bytes, sender 1..65535")
+    frame = b"".join((_HEAD.pack(_MAGIC, _VERSION, len(name), len(k), len(sender)), name, k, sender, data))
+    if len(frame) > MAX_MESSAGE:
+        raise ValueError(
+            f"channel {channel!r}: {kind} message is {len(frame)} bytes, over the {MAX_MESSAGE}-byte limit"
+        )
+    return frame
+
+
+def decode_frame(frame: bytes) -> Message | None:
+    """The frame's message, or None when it is not a well-formed frame (never raises)."""
+    if len(frame) < _HEAD.size:
+        return None
+    magic, version, nlen, klen, slen = _HEAD.unpack_from(frame)
+    end = _HEAD.size + nlen + klen + slen
+    if magic != _MAGIC or version != _VERSION or not (nlen and klen and slen) or end > len(frame):
+        return None
+    pos = _HEAD.size
+    try:
+        name = frame[pos : pos + nlen].decode()
+        kind = frame[pos + nlen : pos + nlen + klen].decode()
+        sender = bytes(frame[pos + nlen + klen : end])
+        EngineAddress.from_bytes(sender)
+    except (UnicodeDecodeError, TransferError):
+        return None
+    return Message(name, kind, sender, bytes(frame[end:]))
+
+
+@dataclass(frozen=True, slots=True)
+class ImmRange:
+    """`count` immediate values from `base`: one channel's, as its owner advertises them to peers."""
+
+    base: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if self.count < 0 or not 0 <= self.base <= self.base + self.count <= _IMM_END:
+            raise ValueError(f"immediate range [{self.base}, +{self.count}) is not inside 32 bits")
+
+    def value(self, index: int) -> int:
+        """The immediate for `index`; ValueError when the range has no such index."""
+        if not 0 <= index < self.count:
+            raise ValueError(f"immediate index {index} is outside the range's {self.count} values")
+        return self.base + index
+
+    def to_json(self) -> list[int]:
+        """[base, count], for a message or a set-up blob."""
+        return [self.base, self.count]
+
+    @classmethod
+    def from_json(cls, doc: Any) -> ImmRange:
+        """Inverse of to_json, for what a peer sent; ValueError on anything else."""
+        if (
+            not isinstance(doc, list)
+            or len(doc) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in doc)
+        ):
+            raise ValueError(f"an immediate range is [base, count], not {str(doc)[:40]!r}")
+        return cls(doc[0], doc[1])
+
+
+class Transport(Protocol):
+    """What a channel needs of its engine (TransferEngine is one)."""
+
+    @property
+    def address(self) -> bytes: ...
+
+    @property
+    def imm(self) -> ImmCounter: ...
+
+    def expect(self, imm: int, count: int = 1) -> Future[None]: ...
+
+    def send(self, peer_address: bytes, frame: bytes) -> Future[None]: ...
+
+
+class Channel:
+    """A named message stream plus a private immediate range on one engine; see the module docstring.
+
+    Thread-safety: any thread may send, expect or close; callbacks run on the progress thread, one
+    message at a time, and must be short. Close it when the path is done (the name and the range are
+    then free again; later frames for it are dropped).
+    """
+
+    def __init__(self, hub: ChannelHub, name: str, imms: ImmRange) -> None:
+        self.name = name
+        self.imms = imms
+        self._hub = hub
+        self.closed = False
+
+    @property
+    def address(self) -> bytes:
+        """This engine's address: what peers send to."""
+        return self._hub.transport.address
+
+    def on_message(self, callback: Callable[[Message], None]) -> None:
+        """Set the callback; frames that came before it are delivered now, in order."""
+        self._hub.attach(self.name, callback)
+
+    def send(self, peer_address: bytes, kind: str, data: bytes = b"") -> Future[None]:
+        """Send one message to the channel of this name on the peer engine."""
+        if self.closed:
+            raise ChannelError(f"channel {self.name!r} is closed")
+        transport = self._hub.transport
+        return transport.send(peer_address, encode_frame(self.name, kind, transport.address, data))
+
+    def send_json(self, peer_address: bytes, kind: str, **fields: Any) -> Future[None]:
+        """send() with a JSON object of fields as the data (Message.fields() on the other side)."""
+        return self.send(peer_address, kind, json.dumps(fields, separators=(",", ":")).encode())
+
+    def imm(self, index: int) -> int:
+        """The immediate value that signals `index` of this channel (for this engine's own regions)."""
+        return self.imms.value(index)
+
+    def expect(self, index: int, count: int = 1) -> Future[None]:
+        """Future resolved once `count` immediates for `index` arrived (since engine open); consumes them."""
+        if self.closed:
+            raise ChannelError(f"channel {self.name!r} is closed")
+        return self._hub.transport.expect(self.imms.value(index), count)
+
+    def discard(self, index: int, future: Future[None]) -> bool:
+        """Withdraw an expect no longer wanted; True if it was still waiting."""
+        return self._hub.transport.imm.discard(self.imms.value(index), future)
+
+    def close(self) -> None:
+        """Stop receiving; outstanding expects fail; the name and the range may be reused."""
+        if not self.closed:
+            self.closed = True
+            self._hub.close(self)
+
+    def __repr__(self) -> str:
+        return f"Channel({self.name!r}, imms=[{self.imms.base:#x}, +{self.imms.count}))"
+
+
+class ChannelHub:
+    """An engine's channels: open names and their callbacks, early frames, immediate ranges."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self._lock = threading.Lock()
+        self._open: dict[str, Channel] = {}
+        self._callbacks: dict[str, Callable[[Message], None]] = {}
+        self._early: deque[Message] = deque()
+        self._closed_names: set[str] = set()
+        self._next_imm = IMM_FIRST
+        self._free: list[ImmRange] = []  # ranges of closed channels, sorted by base, adjacent ones merged
+        self.dropped = {"malformed": 0, "overflow": 0, "closed": 0}
+
+    def open(self, name: str, imms: int) -> Channel:
+        if not 0 < len(name.encode()) < 256:
+            raise ValueError(f"channel name {name!r} must be 1..255 bytes")
+        if imms < 0:
+            raise ValueError(f"channel {name!r}: imms must be >= 0, not {imms}")
+        with self._lock:
+            if name in self._open:
+                raise ChannelError(f"channel {name!r} is already open on this engine")
+            channel = Channel(self, name, self._allocate(name, imms))
+            self._open[name] = channel
+            self._closed_names.discard(name)
+        return channel
+
+    def _allocate(self, name: str, count: int) -> ImmRange:
+        if count == 0:
+            return ImmRange(0, 0)
+        if self._next_imm + count <= _IMM_END:  # fresh values first: a closed channel's late ones fade
+            self._next_imm += count
+            return ImmRange(self._next_imm - count, count)
+        for i, free in enumerate(self._free):
+            if free.count >= count:
+                rest = ImmRange(free.base + count, free.count - count)
+                self._free[i : i + 1] = [rest] if rest.count else []
+                return ImmRange(free.base, count)
+        largest = max((f.count for f in self._free), default=0)
+        raise ChannelError(
+            f"channel {name!r}: no room for {count} immediates; the engine's range [{IMM_FIRST:#x}, 2**32) "
+            f"is exhausted (largest free block {largest})"
+        )
+
+    def close(self, channel: Channel) -> None:
+        with self._lock:
+            if self._open.get(channel.name) is not channel:
+                return
+            del self._open[channel.name]
+            self._callbacks.pop(channel.name, None)
+            self._closed_names.add(channel.name)
+            self._early = deque(m for m in self._early if m.channel != channel.name)
+            if channel.imms.count:
+                self._free.append(channel.imms)
+                self._free.sort(key=lambda r: r.base)
+                merged: list[ImmRange] = []
+                for r in self._free:
+                    if merged and merged[-1].base + merged[-1].count == r.base:
+                        merged[-1] = ImmRange(merged[-1].base, merged[-1].count + r.count)
+                    else:
+                        merged.append(r)
+                self._free = merged
+        if channel.imms.count:
+            self.transport.imm.forget(
+                channel.imms.base, channel.imms.count, ChannelError(f"channel {channel.name!r} closed")
+            )
+
+    def attach(self, name: str, callback: Callable[[Message], None]) -> None:
+        while True:
+            with self._lock:
+                if name not in self._open:
+                    raise ChannelError(f"channel {name!r} is not open")
+                early = [m for m in self._early if m.channel == name]
+                if not early:
+                    self._callbacks[name] = callback
+                    return
+                self._early = deque(m for m in self._early if m.channel != name)
+            for message in early:
+                _call(callback, message)
+
+    def deliver(self, frame: bytes) -> None:
+        """Route one received frame (progress thread): to its callback, the early queue, or the drop count."""
+        message = decode_frame(frame)
+        with self._lock:
+            if message is None:
+                self.dropped["malformed"] += 1
+                log.debug("dropped a malformed frame of %d bytes", len(frame))
+                return
+            callback = self._callbacks.get(message.channel)
+            if callback is None:
+                if message.channel in self._closed_names:
+                    self.dropped["closed"] += 1
+                elif len(self._early) >= EARLY_LIMIT:
+                    self.dropped["overflow"] += 1
+                    log.warning("dropped a %s frame for channel %r: %d early frames are kept at most",
+                                message.kind, message.channel, EARLY_LIMIT)
+                else:
+                    self._early.append(message)
+                return
+        _call(callback, message)
+
+    def early(self) -> int:
+        """Frames held for channels with no callback yet."""
+        with self._lock:
+            return len(self._early)
+
+
+def _call(callback: Callable[[Message], None], message: Message) -> None:
+    try:
+        callback(message)
+    except Exception:
+        log.exception("channel %r: the %s callback raised", message.channel, message.kind)

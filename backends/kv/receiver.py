@@ -1,0 +1,251 @@
+"""The decode side of KV transfer: join senders, ask for requests' pages, wait for them to land.
+
+The receiver owns its immediates: its channel's range holds `slots` request slots of layers + 1
+values each (every layer, then the completion), advertised in hello; a want names the slot. The
+engine's ImmCounter counts them from engine open, so none is lost to a late wait, and no ordering
+between writes or immediates is assumed.
+
+Thread-safety: any thread may call; message callbacks run on the engine's progress thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+
+import backends.kv.messages as wire
+from backends.channel import Message
+from backends.errors import TransferError, TransferTimeout
+from backends.kv.futures import fail, settle, settle_error
+from backends.kv.pool import KvError, KvPool
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SLOTS = 1 << 16  # requests a receiver can have in flight (slots are reused round-robin)
+
+
+class IncomingRequest:
+    """The receiver's side of one request: wait for layers or for the whole request.
+
+    `done` resolves once every layer's immediate and the completing immediate have arrived, in any
+    order: each domain's progress thread counts its own arrivals, so the completing immediate may be
+    counted before the last layer's although the sender sent it after that layer was delivered.
+    """
+
+    def __init__(
+        self, receiver: KvReceiver, request_id: str, sender: bytes, slot: int, pages: list[int]
+    ) -> None:
+        self.request_id = request_id
+        self.pages = pages
+        self.slot = slot
+        self._receiver = receiver
+        self._sender = sender
+        self.done: Future[None] = Future()
+        self.done.set_running_or_notify_cancel()
+        self._lock = threading.Lock()
+        channel, layers = receiver.channel, receiver.pool.geometry.layers
+        self._layers = [channel.expect(wire.imm_index(slot, layer, layers)) for layer in range(layers)]
+        self._complete = channel.expect(wire.imm_index(slot, layers, layers))
+        self._outstanding = len(self._layers) + 1
+        self.done.add_done_callback(self._withdraw)
+        for fut in (*self._layers, self._complete):
+            fut.add_done_callback(self._arrived)
+
+    def layer_imm(self, layer: int) -> int:
+        """The immediate that announces `layer` of this request (what its sender writes)."""
+        layers = self._receiver.pool.geometry.layers
+        if not 0 <= layer < layers:
+            raise ValueError(f"request {self.request_id}: layer {layer} is outside 0..{layers - 1}")
+        return self._receiver.channel.imm(wire.imm_index(self.slot, layer, layers))
+
+    @property
+    def done_imm(self) -> int:
+        """The immediate that completes this request, sent after every layer landed."""
+        layers = self._receiver.pool.geometry.layers
+        return self._receiver.channel.imm(wire.imm_index(self.slot, layers, layers))
+
+    def _arrived(self, fut: Future[None]) -> None:
+        """One of the request's immediates arrived (or the engine closed): done after the last one."""
+        exc = fut.exception()
+        if exc is not None:
+            err = exc if isinstance(exc, TransferError) else TransferError(str(exc))
+            fail(self.done, type(err)(f"KV request {self.request_id}: {err}"))
+            return
+        with self._lock:
+            self._outstanding -= 1
+            last = self._outstanding == 0
+        if last:
+            settle(self.done, fut, f"KV request {self.request_id}")
+        elif fut is self._complete:
+            log.debug(
+                "KV request %s: completion counted before layer(s) %s",
+                self.request_id,
+                [i for i, f in enumerate(self._layers) if not f.done()],
+            )
+
+    def _withdraw(self, done: Future[None]) -> None:
+        """A failed request stops waiting in the ImmCounter (no waiters pile up for dead requests)."""
+        if done.exception() is None:
+            return
+        channel, layers = self._receiver.channel, self._receiver.pool.geometry.layers
+        for layer, fut in enumerate(self._layers):
+            channel.discard(wire.imm_index(self.slot, layer, layers), fut)
+        channel.discard(wire.imm_index(self.slot, layers, layers), self._complete)
+
+    def wait_layer(self, layer: int, timeout_s: float | None = None) -> None:
+        """Block until layer `layer` of this request landed in the pool (or the request failed).
+
+        Returns only once that layer's own immediate arrived. Raises the request's error, or
+        TransferTimeout once timeout_s (default: the receiver's) passed without it.
+        """
+        timeout = self._receiver.timeout_s if timeout_s is None else timeout_s
+        fut = self._layers[layer]
+        deadline = time.monotonic() + timeout
+        while True:
+            # done succeeds only after every layer did; then the layer itself is all there is to wait for.
+            watch = [fut] if self.done.done() else [fut, self.done]
+            wait(watch, max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED)
+            if fut.done():
+                exc = fut.exception()
+                if exc is None:
+                    return
+                failed = self.done.exception() if self.done.done() else None
+                raise failed or exc
+            failed = self.done.exception() if self.done.done() else None
+            if failed is not None:
+                raise failed
+            if time.monotonic() >= deadline:
+                raise TransferTimeout(
+                    f"KV request {self.request_id}: layer {layer} did not arrive from sender "
+                    f"{_label(self._sender)} within {timeout:g}s"
+                )
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until every layer landed; raises the request's error or TransferTimeout."""
+        timeout = self._receiver.timeout_s if timeout_s is None else timeout_s
+        try:
+            self.done.result(timeout)
+        except TimeoutError as exc:
+            raise TransferTimeout(
+                f"KV request {self.request_id} did not complete from sender "
+                f"{_label(self._sender)} within {timeout:g}s"
+            ) from exc
+
+
+class KvReceiver:
+    """Decode side: joins senders, asks for requests' pages, waits for them to land in its pool.
+
+    timeout_s bounds joins and the default waits; a dead sender shows up as TransferTimeout.
+    slots: requests in flight at once (each takes layers + 1 of the engine's immediate values).
+    """
+
+    def __init__(
+        self, pool: KvPool, *, name: str = "", timeout_s: float | None = None, slots: int = DEFAULT_SLOTS
+    ) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, not {slots}")
+        self.pool = pool
+        self.engine = pool.engine
+        self.name = name
+        self.timeout_s = self.engine.timeout_s if timeout_s is None else float(timeout_s)
+        self.slots = slots
+        self._lock = threading.Lock()
+        self._joins: dict[bytes, Future[None]] = {}
+        self._requests: dict[str, IncomingRequest] = {}
+        self._slot_ids = itertools.count()
+        self.channel = self.engine.channel(wire.CHANNEL, imms=slots * (pool.geometry.layers + 1))
+        self.channel.on_message(self._on_message)
+
+    def join(self, sender: bytes, timeout_s: float | None = None) -> None:
+        """Introduce this pool to a sender (hello/welcome); KvError if it rejects, timeout if silent."""
+        fut: Future[None] = Future()
+        fut.set_running_or_notify_cancel()
+        with self._lock:
+            self._joins[sender] = fut
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout  # one bound for sending the hello and for the answer
+        try:
+            self.channel.send_json(
+                sender,
+                wire.HELLO,
+                desc=wire.b64(self.pool.descriptor.to_bytes()),
+                geometry=self.pool.geometry.to_dict(),
+                name=self.name,
+                imms=self.channel.imms.to_json(),
+            ).result(timeout)
+            fut.result(max(0.0, deadline - time.monotonic()))
+        except TimeoutError as exc:
+            with self._lock:
+                if self._joins.get(sender) is fut:
+                    del self._joins[sender]
+            raise TransferTimeout(
+                f"KV join: sender {_label(sender)} did not answer within {timeout:g}s"
+            ) from exc
+
+    def leave(self, sender: bytes) -> None:
+        """Tell a sender this receiver is gone; its requests there fail on the sender side."""
+        try:
+            self.channel.send_json(sender, wire.BYE).result(self.timeout_s)
+        except TimeoutError as exc:
+            raise TransferTimeout(
+                f"KV leave: sender {_label(sender)} did not take the bye within {self.timeout_s:g}s"
+            ) from exc
+
+    def request(self, sender: bytes, request_id: str, dst_pages: Sequence[int]) -> IncomingRequest:
+        """Ask `sender` for request_id's K/V into dst_pages of every layer of this pool."""
+        pages = self.pool.geometry.check_pages(dst_pages, f"KV request {request_id}")
+        with self._lock:
+            if request_id in self._requests:
+                raise KvError(f"KV request {request_id} is already pending on this receiver")
+            slot = next(self._slot_ids) % self.slots
+            req = IncomingRequest(self, request_id, sender, slot, pages)
+            self._requests[request_id] = req
+        req.done.add_done_callback(lambda _f: self._forget(request_id))
+        parts = wire.parts(wire.runs(pages))
+        for i, part in enumerate(parts):
+            self.channel.send_json(
+                sender, wire.WANT, rid=request_id, slot=slot, part=i, parts=len(parts), pages=part
+            ).add_done_callback(
+                lambda f: settle_error(req.done, f, f"KV request {request_id}: want to {_label(sender)}")
+            )
+        return req
+
+    def close(self) -> None:
+        """Stop receiving (the channel closes; pending requests fail; the pool and engine stay)."""
+        self.channel.close()
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._requests.pop(request_id, None)
+
+    def _on_message(self, message: Message) -> None:
+        try:
+            msg = message.fields()
+        except ValueError as exc:
+            log.warning("KV receiver: dropped a malformed message (%s)", exc)
+            return
+        kind, sender = message.kind, message.sender
+        if kind in (wire.WELCOME, wire.REJECT):
+            with self._lock:
+                fut = self._joins.pop(sender, None)
+            if fut is None:
+                log.warning("KV receiver: %s from a sender it did not join", kind)
+            elif kind == wire.WELCOME:
+                fut.set_result(None)
+            else:
+                fut.set_exception(KvError(f"KV join: sender {_label(sender)} refused: {msg.get('reason')}"))
+        elif kind == wire.FAILED:
+            with self._lock:
+                req = self._requests.get(str(msg.get("rid")))
+            if req is not None:
+                fail(req.done, KvError(f"KV request {req.request_id}: sender refused: {msg.get('reason')}"))
+        else:
+            log.warning("KV receiver: unknown message kind %r", kind)
+
+
+def _label(address: bytes) -> str:
+    return address[-8:].hex()

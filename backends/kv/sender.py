@@ -1,0 +1,321 @@
+"""The prefill side of KV transfer: accept receivers, write requests' pages into their pools.
+
+Flow: a receiver joins (hello: its pool descriptor, geometry and immediate range; answered with
+welcome or reject) and asks for a request (want: request id, its page ids, a slot). `KvSender.start`
+pairs it with the sender's page ids (either may come first). Each layer's K and V pages go out as
+one batched write whose immediate announces the layer; after every layer landed, one more immediate
+completes the request. A dead receiver fails only its own requests, within the engine's timeout_s.
+
+Thread-safety: any thread may call; message callbacks run on the engine's progress thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import backends.kv.messages as wire
+from backends.channel import ImmRange, Message
+from backends.descriptor import MemoryRegionDescriptor
+from backends.errors import PeerUnreachable, TransferError, TransferTimeout
+from backends.kv.futures import fail, log_failure, settle
+from backends.kv.pool import KvError, KvGeometry, KvPool, layer_spans
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Receiver:
+    address: bytes
+    desc: MemoryRegionDescriptor
+    geometry: KvGeometry
+    imms: ImmRange
+    label: str
+    requests: set[str] = field(default_factory=set)
+
+    @property
+    def slots(self) -> int:
+        """Request slots the receiver's immediate range holds."""
+        return self.imms.count // (self.geometry.layers + 1)
+
+    def imm(self, slot: int, layer: int) -> int:
+        """The immediate announcing `layer` of the request in `slot` (layer == layers: complete)."""
+        return self.imms.value(wire.imm_index(slot, layer, self.geometry.layers))
+
+
+@dataclass
+class _Want:
+    receiver: bytes
+    slot: int
+    pages: list[int]
+
+
+class OutgoingRequest:
+    """The sender's side of one request: mark layers ready as prefill computes them.
+
+    `done` resolves once every layer and the completing immediate were delivered, or fails with
+    an error naming the request and the receiver.
+    """
+
+    def __init__(self, sender: KvSender, request_id: str, src_pages: list[int]) -> None:
+        self.sender = sender
+        self.request_id = request_id
+        self.src_pages = src_pages
+        self.done: Future[None] = Future()
+        self.done.set_running_or_notify_cancel()
+        self._ready: set[int] = set()
+        self._posted: set[int] = set()
+        self._landed = 0
+        self._want: _Want | None = None
+
+    def send_layer(self, layer: int) -> None:
+        """Layer `layer` of the sender's pool holds this request's K and V: send it when possible."""
+        layers = self.sender.pool.geometry.layers
+        if not 0 <= layer < layers:
+            raise ValueError(f"request {self.request_id}: layer {layer} is outside 0..{layers - 1}")
+        self.sender._layer_ready(self, layer)
+
+    def send_all(self) -> OutgoingRequest:
+        """Every layer is ready (prefill finished): send them all."""
+        for layer in range(self.sender.pool.geometry.layers):
+            self.sender._layer_ready(self, layer)
+        return self
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until delivered; raises the request's error, or TransferTimeout.
+
+        timeout_s defaults to the engine's; it also bounds waiting for a receiver that never asked.
+        """
+        timeout = self.sender.engine.timeout_s if timeout_s is None else timeout_s
+        try:
+            self.done.result(timeout)
+        except TimeoutError as exc:
+            state = "no receiver asked for it" if self._want is None else "not delivered"
+            raise TransferTimeout(f"KV request {self.request_id}: {state} within {timeout:g}s") from exc
+
+
+class KvSender:
+    """Prefill side: accepts receivers and writes requests' pages into their pools (channel "kv")."""
+
+    def __init__(self, pool: KvPool) -> None:
+        self.pool = pool
+        self.engine = pool.engine
+        self._lock = threading.Lock()
+        self._receivers: dict[bytes, _Receiver] = {}
+        self._wants: dict[str, _Want] = {}
+        self._parts: dict[str, dict[int, list[list[int]]]] = {}
+        self._outgoing: dict[str, OutgoingRequest] = {}
+        self.channel = self.engine.channel(wire.CHANNEL)
+        self.channel.on_message(self._on_message)
+
+    @property
+    def address(self) -> bytes:
+        """What receivers join (the engine's address)."""
+        return self.engine.address
+
+    def receivers(self) -> list[str]:
+        """Labels of the receivers joined now."""
+        with self._lock:
+            return [r.label for r in self._receivers.values()]
+
+    def start(self, request_id: str, src_pages: Sequence[int]) -> OutgoingRequest:
+        """Begin a request whose K/V lives in src_pages of every layer; then send_layer/send_all."""
+        pages = self.pool.geometry.check_pages(src_pages, f"KV request {request_id}")
+        req = OutgoingRequest(self, request_id, pages)
+        with self._lock:
+            if request_id in self._outgoing:
+                raise KvError(f"KV request {request_id} is already being sent")
+            self._outgoing[request_id] = req
+            want = self._wants.pop(request_id, None)
+        req.done.add_done_callback(lambda _f: self._forget(request_id))
+        if want is not None:
+            self._pair(req, want)
+        return req
+
+    def close(self) -> None:
+        """Stop taking receivers and requests (the channel closes; the pool and engine stay)."""
+        self.channel.close()
+
+    # -- internals (message callbacks run on the engine's progress thread: keep them short) --
+    def _on_message(self, message: Message) -> None:
+        try:
+            msg = message.fields()
+            if message.kind == wire.HELLO:
+                self._hello(message.sender, msg)
+            elif message.kind == wire.BYE:
+                self._bye(message.sender)
+            elif message.kind == wire.WANT:
+                self._want_part(message.sender, msg)
+            else:
+                log.warning("KV sender: unknown message kind %r", message.kind)
+        except (KeyError, TypeError, ValueError, TransferError) as exc:
+            log.warning("KV sender: bad %s message: %s", message.kind, exc)
+
+    def _reply(self, address: bytes, kind: str, **fields: Any) -> None:
+        try:
+            fut = self.channel.send_json(address, kind, **fields)
+        except TransferError as exc:
+            log.warning("KV sender: could not answer %s (%s)", kind, exc)
+            return
+        fut.add_done_callback(log_failure(f"KV sender: {kind} reply"))
+
+    def _hello(self, address: bytes, msg: dict[str, Any]) -> None:
+        try:
+            desc = MemoryRegionDescriptor.from_bytes(wire.unb64(msg["desc"]))
+            geo = KvGeometry.from_dict(msg["geometry"])
+            imms = ImmRange.from_json(msg["imms"])
+            mine = self.pool.geometry
+            if geo.layers != mine.layers or geo.page_bytes != mine.page_bytes:
+                raise KvError(  # noqa: TRY301 - answered to the peer below
+                    f"geometry {geo.layers} layers x {geo.page_bytes} B pages does not match the sender's "
+                    f"{mine.layers} x {mine.page_bytes} B"
+                )
+            if not desc.writable or desc.length < geo.nbytes or desc.address != address:
+                raise KvError(  # noqa: TRY301
+                    "pool descriptor is not writable, smaller than its geometry, or not the receiver's"
+                )
+            if imms.count < geo.layers + 1:
+                raise KvError(f"immediate range of {imms.count} values holds no request slot")  # noqa: TRY301
+        except (KvError, ValueError, KeyError, TypeError, TransferError) as exc:
+            log.warning("KV sender: rejected a receiver: %s", exc)
+            self._reply(address, wire.REJECT, reason=str(exc))
+            return
+        label = str(msg.get("name") or desc.address[-8:].hex())
+        with self._lock:
+            old = self._receivers.get(address)
+            rec = _Receiver(address, desc, geo, imms, label, old.requests if old else set())
+            self._receivers[address] = rec
+        log.info("KV sender: receiver %s joined (%d pages of %d B)", label, geo.pages, geo.page_bytes)
+        self._reply(address, wire.WELCOME, layers=self.pool.geometry.layers)
+
+    def _bye(self, address: bytes) -> None:
+        with self._lock:
+            rec = self._receivers.pop(address, None)
+            if rec is None:
+                return
+            failed = [self._outgoing[r] for r in rec.requests if r in self._outgoing]
+            for rid in [r for r, w in self._wants.items() if w.receiver == address]:
+                del self._wants[rid]
+        log.info("KV sender: receiver %s left", rec.label)
+        for req in failed:
+            fail(req.done, KvError(f"KV request {req.request_id}: receiver {rec.label} left"))
+
+    def _want_part(self, address: bytes, msg: dict[str, Any]) -> None:
+        rid, part, parts = str(msg["rid"]), int(msg["part"]), int(msg["parts"])
+        with self._lock:
+            got = self._parts.setdefault(rid, {})
+            got[part] = msg["pages"]
+            if len(got) < parts:
+                return
+            del self._parts[rid]
+            rec = self._receivers.get(address)
+        page_runs = [r for i in range(parts) for r in got[i]]
+        if rec is None:
+            # Messages may be reordered: a want can arrive after its receiver's bye.
+            reason = "receiver left or never joined this sender"
+            self._reply(address, wire.FAILED, rid=rid, reason=reason)
+            with self._lock:
+                orphan = self._outgoing.get(rid)
+            if orphan is not None and orphan._want is None:
+                fail(orphan.done, KvError(f"KV request {rid}: {reason}"))
+            return
+        try:
+            what = f"KV request {rid} (receiver {rec.label})"
+            pages = rec.geometry.check_pages(wire.unruns(page_runs), what)
+            slot = int(msg["slot"])
+            if not 0 <= slot < rec.slots:
+                raise KvError(f"KV request {rid}: slot {slot} out of range")  # noqa: TRY301
+        except (KvError, ValueError, TypeError) as exc:
+            self._reply(address, wire.FAILED, rid=rid, reason=str(exc))
+            return
+        want = _Want(address, slot, pages)
+        with self._lock:
+            req = self._outgoing.get(rid)
+            duplicate = rid in self._wants or (req is not None and req._want is not None)
+            if req is None and not duplicate:
+                self._wants[rid] = want
+                return
+        if duplicate:
+            self._reply(address, wire.FAILED, rid=rid, reason=f"KV request {rid} was already asked for")
+            return
+        assert req is not None
+        self._pair(req, want)
+
+    def _pair(self, req: OutgoingRequest, want: _Want) -> None:
+        with self._lock:
+            rec = self._receivers.get(want.receiver)
+            if rec is not None:
+                rec.requests.add(req.request_id)
+        if rec is None:
+            fail(req.done, KvError(f"KV request {req.request_id}: its receiver left before the transfer"))
+            return
+        if len(want.pages) != len(req.src_pages):
+            err = KvError(
+                f"KV request {req.request_id}: receiver {rec.label} asked for {len(want.pages)} pages, "
+                f"the sender has {len(req.src_pages)}"
+            )
+            self._reply(want.receiver, wire.FAILED, rid=req.request_id, reason=str(err))
+            fail(req.done, err)
+            return
+        with self._lock:
+            req._want = want
+        self._post_ready(req)
+
+    def _layer_ready(self, req: OutgoingRequest, layer: int) -> None:
+        with self._lock:
+            req._ready.add(layer)
+        self._post_ready(req)
+
+    def _post_ready(self, req: OutgoingRequest) -> None:
+        with self._lock:
+            want = req._want
+            if want is None or req.done.done():
+                return
+            todo = sorted(req._ready - req._posted)
+            req._posted.update(todo)
+            rec = self._receivers.get(want.receiver)
+        if rec is None:
+            fail(req.done, KvError(f"KV request {req.request_id}: receiver left"))
+            return
+        geo = self.pool.geometry
+        for layer in todo:
+            spans = layer_spans(geo, req.src_pages, rec.geometry, want.pages, layer)
+            try:
+                imm = rec.imm(want.slot, layer)
+                fut = self.engine.write_spans(self.pool.region, spans, rec.desc, imm=imm)
+            except TransferError as exc:
+                fail(req.done, KvError(f"KV request {req.request_id} layer {layer} to {rec.label}: {exc}"))
+                return
+            fut.add_done_callback(functools.partial(self._layer_done, req, rec, layer))
+
+    def _layer_done(self, req: OutgoingRequest, rec: _Receiver, layer: int, fut: Future[None]) -> None:
+        exc = fut.exception()
+        if exc is not None:
+            err_type = PeerUnreachable if isinstance(exc, PeerUnreachable) else KvError
+            what = f"KV request {req.request_id} layer {layer} to receiver {rec.label}"
+            fail(req.done, err_type(f"{what}: {exc}"))
+            return
+        with self._lock:
+            req._landed += 1
+            complete = req._landed == self.pool.geometry.layers
+        if not complete or req._want is None:
+            return
+        try:
+            last = self.engine.write_imm(rec.imm(req._want.slot, rec.geometry.layers), rec.desc)
+        except TransferError as exc:
+            fail(req.done, KvError(f"KV request {req.request_id} completion to {rec.label}: {exc}"))
+            return
+        last.add_done_callback(lambda f: settle(req.done, f, f"KV request {req.request_id} to {rec.label}"))
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            req = self._outgoing.pop(request_id, None)
+            if req is not None and req._want is not None:
+                rec = self._receivers.get(req._want.receiver)
+                if rec is not None:
+                    rec.requests.discard(request_id)

@@ -1,0 +1,242 @@
+"""Channels: paths sharing one engine never see each other's messages or immediates (across two real
+processes), early messages wait for their channel, immediate ranges are disjoint and run out clearly,
+and nothing a peer sends makes the frame decoder raise or hold state (hypothesis)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backends import ChannelError, EngineAddress, ImmRange, Message, TransferEngine
+from backends.channel import EARLY_LIMIT, IMM_FIRST, ChannelHub, decode_frame, encode_frame
+from backends.imm import ImmCounter
+from tests.backends.conftest import Peer, start_peer
+from tests.backends.peer import engine_kwargs
+
+
+@pytest.fixture(scope="module")
+def peer(provider: str) -> Iterator[Peer]:
+    """A peer process with one small region (our immediates do not need more)."""
+    p = start_peer(provider, [("small", 1 << 20, "rw")])
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def engine(provider: str) -> Iterator[TransferEngine]:
+    with TransferEngine(provider, 2, timeout_s=8.0, reorder_for_test=True, **engine_kwargs(provider)) as eng:
+        yield eng
+
+
+class Inbox:
+    """A channel callback that keeps what arrives and can wait for it."""
+
+    def __init__(self) -> None:
+        self.messages: list[Message] = []
+        self._cond = threading.Condition()
+
+    def __call__(self, message: Message) -> None:
+        with self._cond:
+            self.messages.append(message)
+            self._cond.notify_all()
+
+    def wait(self, count: int, timeout: float = 10.0) -> list[Message]:
+        with self._cond:
+            self._cond.wait_for(lambda: len(self.messages) >= count, timeout)
+            return list(self.messages)
+
+
+def _until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+@pytest.mark.timeout(60)
+def test_two_paths_on_one_engine_never_see_each_others_traffic(engine: TransferEngine, peer: Peer) -> None:
+    a, b = engine.channel("path-a", imms=4), engine.channel("path-b", imms=4)
+    assert a.imms.base + a.imms.count <= b.imms.base or b.imms.base + b.imms.count <= a.imms.base
+    got_a, got_b = Inbox(), Inbox()
+    a.on_message(got_a)
+    b.on_message(got_b)
+    region = engine.register(np.zeros(4096, dtype=np.uint8), "rw")
+    desc = region.descriptor.to_bytes()
+    # the peer's two paths talk to ours, interleaved; and signal only path a, on index 0 and 3
+    for i in range(3):
+        assert peer.call("send", engine.address, "path-a", "to-a", bytes([i])) is True
+        assert peer.call("send", engine.address, "path-b", "to-b", bytes([10 + i])) is True
+    assert peer.call("write_imms", [a.imm(0), a.imm(0), a.imm(3)], desc) is True
+    assert [(m.kind, m.data) for m in got_a.wait(3)] == [("to-a", bytes([i])) for i in range(3)]
+    assert [(m.kind, m.data) for m in got_b.wait(3)] == [("to-b", bytes([10 + i])) for i in range(3)]
+    assert {m.sender for m in got_a.messages + got_b.messages} == {peer.address}
+    a.expect(0, 2).result(10)
+    a.expect(3).result(10)
+    late = b.expect(0)  # the same index on b is another value: nothing arrived for it
+    time.sleep(0.2)
+    assert not late.done()
+    assert all(engine.imm.pending(b.imm(i)) == 0 for i in range(4))
+    # and the other way: each of the peer's channels gets only what our channel of its name sent
+    a.send(peer.address, "from-a", b"x").result(10)
+    b.send_json(peer.address, "from-b", n=1).result(10)
+    assert [(k, d) for k, d, _ in peer.call("inbox", "path-a", 1, 10)] == [("from-a", b"x")]
+    assert [(k, d) for k, d, _ in peer.call("inbox", "path-b", 1, 10)] == [("from-b", b'{"n":1}')]
+    assert {s for _, _, s in peer.call("inbox", "path-b", 1, 0)} == {engine.address}
+    # the peer's engine allocates its channels' immediates: signalling index 0 of one is not the other's
+    pa = ImmRange.from_json(peer.call("channel", "imm-a", 2))
+    pb = ImmRange.from_json(peer.call("channel", "imm-b", 2))
+    assert peer.call("expect", "pa", pa.value(0), 1) is True
+    assert peer.call("expect", "pb", pb.value(0), 1) is True
+    engine.write_imm(pa.value(0), peer.descs["small"]).result(10)
+    assert peer.call("wait_expect", "pa", 10) is True
+    assert peer.call("wait_expect", "pb", 0.3) is False
+    a.close()
+    b.close()
+
+
+@pytest.mark.timeout(60)
+def test_messages_before_the_channel_opens_wait_for_it(engine: TransferEngine, peer: Peer) -> None:
+    for i in range(5):
+        assert peer.call("send", engine.address, "later", "early", bytes([i])) is True
+    assert _until(lambda: engine._hub().early() == 5)
+    channel = engine.channel("later")
+    time.sleep(0.1)  # open but with no callback yet: still kept
+    assert peer.call("send", engine.address, "later", "early", bytes([5])) is True
+    inbox = Inbox()
+    channel.on_message(inbox)  # everything so far arrives now, in order
+    assert peer.call("send", engine.address, "later", "live", b"") is True
+    got = inbox.wait(7)
+    assert [m.data for m in got[:6]] == [bytes([i]) for i in range(6)]
+    assert got[6].kind == "live"
+    assert engine._hub().early() == 0
+    channel.close()
+    # a closed channel drops what still comes for it, and counts it
+    before = engine.frames_dropped["closed"]
+    assert peer.call("send", engine.address, "later", "too-late", b"") is True
+    assert _until(lambda: engine.frames_dropped["closed"] == before + 1)
+    assert engine._hub().early() == 0
+
+
+@pytest.mark.timeout(60)
+def test_malformed_frames_are_dropped_and_counted_and_the_channel_still_works(
+    engine: TransferEngine, peer: Peer
+) -> None:
+    inbox = Inbox()
+    channel = engine.channel("sturdy")
+    channel.on_message(inbox)
+    frame = encode_frame("sturdy", "ok", peer.address, b"payload")
+    garbage = [b"", b"x", b"RFCH", frame[:-len(peer.address) - 9], b"RFCH\x02" + frame[5:], b"\xff" * 300]
+    for g in garbage:
+        assert peer.call("send_raw", engine.address, g) is True
+    assert peer.call("send_raw", engine.address, frame) is True
+    assert [(m.kind, m.data) for m in inbox.wait(1)] == [("ok", b"payload")]
+    assert _until(lambda: engine.frames_dropped["malformed"] == len(garbage))
+    channel.close()
+
+
+def test_immediate_ranges_are_disjoint_and_run_out_with_a_clear_error(provider: str) -> None:
+    with TransferEngine(provider, 1, **engine_kwargs(provider)) as eng:
+        small = eng.channel("small", imms=10)
+        assert small.imms == ImmRange(IMM_FIRST, 10)
+        with pytest.raises(ChannelError, match="already open"):
+            eng.channel("small")
+        big = eng.channel("big", imms=2**32 - IMM_FIRST - 10)
+        with pytest.raises(ChannelError, match=r"channel 'one': no room for 1 immediates.*exhausted"):
+            eng.channel("one", imms=1)
+        none = eng.channel("no-imms")  # a channel without immediates needs no room
+        with pytest.raises(ValueError, match="outside the range's 0 values"):
+            none.imm(0)
+        with pytest.raises(ValueError, match="outside the range's 10 values"):
+            small.imm(10)
+        small.close()
+        again = eng.channel("one", imms=4)  # a closed channel's values are free again
+        assert again.imms == ImmRange(IMM_FIRST, 4)
+        with pytest.raises(ChannelError, match="no room for 7"):
+            eng.channel("seven", imms=7)  # 6 left in one block
+        assert eng.channel("six", imms=6).imms == ImmRange(IMM_FIRST + 4, 6)
+        waiting = big.expect(5)
+        big.close()
+        with pytest.raises(ChannelError, match="'big' closed"):
+            waiting.result(1)
+        with pytest.raises(ChannelError, match="closed"):
+            big.send(eng.address, "x")
+        assert eng.channel("big", imms=2**32 - IMM_FIRST - 10).imms.base == IMM_FIRST + 10
+
+
+# ----- anything a peer can send: the frame decoder and the hub (hypothesis) -------------------------
+class _Transport:
+    """The hub's view of an engine, for feeding it frames without one."""
+
+    address = b"unused"
+
+    def __init__(self) -> None:
+        self.imm = ImmCounter()
+
+    def expect(self, imm: int, count: int = 1) -> Future[None]:
+        return self.imm.expect(imm, count)
+
+    def send(self, peer_address: bytes, frame: bytes) -> Future[None]:
+        raise AssertionError("the hub never sends")
+
+
+_ADDRESS = EngineAddress("tcp", (b"abcd",)).to_bytes()  # a well-formed sender
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=400))
+def test_arbitrary_bytes_never_raise_and_never_grow_state(data: bytes) -> None:
+    inputs = [data, b"RFCH" + data, b"RFCH\x01" + data]
+    decoded = [decode_frame(x) for x in inputs]  # never raises
+    valid = [m for m in decoded if m is not None]
+    hub = ChannelHub(_Transport())
+    hub.open("known", 0).on_message(lambda _m: None)
+    for x in inputs:
+        hub.deliver(x)  # never raises
+    assert hub.dropped["malformed"] == len(inputs) - len(valid)  # what does not decode leaves nothing
+    assert hub.early() == len([m for m in valid if m.channel != "known"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    name=st.text(min_size=1, max_size=40).filter(lambda s: len(s.encode()) < 256),
+    kind=st.text(min_size=1, max_size=20).filter(lambda s: len(s.encode()) < 256),
+    data=st.binary(max_size=2000),
+    cut=st.integers(0, 100),
+)
+def test_frames_round_trip_and_truncated_frames_are_dropped(
+    name: str, kind: str, data: bytes, cut: int
+) -> None:
+    frame = encode_frame(name, kind, _ADDRESS, data)
+    assert decode_frame(frame) == Message(name, kind, _ADDRESS, data)
+    head = len(frame) - len(data)
+    if cut < head:
+        assert decode_frame(frame[:cut]) is None  # cut inside the header, name, kind or sender
+    hub = ChannelHub(_Transport())
+    got: list[Message] = []
+    for _ in range(EARLY_LIMIT + 5):  # a channel nobody opened: kept up to the bound, then counted
+        hub.deliver(frame)
+    assert hub.early() == EARLY_LIMIT
+    assert hub.dropped["overflow"] == 5
+    hub.open(name, 0).on_message(got.append)
+    assert len(got) == EARLY_LIMIT
+    assert hub.early() == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+                    lambda inner: st.lists(inner, max_size=3), max_leaves=6))
+def test_immediate_ranges_from_peers_are_checked(doc: object) -> None:
+    try:
+        r = ImmRange.from_json(doc)
+    except ValueError:
+        return
+    assert 0 <= r.base <= r.base + r.count <= 2**32
+    assert r.to_json() == doc
+
