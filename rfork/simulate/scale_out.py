@@ -67,8 +67,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    # here, not at the top: the simulator imports the planner (SQLAlchemy), and every `rfork` command
-    # imports this module to build its parser
+    # imported here: `rfork --help` imports every command module, which must stay light (start-up time);
+    # the simulator imports the planner (SQLAlchemy)
     from rfork.simulate.fleet import FleetSim, hub_baseline, migrated_template
 
     if args.instances < 1:

@@ -1,0 +1,166 @@
+"""The house rules docs/architecture.md states, read from the code's own imports.
+
+- the arrows run one way: rfork -> planner, rfork -> backends; backends and planner import neither;
+- no import cycle between modules;
+- the project's own code is imported inside a function only where start-up time needs it (command
+  modules, the SGLang plugin), with a comment saying so;
+- every import of the project's own modules resolves (mypy is told to ignore missing imports).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("rfork", "backends", "planner", "migrations")
+# may import project code inside functions: `rfork --help` and SGLang's processes import them at start-up
+EDGES = ("rfork/cli/", "rfork/bench/", "rfork/simulate/scale_out.py", "rfork/integrations/sglang/")
+ALLOWED_ARROWS = {
+    "rfork": {"rfork", "planner", "backends"},
+    "backends": {"backends"},
+    "planner": {"planner"},
+    "migrations": {"migrations", "planner"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            rel = path.relative_to(ROOT).with_suffix("")
+            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+            if "versions" in parts:  # Alembic revisions are loaded by Alembic, not imported
+                continue
+            out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _own(name: str | None) -> bool:
+    return bool(name) and str(name).split(".")[0] in PACKAGES
+
+
+def _top_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Imports that run when the module is imported (not under `if TYPE_CHECKING:`, not in functions)."""
+    out: list[ast.Import | ast.ImportFrom] = []
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.append(node)
+        elif isinstance(node, ast.Try):
+            out += [n for n in node.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    return out
+
+
+def _targets(node: ast.Import | ast.ImportFrom) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if node.level or not node.module:
+        return []
+    # `from pkg import module` imports the module; `from module import name` the module
+    subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in MODULES]
+    return subs or [node.module]
+
+
+def _graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        graph[name] = {t for n in _top_level_imports(tree) for t in _targets(n) if _own(t) and t in MODULES}
+    return graph
+
+
+def test_the_arrows_run_one_way() -> None:
+    wrong = []
+    for name, deps in _graph().items():
+        for dep in deps:
+            if dep.split(".")[0] not in ALLOWED_ARROWS[name.split(".")[0]]:
+                wrong.append(f"{name} -> {dep}")
+    assert not wrong, wrong
+
+
+def test_no_import_cycle() -> None:
+    graph = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles, cycles
+
+
+def test_project_code_is_imported_inside_functions_only_at_the_edges_with_a_reason() -> None:
+    wrong = []
+    for path in MODULES.values():
+        rel = str(path.relative_to(ROOT))
+        text = path.read_text()
+        lines = text.splitlines()
+        for fn in ast.walk(ast.parse(text)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            local = [
+                n
+                for n in ast.walk(fn)
+                if isinstance(n, (ast.Import, ast.ImportFrom)) and any(_own(t) for t in _targets(n))
+            ]
+            if not local:
+                continue
+            first = min(n.lineno for n in local)
+            if not rel.startswith(EDGES):
+                wrong.append(f"{rel}:{first} (not an edge module)")
+                continue
+            said = [
+                ln
+                for ln in lines[fn.lineno - 1 : first - 1]
+                if ln.strip().startswith("#") and "start-up" in ln
+            ]
+            if not said:
+                wrong.append(f"{rel}:{first} (no comment saying why)")
+    assert not wrong, wrong
+
+
+@pytest.mark.parametrize("package", ["rfork", "backends", "planner", "tests"])
+def test_every_import_of_the_projects_own_modules_resolves(package: str) -> None:
+    missing = []
+    for path in (ROOT / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.level == 0
+                and _own(node.module)
+                or (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tests."))
+            ):
+                assert node.module is not None
+                if importlib.util.find_spec(node.module) is None:
+                    missing.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.module}")
+    assert not missing, missing
