@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from rfork.cli import main as rfork_main
+
 PG_ADMIN_DSN = os.environ.get("RFORK_TEST_PG_DSN", "host=127.0.0.1 port=5432 user=postgres dbname=test")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -43,8 +45,10 @@ def postgres_url() -> Iterator[str]:
     except psycopg.Error as exc:
         _pg_unavailable(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
     params = dict(kv.split("=", 1) for kv in PG_ADMIN_DSN.split())
-    url = (f"postgresql+psycopg://{params.get('user', 'postgres')}@{params.get('host', '127.0.0.1')}:"
-           f"{params.get('port', '5432')}/{name}")
+    url = (
+        f"postgresql+psycopg://{params.get('user', 'postgres')}@{params.get('host', '127.0.0.1')}:"
+        f"{params.get('port', '5432')}/{name}"
+    )
     try:
         yield url
     finally:
@@ -58,3 +62,11 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'planner.db'}"
     return str(request.getfixturevalue("postgres_url"))
+
+
+def run_rfork(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """`rfork ARGS` in this process (the CLI's own code path, without a fresh interpreter's start-up):
+    (exit status, stdout, stderr)."""
+    status = rfork_main(args)
+    out, err = capsys.readouterr()
+    return status, out, err

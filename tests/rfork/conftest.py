@@ -12,9 +12,12 @@ import torch
 
 os.environ.setdefault("RFORK_TCP_HOST", "127.0.0.1")  # keep tcp on loopback (children inherit it)
 
+from rfork import LoadOptions, SourceIdentity  # noqa: E402
 from rfork.bench.processes import Child, Fleet, seed_args  # noqa: E402
+from rfork.identity import fingerprint  # noqa: E402
 from rfork.weights.checkpoint import read_checkpoint_info
-from rfork.weights.synthetic import LlamaConfig, write_synthetic_checkpoint
+from rfork.weights.synthetic import LlamaConfig, write_synthetic_checkpoint  # noqa: E402
+from tests.tiny_llama import LlamaForCausalLM  # noqa: E402
 
 SMALL = LlamaConfig(
     hidden_size=256,
@@ -97,3 +100,27 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     for k in a:
         assert a[k].dtype == b[k].dtype, k
         assert torch.equal(a[k], b[k]), k
+
+
+def opts(**kw: Any) -> LoadOptions:
+    """LoadOptions for a test: tcp, a 3 s dead-peer bound, a 60 s rank deadline."""
+    return LoadOptions(providers=["tcp"], transfer_timeout_s=3.0, rank_deadline_s=60.0, **kw)
+
+
+def tied_model(seed: int) -> LlamaForCausalLM:
+    """The small Llama with lm_head tied to the embedding and a zero-byte buffer (edge cases in place)."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(SMALL)
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied: one storage, two names
+    model.register_buffer("empty_buf", torch.empty(0, 8))
+    return model
+
+
+def identity_for(model: torch.nn.Module) -> SourceIdentity:
+    """An identity whose fingerprint is the model's own state dict."""
+    return SourceIdentity(
+        model="in-place-test",
+        revision="r1",
+        dtype="bfloat16",
+        fingerprint=fingerprint((n, str(t.dtype), t.shape) for n, t in model.state_dict().items()),
+    )

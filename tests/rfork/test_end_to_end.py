@@ -8,21 +8,27 @@ import signal
 import pytest
 import torch
 
-from rfork import Loader, LoadOptions, load
+from rfork import Loader, load
 from rfork.bench.processes import load_args
 from rfork.errors import LoadFailed
 from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
 from rfork.weights.synthetic import write_synthetic_checkpoint
-from tests.rfork.conftest import ADMIN, AUTH, LOAD, REGISTER, SMALL, assert_same, identity_of, start_seed
+from tests.rfork.conftest import (
+    ADMIN,
+    AUTH,
+    LOAD,
+    REGISTER,
+    SMALL,
+    assert_same,
+    identity_of,
+    opts,
+    start_seed,
+)
 from tests.tiny_llama import LlamaForCausalLM
 
 pytestmark = pytest.mark.slow
-
-
-def opts(**kw) -> LoadOptions:
-    return LoadOptions(providers=["tcp"], transfer_timeout_s=3.0, rank_deadline_s=60.0, **kw)
 
 
 def test_seed_process_to_loaded_model_bit_identical_then_drains_on_sigterm(fleet, small_ckpt, planner):

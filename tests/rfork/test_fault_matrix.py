@@ -34,14 +34,22 @@ from tests.rfork.conftest import ADMIN, LOAD, READER, REGISTER, assert_same, sta
 
 pytestmark = pytest.mark.slow
 TOKENS: dict[str, Any] = {
-    "admin_token": ADMIN, "register_token": REGISTER, "load_token": LOAD, "reader_token": READER
+    "admin_token": ADMIN,
+    "register_token": REGISTER,
+    "load_token": LOAD,
+    "reader_token": READER,
 }
 BOUND_S = 90.0  # every row must end within this (generous: a shared 2-core box)
 
 
 def opts(**kw) -> LoadOptions:
-    base = {"providers": ["tcp"], "transfer_timeout_s": 2.0, "rank_deadline_s": 60.0, "chunk_bytes": 1 << 20,
-            "max_inflight": 2}
+    base = {
+        "providers": ["tcp"],
+        "transfer_timeout_s": 2.0,
+        "rank_deadline_s": 60.0,
+        "chunk_bytes": 1 << 20,
+        "max_inflight": 2,
+    }
     return LoadOptions(**{**base, **kw})
 
 
@@ -151,12 +159,23 @@ def _free_port() -> int:
 
 
 def _planner_process(db: str, port: int, workdir: Path) -> subprocess.Popen:
-    env = {**os.environ, "RFORK_ADMIN_TOKEN": ADMIN, "RFORK_REGISTER_TOKEN": REGISTER,
-           "RFORK_LOAD_TOKEN": LOAD, "RFORK_READER_TOKEN": READER, "RFORK_LEASE_TTL_S": "4",
-           "RFORK_REAPER_INTERVAL_S": "0.5", "RFORK_DB_URL": db}
+    env = {
+        **os.environ,
+        "RFORK_ADMIN_TOKEN": ADMIN,
+        "RFORK_REGISTER_TOKEN": REGISTER,
+        "RFORK_LOAD_TOKEN": LOAD,
+        "RFORK_READER_TOKEN": READER,
+        "RFORK_LEASE_TTL_S": "4",
+        "RFORK_REAPER_INTERVAL_S": "0.5",
+        "RFORK_DB_URL": db,
+    }
     log = (workdir / f"planner-{time.monotonic_ns()}.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "rfork", "planner", "serve", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rfork", "planner", "serve", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     end = time.monotonic() + 60
     while time.monotonic() < end:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
@@ -173,10 +192,16 @@ def test_planner_killed_mid_pull_and_restarted_on_the_same_db(medium_ckpt, tmp_p
     info = read_checkpoint_info(medium_ckpt)
     result = None
     try:
-        with Seed(weights=[_disk_weights(medium_ckpt)], identity=info.identity(), planner_url=url,
-                  control=False, token=REGISTER):
-            loader = FaultOnProgress(lambda _iid: planner.kill(), identity=info.identity(), planner_url=url,
-                                     options=opts())
+        with Seed(
+            weights=[_disk_weights(medium_ckpt)],
+            identity=info.identity(),
+            planner_url=url,
+            control=False,
+            token=REGISTER,
+        ):
+            loader = FaultOnProgress(
+                lambda _iid: planner.kill(), identity=info.identity(), planner_url=url, options=opts()
+            )
             result = timed_load(loader)  # the data plane does not need the planner
             assert result.source == "rfork-tcp"
             assert result.attempts[0].ok
@@ -244,23 +269,33 @@ def test_postgresql_restarted_mid_pull(medium_ckpt, private_postgres):
     info = read_checkpoint_info(medium_ckpt)
     with (
         PlannerServer(db_url=pg_url, reaper_interval_s=0.5, lease_ttl_s=4, **TOKENS) as srv,
-        Seed(weights=[_disk_weights(medium_ckpt)], identity=info.identity(), planner_url=srv.url,
-             control=False, token=REGISTER),
+        Seed(
+            weights=[_disk_weights(medium_ckpt)],
+            identity=info.identity(),
+            planner_url=srv.url,
+            control=False,
+            token=REGISTER,
+        ),
     ):
-            loader = FaultOnProgress(lambda _iid: restart(), identity=info.identity(), planner_url=srv.url,
-                                     options=opts(become_seed=False))
-            result = timed_load(loader)
-            assert loader.fired is not None
-            assert result.source == "rfork-tcp"
-            assert_same(result.state_dict(), load_state_dict(medium_ckpt))
-            result.close()
-            assert_consistent(srv.url, ready=1)
-            # and the planner serves normally on the restarted database
-            again = Loader(identity=info.identity(), planner_url=srv.url, token=LOAD,
-                           options=opts(become_seed=False)).load()
-            assert again.source == "rfork-tcp"
-            again.close()
-            assert_consistent(srv.url, ready=1)
+        loader = FaultOnProgress(
+            lambda _iid: restart(),
+            identity=info.identity(),
+            planner_url=srv.url,
+            options=opts(become_seed=False),
+        )
+        result = timed_load(loader)
+        assert loader.fired is not None
+        assert result.source == "rfork-tcp"
+        assert_same(result.state_dict(), load_state_dict(medium_ckpt))
+        result.close()
+        assert_consistent(srv.url, ready=1)
+        # and the planner serves normally on the restarted database
+        again = Loader(
+            identity=info.identity(), planner_url=srv.url, token=LOAD, options=opts(become_seed=False)
+        ).load()
+        assert again.source == "rfork-tcp"
+        again.close()
+        assert_consistent(srv.url, ready=1)
 
 
 # ---- 5: a byte of the seed's memory is corrupted mid-pull -------------------------------------------
@@ -274,10 +309,16 @@ def test_corrupted_byte_mid_pull(medium_ckpt, planner):
     def corrupt(_iid: str) -> None:  # in a region the loader has not read yet
         weights.buffers[last.region][last.offset + last.nbytes - 1] ^= 0x80
 
-    with Seed(weights=[weights], identity=info.identity(), planner_url=planner, control=False,
-              token=REGISTER) as seed:
-        loader = FaultOnProgress(corrupt, identity=info.identity(), planner_url=planner,
-                                 checkpoint=medium_ckpt, options=opts(become_seed=False))
+    with Seed(
+        weights=[weights], identity=info.identity(), planner_url=planner, control=False, token=REGISTER
+    ) as seed:
+        loader = FaultOnProgress(
+            corrupt,
+            identity=info.identity(),
+            planner_url=planner,
+            checkpoint=medium_ckpt,
+            options=opts(become_seed=False),
+        )
         result = timed_load(loader)
         assert [a.source for a in result.attempts] == ["rfork-tcp", "disk"]
         assert "checksum" in (result.attempts[0].error or "")
@@ -303,15 +344,26 @@ def test_wrong_identity_publication_mid_pull_is_refused(medium_ckpt, planner, tm
 
     def impostor_publishes(_iid: str) -> None:
         try:
-            Seed(weights=[_disk_weights(impostor_dir)], identity=info.identity(), planner_url=planner,
-                 control=False, token=REGISTER).start()
+            Seed(
+                weights=[_disk_weights(impostor_dir)],
+                identity=info.identity(),
+                planner_url=planner,
+                control=False,
+                token=REGISTER,
+            ).start()
         except Conflict as exc:
             refused.append(exc)
 
-    with Seed(weights=[_disk_weights(medium_ckpt)], identity=info.identity(), planner_url=planner,
-              control=False, token=REGISTER):
-        loader = FaultOnProgress(impostor_publishes, identity=info.identity(), planner_url=planner,
-                                 options=opts(become_seed=False))
+    with Seed(
+        weights=[_disk_weights(medium_ckpt)],
+        identity=info.identity(),
+        planner_url=planner,
+        control=False,
+        token=REGISTER,
+    ):
+        loader = FaultOnProgress(
+            impostor_publishes, identity=info.identity(), planner_url=planner, options=opts(become_seed=False)
+        )
         result = timed_load(loader)
         assert result.source == "rfork-tcp"
         assert_same(result.state_dict(), load_state_dict(medium_ckpt))

@@ -1,6 +1,7 @@
 """Anchored integrity end to end: a seed whose bytes changed after it published is never accepted, and
 is quarantined.
 """
+
 from __future__ import annotations
 
 import time
@@ -10,18 +11,14 @@ import urllib.request
 import pytest
 
 from planner.client import Conflict, PlannerClient
-from rfork import LoadOptions, load
+from rfork import load
 from rfork.errors import LoadFailed
 from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
-from tests.rfork.conftest import ADMIN, AUTH, REGISTER, assert_same
+from tests.rfork.conftest import ADMIN, AUTH, REGISTER, assert_same, opts
 
 pytestmark = pytest.mark.slow
-
-
-def opts(**kw) -> LoadOptions:
-    return LoadOptions(providers=["tcp"], transfer_timeout_s=3.0, rank_deadline_s=60.0, **kw)
 
 
 def _weights(ckpt) -> RankWeights:

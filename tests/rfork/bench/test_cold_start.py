@@ -7,20 +7,20 @@ name, the disk row says it compared nothing, and the baselines were measured in 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_rfork
+
 
 @pytest.mark.parametrize("dest", ["allocated", "initialized"])
-def test_cold_start_rows_and_baselines(tmp_path: Path, dest: str) -> None:
+def test_cold_start_rows_and_baselines(tmp_path: Path, dest: str, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "cold.json"
-    cmd = [sys.executable, "-m", "rfork", "bench", "cold-start", "--size-gib", "0.03", "--repeat", "1"]
-    cmd += ["--dest", dest, "--sources", "disk", "rfork-tcp", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    args = ["bench", "cold-start", "--size-gib", "0.03", "--repeat", "1"]
+    args += ["--dest", dest, "--sources", "disk", "rfork-tcp", "--json", str(out)]
+    status, stdout, stderr = run_rfork(args, capsys)
+    assert status == 0, stdout[-3000:] + stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["dest"] == dest
     rows = {r["source"]: r for r in doc["rows"]}

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from rfork.bench.scale_out import max_concurrent
+from tests.conftest import run_rfork
 
 
 def test_max_concurrent_counts_overlaps_only():
@@ -18,15 +17,15 @@ def test_max_concurrent_counts_overlaps_only():
 
 
 @pytest.mark.slow
-def test_bench_burst_of_six_loaders_against_one_seed_with_limit_two(tmp_path):
+def test_bench_burst_of_six_loaders_against_one_seed_with_limit_two(tmp_path, capsys):
     """One seed (limit 2), then six `rfork load` processes at once: all verified, no seed over its limit."""
     out = tmp_path / "burst.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "rfork", "bench", "scale-out", "--instances", "6", "--size-gib", "0.02",
+    status, _, stderr = run_rfork(
+        ["bench", "scale-out", "--instances", "6", "--size-gib", "0.02",
          "--max-pulls", "2", "--modes", "tree", "disk", "--json", str(out), "--timeout", "600"],
-        capture_output=True, text=True, timeout=900, check=False,
+        capsys,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert status == 0, stderr[-3000:]
     doc = json.loads(out.read_text())
     tree = doc["modes"]["tree"]
     assert tree["instances"] == 6

@@ -11,8 +11,9 @@ from rfork import __version__
 
 
 def rfork(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "rfork", *args], capture_output=True, text=True,
-                          timeout=60, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "rfork", *args], capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 def test_version_matches_package_metadata() -> None:
@@ -22,11 +23,24 @@ def test_version_matches_package_metadata() -> None:
     assert __version__ != "0.0.0+unknown", "the package must be installed (pip install -e .)"
 
 
-@pytest.mark.parametrize("path", [
-    (), ("planner",), ("planner", "serve"), ("planner", "migrate"), ("seed",), ("load",),
-    ("demo",), ("bench",), ("bench", "transport"), ("bench", "cold-start"), ("bench", "planner"),
-    ("bench", "gpu"), ("bench", "moe"),
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        (),
+        ("planner",),
+        ("planner", "serve"),
+        ("planner", "migrate"),
+        ("seed",),
+        ("load",),
+        ("demo",),
+        ("bench",),
+        ("bench", "transport"),
+        ("bench", "cold-start"),
+        ("bench", "planner"),
+        ("bench", "gpu"),
+        ("bench", "moe"),
+    ],
+)
 def test_every_command_has_help(path: tuple[str, ...]) -> None:
     out = rfork(*path, "--help")
     assert out.returncode == 0, out.stderr

@@ -3,40 +3,23 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_rfork
+
 pytestmark = pytest.mark.slow
 
 
-def test_demo_runs_and_cleans_up(tmp_path):
+def test_demo_runs_and_cleans_up(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "120")
     out = tmp_path / "demo.json"
     before = set(Path("/tmp").glob("rfork-demo-*"))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rfork",
-            "demo",
-            "--size-gib",
-            "0.03",
-            "--providers",
-            "tcp",
-            "--no-nccl",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-        env={**os.environ, "COLUMNS": "120"},
+    status, stdout, stderr = run_rfork(
+        ["demo", "--size-gib", "0.03", "--providers", "tcp", "--no-nccl", "--json", str(out)], capsys
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert status == 0, stdout + stderr
     doc = json.loads(out.read_text())
     sources = [r["source"] for r in doc["rows"]]
     assert sources[:2] == ["disk", "rfork-tcp"]
@@ -44,5 +27,5 @@ def test_demo_runs_and_cleans_up(tmp_path):
     assert doc["rows"][2].get("chain") is True
     assert [r["verified"] for r in doc["rows"]] == [False, True, True]  # disk has nothing to compare
     assert doc["model_bytes"] > 0
-    assert "speed-up" in proc.stdout
+    assert "speed-up" in stdout
     assert set(Path("/tmp").glob("rfork-demo-*")) == before

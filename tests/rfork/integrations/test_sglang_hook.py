@@ -103,8 +103,23 @@ def _args(argv: list[str]) -> argparse.Namespace:
 
 
 def test_launcher_sets_load_format_and_merges_the_extra_config_without_the_token():
-    args = _args(["--planner", "http://p:9", "--mode", "parameters", "--provider", "tcp,shm", "--",
-                  "--model-path", "/m", "--model-loader-extra-config", '{"num_threads": 2}', "--port", "1"])
+    args = _args(
+        [
+            "--planner",
+            "http://p:9",
+            "--mode",
+            "parameters",
+            "--provider",
+            "tcp,shm",
+            "--",
+            "--model-path",
+            "/m",
+            "--model-loader-extra-config",
+            '{"num_threads": 2}',
+            "--port",
+            "1",
+        ]
+    )
     argv, env = launcher.build_command(args, args.sglang_args, {"RFORK_TOKEN": "tok", "SGLANG_PLUGINS": "x"})
     assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
     assert argv[argv.index("--load-format") + 1] == "rfork"
@@ -152,9 +167,23 @@ def test_launcher_refuses_what_bypasses_or_breaks_the_hook(sglang_args, needle):
 
 
 def test_launcher_accepts_a_draft_with_a_plan_and_serial_loading():
-    args = _args(["--", "--model-path", "/m", "--speculative-algorithm", "EAGLE",
-                  "--speculative-draft-model-path", "/d", "--speculative-draft-load-format", "auto",
-                  "--startup-weight-load-mode", "serial", "--weight-cache-mode", "off"])
+    args = _args(
+        [
+            "--",
+            "--model-path",
+            "/m",
+            "--speculative-algorithm",
+            "EAGLE",
+            "--speculative-draft-model-path",
+            "/d",
+            "--speculative-draft-load-format",
+            "auto",
+            "--startup-weight-load-mode",
+            "serial",
+            "--weight-cache-mode",
+            "off",
+        ]
+    )
     argv, _ = launcher.build_command(args, args.sglang_args, {})
     assert argv[argv.index("--speculative-draft-load-format") + 1] == "auto"
 
@@ -168,14 +197,29 @@ def test_launcher_wants_a_token_for_a_planner():
 def test_cli_dry_run_prints_the_command_and_bad_input_is_one_line(tmp_path):
     ok = subprocess.run(
         [sys.executable, "-m", "rfork", "sglang", "--dry-run", "--", "--model-path", str(tmp_path)],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert ok.returncode == 0, ok.stderr
     assert "--load-format rfork" in ok.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "rfork", "sglang", "--", "--model-path", "/m",
-         "--weight-cache-mode", "daemon"],
-        capture_output=True, text=True, timeout=60, check=False,
+        [
+            sys.executable,
+            "-m",
+            "rfork",
+            "sglang",
+            "--",
+            "--model-path",
+            "/m",
+            "--weight-cache-mode",
+            "daemon",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert bad.returncode == 1
     assert bad.stderr.strip().count("\n") == 0
@@ -209,9 +253,19 @@ def test_parameters_identity_tracks_shapes_and_layout():
     assert parameters_fingerprint(a) != parameters_fingerprint(b)
 
     def ident(tp: int):
-        return parameters_identity(model="m", revision="r", tensors=a, dtype=torch.bfloat16,
-                                   quantization=None, tp=tp, pp=1, ep=1, dp=1, framework_version="0.5.23",
-                                   device="cpu")
+        return parameters_identity(
+            model="m",
+            revision="r",
+            tensors=a,
+            dtype=torch.bfloat16,
+            quantization=None,
+            tp=tp,
+            pp=1,
+            ep=1,
+            dp=1,
+            framework_version="0.5.23",
+            device="cpu",
+        )
 
     one, two = ident(1), ident(2)
     assert one.framework == "sglang"
@@ -230,17 +284,36 @@ def test_parameters_served_in_place_are_pulled_bit_identical_then_drained(tmp_pa
     ptrs = {n: p.data_ptr() for n, p in params.items()}
     weights = RankWeights.from_tensors(rank=0, tensors=params)  # served where they live, no copy
     ident = parameters_identity(
-        model="small", revision="main", tensors=params, dtype=torch.bfloat16, quantization=None,
-        tp=1, pp=1, ep=1, dp=1, framework_version="test", device="cpu",
+        model="small",
+        revision="main",
+        tensors=params,
+        dtype=torch.bfloat16,
+        quantization=None,
+        tp=1,
+        pp=1,
+        ep=1,
+        dp=1,
+        framework_version="test",
+        device="cpu",
     )
-    seed = publish_seed(weights=[weights], identity=ident, planner_url=planner, token=REGISTER,
-                        providers=["tcp"], transfer_timeout_s=3.0)
+    seed = publish_seed(
+        weights=[weights],
+        identity=ident,
+        planner_url=planner,
+        token=REGISTER,
+        providers=["tcp"],
+        transfer_timeout_s=3.0,
+    )
     try:
         records = list((tmp_path / "run").glob("*.json"))
         assert [r.stem for r in records] == seed.instance_ids
         assert oct(records[0].stat().st_mode & 0o777) == "0o600"
-        result = load(identity=ident, planner_url=planner, **AUTH,
-                      options=LoadOptions(providers=["tcp"], become_seed=False, transfer_timeout_s=3.0))
+        result = load(
+            identity=ident,
+            planner_url=planner,
+            **AUTH,
+            options=LoadOptions(providers=["tcp"], become_seed=False, transfer_timeout_s=3.0),
+        )
         try:
             assert result.source == "rfork-tcp"
             for name, p in params.items():
@@ -274,7 +347,8 @@ def test_only_a_root_process_arms_the_drain(tmp_path):
     script.write_text(code)
     env = {**os.environ, "PYTHONPATH": str(Path.cwd())}
     env.pop(lifecycle.RUN_DIR_ENV, None)
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                         env=env, check=False)
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env, check=False
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "False", "True"]

@@ -7,36 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rfork import Loader, LoadOptions, pull_into
+from rfork import Loader, pull_into
 from rfork.errors import DestinationMismatch
-from rfork.identity import SourceIdentity, fingerprint
 from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import load_state_dict, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
 from rfork.weights.synthetic import write_synthetic_checkpoint
-from tests.rfork.conftest import AUTH, REGISTER, SMALL
+from tests.rfork.conftest import AUTH, REGISTER, SMALL, identity_for, opts, tied_model
 from tests.tiny_llama import LlamaForCausalLM
-
-
-def opts(**kw) -> LoadOptions:
-    return LoadOptions(providers=["tcp"], transfer_timeout_s=3.0, rank_deadline_s=60.0, **kw)
-
-
-def tied_model(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(SMALL)
-    model.lm_head.weight = model.model.embed_tokens.weight  # tied: one storage, two names
-    model.register_buffer("empty_buf", torch.empty(0, 8))
-    return model
-
-
-def identity_for(model: torch.nn.Module) -> SourceIdentity:
-    return SourceIdentity(
-        model="in-place-test",
-        revision="r1",
-        dtype="bfloat16",
-        fingerprint=fingerprint((n, str(t.dtype), t.shape) for n, t in model.state_dict().items()),
-    )
 
 
 @pytest.mark.slow

@@ -10,14 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.wire import RankManifest, RegionEntry, TensorEntry
-from rfork import Loader, LoadOptions, pull_into
-from rfork.identity import SourceIdentity, fingerprint
+from rfork import Loader, pull_into
 from rfork.pull.one_sided import plan_reads
 from rfork.seed.seed import Seed
 from rfork.weights import checksum as ck
 from rfork.weights.rank_weights import RankWeights
-from tests.rfork.conftest import AUTH, REGISTER, SMALL
-from tests.tiny_llama import LlamaForCausalLM
+from tests.rfork.conftest import AUTH, REGISTER, identity_for, opts, tied_model
 
 # A few backing buffers; tensors are byte spans carved out of them (they may overlap or repeat).
 spans_strategy = st.lists(
@@ -36,27 +34,6 @@ def _source_value(entries: list[TensorEntry], tensors: dict[str, torch.Tensor], 
         if e.offset <= src_off < e.offset + e.nbytes:
             return int(tensors[e.name].reshape(-1)[src_off - e.offset])
     raise AssertionError(src_off)
-
-
-def opts(**kw) -> LoadOptions:
-    return LoadOptions(providers=["tcp"], transfer_timeout_s=3.0, rank_deadline_s=60.0, **kw)
-
-
-def tied_model(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(SMALL)
-    model.lm_head.weight = model.model.embed_tokens.weight  # tied: one storage, two names
-    model.register_buffer("empty_buf", torch.empty(0, 8))
-    return model
-
-
-def identity_for(model: torch.nn.Module) -> SourceIdentity:
-    return SourceIdentity(
-        model="in-place-test",
-        revision="r1",
-        dtype="bfloat16",
-        fingerprint=fingerprint((n, str(t.dtype), t.shape) for n, t in model.state_dict().items()),
-    )
 
 
 @given(spans_strategy)

@@ -80,9 +80,7 @@ def test_control_endpoint_needs_the_lease_token_and_works_across_two_addresses(s
         status, body = _post_session(control_url, 0, None)
         assert status == 401
         loader = PlannerClient(planner, token=LOAD)
-        lease = loader.request_assignment(
-            identity=info.identity(), rank=0, providers=[], backends=["nccl"]
-        )
+        lease = loader.request_assignment(identity=info.identity(), rank=0, providers=[], backends=["nccl"])
         assert lease is not None
         token = lease.candidates[0].control_token
         assert token

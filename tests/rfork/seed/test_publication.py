@@ -13,11 +13,11 @@ from sqlalchemy import create_engine, text
 
 from planner.client import PlannerClient
 from planner.server import PlannerServer
-from rfork import LoadOptions, load
+from rfork import load
 from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
-from tests.rfork.conftest import ADMIN, AUTH, LOAD, READER, REGISTER, assert_same
+from tests.rfork.conftest import ADMIN, AUTH, LOAD, READER, REGISTER, assert_same, opts
 
 pytestmark = pytest.mark.slow
 TOKENS: dict[str, Any] = {
@@ -26,10 +26,6 @@ TOKENS: dict[str, Any] = {
     "load_token": LOAD,
     "reader_token": READER,
 }
-
-
-def opts(**kw) -> LoadOptions:
-    return LoadOptions(providers=["tcp"], transfer_timeout_s=3.0, rank_deadline_s=60.0, **kw)
 
 
 def _weights(ckpt) -> RankWeights:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rfork import LoadOptions, pull_into
+from rfork import pull_into
 from rfork.identity import SourceIdentity
-from tests.rfork.conftest import AUTH
+from tests.rfork.conftest import AUTH, opts
 
 RSS_CHILD = textwrap.dedent(
     """
@@ -45,10 +45,6 @@ RSS_CHILD = textwrap.dedent(
     seed.close()
     """
 )
-
-
-def opts(**kw) -> LoadOptions:
-    return LoadOptions(providers=["tcp"], transfer_timeout_s=3.0, rank_deadline_s=60.0, **kw)
 
 
 @pytest.mark.slow

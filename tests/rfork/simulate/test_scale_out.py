@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -13,6 +11,7 @@ import pytest
 
 from rfork.simulate.fleet import SCENARIOS, BandwidthModel, FleetSim, hub_baseline, migrated_template
 from rfork.simulate.flows import Network
+from tests.conftest import run_rfork
 
 
 @pytest.fixture(scope="module")
@@ -105,14 +104,14 @@ def test_simulator_decisions_match_the_real_planner_over_http(template, tmp_path
             assert r.json()["reason"] == "all_busy"
 
 
-def test_simulate_cli_writes_json_markdown_and_plot(tmp_path):
+def test_simulate_cli_writes_json_markdown_and_plot(tmp_path, capsys):
     out, md, png = tmp_path / "sim.json", tmp_path / "sim.md", tmp_path / "sim.png"
-    proc = subprocess.run(
-        [sys.executable, "-m", "rfork", "simulate", "scale-out", "--instances", "6", "--points", "1", "6",
+    status, _, stderr = run_rfork(
+        ["simulate", "scale-out", "--instances", "6", "--points", "1", "6",
          "--json", str(out), "--markdown", str(md), "--plot", str(png)],
-        capture_output=True, text=True, timeout=600, check=False,
+        capsys,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    assert status == 0, stderr
     doc = json.loads(out.read_text())
     assert [r["instances"] for r in doc["rows"]] == [1, 6]
     six = doc["rows"][-1]
@@ -121,12 +120,9 @@ def test_simulate_cli_writes_json_markdown_and_plot(tmp_path):
         assert six[name]["from_seed"] + six[name]["from_disk"] == 6
     assert "| 6 |" in md.read_text()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    bad = subprocess.run(
-        [sys.executable, "-m", "rfork", "simulate", "scale-out", "--instances", "0"],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert bad.returncode != 0
-    assert "--instances" in bad.stderr
+    status, _, stderr = run_rfork(["simulate", "scale-out", "--instances", "0"], capsys)
+    assert status != 0
+    assert "--instances" in stderr
 
 
 def test_racks_with_thin_uplinks_complete_within_limits(template, tmp_path):
