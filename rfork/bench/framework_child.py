@@ -30,15 +30,17 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    # imported here: `rfork --help` imports every command module, which must stay light (start-up time);
+    # the disk row imports only what a disk load needs (process start is part of what it measures)
     from backends.layout import dtype_from_name
-    from rfork.pull.loader import Loader
-    from rfork.pull.result import LoadOptions
     from rfork.weights.checkpoint import read_checkpoint_info, read_rank_into
 
     info = read_checkpoint_info(args.checkpoint)
     loader = None
     if args.source != "disk":
+        from rfork.pull.loader import Loader
+        from rfork.pull.result import LoadOptions
+
         if not args.planner:
             raise SystemExit("--planner is needed for a one-sided source")
         loader = Loader(

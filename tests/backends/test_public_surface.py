@@ -64,3 +64,11 @@ def test_importing_backends_loads_no_path_and_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_the_pure_modules_need_neither_the_binding_nor_the_engine() -> None:
+    probe = "import backends.layout, backends.sharding, backends.nccl, sys; "
+    probe += "print(sorted(m for m in sys.modules if m.startswith(('backends.providers', 'backends.eng'))))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
