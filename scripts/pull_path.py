@@ -58,6 +58,9 @@ def _start_planner(fleet: Any, work: Path) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=None, help="write the file list as JSON here")
+    parser.add_argument(
+        "--no-seed", action="store_true", help="stop at the verified pull (do not become a seed afterwards)"
+    )
     args = parser.parse_args()
     os.environ.setdefault("RFORK_TCP_HOST", "127.0.0.1")
 
@@ -97,7 +100,7 @@ def main() -> int:
                 identity=info.identity(),
                 planner_url=planner_url,
                 checkpoint=info,
-                options=rfork.LoadOptions(providers=("tcp",)),
+                options=rfork.LoadOptions(providers=("tcp",), become_seed=not args.no_seed),
             )
             threading.setprofile(profile)
             sys.setprofile(profile)
@@ -107,7 +110,11 @@ def main() -> int:
                 sys.setprofile(None)
                 threading.setprofile(None)  # type: ignore[arg-type]
             try:
-                if result.source != "rfork-tcp" or not result.verified or result.seed is None:
+                if (
+                    result.source != "rfork-tcp"
+                    or not result.verified
+                    or (result.seed is None) != args.no_seed
+                ):
                     print(f"the pull did not go as planned: {result.source}, verified={result.verified}")
                     return 1
             finally:
@@ -120,7 +127,8 @@ def main() -> int:
     for name, lines in rows:
         print(f"{name:<{width}}  {lines:5d} lines  {seen[name]:7d} calls")
     total = sum(lines for _, lines in rows)
-    print(f"{len(rows)} files, {total} lines (one tcp pull_into, from the call until the seed is published)")
+    until = "the weights are verified" if args.no_seed else "the seed is published"
+    print(f"{len(rows)} files, {total} lines (one tcp pull_into, from the call until {until})")
     if args.json:
         args.json.write_text(json.dumps({"files": dict(rows), "calls": seen, "total_lines": total}, indent=1))
     return 0
