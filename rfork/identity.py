@@ -1,4 +1,5 @@
-"""Source identity: what makes two instances interchangeable, and the weights fingerprint.
+"""Who an instance is and where it runs: the source identity (what makes two instances
+interchangeable), the weights fingerprint, and the topology labels the planner's selection reads.
 
 `SourceIdentity` is the planner's wire type (planner.wire): one definition for the planner, its client
 and rfork. Constructed in Python, quantization, tp/pp/ep/dp, framework, framework_version and
@@ -9,11 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
 from collections.abc import Iterable
 
 from planner.wire import SourceIdentity
 
-__all__ = ["SourceIdentity", "fingerprint", "global_rank"]
+__all__ = ["SourceIdentity", "default_labels", "fingerprint", "global_rank"]
 
 
 def fingerprint(tensors: Iterable[tuple[str, str, Iterable[int]]]) -> str:
@@ -36,3 +39,13 @@ def global_rank(*, tp_rank: int, pp_rank: int, tp_size: int) -> int:
     if not 0 <= tp_rank < tp_size or pp_rank < 0:
         raise ValueError(f"bad rank tp_rank={tp_rank} pp_rank={pp_rank} tp_size={tp_size}")
     return pp_rank * tp_size + tp_rank
+
+
+def default_labels() -> dict[str, str]:
+    """Topology labels: $RFORK_NODE / $RFORK_RACK / $RFORK_ZONE when set (and non-empty), else the
+    hostname / rack0 / zone0 (deploy/kubernetes/seed.yaml sets RFORK_NODE from the pod's node name)."""
+    return {
+        "node": os.environ.get("RFORK_NODE") or socket.gethostname(),
+        "rack": os.environ.get("RFORK_RACK") or "rack0",
+        "zone": os.environ.get("RFORK_ZONE") or "zone0",
+    }

@@ -37,7 +37,6 @@ from planner.wire import RankManifest
 from rfork.errors import PullError
 from rfork.pull.result import LoadOptions, ProgressFn
 from rfork.pull.staged import pull_staged
-from rfork.seed.seed import open_engine
 from rfork.weights import checksum as ck
 from rfork.weights.memory import prefault
 from rfork.weights.rank_weights import RankWeights
@@ -163,9 +162,7 @@ class OneSidedReader:
 
     def _open(self) -> TransferEngine:
         opts = self.options
-        return open_engine(
-            (opts.one_sided or ["tcp"])[0], domains=opts.domains, timeout_s=opts.transfer_timeout_s
-        )
+        return TransferEngine((opts.one_sided or ["tcp"])[0], opts.domains, timeout_s=opts.transfer_timeout_s)
 
 
 @dataclass(slots=True)

@@ -31,9 +31,8 @@ from planner.client import AllBusy, PlannerClient
 from planner.integrity import digest_set
 from planner.wire import Anchor, Assignment, Candidate, RankManifest
 from rfork.errors import ChecksumMismatch, ManifestError, PullError
-from rfork.identity import SourceIdentity
+from rfork.identity import SourceIdentity, default_labels
 from rfork.pull.result import BusyWait, LoadOptions
-from rfork.seed.publication import default_labels
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,11 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from backends import TransferEngine
 from planner.wire import RankEndpoint, RankManifest
 from rfork.identity import SourceIdentity
 from rfork.seed.publication import Publication
-from rfork.seed.seed import RankServer, Seed, open_engine
+from rfork.seed.seed import RankServer, Seed
 from rfork.weights.checkpoint import CheckpointInfo, load_rank_from_disk, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
 
@@ -169,7 +170,7 @@ def _rank_worker(
         weights.compute_checksums()
         rows = []
         for provider in providers:
-            server = RankServer(engine=open_engine(provider, domains=domains))
+            server = RankServer(engine=TransferEngine(provider, domains, timeout_s=10.0))
             servers.append(server)
             served = server.serve(weights)
             rows.append(

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from planner.client import AuthError, NotFound, PlannerClient, PlannerUnavailable
 from planner.wire import InstanceStatus, RankEndpoint, RankManifest
-from rfork.identity import SourceIdentity
+from rfork.identity import SourceIdentity, default_labels
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +35,6 @@ def routable_host(planner_url: str) -> str:
             return str(probe.getsockname()[0])
     except OSError:
         return "127.0.0.1"
-
-
-def default_labels() -> dict[str, str]:
-    """Topology labels: $RFORK_NODE / $RFORK_RACK / $RFORK_ZONE when set (and non-empty), else the
-    hostname / rack0 / zone0 (deploy/kubernetes/seed.yaml sets RFORK_NODE from the pod's node name)."""
-    return {
-        "node": os.environ.get("RFORK_NODE") or socket.gethostname(),
-        "rack": os.environ.get("RFORK_RACK") or "rack0",
-        "zone": os.environ.get("RFORK_ZONE") or "zone0",
-    }
 
 
 class Publication:

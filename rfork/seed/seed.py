@@ -24,17 +24,12 @@ import torch
 from backends import Region, TransferEngine
 from planner.control_token import new_control_key
 from planner.wire import RankEndpoint
-from rfork.identity import SourceIdentity
+from rfork.identity import SourceIdentity, default_labels
 from rfork.seed.control import ControlServer
-from rfork.seed.publication import Publication, default_labels, routable_host
+from rfork.seed.publication import Publication, routable_host
 from rfork.weights.rank_weights import RankWeights
 
 log = logging.getLogger(__name__)
-
-
-def open_engine(provider: str, *, domains: int = 1, timeout_s: float = 10.0) -> TransferEngine:
-    """A transfer engine to serve or pull with: `domains` parallel endpoints, dead-peer bound `timeout_s`."""
-    return TransferEngine(provider, domains, timeout_s=timeout_s)
 
 
 @dataclass(kw_only=True)
@@ -185,7 +180,7 @@ class Seed:
             if not self.servers:
                 for provider in self.providers:
                     server = RankServer(
-                        engine=open_engine(provider, domains=self.domains, timeout_s=self.timeout_s)
+                        engine=TransferEngine(provider, self.domains, timeout_s=self.timeout_s)
                     )
                     self.servers.append(server)
                     for w in self.weights.values():

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from rfork.identity import SourceIdentity, fingerprint, global_rank
+from rfork.identity import SourceIdentity, default_labels, fingerprint, global_rank
 
 names = st.text(alphabet="abcdefghij._0123456789", min_size=1, max_size=20)
 dtypes = st.sampled_from(["bfloat16", "float16", "float32", "int8", "int64"])
@@ -44,3 +44,17 @@ def test_fingerprint_is_a_function_of_the_set(specs, rnd):
     shuffled = list(items)
     rnd.shuffle(shuffled)
     assert fingerprint(items) == fingerprint(shuffled)
+
+
+def test_default_labels_from_env_else_hostname(monkeypatch):
+    import socket
+
+    for var in ("RFORK_NODE", "RFORK_RACK", "RFORK_ZONE"):
+        monkeypatch.delenv(var, raising=False)
+    assert default_labels() == {"node": socket.gethostname(), "rack": "rack0", "zone": "zone0"}
+    monkeypatch.setenv("RFORK_NODE", "node-a")
+    monkeypatch.setenv("RFORK_RACK", "r7")
+    monkeypatch.setenv("RFORK_ZONE", "z2")
+    assert default_labels() == {"node": "node-a", "rack": "r7", "zone": "z2"}
+    monkeypatch.setenv("RFORK_RACK", "")  # empty counts as unset
+    assert default_labels()["rack"] == "rack0"

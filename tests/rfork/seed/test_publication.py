@@ -49,22 +49,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_default_labels_from_env_else_hostname(monkeypatch):
-    import socket
-
-    from rfork.seed.seed import default_labels
-
-    for var in ("RFORK_NODE", "RFORK_RACK", "RFORK_ZONE"):
-        monkeypatch.delenv(var, raising=False)
-    assert default_labels() == {"node": socket.gethostname(), "rack": "rack0", "zone": "zone0"}
-    monkeypatch.setenv("RFORK_NODE", "node-a")
-    monkeypatch.setenv("RFORK_RACK", "r7")
-    monkeypatch.setenv("RFORK_ZONE", "z2")
-    assert default_labels() == {"node": "node-a", "rack": "r7", "zone": "z2"}
-    monkeypatch.setenv("RFORK_RACK", "")  # empty counts as unset
-    assert default_labels()["rack"] == "rack0"
-
-
 def test_seed_reasserts_ready_after_stale_and_registers_again_after_404(small_ckpt, sqlite_url):
     info = read_checkpoint_info(small_ckpt)
     with PlannerServer(db_url=sqlite_url, heartbeat_ttl_s=1.5, reaper_interval_s=3600, **TOKENS) as srv:

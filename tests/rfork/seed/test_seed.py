@@ -21,7 +21,8 @@ RSS_CHILD = textwrap.dedent(
     import json, os, sys, torch
     from planner.client import PlannerClient  # imported before the baseline: not part of serving
     from rfork.identity import SourceIdentity
-    from rfork.seed.seed import RankServer, Seed, open_engine
+    from backends import TransferEngine
+    from rfork.seed.seed import RankServer, Seed
     from rfork.weights.rank_weights import RankWeights
 
     def rss() -> int:
@@ -30,7 +31,7 @@ RSS_CHILD = textwrap.dedent(
 
     nbytes = int(sys.argv[2])
     tensors = {f"layer{i}.weight": torch.full((nbytes // 8 // 4,), float(i)) for i in range(8)}
-    server = RankServer(engine=open_engine("tcp"))
+    server = RankServer(engine=TransferEngine("tcp", timeout_s=10.0))
     before = rss()
     weights = RankWeights.from_tensors(tensors=tensors)
     server.serve(weights)
