@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,10 +87,17 @@ def identity_of(ckpt: Path, tp: int = 1):
 
 
 def start_seed(
-    fleet, ckpt: Path, planner_url: str, name: str = "seed", tp: int = 1
+    fleet,
+    ckpt: Path,
+    planner_url: str,
+    name: str = "seed",
+    tp: int = 1,
+    *,
+    providers: Sequence[str] = ("tcp",),
+    env: dict[str, str] | None = None,
 ) -> tuple[list[str], Child]:
     ready = fleet.workdir / f"{name}.ready.json"
-    child = fleet.spawn(name, seed_args(ckpt, planner_url, ready, tp=tp))
+    child = fleet.spawn(name, seed_args(ckpt, planner_url, ready, tp=tp, providers=providers), env=env)
     info = fleet.wait_file(child, ready, timeout_s=90)
     return info["instance_ids"], child
 
