@@ -97,3 +97,36 @@ def test_a_stalled_seed_cannot_write_into_weights_verified_elsewhere(fleet, medi
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(a.proc.pid, signal.SIGCONT)
+
+
+def test_a_stalled_seed_cannot_write_into_weights_read_from_disk_after_it(fleet, medium_ckpt, planner):
+    """The same with no other seed: the loader falls back to the checkpoint on disk."""
+    ready = fleet.workdir / "changed.ready.json"
+    a = fleet.spawn(
+        "seed-a-changed",
+        [str(medium_ckpt), planner, str(ready), "tcp"],
+        module="tests.rfork.pull.changed_seed",
+    )
+    a_ids = fleet.wait_file(a, ready, timeout_s=90)["instance_ids"]
+    info = read_checkpoint_info(medium_ckpt)
+    expected = load_state_dict(medium_ckpt)
+    dest = {name: torch.zeros_like(t) for name, t in expected.items()}
+    loader = _stalling_loader(
+        "tcp",
+        lambda _iid: os.kill(a.proc.pid, signal.SIGSTOP),
+        identity=info.identity(),
+        planner_url=planner,
+        checkpoint=info,
+    )
+    try:
+        result = loader.pull_into(dest)
+        assert loader.stall_state["fired"] == a_ids[0]  # type: ignore[attr-defined]
+        assert result.source == "disk"
+        assert_same(dest, expected)
+        os.kill(a.proc.pid, signal.SIGCONT)
+        time.sleep(4.0)
+        assert_same(dest, expected)
+        result.close()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(a.proc.pid, signal.SIGCONT)
