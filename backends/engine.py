@@ -396,6 +396,13 @@ class TransferEngine:
         """Number of domains (parallel endpoints)."""
         return len(self._domains)
 
+    def outstanding(self) -> int:
+        """Chunks at the provider that read into or write from this engine's regions, counting those of
+        ops that already failed (a timed-out read still lands if its peer wakes up). 0 means no posted
+        op can change local memory any more; close() is the way to make it 0 without waiting."""
+        with self._lock:
+            return sum(region.posted for region in self._regions)
+
     def close(self) -> None:
         """Stop progress threads, fail outstanding futures, release registrations and endpoints."""
         with self._lock:

@@ -5,7 +5,8 @@ The story of one load, for each rank:
      that match the identity's anchored digests);
   2. check the destination against the seed's manifest, then read it (`one_sided`, `staged`, `nccl`),
      verifying every tensor's digest as it lands; report how it went; on any failure report it,
-     exclude that seed and ask again; when no seed is left, read the checkpoint (`disk`);
+     fence the failed attempt's reads (none may land later: `OneSidedReader.fence`), exclude that
+     seed and ask again; when no seed is left, read the checkpoint (`disk`);
   3. once every rank is in, publish this instance as a seed of the same weights (`rfork.seed`), reusing
      the pull's read-only registrations.
 Weights land where the caller wants them: `pull_into(named_tensors)` / `load_into(module)` fill the
@@ -116,6 +117,7 @@ class Loader:
         except BaseException:
             self.reader.close()
             raise
+        self.reader.fence()  # nothing this load posted may land after it returns
         seconds = time.perf_counter() - t0
         result = LoadResult(
             identity=self.identity,
@@ -178,6 +180,7 @@ class Loader:
                     )
                 )
                 source.failed(exc, seconds)
+                self.reader.fence()  # before anything else writes into the same memory
                 continue
             seconds = time.perf_counter() - started
             nbytes = weights.layout.total_bytes
@@ -240,9 +243,13 @@ class Loader:
         self, weights: Mapping[int, RankWeights], regions: Mapping[int, list[Region] | None]
     ) -> Seed:
         """Serve the loaded weights (reusing the pull's registrations) and publish them at the planner."""
-        server = RankServer(engine=self.reader.take_engine())
+        engine = self.reader.take_engine()
+        server = RankServer(engine=engine)
         for rank, w in weights.items():
-            server.serve(w, regions=regions.get(rank))  # None (disk/nccl/staged): register now, read-only
+            regs = regions.get(rank)
+            if regs and any(r.engine is not engine for r in regs):
+                regs = None  # registered on an engine a fence closed since
+            server.serve(w, regions=regs)  # None (disk/nccl/staged/fenced): register now, read-only
         assert self.planner_url is not None
         seed = Seed(
             weights=list(weights.values()),

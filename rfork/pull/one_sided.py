@@ -115,6 +115,23 @@ class OneSidedReader:
         self._engine = None
         return engine
 
+    def fence(self) -> None:
+        """After a failed attempt: make sure none of its reads can still land. A read that timed out
+        stays posted, and lands if its seed wakes up (SIGCONT, a healed partition), possibly after the
+        same memory was filled and verified from another source. When any is outstanding the engine is
+        closed (its endpoints go, so late data finds nobody to write it) and the next attempt opens a
+        fresh one; registrations made on the closed engine are gone with it."""
+        with self._lock:
+            engine = self._engine
+            if engine is None or engine.outstanding() == 0:
+                return
+            self._engine = None
+        log.warning(
+            "%d read(s) of a failed attempt still posted: closing the engine so none can land later",
+            engine.outstanding(),
+        )
+        engine.close()
+
     def close(self) -> None:
         """Close the engine unless a seed took it."""
         with self._lock:
@@ -380,7 +397,7 @@ class _ReadPipeline:
                 for f in reg_futs:
                     with contextlib.suppress(Exception):
                         self.engine.deregister(f.result(timeout=30))
-            reg_pool.shutdown(wait=not ok)
+            reg_pool.shutdown(wait=True)  # its thread uses the engine, which a fence may close next
             verify_pool.shutdown(wait=True, cancel_futures=not ok)
 
     def _verify_upto(self, region: int, lo: int, hi: int) -> None:

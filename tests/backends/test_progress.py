@@ -42,6 +42,7 @@ def test_timed_out_reads_keep_their_region_alive_until_the_provider_completes_th
             with pytest.raises(TransferTimeout):
                 fut.result(30)
             assert region.posted > 0, "expected reads still posted at the provider after the timeout"
+            assert engine.outstanding() == region.posted  # what a loader's fence looks at
             alive = weakref.ref(buf)
             engine.deregister(region)  # what a loader does after a deadline
             del buf, region
@@ -53,6 +54,7 @@ def test_timed_out_reads_keep_their_region_alive_until_the_provider_completes_th
             os.kill(victim.proc.pid or 0, signal.SIGCONT)
         # the stopped seed answers the posted reads; then the memory goes, within a bounded time
         assert _wait(lambda: alive() is None, 30), "the region was never released after its reads completed"
+        assert engine.outstanding() == 0
         # and the engine still works
         other = torch.zeros(MiB, dtype=torch.uint8)
         r2 = engine.register(other, "read")
@@ -80,7 +82,9 @@ def test_engine_close_releases_regions_with_reads_still_posted() -> None:
         del buf, region
         gc.collect()
         assert alive() is not None
+        assert engine.outstanding() > 0
         engine.close()  # endpoints gone: nothing can land any more, so the memory may go
+        assert engine.outstanding() == 0
         assert _wait(lambda: alive() is None, 10)
     finally:
         os.kill(victim.proc.pid or 0, signal.SIGCONT)
