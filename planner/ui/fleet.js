@@ -118,7 +118,7 @@ function treeOf(view) {
 function drawTree(view) {
   const svg = document.getElementById("tree");
   const roots = treeOf(view);
-  const W = 150, H = 40, GAPX = 190, GAPY = 58;
+  const W = 150, H = 40, GAPX = 170, GAPY = 62;
   const items = [];
   let row = 0;
   let depthMax = 0;
@@ -153,15 +153,18 @@ function drawTree(view) {
     out.push(el("svg:path", { class: cls, d: `M${x1},${y1} C${mid},${y1} ${mid},${y2} ${x2},${y2}`,
       "data-seed": p.seed, "data-loader": p.loader, "data-live": p.live }));
     const bytes = p.total ? fmtBytes(p.done) + " / " + fmtBytes(p.total) : fmtBytes(p.done);
-    const label = bytes + " · " + (p.gbps ? p.gbps.toFixed(2) + " GB/s" : "? GB/s") + " · " + [...p.transports].join("+");
-    out.push(el("svg:text", { class: p.live ? "edge-label live" : "edge-label", x: x1 + 8, y: y2 - 6 }, label));
+    const rate = (p.gbps ? p.gbps.toFixed(2) + " GB/s" : "? GB/s") + " · " + [...p.transports].join("+");
+    const lc = p.live ? "edge-label live" : "edge-label";
+    out.push(el("svg:text", { class: lc, x: x1 + 10, y: y2 - 18 }, bytes));
+    out.push(el("svg:text", { class: lc, x: x1 + 10, y: y2 - 5 }, rate));
   }
   for (const it of items) {
     const n = it.n;
     out.push(el("svg:g", { class: "node " + n.cls, "data-node": n.id, transform: `translate(${it.x},${it.y})` },
       el("svg:rect", { width: W, height: H }),
       el("svg:text", { x: 8, y: 16 }, n.label),
-      el("svg:text", { x: 8, y: 32 }, n.sub)));
+      el("svg:title", {}, n.id + " " + n.sub),
+      el("svg:text", { x: 8, y: 32 }, n.sub.length > 24 ? n.sub.slice(0, 23) + "…" : n.sub)));
   }
   svg.replaceChildren(...out);
 }
@@ -183,7 +186,7 @@ function drawPlot(view) {
   const pts = view.transfers.filter((t) => t.gbps !== null);
   const out = [el("svg:line", { class: "axis", x1: L, y1: H - B, x2: W - R, y2: H - B }),
     el("svg:line", { class: "axis", x1: L, y1: T, x2: L, y2: H - B }),
-    el("svg:text", { x: 4, y: T + 8 }, "GB/s")];
+    el("svg:text", { x: L + 6, y: T + 10 }, "GB/s")];
   if (pts.length) {
     const t0 = Math.min(...pts.map((p) => p.ended_at)), t1 = Math.max(...pts.map((p) => p.ended_at), t0 + 1);
     const g1 = Math.max(...pts.map((p) => p.gbps)) * 1.1 || 1;
