@@ -5,6 +5,11 @@ live lease's holder; refusals and quarantines carry their reason; hostile bodies
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
 from typing import Any
 
 import httpx
@@ -181,3 +186,37 @@ def secure_module(secure):
     _ready_seed(secure.url)
     lease = PlannerClient(secure.url, token="load-secret").request_assignment(identity=identity(), rank=0)
     return secure.url, lease.id
+
+
+def test_serve_prints_the_page_address(sqlite_url, tmp_path):
+    """`rfork planner serve` says where the fleet page is, and the page is there."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "serve.out"
+    with out.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rfork", "planner", "serve", "--db", sqlite_url, "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "RFORK_READER_TOKEN": "read-secret", "RFORK_REAPER_INTERVAL_S": "3600"},
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while "fleet page:" not in out.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, out.read_text()
+            time.sleep(0.1)
+        (line,) = [ln for ln in out.read_text().splitlines() if ln.startswith("fleet page:")]
+        url = line.split()[2]
+        assert url == f"http://127.0.0.1:{port}/ui"
+        while time.monotonic() < deadline:
+            try:
+                page = httpx.get(url)
+                break
+            except httpx.ConnectError:
+                time.sleep(0.1)
+        assert page.status_code == 200
+        assert "rfork fleet" in page.text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
