@@ -89,6 +89,7 @@ def test_progress_and_seeded_come_from_the_lease_holder(secure):
     seed_id, seed_client = _ready_seed(secure.url)
     loader = PlannerClient(secure.url, token="load-secret")
     lease = loader.request_assignment(identity=identity(), rank=0)
+    assert lease is not None
     loader.report_progress(lease.id, bytes_done=32, bytes_total=64)
     view = PlannerClient(secure.url, token="read-secret").fleet()
     (edge,) = view.edges
@@ -140,6 +141,7 @@ def test_refusals_and_quarantines_carry_their_reason(secure):
     assert loader.request_assignment(identity=identity(model="nobody"), rank=0) is None  # 404 no_source
     seed_id, _ = _ready_seed(secure.url)
     lease = loader.request_assignment(identity=identity(), rank=0)
+    assert lease is not None
     loader.report_transfer(lease.id, outcome="failure", reason="checksum_mismatch", error="bad bytes")
     view = PlannerClient(secure.url, token="read-secret").fleet()
     (refusal,) = view.refusals
@@ -185,6 +187,7 @@ def secure_module(secure):
     """A live lease held by the load token."""
     _ready_seed(secure.url)
     lease = PlannerClient(secure.url, token="load-secret").request_assignment(identity=identity(), rank=0)
+    assert lease is not None
     return secure.url, lease.id
 
 
