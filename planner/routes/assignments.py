@@ -37,7 +37,11 @@ router = APIRouter(prefix="/v1/assignments", tags=["assignments"])
                 "Report": {
                     "operationId": "report_transfer",
                     "parameters": {"assignment_id": "$response.body#/id"},
-                }
+                },
+                "Progress": {
+                    "operationId": "report_progress",
+                    "parameters": {"assignment_id": "$response.body#/id"},
+                },
             },
         },
     },

@@ -68,8 +68,9 @@ def fleet_view(
 @router.post(
     "/v1/assignments/{assignment_id}/progress",
     status_code=204,
+    operation_id="report_progress",
     response_class=Response,
-    responses={401: {}, 403: {}, 404: {}, 409: {}, 422: {}},
+    responses={400: {}, 401: {}, 403: {}, 404: {}, 409: {}, 413: {}, 422: {}},
 )
 async def report_progress(
     assignment_id: AssignmentId,
@@ -98,8 +99,9 @@ async def report_progress(
 @router.post(
     "/v1/assignments/{assignment_id}/seeded",
     status_code=204,
+    operation_id="report_seeded",
     response_class=Response,
-    responses={401: {}, 403: {}, 404: {}, 409: {}, 422: {}},
+    responses={400: {}, 401: {}, 403: {}, 404: {}, 409: {}, 413: {}, 422: {}},
 )
 async def report_seeded(
     assignment_id: AssignmentId,
