@@ -16,7 +16,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 
 from planner import wire
 from planner.db import Database
@@ -196,6 +196,13 @@ def fleet_view(
             .scalars()
             .all()
         )
+        live_by_seed: dict[str, int] = dict(
+            s.execute(
+                select(Lease.instance_id, func.count())
+                .where(Lease.ended_at.is_(None), Lease.expires_at > now)
+                .group_by(Lease.instance_id)
+            ).all()
+        )
         quarantined = [i.id for i in insts if i.quarantined_until is not None and i.quarantined_until > now]
         why: dict[str, str] = {}
         for iid in quarantined:
@@ -208,14 +215,12 @@ def fleet_view(
                 )
                 or "failed pulls"
             )
-    live_by_seed: dict[str, int] = {}
     edge_views = []
     for lease in edges:
         live = lease.ended_at is None and lease.expires_at > now
         if lease.ended_at is None and not live:
             continue  # expired, not yet reaped
         if live:
-            live_by_seed[lease.instance_id] = live_by_seed.get(lease.instance_id, 0) + 1
             p = progress.get(lease.id)
             done = p.bytes_done if p else 0
             total = p.bytes_total if p else None
