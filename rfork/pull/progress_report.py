@@ -14,7 +14,9 @@ from planner.client import PlannerClient
 from rfork.pull.result import ProgressFn
 
 log = logging.getLogger(__name__)
-JOIN_TIMEOUT_S = 15.0  # longer than one report can take (the client's timeout is 10 s)
+# close() waits this long for a report in flight, then leaves it (daemon thread): a hung planner must
+# not hold up a pull that has finished; a report landing after the lease's end is refused and ignored
+JOIN_TIMEOUT_S = 1.0
 
 
 class PullProgress:
@@ -53,7 +55,7 @@ class PullProgress:
             self._thread.start()
 
     def close(self) -> None:
-        """Stop posting (the lease's report follows with the final figures); waits for the thread."""
+        """Stop posting (the lease's report follows with the final figures); waits briefly for the thread."""
         self._stop.set()
         with self._lock:
             thread = self._thread
@@ -76,4 +78,7 @@ class PullProgress:
             self._sent = latest
         except Exception as exc:  # noqa: BLE001 - a lost progress figure must never touch the pull
             self._failed = True  # one warning, no retries: the lease may have ended or the planner be old
-            log.warning("progress of assignment %s not reported: %s", self._assignment_id, exc)
+            if self._stop.is_set():  # the pull is over: the lease may well have ended meanwhile
+                log.debug("late progress of assignment %s not reported: %s", self._assignment_id, exc)
+            else:
+                log.warning("progress of assignment %s not reported: %s", self._assignment_id, exc)

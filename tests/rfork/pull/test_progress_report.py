@@ -4,6 +4,7 @@ posts the latest, a refused report is dropped with one warning and never reaches
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 
@@ -11,7 +12,7 @@ import pytest
 
 from planner.client import PlannerClient
 from planner.server import PlannerServer
-from rfork.pull.progress_report import PullProgress
+from rfork.pull.progress_report import JOIN_TIMEOUT_S, PullProgress
 from tests.planner.conftest import empty_database, identity, manifest, ranks
 
 
@@ -71,3 +72,19 @@ def test_a_refused_report_is_dropped_with_one_warning(planner_url, caplog):
             reporter.close()
         warnings = [r for r in caplog.records if "not reported" in r.getMessage()]
         assert len(warnings) == 1
+
+
+def test_a_planner_that_never_answers_does_not_hold_up_the_pull(caplog):
+    """A listener that accepts and never answers (a hung planner): close() returns within its bound."""
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(8)
+        client = PlannerClient(f"http://127.0.0.1:{hung.getsockname()[1]}", token="load")
+        reporter = PullProgress(client, "0" * 32, interval_s=0.05)
+        with caplog.at_level(logging.DEBUG, logger="rfork.pull.progress_report"):
+            reporter(1, 2)
+            time.sleep(0.2)  # the post is in flight, waiting on the silent peer
+            t0 = time.monotonic()
+            reporter.close()
+            assert time.monotonic() - t0 < JOIN_TIMEOUT_S + 0.5
+        client.close()
