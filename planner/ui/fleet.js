@@ -143,11 +143,9 @@ function drawTree(view) {
   for (const it of items) {
     const p = it.n.parent;
     if (!p) continue;
-    const from = { x: it.x - GAPX, y: 0 };
     const parent = items.find((o) => o.n.id === p.seed);
     if (!parent) continue;
-    from.y = parent.y + H / 2;
-    const x1 = parent.x + W, y1 = from.y, x2 = it.x, y2 = it.y + H / 2;
+    const x1 = parent.x + W, y1 = parent.y + H / 2, x2 = it.x, y2 = it.y + H / 2;
     const mid = (x1 + x2) / 2;
     const cls = p.live ? "edge live" : "edge";
     out.push(el("svg:path", { class: cls, d: `M${x1},${y1} C${mid},${y1} ${mid},${y2} ${x2},${y2}`,
