@@ -32,6 +32,24 @@ MAX_EDGES = 2000
 RECENT_TRANSFERS = 100
 
 
+# what the page needs of a lease (not its error text, up to 64 KiB a row)
+LEASE_COLUMNS = (
+    Lease.id,
+    Lease.instance_id,
+    Lease.requester_id,
+    Lease.rank,
+    Lease.provider,
+    Lease.backend,
+    Lease.created_at,
+    Lease.expires_at,
+    Lease.ended_at,
+    Lease.outcome,
+    Lease.bytes,
+    Lease.seconds,
+    Lease.reason,
+)
+
+
 @dataclass(frozen=True)
 class Progress:
     """Bytes read so far of one live pull, as its loader last reported them."""
@@ -173,29 +191,21 @@ def fleet_view(
                 Anchor.instance_id,
             ).order_by(Anchor.identity_key, Anchor.rank, Anchor.checksum_algorithm)
         ).all()
-        edges = (
-            s.execute(
-                select(Lease)
-                .where(
-                    (Lease.ended_at.is_(None))
-                    | ((Lease.outcome == "success") & (Lease.ended_at > now - TREE_WINDOW_S))
-                )
-                .order_by(Lease.created_at.desc())
-                .limit(MAX_EDGES)
+        edges = s.execute(
+            select(*LEASE_COLUMNS)
+            .where(
+                (Lease.ended_at.is_(None))
+                | ((Lease.outcome == "success") & (Lease.ended_at > now - TREE_WINDOW_S))
             )
-            .scalars()
-            .all()
-        )
-        recent = (
-            s.execute(
-                select(Lease)
-                .where(Lease.ended_at.is_not(None))
-                .order_by(Lease.ended_at.desc(), Lease.id)
-                .limit(RECENT_TRANSFERS)
-            )
-            .scalars()
-            .all()
-        )
+            .order_by(Lease.created_at.desc())
+            .limit(MAX_EDGES)
+        ).all()
+        recent = s.execute(
+            select(*LEASE_COLUMNS)
+            .where(Lease.ended_at.is_not(None))
+            .order_by(Lease.ended_at.desc(), Lease.id)
+            .limit(RECENT_TRANSFERS)
+        ).all()
         live_by_seed: dict[str, int] = dict(
             s.execute(
                 select(Lease.instance_id, func.count())
