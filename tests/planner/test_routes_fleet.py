@@ -223,3 +223,22 @@ def test_serve_prints_the_page_address(sqlite_url, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+NAME = st.text(
+    st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=1, max_size=40
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(model=NAME, revision=NAME, node=NAME.filter(lambda s: len(s) <= 256))
+def test_any_name_a_peer_registers_comes_back_verbatim(secure, model, revision, node):
+    """Names are whatever a registrant sent: the fleet view returns them unchanged (the page shows text)."""
+    reg = PlannerClient(secure.url, token="reg-secret").register_instance(
+        identity=identity(model=model, revision=revision), labels={"node": node}
+    )
+    view = PlannerClient(secure.url, token="read-secret").fleet()
+    (inst,) = [i for i in view.instances if i.id == reg.id]
+    (ident,) = [d for d in view.identities if d.identity_key == inst.identity_key]
+    assert (ident.model, ident.revision, inst.labels.node) == (model, revision, node)
+    PlannerClient(secure.url, token="adm-secret").delete_instance(reg.id)
