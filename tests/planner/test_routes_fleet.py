@@ -226,7 +226,7 @@ def test_serve_prints_the_page_address(sqlite_url, tmp_path):
 
 
 NAME = st.text(
-    st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=1, max_size=40
+    st.characters(exclude_categories=["Cs"], exclude_characters="\x00"), min_size=1, max_size=40
 )
 
 
