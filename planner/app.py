@@ -22,10 +22,11 @@ from starlette.routing import Match
 from planner.auth import Authenticator
 from planner.db import Database
 from planner.errors import AllBusy, AuthError, BadRequest, Conflict, NotFound, PlannerError
+from planner.fleet import ProgressBoard, RefusalLog
 from planner.guard import RequestGuard
 from planner.heartbeats import HeartbeatBatcher, HeartbeatFastPath
 from planner.metrics import MetricsMiddleware, PlannerMetrics
-from planner.routes import assignments, instances, observe
+from planner.routes import assignments, fleet, instances, observe
 from planner.selection import make_policy
 from planner.service import Planner, reap
 from planner.settings import PlannerSettings
@@ -77,6 +78,8 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
     )
     app.state.planner = planner
     app.state.metrics = metrics
+    app.state.progress = ProgressBoard()  # the fleet page: bytes done of live pulls (this process)
+    app.state.refusals = RefusalLog()  # and the latest refusals
     app.state.heartbeats = HeartbeatBatcher(planner, settings.heartbeat_batch_s)
     app.state.authenticator = (
         Authenticator(
@@ -93,6 +96,7 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
     app.include_router(instances.router)
     app.include_router(assignments.router)
     app.include_router(observe.router)
+    app.include_router(fleet.router)
     _add_error_handlers(app)
     _add_manifest_schema(app)
     app.add_middleware(HeartbeatFastPath, batcher=app.state.heartbeats, state=app.state)

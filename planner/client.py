@@ -26,16 +26,19 @@ from planner.errors import (
 from planner.wire import (
     Assignment,
     AssignmentRequest,
+    FleetView,
     HeartbeatAnswer,
     InstancePage,
     InstanceView,
     Labels,
     ModelsPage,
+    ProgressReport,
     RankEndpoint,
     RankManifest,
     Registration,
     RegistrationRequest,
     ReportAnswer,
+    SeededReport,
     SourceIdentity,
     StatusChange,
     TransferReport,
@@ -214,10 +217,28 @@ class PlannerClient:
             )
         return self._call("POST", f"/v1/assignments/{assignment_id}/report", op, ReportAnswer, body=body)
 
+    def report_progress(self, assignment_id: str, *, bytes_done: int, bytes_total: int) -> None:
+        """Bytes read so far of a live pull (the fleet page's live tree); its holder only."""
+        op = f"report progress of assignment {assignment_id}"
+        with _checked(op):
+            body = ProgressReport(bytes_done=bytes_done, bytes_total=bytes_total)
+        self._call("POST", f"/v1/assignments/{assignment_id}/progress", op, None, body=body)
+
+    def report_seeded(self, assignment_id: str, instance_id: str) -> None:
+        """Say which instance now serves what a successful pull read (links the fan-out tree)."""
+        op = f"report seeded of assignment {assignment_id}"
+        with _checked(op):
+            body = SeededReport(instance_id=instance_id)
+        self._call("POST", f"/v1/assignments/{assignment_id}/seeded", op, None, body=body)
+
     # ---- views -------------------------------------------------------------------------------
     def models(self) -> ModelsPage:
         """Identities with their instance and READY counts."""
         return self._call("GET", "/v1/models", "list models", ModelsPage)
+
+    def fleet(self) -> FleetView:
+        """What the fleet page shows: identities, instances, the fan-out tree, transfers, refusals."""
+        return self._call("GET", "/v1/fleet", "fleet view", FleetView)
 
     def transfers(self, **filters: Any) -> TransfersPage:
         """One page of finished assignments; filters: seed_id, outcome, limit, offset."""

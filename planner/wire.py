@@ -533,3 +533,111 @@ class TransfersPage(BaseModel):
 
     items: list[TransferView]
     total: int
+
+
+# ---- the fleet page (GET /v1/fleet, /ui) and what loaders tell it during a pull --------------
+
+
+class ProgressReport(Strict):
+    """POST /v1/assignments/{id}/progress: bytes read so far of a live pull (its holder only)."""
+
+    bytes_done: Bytes
+    bytes_total: Bytes
+
+
+class SeededReport(Strict):
+    """POST /v1/assignments/{id}/seeded: the instance now serving what this pull read (its holder only).
+
+    Links a loader's pull to the seed it became, so the fan-out tree can chain seed -> loader -> loader.
+    """
+
+    instance_id: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
+
+
+class FleetAnchor(BaseModel):
+    """An identity's anchored digest set for one rank (short digest) and the instance that anchored it."""
+
+    rank: int
+    checksum_algorithm: str
+    digest_set: str
+    anchored_by: str
+
+
+class FleetIdentity(BaseModel):
+    """An identity as the page shows it: names, layout and anchor state (no fingerprint, no digests)."""
+
+    identity_key: str
+    model: str
+    revision: str
+    framework: str
+    dtype: str
+    layout: str  # e.g. "tp2 pp1 ep1 dp1"
+    ranks: int
+    anchors: list[FleetAnchor]
+
+
+class FleetInstance(BaseModel):
+    """An instance without its addresses, control endpoint or descriptors."""
+
+    id: str
+    identity_key: str
+    status: InstanceStatus
+    labels: Labels
+    pulls: int  # live leases it serves
+    max_concurrent_pulls: int
+    heartbeat_age_s: float
+    quarantined_for_s: float | None  # seconds left; None when not quarantined
+    quarantine_reason: str | None  # the reason of its latest failed pull, while quarantined
+
+
+class FleetEdge(BaseModel):
+    """One pull in the fan-out tree: seed -> loader (loader_id once the loader serves what it read)."""
+
+    assignment_id: str
+    seed_id: str
+    loader_id: str | None
+    rank: int
+    transport: str
+    started_at: float
+    live: bool
+    bytes_done: int
+    bytes_total: int | None
+    gbps: float | None
+    outcome: str | None
+
+
+class FleetTransfer(BaseModel):
+    """A finished pull: figures and the verdict (verified, or the failure reason)."""
+
+    assignment_id: str
+    seed_id: str
+    loader_id: str | None
+    rank: int
+    transport: str
+    ended_at: float
+    seconds: float | None
+    bytes: int | None
+    gbps: float | None
+    outcome: str
+    reason: str | None
+
+
+class Refusal(BaseModel):
+    """A request the planner turned down: no source, all busy (429), a digest mismatch."""
+
+    at: float
+    identity_key: str
+    rank: int
+    reason: str
+    detail: str
+
+
+class FleetView(BaseModel):
+    """GET /v1/fleet: everything the fleet page draws, for the reader role."""
+
+    now: float
+    identities: list[FleetIdentity]
+    instances: list[FleetInstance]
+    edges: list[FleetEdge]
+    transfers: list[FleetTransfer]
+    refusals: list[Refusal]

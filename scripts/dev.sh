@@ -48,6 +48,22 @@ ensure_system_packages() {
   fi
 }
 
+ensure_chromium() {
+  # the fleet page's browser test (tests/rfork/test_fleet_page.py) drives headless Chromium through
+  # chromedriver; Debian 12 ships both (bookworm-security). Elsewhere the test skips, saying why.
+  command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 && return 0
+  if command -v apt-get >/dev/null 2>&1; then
+    apt-cache show chromium-driver >/dev/null 2>&1 || as_root apt-get update -qq || true
+  fi
+  if command -v apt-get >/dev/null 2>&1 && apt-cache show chromium-driver >/dev/null 2>&1; then
+    log "installing chromium and chromium-driver (the fleet page's browser test)"
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq chromium chromium-driver >/dev/null \
+      || log "could not install chromium; the browser test will skip"
+  else
+    log "no chromium-driver package here; the fleet page's browser test will skip"
+  fi
+}
+
 setup_hash() { cat pyproject.toml setup.py backends/providers/_libfabric_build.py | sha256sum | cut -d' ' -f1; }
 
 ensure_python_env() {
@@ -141,6 +157,7 @@ run_sglang_tests() {
 
 cmd=${1:-setup}; [ $# -gt 0 ] && shift
 ensure_system_packages
+ensure_chromium
 if [ "$cmd" = test ] && [ $# -eq 0 ]; then start_sglang_prefetch; fi
 ensure_python_env
 export PATH="$PWD/$VENV/bin:$PATH"

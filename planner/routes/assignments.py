@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response
@@ -9,6 +10,7 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response
 from planner import wire
 from planner.auth import Principal
 from planner.deps import get_planner, leaser
+from planner.errors import AllBusy, NoSource
 from planner.service import Planner
 
 router = APIRouter(prefix="/v1/assignments", tags=["assignments"])
@@ -35,7 +37,11 @@ router = APIRouter(prefix="/v1/assignments", tags=["assignments"])
                 "Report": {
                     "operationId": "report_transfer",
                     "parameters": {"assignment_id": "$response.body#/id"},
-                }
+                },
+                "Progress": {
+                    "operationId": "report_progress",
+                    "parameters": {"assignment_id": "$response.body#/id"},
+                },
             },
         },
     },
@@ -51,7 +57,18 @@ def request_assignment(
         if body.requester_id not in (None, principal.instance_id):
             raise HTTPException(403, f"requester_id: this token acts for instance {principal.instance_id}")
         body.requester_id = principal.instance_id
-    assignment = planner.assign(body, None, holder=principal.holder)  # the clock is read under the write lock
+    try:
+        # the clock is read under the write lock
+        assignment = planner.assign(body, None, holder=principal.holder)
+    except (AllBusy, NoSource) as exc:
+        request.app.state.refusals.record(
+            identity_key=body.identity.key(),
+            rank=body.rank,
+            reason=exc.reason or type(exc).__name__,
+            detail=str(exc),
+            now=time.time(),
+        )
+        raise
     request.app.state.metrics.assignments.labels(result="leased").inc()
     # encoded here, not by FastAPI: the candidates' manifests go in as stored text, unparsed
     return Response(wire.dump_json(assignment), status_code=201, media_type="application/json")

@@ -219,8 +219,12 @@ async def put_manifest(
         anchored = await run_in_threadpool(
             planner.put_manifest, instance_id, rank, text, time.time(), manifest
         )
-    except DigestMismatch:
+    except DigestMismatch as exc:
         metrics.integrity_refusals.inc()
+        identity_key = await run_in_threadpool(lambda: planner.get(instance_id).identity_key)
+        request.app.state.refusals.record(
+            identity_key=identity_key, rank=rank, reason="digest_mismatch", detail=str(exc), now=time.time()
+        )
         raise
     if anchored:
         metrics.anchors.inc()

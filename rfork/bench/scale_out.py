@@ -45,6 +45,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="loaders' disk-rate estimate the planner weighs against waiting (default 0: always wait)",
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per mode (default 900)")
+    parser.add_argument(
+        "--planner-port",
+        type=int,
+        default=0,
+        help="port of each mode's planner (default 0: a free one); set it to watch the burst on the "
+        "planner's fleet page, http://127.0.0.1:PORT/ui (the planner runs without auth: any token shows it)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
 
 
@@ -67,6 +74,7 @@ def run_burst(
     max_pulls: int,
     fallback_gbps: float = 0.0,
     timeout_s: float = 900.0,
+    planner_port: int = 0,
 ) -> dict[str, Any]:
     """One mode: planner + seed (unless disk), then `instances` loader processes at once; the outcome."""
     # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
@@ -79,7 +87,9 @@ def run_burst(
     workdir.mkdir(parents=True, exist_ok=True)
     fleet = Fleet(workdir / "procs")
     try:
-        with PlannerServer(db_url=f"sqlite:///{workdir / 'planner.db'}", insecure=True) as planner:
+        with PlannerServer(
+            db_url=f"sqlite:///{workdir / 'planner.db'}", insecure=True, port=planner_port
+        ) as planner:
             seed_ids: list[str] = []
             if mode != "disk":
                 ready = workdir / "seed.json"
@@ -199,6 +209,9 @@ def run(args: argparse.Namespace) -> int:
                 workdir / "checkpoint", size_bytes=int(args.size_gib * (1 << 30))
             )
         nbytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+        if args.planner_port:
+            url = f"http://127.0.0.1:{args.planner_port}/ui"
+            console.print(f"fleet page: {url} (each mode's planner, no auth)")
         for mode in args.modes:
             with console.status(f"{mode}: {args.instances} loaders at once"):
                 modes[mode] = run_burst(
@@ -209,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
                     max_pulls=args.max_pulls,
                     fallback_gbps=args.fallback_gbps,
                     timeout_s=args.timeout,
+                    planner_port=args.planner_port,
                 )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

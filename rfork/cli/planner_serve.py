@@ -57,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         f" policy {settings.selection_policy})",
         flush=True,
     )
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"fleet page: http://{host}:{args.port}/ui (paste a token with the reader role)", flush=True)
     if args.workers <= 1:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
         return 0

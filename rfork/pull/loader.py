@@ -30,6 +30,7 @@ from rfork.pull.disk import load_from_disk
 from rfork.pull.nccl import pull_nccl
 from rfork.pull.one_sided import OneSidedReader
 from rfork.pull.planner_session import PlannerSession, Source
+from rfork.pull.progress_report import PullProgress
 from rfork.pull.result import Attempt, LoadOptions, LoadResult, ProgressFn
 from rfork.seed.seed import RankServer, Seed
 from rfork.weights.checkpoint import CheckpointInfo, read_checkpoint_info
@@ -236,7 +237,19 @@ class Loader:
         if source.name == "nccl":
             pull_nccl(source.candidate, manifest, dest, timeout_s=self.options.rank_deadline_s)
             return dest, None
-        regions = self.reader.pull(manifest, dest, deadline=deadline, progress=self.progress, phases=phases)
+        client = self.planner.client
+        reporter = (
+            None
+            if client is None
+            else PullProgress(client, source.assignment.id, forward=self.progress)  # the fleet page's tree
+        )
+        try:
+            regions = self.reader.pull(
+                manifest, dest, deadline=deadline, progress=reporter or self.progress, phases=phases
+            )
+        finally:
+            if reporter is not None:
+                reporter.close()
         return dest, regions
 
     def _become_seed(
@@ -263,6 +276,7 @@ class Loader:
         )
         seed.start()
         log.info("now serving as seed %s", ",".join(seed.instance_ids))
+        self.planner.report_seeded(seed.instance_ids)
         return seed
 
 

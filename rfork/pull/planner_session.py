@@ -198,6 +198,7 @@ class PlannerSession:
         self._token = token
         self._fallback_bytes = fallback_bytes  # one rank's checkpoint bytes, when there is a checkpoint
         self._client: PlannerClient | None = None
+        self._pulled: list[str] = []  # assignments that succeeded: linked to the seed this loader becomes
 
     @property
     def client(self) -> PlannerClient | None:
@@ -237,6 +238,7 @@ class PlannerSession:
         """End the lease with the pull's outcome; a lost report never fails the load."""
         if ok:
             reason = None
+            self._pulled.append(source.assignment.id)
         else:
             reason = "checksum_mismatch" if isinstance(error, ChecksumMismatch) else type(error).__name__
         t0 = time.perf_counter()
@@ -255,6 +257,18 @@ class PlannerSession:
             log.warning("could not report transfer %s: %s", source.assignment.id, exc)
         finally:
             self.seconds += time.perf_counter() - t0
+
+    def report_seeded(self, instance_ids: list[str]) -> None:
+        """Tell the planner which instance now serves what the successful pulls read (the fleet page's
+        tree chains through it); only for a single publication, and a lost report never fails the load."""
+        if len(instance_ids) != 1 or self.client is None:
+            return
+        for assignment_id in self._pulled:
+            try:
+                self.client.report_seeded(assignment_id, instance_ids[0])
+            except Exception as exc:  # noqa: BLE001 - the fleet page's link only; the load has succeeded
+                log.warning("could not link assignment %s to seed %s: %s", assignment_id, instance_ids, exc)
+        self._pulled.clear()
 
     def close(self) -> None:
         """Close the client's connections."""
