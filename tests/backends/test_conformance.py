@@ -5,7 +5,6 @@ Real processes (spawn), random data checked byte for byte against what the other
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import signal
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 
 from backends import (
+    BackendUnavailable,
     MemoryRegionDescriptor,
     Message,
     PeerUnreachable,
@@ -25,6 +25,7 @@ from backends import (
     TransferEngine,
     TransferError,
 )
+from backends.providers.libfabric import ALLOW_UNENFORCED_ENV, enforces_remote_access, libfabric_version
 from tests.backends.conftest import SRC_BYTES, Peer, start_peer
 from tests.backends.peer import digest, engine_kwargs, host_buffer, pattern
 
@@ -195,10 +196,10 @@ def test_submission_from_16_threads(engine: TransferEngine, peer: Peer) -> None:
 
 @pytest.mark.timeout(120)
 def test_peer_killed_mid_transfer(engine: TransferEngine, peer: Peer, provider: str) -> None:
-    if provider == "shm":
+    if provider == "shm" and libfabric_version() < (2, 5):
         pytest.skip(
-            "shm 1.17: after a peer dies, a progress thread can block inside the provider "
-            "(known gap, docs/transport.md)"
+            "shm before libfabric 2.5 (seen on 1.17): after a peer dies, a progress thread can block "
+            "inside the provider (docs/transport.md)"
         )
     victim = start_peer(provider, [("src", 256 * MiB, "read")], domains=1, reorder=False)
     buf = np.zeros(256 * MiB, dtype=np.uint8)
@@ -293,21 +294,52 @@ def test_out_of_range_and_wrong_access_refused(engine: TransferEngine, peer: Pee
 def test_forged_write_access_is_refused_by_provider(
     engine: TransferEngine, peer: Peer, provider: str
 ) -> None:
-    """A descriptor edited to claim write access must still not let us modify a read-only region."""
-    if provider == "shm":
-        pytest.skip(
-            "shm (libfabric 1.17) does not enforce remote access flags; only the initiator check guards"
-        )
+    """A read-only region's descriptor edited to claim write access must not let a write through.
+
+    Where the provider does not enforce access (shm before libfabric 2.5), the forged write lands: that
+    is why rfork refuses read-only regions there (next test); this checks the version table is true.
+    """
     buf = pattern(12, MiB).copy()
     region = engine.register(buf, "read")
     ro = MemoryRegionDescriptor.from_bytes(peer.descs["ro"])
     forged = MemoryRegionDescriptor(ro.address, ro.keys, ro.base, ro.length, "rw")
     fut = engine.write(region, 0, 4096, forged, 0)
-    with contextlib.suppress(TransferError):
+    refused = False
+    try:
         fut.result(10)
-    assert peer.call("digest", "ro", 0, MiB) == digest(np.zeros(MiB, dtype=np.uint8)), (
-        f"{provider} let a forged write through"
+    except TransferError:
+        refused = True
+    zeros = digest(np.zeros(MiB, dtype=np.uint8))
+    if enforces_remote_access(provider):
+        assert peer.call("digest", "ro", 0, MiB) == zeros, f"{provider} let a forged write through"
+        # tcp fails the initiator's op; shm 2.5 drops the write but completes the op without error
+        assert refused or provider == "shm", f"{provider} reported success for a refused write"
+        return
+    assert peer.call("digest", "ro", 0, MiB) != zeros, (
+        f"{provider} on libfabric {libfabric_version()} refused the forged write: "
+        "update enforces_remote_access"
     )
+    buf[:4096] = 0  # put the peer's region back as the other tests expect it
+    engine.write(region, 0, 4096, forged, 0).result(10)
+    assert peer.call("digest", "ro", 0, MiB) == zeros
+
+
+@pytest.mark.timeout(60)
+def test_read_only_regions_refused_where_access_is_not_enforced(
+    provider: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(ALLOW_UNENFORCED_ENV, raising=False)
+    with TransferEngine(provider, 1, timeout_s=8.0, **engine_kwargs(provider)) as eng:
+        buf = np.zeros(MiB, dtype=np.uint8)
+        for access in ("rw", "write"):
+            eng.register(buf, access).close()
+        if enforces_remote_access(provider):
+            eng.register(buf, "read").close()
+            return
+        with pytest.raises(BackendUnavailable, match=r"does not enforce remote access.*RFORK_LIBFABRIC_LIB"):
+            eng.register(buf, "read")
+        monkeypatch.setenv(ALLOW_UNENFORCED_ENV, "1")  # the trusted-host escape hatch
+        eng.register(buf, "read").close()
 
 
 @pytest.mark.timeout(60)
@@ -322,8 +354,8 @@ def test_messages_both_ways(engine: TransferEngine, peer: Peer, provider: str) -
 
     channel = engine.channel("conformance")
     channel.on_message(on_msg)
-    # shm 1.17 moves sends above its 4 KiB inline size through a path that stalls here (see docs)
-    big = provider != "shm"
+    # shm before 2.5 (seen on 1.17) moves sends above its 4 KiB inline size through a path that stalls
+    big = provider != "shm" or libfabric_version() >= (2, 5)
     payloads = [b"x", b"hello" * (1000 if big else 100), bytes(range(256)) * (200 if big else 10)]
     for payload in payloads:
         assert peer.call("send", engine.address, "conformance", "data", payload) is True
