@@ -8,10 +8,10 @@
 # and runs tests/sglang there; the rest of the suite keeps the fast env (.venv, torch 2.13.0 CPU).
 # Its packages install in the background, at the lowest CPU and I/O priority, while .venv, ruff, mypy
 # and the rest of the suite run; the output goes to a log that is shown if it fails.
-# libfabric: the system's (Debian 12: 1.17) is what the binding is built against; .venv also gets the
-# libfabric 2.5.1 that PyPI's `mpich` wheel bundles (extra `libfabric2`, x86_64/aarch64 Linux), and rfork
-# loads that one by default (RFORK_LIBFABRIC_LIB=system|mpich|<path>, backends/providers/_native.py):
-# the suite is green on it, it enforces access on shm and fixes 1.17's shm gaps (docs/transport.md).
+# libfabric: the binding is built against the system's (Debian 12: 1.17) and loads it by default; .venv
+# also gets the libfabric 2.5.1 that PyPI's `mpich` wheel bundles (extra `libfabric2`, x86_64/aarch64
+# Linux), used with RFORK_LIBFABRIC_LIB=mpich (backends/providers/_native.py). 2.5.1 is not the default
+# yet: its shm crashes when two endpoints of one process write to each other (docs/transport.md).
 # `test` runs the suite on the default one and the conformance suite again on the other.
 # Re-running is cheap: the Python install is skipped while pyproject.toml and setup files are unchanged.
 set -euo pipefail

@@ -2,14 +2,15 @@
 
 The module is compiled against libfabric 1.x headers and needs only the FABRIC_1.0-1.3 symbol
 versions, so any libfabric >= 1.17 serves it. Which copy is loaded is chosen by RFORK_LIBFABRIC_LIB:
-  system   the one the module was linked against (Debian's 1.17, or RFORK_LIBFABRIC_PREFIX's)
-  mpich    the libfabric 2.x that PyPI's `mpich` wheel bundles (lib/mpich/libfabric.so.1)
+  system   (default) the one the module was linked against (Debian's 1.17, or RFORK_LIBFABRIC_PREFIX's)
+  mpich    the libfabric 2.5.1 that PyPI's `mpich` wheel bundles (lib/mpich/libfabric.so.1; extra
+           `libfabric2`, which scripts/dev.sh installs)
   <path>   a libfabric.so.1 file
-  auto     (unset) mpich when that wheel is installed in this Python environment (scripts/dev.sh
-           installs it) and RFORK_LIBFABRIC_PREFIX is not set (an AWS EFA libfabric stays), else system
-A non-system copy is preloaded with RTLD_GLOBAL before the module is imported: the loader then
-binds the module's `libfabric.so.1` dependency to that already-loaded SONAME. The choice is made
-once per process; spawned children inherit the variable and choose the same.
+The default stays `system` while 2.5.1's shm crashes with two endpoints of one process writing to
+each other (docs/transport.md, "libfabric versions"). A non-system copy is preloaded with
+RTLD_GLOBAL before the module is imported: the loader then binds the module's `libfabric.so.1`
+dependency to that already-loaded SONAME. The choice is made once per process; spawned children
+inherit the variable and choose the same.
 """
 
 from __future__ import annotations
@@ -41,11 +42,9 @@ def chosen_library(setting: str | None) -> str | None:
 
     ImportError (naming the setting) when it names something that is not there.
     """
-    value = (setting or "auto").strip() or "auto"
+    value = (setting or "system").strip() or "system"
     if value == "system":
         return None
-    if value == "auto":
-        return None if os.environ.get("RFORK_LIBFABRIC_PREFIX") else mpich_libfabric()
     if value == "mpich":
         path = mpich_libfabric()
         if path is None:
