@@ -206,8 +206,9 @@ class ControlHttpServer:
                 return  # the client closed before sending a request
             progress.head_done = True
             status, body = await self._route(conn, reader, request, writer)
-        except h11.RemoteProtocolError as exc:
-            status = HTTPStatus(exc.error_status_hint)
+        except h11.RemoteProtocolError as exc:  # h11 hints 501 for what it cannot parse: still the client's
+            hint = exc.error_status_hint
+            status = HTTPStatus(hint) if 400 <= hint < 500 else HTTPStatus.BAD_REQUEST
             body = {"error": f"bad request: {exc}"}
         except HttpError as err:
             status, body = err.status, err.body

@@ -19,6 +19,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from planner.control_token import issue, new_control_key
 
@@ -229,3 +231,57 @@ def test_malformed_heads_get_4xx(seed_control: tuple[str, str, Connection]) -> N
             sock.sendall(raw)
             data = sock.recv(1000)
         assert data.startswith(b"HTTP/1.1 4"), (raw[:30], data)
+
+
+@pytest.fixture(scope="module")
+def local_control() -> Iterator[tuple[str, int, str]]:
+    """An in-process control server with a key (the fuzz test's target: real sockets, one process)."""
+    import torch
+
+    from rfork.seed.control import ControlServer
+
+    key = new_control_key()
+    with ControlServer(
+        tensors_for_rank=lambda r: [[torch.zeros(4)]][r],
+        control_key=key,
+        instance_ids=lambda: [INSTANCE],
+        request_timeout_s=1.0,
+        timeout_s=0.5,
+        max_concurrent=64,
+    ) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        yield host, int(port), key
+
+
+_METHODS = st.sampled_from([b"GET", b"POST", b"PUT", b"DELETE", b"HEAD", b"PATCH", b"G\x00T", b""])
+_TARGETS = st.sampled_from(
+    [b"/v1/health", b"/v1/nccl/sessions", b"/v1/nccl/sessions/abc", b"/", b"*", b"/%00", b"/v1/health?x"]
+)
+_HEADER = st.tuples(
+    st.sampled_from([b"Host", b"Content-Length", b"Authorization", b"Transfer-Encoding", b"X", b"Bad Name"]),
+    st.binary(max_size=40),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(method=_METHODS, target=_TARGETS, headers=st.lists(_HEADER, max_size=5), body=st.binary(max_size=200),
+       version=st.sampled_from([b"HTTP/1.1", b"HTTP/1.0", b"HTTP/2", b""]))
+def test_any_request_gets_an_answer_below_500_within_the_deadline(
+    local_control: tuple[str, int, str], method: bytes, target: bytes, headers: list[tuple[bytes, bytes]],
+    body: bytes, version: bytes,
+) -> None:
+    host, port, _key = local_control
+    head = method + b" " + target + b" " + version + b"\r\n"
+    head += b"".join(name + b": " + value.replace(b"\r", b"").replace(b"\n", b"") + b"\r\n"
+                     for name, value in headers)
+    with socket.create_connection((host, port), timeout=5) as sock:
+        sock.sendall(head + b"\r\n" + body)
+        t0 = time.monotonic()
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+        took = time.monotonic() - t0
+    assert took < 3.0  # the 1 s deadline, plus a loaded box
+    if answer:  # a request cut short by the peer may get no answer, never a hang or a 5xx
+        status = int(answer.split(b" ", 2)[1])
+        assert 200 <= status < 500, answer[:200]
