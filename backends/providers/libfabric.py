@@ -44,15 +44,27 @@ def libfabric_library() -> str:
     return LIBRARY or "system"
 
 
-def enforces_remote_access(provider: str, version: tuple[int, int] | None = None) -> bool:
+def refuses_forged_writes(provider: str, version: tuple[int, int] | None = None) -> bool:
     """Whether the target's provider refuses a write into memory registered without FI_REMOTE_WRITE.
 
     shm before 2.5 does not check (1.17 let a forged write through; 2.5 has a new shm that refuses it;
     the versions between are untested, so treated as not checking). tcp refuses on 1.17 and 2.5.
-    efa and verbs check in hardware.
+    efa and verbs check in hardware (not run here).
     """
     version = VERSION if version is None else version
     return not (provider == "shm" and version < (2, 5))
+
+
+def refuses_forged_reads(provider: str, version: tuple[int, int] | None = None) -> bool:
+    """Whether the target's provider refuses a read of memory registered without FI_REMOTE_READ.
+
+    tcp does not check on 1.17 nor 2.5.1, shm only from 2.5: a write-only region is protected from
+    reads only by its key (random 64-bit), which only the peers handed its descriptor know.
+    """
+    version = VERSION if version is None else version
+    if provider == "tcp":
+        return False
+    return refuses_forged_writes(provider, version)
 
 
 ALLOW_UNENFORCED_ENV = "RFORK_ALLOW_UNENFORCED_ACCESS"
@@ -175,7 +187,7 @@ class LibfabricDomain(Domain):
 
     def __init__(self, provider: str, *, host: str | None) -> None:
         self.provider = provider
-        self.enforces_access = enforces_remote_access(provider)
+        self.refuses_forged_writes = refuses_forged_writes(provider)
         self._info = open_info(provider, host)
         self._fids: list[Any] = []
         self._lock = threading.Lock()  # registrations and AV inserts from user threads
@@ -281,7 +293,7 @@ class LibfabricDomain(Domain):
             return int(out[0])
 
     def register(self, ptr: int, nbytes: int, remote_read: bool, remote_write: bool) -> LocalRegistration:
-        if remote_read and not remote_write and not self.enforces_access and not _unenforced_allowed():
+        if remote_read and not remote_write and not self.refuses_forged_writes and not _unenforced_allowed():
             raise BackendUnavailable(
                 f"{self.provider} on libfabric {VERSION[0]}.{VERSION[1]} does not enforce remote access, so "
                 f"a peer could write a read-only region; use libfabric >= 2.5 ({LIB_ENV}=mpich) or tcp, or "

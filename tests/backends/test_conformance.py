@@ -26,7 +26,12 @@ from backends import (
     TransferEngine,
     TransferError,
 )
-from backends.providers.libfabric import ALLOW_UNENFORCED_ENV, enforces_remote_access, libfabric_version
+from backends.providers.libfabric import (
+    ALLOW_UNENFORCED_ENV,
+    libfabric_version,
+    refuses_forged_reads,
+    refuses_forged_writes,
+)
 from tests.backends.conftest import SRC_BYTES, Peer, start_peer
 from tests.backends.peer import digest, engine_kwargs, host_buffer, pattern
 
@@ -297,7 +302,7 @@ def test_forged_write_access_is_refused_by_provider(
 ) -> None:
     """A read-only region's descriptor edited to claim write access must not let a write through.
 
-    Where the provider does not enforce access (shm before libfabric 2.5), the forged write lands: that
+    Where the provider does not check (shm before libfabric 2.5), the forged write lands: that
     is why rfork refuses read-only regions there (next test); this checks the version table is true.
     """
     buf = pattern(12, MiB).copy()
@@ -311,18 +316,40 @@ def test_forged_write_access_is_refused_by_provider(
     except TransferError:
         refused = True
     zeros = digest(np.zeros(MiB, dtype=np.uint8))
-    if enforces_remote_access(provider):
+    if refuses_forged_writes(provider):
         assert peer.call("digest", "ro", 0, MiB) == zeros, f"{provider} let a forged write through"
         # tcp fails the initiator's op; shm 2.5 drops the write but completes the op without error
         assert refused or provider == "shm", f"{provider} reported success for a refused write"
         return
     assert peer.call("digest", "ro", 0, MiB) != zeros, (
         f"{provider} on libfabric {libfabric_version()} refused the forged write: "
-        "update enforces_remote_access"
+        "update refuses_forged_writes"
     )
     buf[:4096] = 0  # put the peer's region back as the other tests expect it
     engine.write(region, 0, 4096, forged, 0).result(10)
     assert peer.call("digest", "ro", 0, MiB) == zeros
+
+
+@pytest.mark.timeout(60)
+def test_forged_read_access_is_refused_by_provider(engine: TransferEngine, peer: Peer, provider: str) -> None:
+    """A write-only region's descriptor edited to claim read access must not give its bytes away."""
+    assert peer.call("fill", "wo", 13) is True
+    buf = np.zeros(MiB, dtype=np.uint8)
+    region = engine.register(buf, "write")
+    wo = MemoryRegionDescriptor.from_bytes(peer.descs["wo"])
+    forged = MemoryRegionDescriptor(wo.address, wo.keys, wo.base, wo.length, "rw")
+    refused = False
+    try:
+        engine.read(region, 0, 4096, forged, 0).result(10)
+    except TransferError:
+        refused = True
+    leaked = bool(np.array_equal(buf[:4096], pattern(13, 4096)))
+    if refuses_forged_reads(provider):
+        assert not leaked, f"{provider} on libfabric {libfabric_version()} let a forged read through"
+        assert refused or provider == "shm", f"{provider} reported success for a refused read"
+    else:
+        # tcp (1.17 and 2.5.1) and shm 1.17 hand the bytes over: only the key guards a write-only region
+        assert leaked, f"{provider} on libfabric {libfabric_version()} refused the forged read: update"
 
 
 @pytest.mark.timeout(60)
@@ -334,7 +361,7 @@ def test_read_only_regions_refused_where_access_is_not_enforced(
         buf = np.zeros(MiB, dtype=np.uint8)
         for access in ("rw", "write"):
             eng.register(buf, access).close()
-        if enforces_remote_access(provider):
+        if refuses_forged_writes(provider):
             eng.register(buf, "read").close()
             return
         with pytest.raises(BackendUnavailable, match=r"does not enforce remote access.*RFORK_LIBFABRIC_LIB"):
