@@ -1,6 +1,69 @@
-"""The compiled cffi module, or one clear line on how to get it."""
+"""The compiled cffi module bound to the chosen libfabric at run time, or one clear line on how to get it.
+
+The module is compiled against libfabric 1.x headers and needs only the FABRIC_1.0-1.3 symbol
+versions, so any libfabric >= 1.17 serves it. Which copy is loaded is chosen by RFORK_LIBFABRIC_LIB:
+  system   (default) the one the module was linked against (Debian's 1.17, or RFORK_LIBFABRIC_PREFIX's)
+  mpich    the libfabric 2.5.1 that PyPI's `mpich` wheel bundles (lib/mpich/libfabric.so.1; extra
+           `libfabric2`, which scripts/dev.sh installs)
+  <path>   a libfabric.so.1 file
+The default stays `system` while 2.5.1's shm crashes with two endpoints of one process writing to
+each other (docs/transport.md, "libfabric versions"). A non-system copy is preloaded with
+RTLD_GLOBAL before the module is imported: the loader then binds the module's `libfabric.so.1`
+dependency to that already-loaded SONAME. The choice is made once per process; spawned children
+inherit the variable and choose the same.
+"""
 
 from __future__ import annotations
+
+import ctypes
+import os
+from importlib import metadata
+
+LIB_ENV = "RFORK_LIBFABRIC_LIB"
+_MPICH_SUFFIX = "mpich/libfabric.so.1"
+
+
+def mpich_libfabric() -> str | None:
+    """Path of the libfabric bundled by the installed `mpich` wheel, or None without one."""
+    try:
+        files = metadata.distribution("mpich").files or []
+    except metadata.PackageNotFoundError:
+        return None
+    for entry in files:
+        if str(entry).replace(os.sep, "/").endswith(_MPICH_SUFFIX):
+            path = os.path.realpath(str(entry.locate()))
+            if os.path.exists(path):
+                return path
+    return None
+
+
+def chosen_library(setting: str | None) -> str | None:
+    """The libfabric file to preload for an RFORK_LIBFABRIC_LIB value; None means the linked one.
+
+    ImportError (naming the setting) when it names something that is not there.
+    """
+    value = (setting or "system").strip() or "system"
+    if value == "system":
+        return None
+    if value == "mpich":
+        path = mpich_libfabric()
+        if path is None:
+            raise ImportError(
+                f"{LIB_ENV}=mpich but the `mpich` wheel is not installed: pip install 'rfork[libfabric2]' "
+                f"(or set {LIB_ENV}=system)"
+            )
+        return path
+    if not os.path.isfile(value):
+        raise ImportError(f"{LIB_ENV}={value!r}: no such file; use system, mpich or a libfabric.so.1 path")
+    return os.path.realpath(value)
+
+
+LIBRARY = chosen_library(os.environ.get(LIB_ENV))
+if LIBRARY is not None:
+    try:
+        ctypes.CDLL(LIBRARY, mode=ctypes.RTLD_GLOBAL)
+    except OSError as exc:
+        raise ImportError(f"{LIB_ENV}: cannot load {LIBRARY}: {exc}") from exc
 
 try:
     from backends.providers._libfabric import ffi, lib
@@ -10,4 +73,13 @@ except ImportError as exc:  # pragma: no cover - depends on the build machine
         "RFORK_LIBFABRIC_PREFIX to a libfabric install, then reinstall rfork (pip install -e .)"
     ) from exc
 
-__all__ = ["ffi", "lib"]
+
+def _version() -> tuple[int, int]:
+    raw = int(lib.fi_version())
+    return raw >> 16, raw & 0xFFFF
+
+
+VERSION: tuple[int, int] = _version()
+"""(major, minor) of the libfabric loaded at run time (fi_version), e.g. (1, 17) or (2, 5)."""
+
+__all__ = ["LIBRARY", "VERSION", "ffi", "lib", "mpich_libfabric"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import secrets
 import signal
 import threading
@@ -20,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from backends.errors import BackendUnavailable, TransferError
-from backends.providers._native import ffi, lib
+from backends.providers._native import LIB_ENV, LIBRARY, VERSION, ffi, lib
 from backends.providers.domain import EAGAIN, Completion, Domain, LocalRegistration, RmaOp
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,42 @@ AUTO_ORDER = ("efa", "verbs", "tcp")
 _CQ_BATCH = 256
 _POST_BATCH = 256
 _ALL_MR_MODES = ("FI_MR_LOCAL", "FI_MR_VIRT_ADDR", "FI_MR_ALLOCATED", "FI_MR_ENDPOINT")
+
+
+def libfabric_version() -> tuple[int, int]:
+    """(major, minor) of the libfabric loaded at run time (see backends.providers._native)."""
+    return VERSION
+
+
+def libfabric_library() -> str:
+    """Which libfabric file is loaded: a path, or "system" for the one the binding was linked against."""
+    return LIBRARY or "system"
+
+
+def refuses_forged_writes(provider: str, version: tuple[int, int] | None = None) -> bool:
+    """Whether the target's provider refuses a write into memory registered without FI_REMOTE_WRITE.
+
+    shm before 2.5 does not check (1.17 let a forged write through; 2.5 has a new shm that refuses it;
+    the versions between are untested, so treated as not checking). tcp refuses on 1.17 and 2.5.
+    efa and verbs check in hardware (not run here).
+    """
+    version = VERSION if version is None else version
+    return not (provider == "shm" and version < (2, 5))
+
+
+def refuses_forged_reads(provider: str, version: tuple[int, int] | None = None) -> bool:
+    """Whether the target's provider refuses a read of memory registered without FI_REMOTE_READ.
+
+    tcp does not check on 1.17 nor 2.5.1, shm only from 2.5: a write-only region is protected from
+    reads only by its key (random 64-bit), which only the peers handed its descriptor know.
+    """
+    version = VERSION if version is None else version
+    if provider == "tcp":
+        return False
+    return refuses_forged_writes(provider, version)
+
+
+ALLOW_UNENFORCED_ENV = "RFORK_ALLOW_UNENFORCED_ACCESS"
 
 
 def _check(ret: int, what: str) -> None:
@@ -150,6 +187,7 @@ class LibfabricDomain(Domain):
 
     def __init__(self, provider: str, *, host: str | None) -> None:
         self.provider = provider
+        self.refuses_forged_writes = refuses_forged_writes(provider)
         self._info = open_info(provider, host)
         self._fids: list[Any] = []
         self._lock = threading.Lock()  # registrations and AV inserts from user threads
@@ -255,6 +293,12 @@ class LibfabricDomain(Domain):
             return int(out[0])
 
     def register(self, ptr: int, nbytes: int, remote_read: bool, remote_write: bool) -> LocalRegistration:
+        if remote_read and not remote_write and not self.refuses_forged_writes and not _unenforced_allowed():
+            raise BackendUnavailable(
+                f"{self.provider} on libfabric {VERSION[0]}.{VERSION[1]} does not enforce remote access, so "
+                f"a peer could write a read-only region; use libfabric >= 2.5 ({LIB_ENV}=mpich) or tcp, or "
+                f"set {ALLOW_UNENFORCED_ENV}=1 where every peer on this host is trusted"
+            )
         access = lib.FI_READ | lib.FI_WRITE | lib.FI_SEND | lib.FI_RECV_FLAG
         if remote_read:
             access |= lib.FI_REMOTE_READ
@@ -429,6 +473,10 @@ class LibfabricDomain(Domain):
         if self._info is not None:
             lib.fi_freeinfo(self._info)
             self._info = None
+
+
+def _unenforced_allowed() -> bool:
+    return os.environ.get(ALLOW_UNENFORCED_ENV, "") not in ("", "0")
 
 
 def cma_permitted() -> bool:

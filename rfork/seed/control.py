@@ -12,7 +12,8 @@ Endpoints (JSON):
 Bad input answers 4xx with {"error": message}; a full seed answers 429 {"reason": "busy", ...}.
 Requests are parsed and bounded in `rfork.seed.control_http`; this module decides what they mean.
 
-Thread-safety: the HTTP server and every session run on their own threads; the sends release the
+Thread-safety: the HTTP server (one asyncio thread plus ``http_workers`` threads that open sessions)
+and every session run on their own threads; the sends release the
 GIL while data moves, so the seed's other threads (heartbeats, this endpoint) keep answering.
 Each session has its own rendezvous port (from the OS) and group-name prefix, so concurrent
 loaders never collide. A loader that vanishes fails its session within ``timeout_s``.
@@ -28,7 +29,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import ThreadingHTTPServer
 from typing import Any
 
 import torch
@@ -41,8 +41,8 @@ from backends.nccl import (
     backend_for,
     send_tensors,
 )
-from planner.control_token import ControlTokenError, verify
-from rfork.seed.control_http import HttpError, handler_for
+from planner.control_token import ControlGrant, ControlTokenError, verify
+from rfork.seed.control_http import ControlHttpServer, HttpError
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class SessionInfo:
 
 
 class ControlServer:
-    """The seed's control endpoint (stdlib ThreadingHTTPServer on a background thread).
+    """The seed's control endpoint (rfork.seed.control_http's bounded server on a background thread).
 
     ``tensors_for_rank(r)`` returns rank r's tensors in manifest order (it may raise LookupError for
     an unknown rank → 404). At most ``max_concurrent`` sessions run at once (429 beyond). Every phase
@@ -98,6 +98,7 @@ class ControlServer:
         control_key: str | None = None,
         instance_ids: Callable[[], Sequence[str]] | None = None,
         request_timeout_s: float = 10.0,
+        http_workers: int = 4,
     ) -> None:
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
@@ -114,6 +115,7 @@ class ControlServer:
         self.control_key = control_key
         self.instance_ids = instance_ids or (lambda: ())
         self.request_timeout_s = request_timeout_s
+        self.http_workers = http_workers
         self._used_leases: dict[str, float] = {}  # lease id -> expiry: one session per lease
         self._port = port
         self._lock = threading.Lock()
@@ -122,21 +124,19 @@ class ControlServer:
         self._active = 0
         self._served = 0
         self._failed = 0
-        self._httpd: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
+        self._httpd: ControlHttpServer | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> ControlServer:
-        """Bind and serve on a daemon thread; returns self (so ``ControlServer(...).start()`` reads well)."""
+        """Bind and serve on background threads; returns self (``ControlServer(...).start()`` reads well)."""
         if self._httpd is not None:
             raise RuntimeError("ControlServer already started")
-        httpd = ThreadingHTTPServer((self.host, self._port), handler_for(self, self.request_timeout_s))
-        httpd.daemon_threads = True
-        self._httpd = httpd
-        self._thread = threading.Thread(
-            target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="rfork-control-http", daemon=True
+        httpd = ControlHttpServer(
+            self, host=self.host, port=self._port, request_deadline_s=self.request_timeout_s,
+            workers=self.http_workers,
         )
-        self._thread.start()
+        httpd.start()
+        self._httpd = httpd
         logger.info("control endpoint on %s", self.url)
         return self
 
@@ -145,17 +145,14 @@ class ControlServer:
         """``http://host:port`` of the running server."""
         if self._httpd is None:
             raise RuntimeError("ControlServer not started")
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host!s}:{port}"
+        host, port = self._httpd.address
+        return f"http://{host}:{port}"
 
     def close(self, join_timeout_s: float = 5.0) -> None:
         """Stop answering; wait up to ``join_timeout_s`` for running sessions (they end within timeout_s)."""
         httpd, self._httpd = self._httpd, None
         if httpd is not None:
-            httpd.shutdown()
-            httpd.server_close()
-        if self._thread is not None:
-            self._thread.join(join_timeout_s)
+            httpd.close(join_timeout_s)
         deadline = time.monotonic() + join_timeout_s
         with self._lock:
             workers = list(self._workers.values())
@@ -170,6 +167,7 @@ class ControlServer:
 
     # -- state -------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
+        httpd = self._httpd
         with self._lock:
             return {
                 "status": "ok",
@@ -177,40 +175,63 @@ class ControlServer:
                 "max_concurrent": self.max_concurrent,
                 "sessions_served": self._served,
                 "sessions_failed": self._failed,
+                "open_connections": httpd.open_connections() if httpd is not None else 0,
+                "evicted_connections": httpd.evicted if httpd is not None else 0,
             }
 
     def session(self, session_id: str) -> SessionInfo | None:
         with self._lock:
             return self._sessions.get(session_id)
 
-    def authorize(self, rank: int, authorization: str | None) -> None:
-        """Check the planner-issued token for `rank` (no-op without a control_key); one session per lease."""
+    def authorize(self, authorization: str | None) -> ControlGrant | None:
+        """Check the planner-issued token from the headers alone (None without a control_key).
+
+        Runs before the body is read: signature, instance, expiry and an unused lease. The rank the
+        token names is checked against the body's in ``open_session``, which also spends the lease.
+        """
         if self.control_key is None:
-            return
+            return None
         scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
             raise HttpError(
                 HTTPStatus.UNAUTHORIZED, "Authorization: a per-assignment bearer token is required"
             )
-        now = time.time()
+        parts = token.split(".")
+        claimed_rank = int(parts[3]) if len(parts) == 6 and parts[3].isdigit() else -1
         try:
             grant = verify(
-                token.strip(), self.control_key, instance_ids=self.instance_ids(), rank=rank, now=now
+                token, self.control_key, instance_ids=self.instance_ids(), rank=claimed_rank, now=time.time()
             )
         except ControlTokenError as exc:
             raise HttpError(HTTPStatus.FORBIDDEN, str(exc)) from exc
         with self._lock:
-            for lease, expiry in list(self._used_leases.items()):
-                if expiry < now:
-                    del self._used_leases[lease]
-            if grant.lease_id in self._used_leases:
-                raise HttpError(
-                    HTTPStatus.FORBIDDEN, f"control token: lease {grant.lease_id} was already used"
-                )
+            self._check_lease_unused(grant.lease_id)
+        return grant
+
+    def _check_lease_unused(self, lease_id: str) -> None:
+        now = time.time()
+        for lease, expiry in list(self._used_leases.items()):
+            if expiry < now:
+                del self._used_leases[lease]
+        if lease_id in self._used_leases:
+            raise HttpError(HTTPStatus.FORBIDDEN, f"control token: lease {lease_id} was already used")
+
+    def _spend(self, grant: ControlGrant | None, rank: int) -> None:
+        """One session per lease, for the rank its token names."""
+        if grant is None:
+            return
+        if grant.rank != rank:
+            raise HttpError(
+                HTTPStatus.FORBIDDEN, f"control token: issued for rank {grant.rank}, not rank {rank}"
+            )
+        with self._lock:
+            self._check_lease_unused(grant.lease_id)
             self._used_leases[grant.lease_id] = grant.expires_at
 
-    def open_session(self, rank: int, local_host: str) -> SessionInfo:
-        """Validate the rank, reserve a slot, open a rendezvous port and start the sender worker."""
+    def open_session(self, grant: ControlGrant | None, rank: int, local_host: str) -> SessionInfo:
+        """Spend the grant, validate the rank, reserve a slot, open a rendezvous port, start the sender."""
+        self._spend(grant, rank)
         try:
             tensors = list(self.tensors_for_rank(rank))
         except (LookupError, ValueError) as exc:

@@ -1,21 +1,41 @@
-"""The HTTP side of a seed's control endpoint: parse and answer requests for `rfork.seed.control`.
+"""The HTTP side of a seed's control endpoint: a bounded server that parses and answers requests.
 
-Requests are parsed and bounded here (Content-Length required, bodies capped at 64 KiB, a socket
-timeout per connection) and answered as JSON; what they mean (auth, sessions) is the control
-server's. Bad input answers 4xx with {"error": message}.
+It runs inside the inference process, so a hostile or broken client must cost it little:
+- one asyncio loop on one thread reads every connection (h11 parses HTTP/1.1), so a connection that
+  drips bytes holds a socket and a few KiB, never a thread;
+- every request has one deadline from accept to the last byte of the answer (408 when it runs out);
+- at most ``max_connections`` are open: a new one evicts the oldest still sending its head, so
+  dripping connections cannot crowd out a client that sends its head at once;
+- the listen backlog (``backlog``) holds a burst of connects;
+- a POST is authorised from its headers before its body is read (401/403 then close), and its body
+  is capped at 64 KiB with Content-Length required;
+- work that may block (opening a session) runs on ``workers`` threads, never on the loop.
+Every answer is JSON and closes the connection; bad input answers 4xx with {"error": message}.
+What requests mean (auth, sessions) is the control server's (rfork.seed.control).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
+import socket
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
+
+import h11
 
 logger = logging.getLogger(__name__)
 
-_MAX_BODY = 64 << 10
+MAX_BODY = 64 << 10
+_MAX_HEAD = 16 << 10
+_READ_CHUNK = 8192
+_SESSIONS = "/v1/nccl/sessions"
 
 
 class HttpError(Exception):
@@ -28,7 +48,7 @@ class HttpError(Exception):
 
 
 class Session(Protocol):
-    """A session as the handler shows it."""
+    """A session as the endpoint shows it."""
 
     session_id: str
     port: int
@@ -37,113 +57,241 @@ class Session(Protocol):
     def to_json(self) -> dict[str, Any]: ...
 
 
-class Control(Protocol):
-    """What the handler asks of the control server (rfork.seed.control.ControlServer)."""
+G = TypeVar("G")
+
+
+class Control(Protocol, Generic[G]):
+    """What the endpoint asks of the control server (rfork.seed.control.ControlServer).
+
+    ``authorize`` sees only the Authorization header (the body is not read yet) and returns a grant;
+    ``open_session`` gets that grant with the rank from the body and may block (it runs on a worker).
+    """
 
     def health(self) -> dict[str, Any]: ...
 
     def session(self, session_id: str) -> Session | None: ...
 
-    def authorize(self, rank: int, authorization: str | None) -> None: ...
+    def authorize(self, authorization: str | None) -> G: ...
 
-    def open_session(self, rank: int, local_host: str) -> Session: ...
-
-
-def handler_for(control: Control, timeout_s: float) -> type[BaseHTTPRequestHandler]:
-    """A handler class bound to `control`, with a per-connection socket timeout of `timeout_s`."""
-    return type("_BoundHandler", (_Handler,), {"control": control, "timeout": timeout_s})
+    def open_session(self, grant: G, rank: int, local_host: str) -> Session: ...
 
 
-class _Handler(BaseHTTPRequestHandler):
-    control: Control
-    protocol_version = "HTTP/1.1"
-    server_version = "rfork-control/1"
+@dataclass
+class _Progress:
+    """How far one connection got: its request head is in; its answer is written."""
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
-        logger.debug("control %s: %s", self.address_string(), format % args)
+    head_done: bool = False
+    answered: bool = False
 
-    def _reply(self, status: HTTPStatus, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        self.wfile.write(data)
 
-    def _fail(self, err: HttpError) -> None:
-        headers = {}
-        if err.status == HTTPStatus.TOO_MANY_REQUESTS:
-            headers["Retry-After"] = "1"
-        self._reply(err.status, err.body, headers)
+class ControlHttpServer:
+    """Serves `control` on (host, port) from a background thread; see the module docstring for bounds."""
 
-    def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0].rstrip("/")
-        if path == "/v1/health":
-            self._reply(HTTPStatus.OK, self.control.health())
-            return
-        prefix = "/v1/nccl/sessions/"
-        if path.startswith(prefix):
-            info = self.control.session(path[len(prefix) :])
-            if info is None:
-                self._fail(HttpError(HTTPStatus.NOT_FOUND, f"no session {path[len(prefix) :]!r}"))
-            else:
-                self._reply(HTTPStatus.OK, info.to_json())
-            return
-        self._fail(HttpError(HTTPStatus.NOT_FOUND, f"no such path {path!r}"))
+    def __init__(
+        self,
+        control: Control[Any],
+        *,
+        host: str,
+        port: int,
+        request_deadline_s: float,
+        workers: int = 4,
+        backlog: int = 1024,
+        max_connections: int = 256,
+    ) -> None:
+        if request_deadline_s <= 0:
+            raise ValueError(f"request_deadline_s must be positive, got {request_deadline_s}")
+        if workers < 1 or backlog < 1 or max_connections < 1:
+            raise ValueError("workers, backlog and max_connections must be >= 1")
+        self.control = control
+        self.request_deadline_s = request_deadline_s
+        self.max_connections = max_connections
+        self._sock = socket.create_server((host, port), backlog=backlog)
+        self._sock.setblocking(False)
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="rfork-control-worker")
+        self._loop = asyncio.new_event_loop()
+        self._conns: OrderedDict[asyncio.Task[None], _Progress] = OrderedDict()
+        self._ready = threading.Event()
+        self._stopping: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name="rfork-control-http", daemon=True)
+        self.evicted = 0
 
-    def do_POST(self) -> None:
-        path = self.path.split("?", 1)[0].rstrip("/")
-        if path != "/v1/nccl/sessions":
-            self._fail(HttpError(HTTPStatus.NOT_FOUND, f"no such path {path!r}"))
-            return
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._sock.getsockname()[:2]
+        return str(host), int(port)
+
+    def open_connections(self) -> int:
+        """Connections open now (read on the loop thread; approximate elsewhere)."""
+        return len(self._conns)
+
+    def start(self) -> None:
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("control endpoint did not start within 10 s")
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop accepting, drop open connections, and let running workers finish on their own."""
+        if self._thread.is_alive() and self._stopping is not None:
+            self._loop.call_soon_threadsafe(self._stopping.set)
+            self._thread.join(timeout_s)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    # -- the loop thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
         try:
-            rank = self._read_rank()
-            self.control.authorize(rank, self.headers.get("Authorization"))
-            info = self.control.open_session(rank, str(self.connection.getsockname()[0]))
+            self._loop.run_until_complete(self._main())
+        finally:
+            self._loop.close()
+
+    async def _main(self) -> None:
+        self._stopping = asyncio.Event()
+        server = await asyncio.start_server(self._accept, sock=self._sock, limit=_MAX_HEAD)
+        self._ready.set()
+        async with server:
+            await self._stopping.wait()
+            server.close()
+            tasks = list(self._conns)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        if len(self._conns) >= self.max_connections:
+            self._evict_one()
+        progress = self._conns[task] = _Progress()
+        try:
+            await asyncio.wait_for(self._serve(progress, reader, writer), self.request_deadline_s)
+        except asyncio.TimeoutError:  # TimeoutError itself only from Python 3.11
+            if not progress.answered:
+                self._answer_now(writer, HttpError(
+                    HTTPStatus.REQUEST_TIMEOUT,
+                    f"request not completed within {self.request_deadline_s:g} s",
+                ))
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        except asyncio.CancelledError:  # evicted for a newer connection, or the server is closing
+            pass
+        except Exception:
+            logger.exception("control endpoint: unexpected error serving a connection")
+        finally:
+            self._conns.pop(task, None)
+            writer.close()
+
+    def _evict_one(self) -> None:
+        """Close the oldest connection still sending its head (else the oldest), to admit a new one."""
+        victim = next((t for t, p in self._conns.items() if not p.head_done), None)
+        if victim is None:
+            victim = next(iter(self._conns))
+        self._conns.pop(victim, None)
+        victim.cancel()
+        self.evicted += 1
+
+    @staticmethod
+    def _answer_now(writer: asyncio.StreamWriter, err: HttpError) -> None:
+        """Best effort, without waiting: queue an error answer on a connection about to close."""
+        with contextlib.suppress(Exception):
+            writer.write(_response_bytes(err.status, err.body))
+
+    async def _serve(self, progress: _Progress, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> None:
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
+        try:
+            request = await _next_event(conn, reader)
+            if not isinstance(request, h11.Request):
+                return  # the client closed before sending a request
+            progress.head_done = True
+            status, body = await self._route(conn, reader, request, writer)
+        except h11.RemoteProtocolError as exc:  # h11 hints 501 for what it cannot parse: still the client's
+            hint = exc.error_status_hint
+            status = HTTPStatus(hint) if 400 <= hint < 500 else HTTPStatus.BAD_REQUEST
+            body = {"error": f"bad request: {exc}"}
         except HttpError as err:
-            self._fail(err)
-            return
-        host = str(self.connection.getsockname()[0])
-        self._reply(
-            HTTPStatus.CREATED,
-            {"session_id": info.session_id, "host": host, "port": info.port, "backend": info.backend},
+            status, body = err.status, err.body
+        progress.answered = True
+        writer.write(_response_bytes(status, body))
+        await writer.drain()
+
+    async def _route(self, conn: h11.Connection, reader: asyncio.StreamReader, request: h11.Request,
+                     writer: asyncio.StreamWriter) -> tuple[HTTPStatus, dict[str, Any]]:
+        method = request.method.decode("ascii", "replace")
+        path = request.target.decode("ascii", "replace").split("?", 1)[0].rstrip("/")
+        if method == "GET":
+            if path == "/v1/health":
+                return HTTPStatus.OK, self.control.health()
+            prefix = _SESSIONS + "/"
+            if path.startswith(prefix):
+                info = self.control.session(path[len(prefix) :])
+                if info is None:
+                    raise HttpError(HTTPStatus.NOT_FOUND, f"no session {path[len(prefix) :]!r}")
+                return HTTPStatus.OK, info.to_json()
+            raise HttpError(HTTPStatus.NOT_FOUND, f"no such path {path!r}")
+        if method != "POST":
+            raise HttpError(HTTPStatus.METHOD_NOT_ALLOWED, f"{method} not allowed on {path!r}")
+        if path != _SESSIONS:
+            raise HttpError(HTTPStatus.NOT_FOUND, f"no such path {path!r}")
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
+        grant = self.control.authorize(headers.get("authorization"))  # before any byte of the body
+        rank = _rank_of(await _read_body(conn, reader, headers))
+        local_host = str(writer.get_extra_info("sockname")[0])
+        loop = asyncio.get_running_loop()
+        info = await loop.run_in_executor(self._executor, self.control.open_session, grant, rank, local_host)
+        return HTTPStatus.CREATED, {
+            "session_id": info.session_id, "host": local_host, "port": info.port, "backend": info.backend,
+        }
+
+
+async def _next_event(conn: h11.Connection, reader: asyncio.StreamReader) -> Any:
+    while True:
+        event = conn.next_event()
+        if event is not h11.NEED_DATA:
+            return event
+        data = await reader.read(_READ_CHUNK)
+        conn.receive_data(data)  # b"" tells h11 the client closed
+
+
+async def _read_body(conn: h11.Connection, reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:
+    raw_len = headers.get("content-length")
+    if raw_len is None:
+        raise HttpError(HTTPStatus.LENGTH_REQUIRED, "Content-Length required")
+    length = int(raw_len)  # h11 has checked that it is a non-negative integer
+    if length > MAX_BODY:
+        raise HttpError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body of {length} bytes; limit {MAX_BODY}")
+    parts: list[bytes] = []
+    while True:
+        event = await _next_event(conn, reader)
+        if isinstance(event, h11.Data):
+            parts.append(bytes(event.data))
+        elif isinstance(event, h11.EndOfMessage):
+            return b"".join(parts)
+        else:
+            raise HttpError(HTTPStatus.BAD_REQUEST, "connection closed before the body was complete")
+
+
+def _rank_of(raw: bytes) -> int:
+    try:
+        body = json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise HttpError(HTTPStatus.BAD_REQUEST, f"body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise HttpError(HTTPStatus.BAD_REQUEST, 'body must be a JSON object like {"rank": 0}')
+    rank = body.get("rank")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise HttpError(
+            HTTPStatus.UNPROCESSABLE_ENTITY, f"field 'rank' must be a non-negative integer, got {rank!r}"
         )
+    return rank
 
-    def do_PUT(self) -> None:
-        self._fail(HttpError(HTTPStatus.METHOD_NOT_ALLOWED, f"PUT not allowed on {self.path!r}"))
 
-    do_DELETE = do_PUT
-    do_PATCH = do_PUT
-
-    def _read_rank(self) -> int:
-        raw_len = self.headers.get("Content-Length")
-        if raw_len is None:
-            raise HttpError(HTTPStatus.LENGTH_REQUIRED, "Content-Length required")
-        try:
-            length = int(raw_len)
-        except ValueError as exc:
-            raise HttpError(HTTPStatus.BAD_REQUEST, f"bad Content-Length {raw_len!r}") from exc
-        if length < 0 or length > _MAX_BODY:
-            self.close_connection = True
-            raise HttpError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body of {length} bytes; limit {_MAX_BODY}")
-        try:
-            raw = self.rfile.read(length)
-        except (TimeoutError, OSError) as exc:
-            self.close_connection = True
-            raise HttpError(
-                HTTPStatus.REQUEST_TIMEOUT, f"body not received within the timeout: {exc}"
-            ) from exc
-        try:
-            body = json.loads(raw or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise HttpError(HTTPStatus.BAD_REQUEST, f"body is not JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise HttpError(HTTPStatus.BAD_REQUEST, 'body must be a JSON object like {"rank": 0}')
-        rank = body.get("rank")
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise HttpError(
-                HTTPStatus.UNPROCESSABLE_ENTITY, f"field 'rank' must be a non-negative integer, got {rank!r}"
-            )
-        return rank
+def _response_bytes(status: HTTPStatus, body: dict[str, Any]) -> bytes:
+    data = json.dumps(body).encode()
+    extra = "Retry-After: 1\r\n" if status == HTTPStatus.TOO_MANY_REQUESTS else ""
+    head = (
+        f"HTTP/1.1 {status.value} {status.phrase}\r\nServer: rfork-control/2\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n{extra}Connection: close\r\n\r\n"
+    )
+    return head.encode("latin-1") + data

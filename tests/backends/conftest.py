@@ -73,7 +73,8 @@ def provider(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="module")
 def peer(provider: str) -> Iterator[Peer]:
-    """A long-lived peer per provider: 1 GiB read-only source, writable and read-only 16 MiB regions."""
+    """A long-lived peer per provider: 1 GiB read-only source, 1 GiB and 16 MiB writable regions, and
+    1 MiB read-only ("ro") and write-only ("wo") ones."""
     p = start_peer(
         provider,
         [
@@ -81,6 +82,7 @@ def peer(provider: str) -> Iterator[Peer]:
             ("dst", SRC_BYTES, "rw"),
             ("small", 16 << 20, "rw"),
             ("ro", 1 << 20, "read"),
+            ("wo", 1 << 20, "write"),
         ],
     )
     yield p

@@ -5,7 +5,6 @@ Real processes (spawn), random data checked byte for byte against what the other
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import signal
@@ -13,17 +12,25 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import wait
+from typing import Any
 
 import numpy as np
 import pytest
 
 from backends import (
+    BackendUnavailable,
     MemoryRegionDescriptor,
     Message,
     PeerUnreachable,
     RemoteAccessError,
     TransferEngine,
     TransferError,
+)
+from backends.providers.libfabric import (
+    ALLOW_UNENFORCED_ENV,
+    libfabric_version,
+    refuses_forged_reads,
+    refuses_forged_writes,
 )
 from tests.backends.conftest import SRC_BYTES, Peer, start_peer
 from tests.backends.peer import digest, engine_kwargs, host_buffer, pattern
@@ -195,10 +202,10 @@ def test_submission_from_16_threads(engine: TransferEngine, peer: Peer) -> None:
 
 @pytest.mark.timeout(120)
 def test_peer_killed_mid_transfer(engine: TransferEngine, peer: Peer, provider: str) -> None:
-    if provider == "shm":
+    if provider == "shm" and libfabric_version() < (2, 5):
         pytest.skip(
-            "shm 1.17: after a peer dies, a progress thread can block inside the provider "
-            "(known gap, docs/transport.md)"
+            "shm before libfabric 2.5 (seen on 1.17): after a peer dies, a progress thread can block "
+            "inside the provider (docs/transport.md)"
         )
     victim = start_peer(provider, [("src", 256 * MiB, "read")], domains=1, reorder=False)
     buf = np.zeros(256 * MiB, dtype=np.uint8)
@@ -293,21 +300,74 @@ def test_out_of_range_and_wrong_access_refused(engine: TransferEngine, peer: Pee
 def test_forged_write_access_is_refused_by_provider(
     engine: TransferEngine, peer: Peer, provider: str
 ) -> None:
-    """A descriptor edited to claim write access must still not let us modify a read-only region."""
-    if provider == "shm":
-        pytest.skip(
-            "shm (libfabric 1.17) does not enforce remote access flags; only the initiator check guards"
-        )
+    """A read-only region's descriptor edited to claim write access must not let a write through.
+
+    Where the provider does not check (shm before libfabric 2.5), the forged write lands: that
+    is why rfork refuses read-only regions there (next test); this checks the version table is true.
+    """
     buf = pattern(12, MiB).copy()
     region = engine.register(buf, "read")
     ro = MemoryRegionDescriptor.from_bytes(peer.descs["ro"])
     forged = MemoryRegionDescriptor(ro.address, ro.keys, ro.base, ro.length, "rw")
     fut = engine.write(region, 0, 4096, forged, 0)
-    with contextlib.suppress(TransferError):
+    refused = False
+    try:
         fut.result(10)
-    assert peer.call("digest", "ro", 0, MiB) == digest(np.zeros(MiB, dtype=np.uint8)), (
-        f"{provider} let a forged write through"
+    except TransferError:
+        refused = True
+    zeros = digest(np.zeros(MiB, dtype=np.uint8))
+    if refuses_forged_writes(provider):
+        assert peer.call("digest", "ro", 0, MiB) == zeros, f"{provider} let a forged write through"
+        # tcp fails the initiator's op; shm 2.5 drops the write but completes the op without error
+        assert refused or provider == "shm", f"{provider} reported success for a refused write"
+        return
+    assert peer.call("digest", "ro", 0, MiB) != zeros, (
+        f"{provider} on libfabric {libfabric_version()} refused the forged write: "
+        "update refuses_forged_writes"
     )
+    buf[:4096] = 0  # put the peer's region back as the other tests expect it
+    engine.write(region, 0, 4096, forged, 0).result(10)
+    assert peer.call("digest", "ro", 0, MiB) == zeros
+
+
+@pytest.mark.timeout(60)
+def test_forged_read_access_is_refused_by_provider(engine: TransferEngine, peer: Peer, provider: str) -> None:
+    """A write-only region's descriptor edited to claim read access must not give its bytes away."""
+    assert peer.call("fill", "wo", 13) is True
+    buf = np.zeros(MiB, dtype=np.uint8)
+    region = engine.register(buf, "write")
+    wo = MemoryRegionDescriptor.from_bytes(peer.descs["wo"])
+    forged = MemoryRegionDescriptor(wo.address, wo.keys, wo.base, wo.length, "rw")
+    refused = False
+    try:
+        engine.read(region, 0, 4096, forged, 0).result(10)
+    except TransferError:
+        refused = True
+    leaked = bool(np.array_equal(buf[:4096], pattern(13, 4096)))
+    if refuses_forged_reads(provider):
+        assert not leaked, f"{provider} on libfabric {libfabric_version()} let a forged read through"
+        assert refused or provider == "shm", f"{provider} reported success for a refused read"
+    else:
+        # tcp (1.17 and 2.5.1) and shm 1.17 hand the bytes over: only the key guards a write-only region
+        assert leaked, f"{provider} on libfabric {libfabric_version()} refused the forged read: update"
+
+
+@pytest.mark.timeout(60)
+def test_read_only_regions_refused_where_access_is_not_enforced(
+    provider: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(ALLOW_UNENFORCED_ENV, raising=False)
+    with TransferEngine(provider, 1, timeout_s=8.0, **engine_kwargs(provider)) as eng:
+        buf = np.zeros(MiB, dtype=np.uint8)
+        for access in ("rw", "write"):
+            eng.register(buf, access).close()
+        if refuses_forged_writes(provider):
+            eng.register(buf, "read").close()
+            return
+        with pytest.raises(BackendUnavailable, match=r"does not enforce remote access.*RFORK_LIBFABRIC_LIB"):
+            eng.register(buf, "read")
+        monkeypatch.setenv(ALLOW_UNENFORCED_ENV, "1")  # the trusted-host escape hatch
+        eng.register(buf, "read").close()
 
 
 @pytest.mark.timeout(60)
@@ -322,8 +382,8 @@ def test_messages_both_ways(engine: TransferEngine, peer: Peer, provider: str) -
 
     channel = engine.channel("conformance")
     channel.on_message(on_msg)
-    # shm 1.17 moves sends above its 4 KiB inline size through a path that stalls here (see docs)
-    big = provider != "shm"
+    # shm before 2.5 (seen on 1.17) moves sends above its 4 KiB inline size through a path that stalls
+    big = provider != "shm" or libfabric_version() >= (2, 5)
     payloads = [b"x", b"hello" * (1000 if big else 100), bytes(range(256)) * (200 if big else 10)]
     for payload in payloads:
         assert peer.call("send", engine.address, "conformance", "data", payload) is True
@@ -336,3 +396,80 @@ def test_messages_both_ways(engine: TransferEngine, peer: Peer, provider: str) -
     assert [(k, d) for k, d, _ in back] == [("back", p) for p in payloads]
     assert {s for _, _, s in back} == {engine.address}
     channel.close()
+
+
+def _post_gather_write(dom: Any, pieces: list[tuple[int, int]], desc: Any, peer: int, raddr: int, key: int,
+                       ctx: int, flags: int) -> Any:
+    """One fi_writemsg with one local iov per (ptr, length) into one remote span; returns its keepalive."""
+    from backends.providers._native import ffi, lib
+
+    n = len(pieces)
+    iov, descs = ffi.new("struct iovec[]", n), ffi.new("void *[]", n)
+    for i, (ptr, length) in enumerate(pieces):
+        iov[i].iov_base, iov[i].iov_len = ffi.cast("void *", ptr), length
+        descs[i] = ffi.NULL if desc is None else desc
+    riov, msg = ffi.new("struct fi_rma_iov *"), ffi.new("struct fi_msg_rma *")
+    riov.addr, riov.len, riov.key = raddr, sum(length for _, length in pieces), key
+    msg.msg_iov, msg.desc, msg.iov_count, msg.addr = iov, descs, n, peer
+    msg.rma_iov, msg.rma_iov_count, msg.context = riov, 1, ffi.cast("void *", ctx)
+    while True:
+        rc = lib.fi_writemsg(dom._ep, msg, flags)
+        if rc != -lib.FI_EAGAIN:
+            break
+        dom.poll()
+    assert rc == 0, f"fi_writemsg returned {rc}"
+    return (iov, descs, riov, msg)
+
+
+@pytest.mark.timeout(90)
+def test_multi_iov_local_writes_land_byte_for_byte(peer: Peer, provider: str) -> None:
+    """Gather writes (2-4 local iovs, 16 in flight) into the peer's region, checked byte for byte.
+
+    docs/transport.md once recorded wrong bytes from multi-iov local writes on 1.17; this pins what
+    the provider itself does, on every version CI runs, before rfork relies on it.
+    """
+    from backends.descriptor import EngineAddress
+    from backends.providers._native import lib
+    from backends.providers.libfabric import LibfabricDomain, buffer_address
+
+    # as the engine posts: delivery-complete on tcp, plain on shm (on 1.17, 15 of 20 multi-iov
+    # delivery-complete writes to an engine peer never completed)
+    flags = lib.FI_COMPLETION | (lib.FI_DELIVERY_COMPLETE if provider != "shm" else 0)
+
+    dom = LibfabricDomain(provider, host="127.0.0.1" if provider == "tcp" else None)
+    try:
+        src = pattern(21, 4 * MiB).copy()
+        sptr, snbytes, _keep = buffer_address(src)
+        reg = dom.register(sptr, snbytes, remote_read=False, remote_write=False)
+        small = MemoryRegionDescriptor.from_bytes(peer.descs["small"])
+        target = dom.insert_peer(EngineAddress.from_bytes(small.address).domains[0])
+        rng = random.Random(22)
+        peer.call("fill", "small", 0)
+        remote = pattern(0, 16 * MiB).copy()
+        keep, in_flight, offset = [], 0, 0
+        for ctx, (n_iov, page) in enumerate([(2, 4096), (4, 4096), (4, 65536), (3, 12345), (4, 1000)] * 4, 1):
+            pages = rng.sample(range(snbytes // page), n_iov)
+            pieces = [(sptr + p * page, page) for p in pages]
+            raddr = small.base + offset
+            keep.append(_post_gather_write(dom, pieces, reg.desc, target, raddr, small.keys[0], ctx, flags))
+            for p in pages:
+                remote[offset : offset + page] = src[p * page : (p + 1) * page]
+                offset += page
+            in_flight += 1
+        deadline = time.monotonic() + 30
+        while in_flight and time.monotonic() < deadline:
+            for c in dom.wait(0.01):
+                assert not c.error, c.message
+                in_flight -= 1
+        assert not in_flight, f"{in_flight} gather writes never completed"
+        # shm's small (inject) writes land at the target's next progress, just after they complete here
+        want, got = digest(remote), b""
+        for _ in range(50):
+            got = peer.call("digest", "small", 0, 16 * MiB)
+            if got == want:
+                break
+            time.sleep(0.1)
+        assert got == want, "multi-iov writes left wrong bytes at the target"
+        dom.deregister(reg)
+    finally:
+        dom.close()

@@ -52,3 +52,15 @@ def test_unknown_command_is_a_one_line_error_with_nonzero_status() -> None:
     assert out.returncode == 2
     assert "invalid choice" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+
+def test_demo_allows_read_only_regions_on_unenforcing_shm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`rfork demo` (and `bench`) talk only to processes they start, so they set the allowance."""
+    import os
+
+    from rfork.cli import main
+
+    monkeypatch.delenv("RFORK_ALLOW_UNENFORCED_ACCESS", raising=False)
+    assert main(["demo", "--size-gib", "0"]) == 1  # refused at once, before any process starts
+    assert os.environ.get("RFORK_ALLOW_UNENFORCED_ACCESS") == "1"

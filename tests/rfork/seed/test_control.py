@@ -98,26 +98,40 @@ def test_control_endpoint_needs_the_lease_token_and_works_across_two_addresses(s
 def test_control_endpoint_bounds_slow_clients_and_bodies():
     import torch
 
-    from planner.control_token import new_control_key
+    from planner.control_token import issue, new_control_key
     from rfork.seed.control import ControlServer
+
+    key = new_control_key()
+
+    def auth(lease: str) -> bytes:
+        token = issue(key, lease_id=lease, instance_id="0" * 32, rank=0, expires_at=time.time() + 60)
+        return b"Authorization: Bearer " + token.encode() + b"\r\n"
 
     with ControlServer(
         host="127.0.0.1",
         tensors_for_rank=lambda r: [torch.zeros(4)],
-        control_key=new_control_key(),
+        control_key=key,
         instance_ids=lambda: ["0" * 32],
         request_timeout_s=1.0,
     ) as server:
         host, port = server.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=10) as sock:
-            sock.sendall(b"POST /v1/nccl/sessions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+            sock.sendall(
+                b"POST /v1/nccl/sessions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+                + auth("a")
+                + b"\r\n{"
+            )
             t0 = time.monotonic()
             data = sock.recv(1000)  # the seed gives up on the silent client
             assert time.monotonic() - t0 < 8
         assert b" 408 " in data
         assert _post_session(server.url, 0, "x" * 10)[0] == 403
         with socket.create_connection((host, int(port)), timeout=10) as sock:  # refused by its length
-            sock.sendall(b"POST /v1/nccl/sessions HTTP/1.1\r\nHost: x\r\nContent-Length: 1048576\r\n\r\n")
+            sock.sendall(
+                b"POST /v1/nccl/sessions HTTP/1.1\r\nHost: x\r\nContent-Length: 1048576\r\n"
+                + auth("b")
+                + b"\r\n"
+            )
             assert b" 413 " in sock.recv(1000)
 
 
