@@ -60,3 +60,29 @@ def test_flipped_byte_in_a_ready_seed_is_never_accepted_and_quarantines_it(small
         assert err.value.reason == "digest_mismatch"
         metrics = urllib.request.urlopen(planner + "/metrics", timeout=10).read().decode()
         assert "rfork_planner_integrity_refusals_total 1.0" in metrics
+
+
+def test_a_refused_publication_never_fails_a_verified_load(small_ckpt, planner):
+    """Issue #21: `_become_seed` sat outside any `try`, so a planner refusing the publication (here: a
+    register token it does not know) made `load()` raise although every tensor had verified."""
+    info = read_checkpoint_info(small_ckpt)
+    with Seed(
+        weights=[_weights(small_ckpt)], identity=info.identity(), planner_url=planner, control=False, token=REGISTER
+    ):
+        result = load(
+            identity=info.identity(),
+            planner_url=planner,
+            checkpoint=small_ckpt,
+            token=AUTH["token"],
+            register_token="not-a-token-this-planner-knows",
+            options=opts(),
+        )
+        try:
+            assert result.verified
+            assert result.source != "disk"
+            assert result.seed is None
+            assert result.seed_error is not None
+            assert "register" in result.seed_error or "token" in result.seed_error
+            assert_same(result.state_dict(), load_state_dict(small_ckpt))
+        finally:
+            result.close()
