@@ -82,8 +82,8 @@ def test_admins_list_upload_and_revoke_anchors(secure):
     assert PlannerClient(secure.url, token="load").request_assignment(identity=identity(), rank=0) is None
 
     # an admin uploads the digests (what `rfork digest CHECKPOINT` writes)
-    digests = {t["name"]: t["checksum"] for t in manifest(0)["tensors"]}
-    body = {"identity": identity(), "rank": 0, "checksum_algorithm": "xxh64", "digests": digests}
+    tensors = [{k: t[k] for k in ("name", "dtype", "shape", "nbytes", "checksum")} for t in manifest(0)["tensors"]]
+    body = {"identity": identity(), "rank": 0, "checksum_algorithm": "xxh64", "tensors": tensors}
     assert httpx.put(secure.url + "/v1/anchors", json=body, headers={"Authorization": "Bearer reg"}).status_code == 403
     put = httpx.put(secure.url + "/v1/anchors", json=body, headers=adm)
     assert put.status_code == 200, put.text

@@ -106,7 +106,7 @@ def test_one_checksum_report_costs_a_healthy_seed_only_a_reverification(planner_
     try:
         now = time.time()
         seed = _ready_seed(svc, now)
-        lease = svc.assign(_ask(requester_id="liar"), now).id
+        lease = svc.assign(_ask(requester_id="liar"), now, holder="liar").id
         svc.report(lease, TransferReport(outcome="failure", reason="checksum_mismatch"), now, reporter="liar")
         with pytest.raises(NoSource):
             svc.assign(_ask(), now + 1)
@@ -126,6 +126,9 @@ def test_a_seed_that_fails_reverification_is_never_offered_again_until_clean(pla
         seed = _ready_seed(svc, now)
         lease = svc.assign(_ask(), now).id
         svc.report(lease, TransferReport(outcome="failure", reason="checksum_mismatch"), now)
+        svc.heartbeat(seed, now + 5_000)
+        with pytest.raises(NoSource):  # it never re-verified: far past quarantine_s, still not offered
+            svc.assign(_ask(), now + 5_000)
         bad = manifest(0)
         bad["tensors"][0]["checksum"] = "cd"
         with pytest.raises(Exception, match="digests differ"):
