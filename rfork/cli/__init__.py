@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                 groups[key] = group.add_subparsers(dest=f"{word}_command", metavar="COMMAND", required=True)
             subs = groups[key]
         summary = _summary(module)
-        leaf = subs.add_parser(path[-1], help=summary, description=summary)
+        # no abbreviations: `--token` must be refused, not read as `--token-file`
+        leaf = subs.add_parser(path[-1], help=summary, description=summary, allow_abbrev=False)
         module.configure(leaf)
         leaf.set_defaults(_module=module)
     return parser

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
+from backends.errors import BackendUnavailable, TransferError
 from backends.layout import dtype_from_name, expected_nbytes
 from planner.client import AllBusy, PlannerClient
 from planner.integrity import digest_set
@@ -235,10 +236,7 @@ class PlannerSession:
         self, source: Source, *, ok: bool, nbytes: int, seconds: float, error: BaseException | None
     ) -> None:
         """End the lease with the pull's outcome; a lost report never fails the load."""
-        if ok:
-            reason = None
-        else:
-            reason = "checksum_mismatch" if isinstance(error, ChecksumMismatch) else type(error).__name__
+        reason = None if ok or error is None else fault_reason(error)
         t0 = time.perf_counter()
         try:
             assert self.client is not None
@@ -303,3 +301,21 @@ class PlannerSession:
                 len(found.candidates),
             )
         return found
+
+
+def fault_reason(error: BaseException) -> str:
+    """The report's reason: `checksum_mismatch` and `transport` count against the seed at the planner;
+    anything else (this loader's destination, engine, algorithm, a bad manifest) is the error's class
+    name, recorded but never blamed on the seed."""
+    seen: set[int] = set()
+    cur: BaseException | None = error
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, ChecksumMismatch):
+            return "checksum_mismatch"
+        if isinstance(cur, BackendUnavailable):
+            break  # this loader could not open its engine: not the seed's fault
+        if isinstance(cur, (TransferError, TimeoutError, ConnectionError)):
+            return "transport"
+        cur = cur.__cause__ or cur.__context__
+    return type(error).__name__

@@ -13,8 +13,10 @@ import pytest
 
 from planner.client import PlannerClient
 from planner.server import PlannerServer
+from planner.service import Planner
+from planner.settings import PlannerSettings
 from planner.wire import identity_key
-from tests.planner.conftest import identity, make_planner, manifest, ranks
+from tests.planner.conftest import identity, manifest, ranks
 
 TOKENS: dict[str, Any] = {
     "admin_token": "adm",
@@ -71,7 +73,10 @@ def test_admins_list_upload_and_revoke_anchors(secure):
         (key, 0, "instance:" + reg.id)
     ]
     for tok in ("reg", "load", "read", "anc", reg.token):  # only admins see or change anchors
-        assert httpx.get(secure.url + "/v1/anchors", headers={"Authorization": f"Bearer {tok}"}).status_code == 403
+        assert (
+            httpx.get(secure.url + "/v1/anchors", headers={"Authorization": f"Bearer {tok}"}).status_code
+            == 403
+        )
     url = f"{secure.url}/v1/anchors/{key}/0/xxh64"
     assert httpx.delete(url, headers={"Authorization": "Bearer reg"}).status_code == 403
     assert httpx.delete(url, headers=adm).status_code == 204
@@ -82,12 +87,18 @@ def test_admins_list_upload_and_revoke_anchors(secure):
     assert PlannerClient(secure.url, token="load").request_assignment(identity=identity(), rank=0) is None
 
     # an admin uploads the digests (what `rfork digest CHECKPOINT` writes)
-    tensors = [{k: t[k] for k in ("name", "dtype", "shape", "nbytes", "checksum")} for t in manifest(0)["tensors"]]
+    tensors = [
+        {k: t[k] for k in ("name", "dtype", "shape", "nbytes", "checksum")} for t in manifest(0)["tensors"]
+    ]
     body = {"identity": identity(), "rank": 0, "checksum_algorithm": "xxh64", "tensors": tensors}
-    assert httpx.put(secure.url + "/v1/anchors", json=body, headers={"Authorization": "Bearer reg"}).status_code == 403
+    assert (
+        httpx.put(secure.url + "/v1/anchors", json=body, headers={"Authorization": "Bearer reg"}).status_code
+        == 403
+    )
     put = httpx.put(secure.url + "/v1/anchors", json=body, headers=adm)
     assert put.status_code == 200, put.text
-    assert put.json()["set_by"] == "admin"
+    assert put.json()["instance_id"] == ""
+    assert put.json()["set_by"].startswith("token:")  # the admin token's holder name, never the token
     assert PlannerClient(secure.url, token="load").request_assignment(identity=identity(), rank=0) is not None
     bad = httpx.put(secure.url + "/v1/anchors", json={**body, "rank": 7}, headers=adm)
     assert bad.status_code == 409  # outside tp*pp
@@ -100,7 +111,7 @@ def test_concurrent_first_publications_on_postgres_end_with_one_anchor(postgres_
     from tests.planner.conftest import empty_database
 
     url = empty_database(postgres_url)
-    svc = make_planner(url, db_pool_size=16)
+    svc = Planner.open(PlannerSettings(db_url=url, insecure=True, db_pool_size=16))
     try:
         for attempt in range(4):  # a race: repeat to make losing it likely without the fix
             key_identity = identity(revision=f"r{attempt}")
@@ -109,7 +120,12 @@ def test_concurrent_first_publications_on_postgres_end_with_one_anchor(postgres_
             errors: list[BaseException] = []
             anchored: list[bool] = []
 
-            def publish(iid: str) -> None:
+            def publish(
+                iid: str,
+                barrier: threading.Barrier = barrier,
+                anchored: list[bool] = anchored,
+                errors: list[BaseException] = errors,
+            ) -> None:
                 barrier.wait()
                 try:
                     anchored.append(svc.put_manifest(iid, 0, _json(manifest(0)), 2.0))
@@ -130,7 +146,8 @@ def test_concurrent_first_publications_on_postgres_end_with_one_anchor(postgres_
 def _registration(ident: dict[str, Any]) -> Any:
     from planner.wire import RegistrationRequest
 
-    return RegistrationRequest.model_validate({"identity": ident, "ranks": ranks(0)})
+    rank0 = {"rank": 0, "provider": "tcp", "address": "YWRkcjA=", "backends": ["tcp"]}
+    return RegistrationRequest.model_validate({"identity": ident, "ranks": [rank0]})
 
 
 def _json(m: dict[str, Any]) -> str:
