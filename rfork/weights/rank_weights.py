@@ -152,7 +152,7 @@ class RankWeights:
 
     @property
     def checksum_algorithm(self) -> str:
-        """The digest these weights are checked with (xxh3-128 on the host, pwsum64 on a GPU)."""
+        """The digest these weights are checked with (xxh3-128 on the host, pmix64 on a GPU)."""
         return ck.algorithm_for(self.device)
 
     def registrables(self) -> list[Any]:
