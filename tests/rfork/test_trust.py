@@ -89,3 +89,23 @@ def test_a_refused_publication_never_fails_a_verified_load(small_ckpt, planner):
             assert_same(result.state_dict(), load_state_dict(small_ckpt))
         finally:
             result.close()
+
+
+def test_a_pull_verified_with_blake3(small_ckpt, planner, monkeypatch):
+    """The whole fleet on RFORK_DIGEST=blake3: the seed publishes BLAKE3 digests, the identity is anchored
+    with them, the loader verifies every tensor with BLAKE3 as it lands."""
+    monkeypatch.setenv("RFORK_DIGEST", "blake3")
+    info = read_checkpoint_info(small_ckpt)
+    with Seed(
+        weights=[_weights(small_ckpt)],
+        identity=info.identity(),
+        planner_url=planner,
+        control=False,
+        token=REGISTER,
+    ):
+        result = load(identity=info.identity(), planner_url=planner, **AUTH, options=opts(become_seed=False))
+        assert result.verified
+        assert result.source == "rfork-tcp"
+        assert_same(result.state_dict(), load_state_dict(small_ckpt))
+        anchors = PlannerClient(planner, token=ADMIN)._http.get("/v1/anchors").json()["items"]
+        assert [a["checksum_algorithm"] for a in anchors] == ["blake3"]
