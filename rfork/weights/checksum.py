@@ -1,9 +1,12 @@
-"""Per-tensor weight digests: xxh3-128 for host tensors, pmix64 on the GPU.
+"""Per-tensor weight digests: xxh3-128 (or BLAKE3) for host tensors, pmix64 on the GPU.
 
 Host (CPU) tensors use `xxh3-128` (the xxHash library's XXH3 128-bit hash of the tensor's raw bytes,
 32 hex digits). It is non-linear (no combination of changed words cancels out, unlike a sum) and runs
 at memory speed; `StreamingDigest` computes the same value chunk by chunk as the bytes arrive, so
-the loader hashes each chunk while it is still in cache.
+the loader hashes each chunk while it is still in cache. It resists accidents, not a crafted
+collision: a fleet that must resist one sets `RFORK_DIGEST=blake3` on every seed and loader (the
+BLAKE3 hash, 64 hex digits; its anchors are recorded under that name). Its cost is measured in
+docs/reliability.md.
 
 CUDA tensors keep a device-side digest so no weight byte crosses to the host. Algorithm `pmix64-v1`
 (it replaced `pwsum64-v1`, a position-weighted sum: linear, so a zeroed quarter of a tensor plus two
@@ -26,14 +29,19 @@ CPU, so it is tested here, and on the tensor's own device with no weight byte co
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
+from typing import Any
 
+import blake3
 import torch
 import xxhash
 
 DEVICE_DIGEST = "pmix64-v1"
 XXH3_128 = "xxh3-128"
-ALGORITHMS = (XXH3_128, DEVICE_DIGEST)
+BLAKE3 = "blake3"
+HOST_ALGORITHMS = (XXH3_128, BLAKE3)
+ALGORITHMS = (*HOST_ALGORITHMS, DEVICE_DIGEST)
 CHUNK_WORDS = 1 << 18  # 2 MiB of words per step: few torch calls per tensor, temporaries stay small
 _MASK = (1 << 64) - 1
 
@@ -126,16 +134,34 @@ def checksum_bytes(data: torch.Tensor) -> str:
     return f"{a:016x}{b:016x}"
 
 
+def host_algorithm() -> str:
+    """The host digest this process uses: $RFORK_DIGEST (xxh3-128 unless set; ValueError if unknown)."""
+    chosen = os.environ.get("RFORK_DIGEST") or XXH3_128
+    if chosen not in HOST_ALGORITHMS:
+        raise ValueError(f"RFORK_DIGEST: {chosen!r} is not one of {', '.join(HOST_ALGORITHMS)}")
+    return chosen
+
+
 def algorithm_for(device: torch.device | str) -> str:
-    """The digest used for tensors on `device`: xxh3-128 on the host, pmix64 on a GPU."""
-    return DEVICE_DIGEST if torch.device(device).type == "cuda" else XXH3_128
+    """The digest used for tensors on `device`: host_algorithm() on the host, pmix64 on a GPU."""
+    return DEVICE_DIGEST if torch.device(device).type == "cuda" else host_algorithm()
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
-    """Digest of a tensor's raw bytes under algorithm_for(tensor.device) (32 hex digits)."""
-    if algorithm_for(tensor.device) == XXH3_128:
+    """Digest of a tensor's raw bytes under algorithm_for(tensor.device)."""
+    algorithm = algorithm_for(tensor.device)
+    if algorithm == XXH3_128:
         return xxh3_bytes(_as_bytes(tensor))
+    if algorithm == BLAKE3:
+        return blake3_bytes(_as_bytes(tensor))
     return checksum_bytes(_as_bytes(tensor))
+
+
+def blake3_bytes(data: torch.Tensor) -> str:
+    """BLAKE3 of a flat uint8 host tensor (zero-copy: hashed where it lies)."""
+    if data.numel() == 0:
+        return str(blake3.blake3(b"").hexdigest())
+    return str(blake3.blake3(_host_view(int(data.data_ptr()), data.numel())).hexdigest())
 
 
 def xxh3_bytes(data: torch.Tensor) -> str:
@@ -159,7 +185,7 @@ def _host_view(ptr: int, nbytes: int) -> memoryview:
 
 
 class StreamingDigest:
-    """xxh3-128 of one host tensor's bytes fed in order, chunk by chunk, as they land.
+    """A host digest (xxh3-128 or BLAKE3) of one tensor's bytes fed in order, chunk by chunk, as they land.
 
     `update(ptr, n)` hashes host memory [ptr, +n); the bytes must arrive in address order and add
     up to the tensor. Not thread-safe: one feeder (the loader's verifier thread).
@@ -167,8 +193,12 @@ class StreamingDigest:
 
     __slots__ = ("_hasher", "fed")
 
-    def __init__(self) -> None:
-        self._hasher = xxhash.xxh3_128()
+    def __init__(self, algorithm: str = XXH3_128) -> None:
+        if algorithm not in HOST_ALGORITHMS:
+            raise ValueError(
+                f"StreamingDigest: {algorithm!r} is not a host digest ({', '.join(HOST_ALGORITHMS)})"
+            )
+        self._hasher: Any = xxhash.xxh3_128() if algorithm == XXH3_128 else blake3.blake3()
         self.fed = 0
 
     def update(self, ptr: int, nbytes: int) -> None:
