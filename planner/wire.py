@@ -228,7 +228,7 @@ class TensorEntry(BaseModel):
 class TensorDigest(Strict):
     """One tensor of an anchor upload: what the digest set covers (planner.integrity.digest_set)."""
 
-    name: Annotated[str, StringConstraints(min_length=1, max_length=4096)]
+    name: Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=NO_NUL)]
     dtype: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=NO_NUL)]
     shape: Annotated[list[Annotated[int, Field(ge=0, le=MAX_BYTES), JSON_INT]], Field(max_length=64)]
     nbytes: Bytes
