@@ -30,6 +30,7 @@ from planner.wire import (
     InstancePage,
     InstanceView,
     Labels,
+    LeaseRenewal,
     ModelsPage,
     RankEndpoint,
     RankManifest,
@@ -213,6 +214,11 @@ class PlannerClient:
                 error=error,
             )
         return self._call("POST", f"/v1/assignments/{assignment_id}/report", op, ReportAnswer, body=body)
+
+    def renew_assignment(self, assignment_id: str) -> LeaseRenewal:
+        """Keep a live lease for another lease TTL (a long pull; Conflict once it has ended)."""
+        op = f"renew assignment {assignment_id}"
+        return self._call("POST", f"/v1/assignments/{assignment_id}/renew", op, LeaseRenewal)
 
     # ---- views -------------------------------------------------------------------------------
     def models(self) -> ModelsPage:

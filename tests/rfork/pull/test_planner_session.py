@@ -103,7 +103,7 @@ def test_a_pull_longer_than_the_lease_keeps_it_by_renewing(sqlite_url):
     from rfork.pull.planner_session import PlannerSession
     from rfork.pull.result import LoadOptions
 
-    with PlannerServer(db_url=sqlite_url, insecure=True, lease_ttl_s=1.0, reaper_interval_s=0.2) as srv:
+    with PlannerServer(db_url=sqlite_url, insecure=True, lease_ttl_s=2.0, reaper_interval_s=0.2) as srv:
         c = PlannerClient(srv.url)
         reg = c.register_instance(identity=identity(), ranks=ranks(0, 1), max_concurrent_pulls=1)
         c.put_manifest(reg.id, 0, manifest(0))
@@ -115,12 +115,13 @@ def test_a_pull_longer_than_the_lease_keeps_it_by_renewing(sqlite_url):
             options=LoadOptions(providers=["tcp"]),
             fallback_bytes=None,
         )
-        source = next(session.sources(0))
-        time.sleep(3.0)  # three lease lifetimes: the pull goes on
+        sources = session.sources(0)  # held: the loader iterates it while the pull runs
+        source = next(sources)
+        time.sleep(5.0)  # two and a half lease lifetimes: the pull goes on
         c.heartbeat(reg.id)
         with pytest.raises(AllBusy):  # the seed's one slot is still taken
             c.request_assignment(identity=identity(), rank=0)
-        source.succeeded(64, 3.0)
+        source.succeeded(64, 5.0)
         assert [t.outcome for t in c.transfers().items] == ["success"]
         session.close()
         c.close()
