@@ -23,7 +23,7 @@ from rfork.bench import planner as bench_planner
 from rfork.bench import rl as bench_rl
 from rfork.bench import scale_out as bench_scale_out
 from rfork.bench import transport as bench_transport
-from rfork.cli import demo, load, planner_migrate, planner_serve, seed, sglang
+from rfork.cli import demo, digest, load, planner_migrate, planner_serve, seed, sglang
 from rfork.simulate import scale_out as simulate_scale_out
 
 # (command path, implementing module). Groups ("planner", "bench") are created on the way.
@@ -33,6 +33,7 @@ COMMANDS: tuple[tuple[tuple[str, ...], ModuleType], ...] = (
     (("seed",), seed),
     (("load",), load),
     (("demo",), demo),
+    (("digest",), digest),
     (("sglang",), sglang),
     (("bench", "transport"), bench_transport),
     (("bench", "cold-start"), bench_cold_start),
