@@ -15,6 +15,7 @@ from types import ModuleType
 
 from rfork import __version__
 from rfork.bench import cold_start as bench_cold_start
+from rfork.bench import digest as bench_digest
 from rfork.bench import gpu as bench_gpu
 from rfork.bench import kv as bench_kv
 from rfork.bench import moe as bench_moe
@@ -44,6 +45,7 @@ COMMANDS: tuple[tuple[tuple[str, ...], ModuleType], ...] = (
     (("bench", "kv"), bench_kv),
     (("bench", "nccl"), bench_nccl),
     (("bench", "scale-out"), bench_scale_out),
+    (("bench", "digest"), bench_digest),
     (("simulate", "scale-out"), simulate_scale_out),
 )
 
