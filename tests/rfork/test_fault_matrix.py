@@ -164,6 +164,7 @@ def _planner_process(db: str, port: int, workdir: Path) -> subprocess.Popen:
         **os.environ,
         "RFORK_ADMIN_TOKEN": ADMIN,
         "RFORK_REGISTER_TOKEN": REGISTER,
+        "RFORK_ANCHOR_TOKEN": REGISTER,  # the tests' disk seeds anchor their identity
         "RFORK_LOAD_TOKEN": LOAD,
         "RFORK_READER_TOKEN": READER,
         "RFORK_LEASE_TTL_S": "4",
