@@ -4,6 +4,7 @@ is quarantined.
 
 from __future__ import annotations
 
+import time
 import urllib.error
 import urllib.request
 
@@ -109,3 +110,42 @@ def test_a_pull_verified_with_blake3(small_ckpt, planner, monkeypatch):
         assert_same(result.state_dict(), load_state_dict(small_ckpt))
         anchors = PlannerClient(planner, token=ADMIN)._http.get("/v1/anchors").json()["items"]
         assert [a["checksum_algorithm"] for a in anchors] == ["blake3"]
+
+
+def test_a_false_checksum_report_costs_a_healthy_seed_one_reverification(small_ckpt, sqlite_url):
+    """A loader claims checksum_mismatch against a healthy seed: the seed is offered to nobody, its
+    heartbeat answer says reverify, it re-hashes its memory and republishes, and it is offered again in
+    seconds (not after quarantine_s); the claim counts as disproved against the reporter."""
+    from planner.server import PlannerServer
+
+    info = read_checkpoint_info(small_ckpt)
+    with PlannerServer(
+        db_url=sqlite_url,
+        admin_token=ADMIN,
+        register_token=REGISTER,
+        anchor_token=REGISTER,
+        load_token=AUTH["token"],
+        heartbeat_ttl_s=1.5,  # the seed beats every 0.5 s
+        quarantine_s=3600,
+        reaper_interval_s=3600,
+    ) as srv:
+        admin = PlannerClient(srv.url, token=ADMIN)
+        liar = PlannerClient(srv.url, token=AUTH["token"])
+        with Seed(
+            weights=[_weights(small_ckpt)],
+            identity=info.identity(),
+            planner_url=srv.url,
+            control=False,
+            token=REGISTER,
+        ) as seed:
+            lease = liar.request_assignment(identity=info.identity(), rank=0)
+            assert lease is not None
+            liar.report_transfer(lease.id, outcome="failure", reason="checksum_mismatch", error="made up")
+            assert admin.get_instance(seed.instance_ids[0]).reverifying
+            deadline = time.monotonic() + 30
+            while admin.get_instance(seed.instance_ids[0]).reverifying and time.monotonic() < deadline:
+                time.sleep(0.2)
+            view = admin.get_instance(seed.instance_ids[0])
+            assert not view.reverifying
+            assert not view.integrity_failed
+            assert liar.request_assignment(identity=info.identity(), rank=0) is not None  # back in service
