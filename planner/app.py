@@ -26,7 +26,7 @@ from planner.fleet import ProgressBoard, RefusalLog
 from planner.guard import RequestGuard
 from planner.heartbeats import HeartbeatBatcher, HeartbeatFastPath
 from planner.metrics import MetricsMiddleware, PlannerMetrics
-from planner.routes import assignments, fleet, instances, observe
+from planner.routes import anchors, assignments, fleet, instances, observe
 from planner.selection import make_policy
 from planner.service import Planner, reap
 from planner.settings import PlannerSettings
@@ -86,6 +86,7 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
             db=database,
             admin=settings.admin_token,
             register=settings.register_token,
+            anchor=settings.anchor_token,
             load=settings.load_token,
             reader=settings.reader_token,
             instance=settings.instance_token,
@@ -97,6 +98,7 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
     app.include_router(assignments.router)
     app.include_router(observe.router)
     app.include_router(fleet.router)
+    app.include_router(anchors.router)
     _add_error_handlers(app)
     _add_manifest_schema(app)
     app.add_middleware(HeartbeatFastPath, batcher=app.state.heartbeats, state=app.state)

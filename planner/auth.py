@@ -1,10 +1,12 @@
 """Bearer-token auth with least privilege.
 
-Static tokens (settings): admin (everything), register (POST /v1/instances only), load (request
-assignments and report on the leases it holds), reader (GET; manifests without descriptors). One
-string configured for several roles holds them all (e.g. a loader that becomes a seed: load+register).
-`instance_token` is the old combined token: register+load. A registration returns an instance token
-(`rfi_...`) that changes only its own instance and may request and report leases as that instance.
+Static tokens (settings): admin (everything), register (POST /v1/instances only), anchor (register,
+and the instance's first disk publication sets its identity's anchor), load (request assignments and
+report on the leases it holds), reader (GET; manifests without descriptors). One string configured for
+several roles holds them all (e.g. a loader that becomes a seed: load+register). `instance_token` is
+the old combined token: register+load. A registration returns an instance token (`rfi_...`) that
+changes only its own instance; it may request and report leases, for its own identity only, when the
+registering token held the load role (register never implies load).
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from sqlalchemy import select
 from planner.db import Database
 from planner.models import Instance
 
-Role = Literal["admin", "register", "load", "reader", "instance"]
+Role = Literal["admin", "register", "anchor", "load", "reader", "instance"]
 TOKEN_PREFIX = "rfi_"
 CACHE_S = 2.0  # an instance token stays valid at most this long after its instance is deleted
+NEGATIVE_CACHE_S = 2.0  # an unknown `rfi_` token is refused without a lookup this long
+CACHE_MAX = 100_000
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,8 @@ class Principal:
     roles: frozenset[Role]
     instance_id: str | None = None
     holder: str = "admin"
+    # an instance token: the identity it may lease (None: it may not lease)
+    lease_identity_key: str | None = None
 
     @property
     def role(self) -> str:
@@ -56,8 +62,12 @@ class Principal:
         return bool(self.roles - {"reader"})
 
     def may_lease(self) -> bool:
-        """Request assignments: a load token, an instance token (for itself) or admin."""
-        return self.has("load") or "instance" in self.roles
+        """Request assignments: a load token, admin, or an instance token registered by a load token."""
+        return self.has("load") or self.lease_identity_key is not None
+
+    def may_lease_identity(self, identity_key: str) -> bool:
+        """An instance token leases its own identity only; load and admin tokens any."""
+        return self.has("load") or self.lease_identity_key == identity_key
 
     def sees_descriptors(self, instance_id: str) -> bool:
         """Descriptors (the data-plane keys) go to admins and to the instance that published them."""
@@ -83,16 +93,28 @@ def _static_principals(tokens: dict[Role, str | None]) -> list[tuple[str, Princi
     by_token: dict[str, set[Role]] = {}
     for role, tok in tokens.items():
         if tok:
-            by_token.setdefault(tok, set()).update(("register", "load") if role == "instance" else (role,))
+            granted: tuple[Role, ...] = (
+                ("register", "load")
+                if role == "instance"
+                else ("register", "anchor")
+                if role == "anchor"
+                else (role,)
+            )
+            by_token.setdefault(tok, set()).update(granted)
     return [
         (tok, Principal(roles=frozenset(roles), holder="token:" + hash_token(tok)[:24]))
         for tok, roles in by_token.items()
     ]
 
 
-def instance_principal(instance_id: str) -> Principal:
-    """The principal of a registered instance's own token."""
-    return Principal(roles=frozenset({"instance"}), instance_id=instance_id, holder="instance:" + instance_id)
+def instance_principal(instance_id: str, lease_identity_key: str | None = None) -> Principal:
+    """The principal of a registered instance's own token (`lease_identity_key`: see Principal)."""
+    return Principal(
+        roles=frozenset({"instance"}),
+        instance_id=instance_id,
+        holder="instance:" + instance_id,
+        lease_identity_key=lease_identity_key,
+    )
 
 
 class Authenticator:
@@ -105,14 +127,23 @@ class Authenticator:
         admin: str | None,
         reader: str | None,
         register: str | None = None,
+        anchor: str | None = None,
         load: str | None = None,
         instance: str | None = None,
     ) -> None:
         self._db = db
         self._static = _static_principals(
-            {"admin": admin, "register": register, "load": load, "reader": reader, "instance": instance}
+            {
+                "admin": admin,
+                "register": register,
+                "anchor": anchor,
+                "load": load,
+                "reader": reader,
+                "instance": instance,
+            }
         )
-        self._cache: dict[str, tuple[float, str]] = {}
+        # token hash -> (valid until, principal or None for an unknown token)
+        self._cache: dict[str, tuple[float, Principal | None]] = {}
         self._lock = threading.Lock()
 
     def authenticate_cached(self, token: str) -> Principal | None | bool:
@@ -127,7 +158,7 @@ class Authenticator:
         with self._lock:
             hit = self._cache.get(hash_token(token))
         if hit is not None and hit[0] > time.monotonic():
-            return instance_principal(hit[1])
+            return hit[1]
         return False
 
     def authenticate(self, token: str) -> Principal | None:
@@ -144,19 +175,26 @@ class Authenticator:
         with self._lock:
             hit = self._cache.get(digest)
         if hit is not None and hit[0] > now:
-            return instance_principal(hit[1])
+            return hit[1]
         with self._db.read() as s:
-            instance_id = s.scalar(select(Instance.id).where(Instance.token_hash == digest))
-        if instance_id is None:
-            return None
+            row = s.execute(
+                select(Instance.id, Instance.identity_key, Instance.may_lease).where(
+                    Instance.token_hash == digest
+                )
+            ).first()
+        found: Principal | None = (
+            None if row is None else instance_principal(row[0], row[1] if row[2] else None)
+        )
         with self._lock:
-            if len(self._cache) > 100_000:
+            if len(self._cache) > CACHE_MAX:  # a flood of made-up tokens: start over (bounded memory)
                 self._cache.clear()
-            self._cache[digest] = (now + CACHE_S, instance_id)
-        return instance_principal(instance_id)
+            self._cache[digest] = (now + (CACHE_S if found else NEGATIVE_CACHE_S), found)
+        return found
 
     def forget(self, instance_id: str) -> None:
         """Drop cached tokens of a deleted instance (this process; others expire within CACHE_S)."""
         with self._lock:
-            for digest in [d for d, (_, iid) in self._cache.items() if iid == instance_id]:
+            for digest in [
+                d for d, (_, p) in self._cache.items() if p is not None and p.instance_id == instance_id
+            ]:
                 del self._cache[digest]

@@ -26,6 +26,7 @@ and the tests share them.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import threading
 from collections.abc import Iterable, Sequence
@@ -53,16 +54,45 @@ def pull_rate_bps(recent: Iterable[tuple[int | None, float | None]], *, default_
 
 
 def slot_time(*, lease_ends: Sequence[float], position: int, pull_s: float, serves_after: int) -> float:
-    """When the slot for the waiter at `position` (0 = next) opens, replaying the queue (see the module)."""
+    """When the slot for the waiter at `position` (0 = next) opens, replaying the queue (see the module).
+
+    The replay pops slots one by one; here slots are counted in groups (a time and how many open then),
+    and when every lease ends within one pull of the first (always so for live leases) whole
+    generations at once: waiter k's slot follows in O(log k) steps, or O(k / leases) without new seeds
+    at most, whatever `serves_after` is. Bounded for the waiting room's 100,000 waiters.
+    """
     if not lease_ends:
         raise ValueError("slot_time: no live lease to wait for")
-    slots = [e for e in lease_ends for _ in range(1 + serves_after)]
-    heapq.heapify(slots)
-    for _ in range(position):
-        t = heapq.heappop(slots)
-        for _ in range(1 + serves_after):  # that waiter's pull frees the slot and adds its own
-            heapq.heappush(slots, t + pull_s)
-    return slots[0]
+    if position < 0 or serves_after < 0 or pull_s < 0:
+        raise ValueError("slot_time: position, serves_after and pull_s must not be negative")
+    ends = sorted(lease_ends)
+    fan = 1 + serves_after
+    if ends[-1] - ends[0] <= pull_s:
+        # generation g: each end + g * pull_s, fan ** (g + 1) slots each; they never interleave
+        k, g, each = position, 0, fan
+        if fan == 1:
+            g, k = divmod(k, len(ends))
+            return ends[k] + g * pull_s
+        while k >= each * len(ends):
+            k -= each * len(ends)
+            g += 1
+            each *= fan
+        return ends[k // each] + g * pull_s
+    groups: list[tuple[float, int]] = []  # (time, slots opening then), merged by time
+    counts: dict[float, int] = {}
+    for e in ends:
+        counts[e] = counts.get(e, 0) + fan
+    groups = list(counts.items())
+    heapq.heapify(groups)
+    k = position
+    while True:
+        t, n = heapq.heappop(groups)
+        while groups and groups[0][0] == t:
+            n += heapq.heappop(groups)[1]
+        if k < n:
+            return t
+        k -= n
+        heapq.heappush(groups, (t + pull_s, n * fan))
 
 
 def estimate_busy(
@@ -97,29 +127,50 @@ class WaitingRoom:
     waiting, so one that comes back and must wait again keeps its place. A waiter leaves when its
     promised time passes (by then it has asked again or given up). In memory, per planner process:
     with several processes each sees its own waiters, so positions run short and waiters come back
-    early, which costs an extra 429, never a wrong lease.
+    early, which costs an extra 429, never a wrong lease. Bounded: at most `max_waiters` over all keys
+    (a full room forgets the newcomer, who then queues as if first: again an early 429 at worst); a
+    position is a binary search in the sorted start times, so 100,000 waiters asking cost O(log n) each
+    plus the removal of those whose time passed.
     """
 
     max_waiters: int = 100_000
-    _promised: dict[tuple[str, int], list[tuple[float, float]]] = field(default_factory=dict)
+    _expiries: list[tuple[float, tuple[str, int], float]] = field(default_factory=list)  # (at, key, since)
+    _starts: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # sorted, per key
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def size(self) -> int:
+        """Waiters held now, over every key."""
+        with self._lock:
+            return len(self._expiries)
 
     def position(self, key: tuple[str, int], now: float, since: float) -> int:
         """Waiters of `key` still waiting that started before `since` (a newcomer, `since` = now, also
         queues behind those that started at the same instant)."""
         with self._lock:
-            entries = self._promised.get(key)
-            if not entries:
+            self._expire(now)
+            starts = self._starts.get(key)
+            if not starts:
                 return 0
-            while entries and entries[0][0] <= now:
-                heapq.heappop(entries)
             if since >= now:
-                return len(entries)
-            return sum(1 for _, started in entries if started < since)
+                return len(starts)
+            return bisect.bisect_left(starts, since)
 
-    def promise(self, key: tuple[str, int], at: float, since: float) -> None:
+    def promise(self, key: tuple[str, int], at: float, since: float, now: float | None = None) -> None:
         """Record a waiter (waiting since `since`) told to come back at `at`."""
         with self._lock:
-            entries = self._promised.setdefault(key, [])
-            if len(entries) < self.max_waiters:
-                heapq.heappush(entries, (at, since))
+            if now is not None:
+                self._expire(now)
+            if len(self._expiries) >= self.max_waiters:
+                return
+            heapq.heappush(self._expiries, (at, key, since))
+            bisect.insort(self._starts.setdefault(key, []), since)
+
+    def _expire(self, now: float) -> None:
+        """Forget the waiters whose promised time has passed, of every key (lock held)."""
+        entries = self._expiries
+        while entries and entries[0][0] <= now:
+            _, key, started = heapq.heappop(entries)
+            starts = self._starts[key]
+            del starts[bisect.bisect_left(starts, started)]
+            if not starts:
+                del self._starts[key]

@@ -31,6 +31,7 @@ from planner.wire import (
     InstancePage,
     InstanceView,
     Labels,
+    LeaseRenewal,
     ModelsPage,
     ProgressReport,
     RankEndpoint,
@@ -230,6 +231,11 @@ class PlannerClient:
         with _checked(op):
             body = SeededReport(instance_id=instance_id)
         self._call("POST", f"/v1/assignments/{assignment_id}/seeded", op, None, body=body)
+
+    def renew_assignment(self, assignment_id: str) -> LeaseRenewal:
+        """Keep a live lease for another lease TTL (a long pull; Conflict once it has ended)."""
+        op = f"renew assignment {assignment_id}"
+        return self._call("POST", f"/v1/assignments/{assignment_id}/renew", op, LeaseRenewal)
 
     # ---- views -------------------------------------------------------------------------------
     def models(self) -> ModelsPage:

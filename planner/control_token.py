@@ -1,6 +1,7 @@
 """Per-assignment secrets for a seed's control endpoint (the NCCL fallback), issued with the lease.
 
-The seed picks a random key and registers it (never shown by the API). With each lease the planner
+The seed picks a random key and registers it (never shown by the API; the database holds it sealed
+with the planner's secret, `seal`, so a dump of the database forges nothing). With each lease the planner
 issues `v1.<lease>.<instance>.<rank>.<expires>.<mac>`, mac = HMAC-SHA256(key, everything before it).
 The seed checks it offline: its own instance, the rank asked for, not expired, the MAC. Only the
 loader holding the lease gets the token, so only it can open a session, and only until the lease ends.
@@ -62,3 +63,30 @@ def verify(token: str, key: str, *, instance_ids: Collection[str], rank: int, no
 
 def _mac(key: str, text: str) -> str:
     return hmac.new(key.encode(), text.encode(), hashlib.sha256).hexdigest()
+
+
+_HEX = "0123456789abcdef"
+
+
+def seal(secret: bytes, instance_id: str, key: str) -> str:
+    """`key` (hex) encrypted for storage: each digit shifted mod 16 by a pad that HMAC-SHA256(secret,
+    instance id, block) derives; same length and alphabet, so the column and its limits stay. One key
+    per instance id, so a pad is never used twice."""
+    pad = _pad(secret, instance_id, len(key))
+    return "".join(_HEX[(_HEX.index(c) + p) % 16] for c, p in zip(key, pad, strict=True))
+
+
+def unseal(secret: bytes, instance_id: str, sealed: str) -> str:
+    """The key `seal` stored (garbage, never an error, with another secret: its tokens just fail)."""
+    pad = _pad(secret, instance_id, len(sealed))
+    return "".join(_HEX[(_HEX.index(c) - p) % 16] for c, p in zip(sealed, pad, strict=True))
+
+
+def _pad(secret: bytes, instance_id: str, n: int) -> list[int]:
+    out: list[int] = []
+    block = 0
+    while len(out) < n:
+        digest = hmac.new(secret, f"control-key/{instance_id}/{block}".encode(), hashlib.sha256).digest()
+        out += [b & 0x0F for b in digest]
+        block += 1
+    return out[:n]

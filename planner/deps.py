@@ -69,3 +69,10 @@ def owner_of(instance_id: str, principal: Principal) -> None:
     """403 unless the principal may change `instance_id`."""
     if not principal.may_change(instance_id):
         raise HTTPException(403, f"Authorization: this token may not change instance {instance_id}")
+
+
+async def administrator(principal: Principal = Depends(get_principal)) -> Principal:
+    """An admin (anchors: who may set, list or revoke them is the operator's decision)."""
+    if not principal.has("admin"):
+        raise HTTPException(403, f"Authorization: role {principal.role} may not manage anchors")
+    return principal

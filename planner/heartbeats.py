@@ -23,13 +23,13 @@ class HeartbeatBatcher:
     def __init__(self, planner: Planner, interval_s: float = 0.01) -> None:
         self.planner = planner
         self.interval_s = interval_s
-        self._pending: dict[str, list[asyncio.Future[str | None]]] = {}
+        self._pending: dict[str, list[asyncio.Future[tuple[str, bool] | None]]] = {}
         self._flushing = False
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    async def beat(self, instance_id: str) -> str | None:
-        """Record a heartbeat; the instance's status, or None when it does not exist."""
-        fut: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+    async def beat(self, instance_id: str) -> tuple[str, bool] | None:
+        """Record a heartbeat; the instance's (status, reverify), or None when it does not exist."""
+        fut: asyncio.Future[tuple[str, bool] | None] = asyncio.get_running_loop().create_future()
         self._pending.setdefault(instance_id, []).append(fut)
         if not self._flushing:
             self._flushing = True
@@ -98,8 +98,8 @@ class HeartbeatFastPath:
         if not _HEX.issuperset(instance_id) or not self._allowed(scope, instance_id):
             await self.app(scope, receive, send)
             return
-        status = await self.batcher.beat(instance_id)
-        if status is None:
+        beat = await self.batcher.beat(instance_id)
+        if beat is None:
             await self.app(scope, receive, send)  # the route answers 404
             return
         if self.route is None:
@@ -108,7 +108,9 @@ class HeartbeatFastPath:
             )
         scope["route"] = self.route  # for the metrics' route label
         answer = HeartbeatAnswer(
-            status=InstanceStatus(status), ttl_s=self.batcher.planner.settings.heartbeat_ttl_s
+            status=InstanceStatus(beat[0]),
+            ttl_s=self.batcher.planner.settings.heartbeat_ttl_s,
+            reverify=beat[1],
         )
         body = dump_json(answer)
         await send(

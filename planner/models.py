@@ -4,7 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, LargeBinary, String, Text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    false,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
@@ -16,6 +28,7 @@ class Instance(Base):
     """A registered inference instance (seed or loader). Times are UNIX seconds (float)."""
 
     __tablename__ = "instances"
+    __table_args__ = (Index("ix_instances_status_updated", "status", "updated_at"),)
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     identity_key: Mapped[str] = mapped_column(String(64), index=True)
@@ -34,8 +47,16 @@ class Instance(Base):
     last_heartbeat: Mapped[float] = mapped_column(Float)
     consecutive_failures: Mapped[int] = mapped_column(Integer, default=0)
     quarantined_until: Mapped[float | None] = mapped_column(Float, nullable=True)
-    # secret the seed's control endpoint checks per-assignment tokens with (never shown by the API)
+    # no longer written: control keys are derived from the planner's secret (planner.control_token)
     control_key: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    # granted by the registering token's roles (planner.auth): set the identity's anchor from a disk
+    # publication; lease (this identity only) with the instance's own token
+    may_anchor: Mapped[bool] = mapped_column(Boolean, server_default=false(), default=False)
+    may_lease: Mapped[bool] = mapped_column(Boolean, server_default=false(), default=False)
+    # a loader reported a checksum mismatch: not offered until it re-hashed its memory and republished
+    reverify_since: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # its republication differed from the anchor: never offered until it republishes clean
+    integrity_failed: Mapped[bool] = mapped_column(Boolean, server_default=false(), default=False)
 
     ranks: Mapped[list[InstanceRank]] = relationship(
         back_populates="instance",
@@ -79,9 +100,9 @@ class Manifest(Base):
 
 
 class Anchor(Base):
-    """The digests an identity's rank must have: recorded from the first publication of an instance
-    that loaded from disk (and said so); later manifests must match (one row per checksum algorithm,
-    so a device-side digest for GPU tensors is anchored separately)."""
+    """The digests an identity's rank must have, set by an authority: uploaded by an admin, or recorded
+    from the first disk publication of an instance registered with the `anchor` role; later manifests
+    must match (one row per checksum algorithm, so a device-side digest is anchored separately)."""
 
     __tablename__ = "anchors"
 
@@ -90,8 +111,9 @@ class Anchor(Base):
     checksum_algorithm: Mapped[str] = mapped_column(String(128), primary_key=True)
     digest_set: Mapped[str] = mapped_column(String(64))
     digests: Mapped[dict[str, str]] = mapped_column(JSON)  # tensor name -> checksum
-    instance_id: Mapped[str] = mapped_column(String(32))  # the disk-loaded instance that anchored it
+    instance_id: Mapped[str] = mapped_column(String(32))  # the disk-loaded instance that anchored it, or ""
     created_at: Mapped[float] = mapped_column(Float)
+    set_by: Mapped[str] = mapped_column(String(80), default="")  # Principal.holder of the authority
 
 
 class Lease(Base):
@@ -102,7 +124,10 @@ class Lease(Base):
     """
 
     __tablename__ = "leases"
-    __table_args__ = (Index("ix_leases_seed_live", "instance_id", "rank", "ended_at"),)
+    __table_args__ = (
+        Index("ix_leases_seed_live", "instance_id", "rank", "ended_at"),
+        Index("ix_leases_holder_disproved", "holder", "disproved"),
+    )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     instance_id: Mapped[str] = mapped_column(String(32))
@@ -120,3 +145,5 @@ class Lease(Base):
     backend: Mapped[str | None] = mapped_column(String(32), nullable=True)
     reason: Mapped[str | None] = mapped_column(String(1024), nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # a checksum_mismatch claim the seed's re-verification disproved (counts against the reporter)
+    disproved: Mapped[bool | None] = mapped_column(Boolean, nullable=True)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import and_, bindparam, delete, func, insert, or_, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from planner import control_token, integrity, wire
 from planner.auth import new_instance_token
@@ -36,6 +38,10 @@ ALLOWED: dict[str, frozenset[str]] = {
     "STALE": frozenset({"LOADING", "READY", "DRAINING"}),
 }
 LIVE_STATUSES = ("INITIALIZING", "LOADING", "READY")
+CHECKSUM_MISMATCH = "checksum_mismatch"
+# report reasons that are the seed's fault (rfork.pull.planner_session sends them); any other reason
+# (a loader's destination, engine, algorithm, ...) is recorded but never counts against the seed
+SEED_FAULTS = frozenset({"transport", CHECKSUM_MISMATCH})
 
 
 def _instance_fields(inst: Instance) -> dict[str, Any]:
@@ -61,6 +67,8 @@ def _instance_fields(inst: Instance) -> dict[str, Any]:
         "updated_at": inst.updated_at,
         "last_heartbeat": inst.last_heartbeat,
         "quarantined_until": inst.quarantined_until,
+        "reverifying": inst.reverify_since is not None,
+        "integrity_failed": bool(inst.integrity_failed),
     }
 
 
@@ -83,6 +91,7 @@ class Planner:
         self.policy = policy
         self._rank_bytes_cache: dict[tuple[str, int], int] = {}
         self.waiting = WaitingRoom()
+        self._control_secret = settings.control_secret_bytes()
 
     @classmethod
     def open(cls, settings: PlannerSettings, *, policy: SelectionPolicy | None = None) -> Planner:
@@ -98,8 +107,15 @@ class Planner:
         self.db.close()
 
     # ---- instances -------------------------------------------------------------------------
-    def register(self, body: wire.RegistrationRequest, now: float) -> wire.Registration:
-        """Create an instance in INITIALIZING; returns its view plus its bearer token."""
+    def register(
+        self, body: wire.RegistrationRequest, now: float, *, may_anchor: bool = True, may_lease: bool = True
+    ) -> wire.Registration:
+        """Create an instance in INITIALIZING; returns its view plus its bearer token.
+
+        `may_anchor`: its first disk publication of a rank sets the identity's anchor (the routes pass the
+        registering token's anchor role; embedding code is its own authority). `may_lease`: its token may
+        request assignments for its own identity (the routes pass the load role).
+        """
         token, digest = new_instance_token()
         ident = body.identity.model_dump()
         inst = Instance(
@@ -112,7 +128,9 @@ class Planner:
             rack=body.labels.rack,
             zone=body.labels.zone,
             control_url=body.control_url,
-            control_key=body.control_key,
+            control_key=None,  # sealed below, once the id is known
+            may_anchor=may_anchor,
+            may_lease=may_lease,
             status="INITIALIZING",
             max_concurrent_pulls=body.max_concurrent_pulls,
             token_hash=digest,
@@ -130,6 +148,8 @@ class Planner:
                 for r in body.ranks
             ],
         )
+        if body.control_key:
+            inst.control_key = control_token.seal(self._control_secret, inst.id, body.control_key)
         with self.db.write() as s:
             s.add(inst)
         log.info("registered instance %s model=%s ranks=%d", inst.id, inst.model, len(inst.ranks))
@@ -177,8 +197,13 @@ class Planner:
             return InstancePage(items=[instance_view(i) for i in rows], total=total)
 
     def delete(self, instance_id: str, now: float) -> None:
-        """Remove an instance, its ranks and manifests; its live leases end (its transfer history stays)."""
+        """Remove an instance, its ranks and manifests; its live leases end (its transfer history stays).
+
+        Lock order (PostgreSQL), the same in every write: the instance row first, then its leases.
+        """
         with self.db.write() as s:
+            if not self.db.sqlite:
+                s.execute(select(Instance.id).where(Instance.id == instance_id).with_for_update())
             s.execute(delete(Manifest).where(Manifest.instance_id == instance_id))
             s.execute(delete(InstanceRank).where(InstanceRank.instance_id == instance_id))
             if not _rowcount(s.execute(delete(Instance).where(Instance.id == instance_id))):
@@ -208,19 +233,23 @@ class Planner:
     def heartbeat(self, instance_id: str, now: float) -> wire.HeartbeatAnswer:
         """Record liveness; a STALE instance stays STALE until it sets a status."""
         with self.db.write() as s:
-            status = s.execute(
+            row = s.execute(
                 update(Instance)
                 .where(Instance.id == instance_id)
                 .values(last_heartbeat=now)
-                .returning(Instance.status)
-            ).scalar()
-        if status is None:
+                .returning(Instance.status, Instance.reverify_since)
+            ).first()
+        if row is None:
             raise NotFound(f"instance {instance_id} not found")
-        return wire.HeartbeatAnswer(status=wire.InstanceStatus(status), ttl_s=self.settings.heartbeat_ttl_s)
+        return wire.HeartbeatAnswer(
+            status=wire.InstanceStatus(row[0]),
+            ttl_s=self.settings.heartbeat_ttl_s,
+            reverify=row[1] is not None,
+        )
 
-    def heartbeat_many(self, instance_ids: Sequence[str], now: float) -> dict[str, str]:
-        """Heartbeats of many instances in one transaction; {id: status} for those that exist."""
-        out: dict[str, str] = {}
+    def heartbeat_many(self, instance_ids: Sequence[str], now: float) -> dict[str, tuple[str, bool]]:
+        """Heartbeats of many instances in one transaction; {id: (status, reverify)} for those that exist."""
+        out: dict[str, tuple[str, bool]] = {}
         with self.db.write() as session:
             s = session.connection()
             for i in range(0, len(instance_ids), 500):
@@ -229,9 +258,9 @@ class Planner:
                     update(Instance)
                     .where(Instance.id.in_(chunk))
                     .values(last_heartbeat=now)
-                    .returning(Instance.id, Instance.status)
+                    .returning(Instance.id, Instance.status, Instance.reverify_since)
                 ).all()
-                out.update({r[0]: r[1] for r in rows})
+                out.update({r[0]: (r[1], r[2] is not None) for r in rows})
         return out
 
     # ---- manifests -------------------------------------------------------------------------
@@ -240,9 +269,11 @@ class Planner:
     ) -> bool:
         """Store a validated manifest verbatim (replaces any earlier one for that rank); True if it anchored.
 
-        The first manifest of an identity's rank from an instance that loaded from disk anchors its digest
-        set; a manifest whose set differs from the anchor is refused (DigestMismatch, 409) and its
-        instance quarantined: its memory no longer holds the identity's weights.
+        The first disk publication of an identity's rank by an instance allowed to anchor (registered
+        with the anchor role) sets the anchor, unless an admin uploaded one; a manifest whose set differs
+        from the anchor is refused (DigestMismatch, 409) and the instance is offered to nobody until it
+        republishes clean: its memory no longer holds the identity's weights. A clean republication
+        ends a re-verification (a disproved checksum report counts against its reporter).
         """
         if manifest is None:
             manifest = wire.RankManifest.model_validate_json(raw)
@@ -251,8 +282,9 @@ class Planner:
         dset = integrity.digest_set(algo, tensors)
         refused: str | None = None
         anchored = False
+        disproved = 0
         with self.db.write() as s:
-            inst = s.get(Instance, instance_id)
+            inst = s.get(Instance, instance_id, with_for_update=not self.db.sqlite)
             if inst is None:
                 raise NotFound(f"instance {instance_id} not found")
             world = inst.identity["tp"] * inst.identity["pp"]
@@ -260,22 +292,22 @@ class Planner:
                 raise Conflict(f"rank: {rank} is outside this instance's tp*pp = {world}")
             ikey = inst.identity_key
             anchor = s.get(Anchor, (ikey, rank, algo))
-            if anchor is None and manifest.origin == "disk":
-                s.add(
-                    Anchor(
-                        identity_key=ikey,
-                        rank=rank,
-                        checksum_algorithm=algo,
-                        digest_set=dset,
-                        digests=integrity.digests(tensors),
-                        instance_id=instance_id,
-                        created_at=now,
-                    )
+            if anchor is None and manifest.origin == "disk" and inst.may_anchor:
+                anchor, anchored = self._anchor_once(
+                    s,
+                    ikey,
+                    rank,
+                    algo,
+                    dset,
+                    tensors,
+                    now,
+                    instance_id=instance_id,
+                    set_by="instance:" + instance_id,
                 )
-                anchored = True
-            elif anchor is not None and anchor.digest_set != dset:
+            if anchor is not None and anchor.digest_set != dset:
                 refused = integrity.first_difference(anchor.digests, integrity.digests(tensors))
-                inst.quarantined_until = now + self.settings.quarantine_s
+                inst.integrity_failed = True
+                inst.reverify_since = None
                 s.execute(delete(Manifest).where(Manifest.instance_id == instance_id, Manifest.rank == rank))
             if refused is None:
                 row = s.get(Manifest, (instance_id, rank))
@@ -284,10 +316,26 @@ class Planner:
                     s.add(row)
                 row.body, row.nbytes, row.updated_at = raw, len(raw), now
                 row.checksum_algorithm, row.digest_set = algo, dset
+                if anchor is not None and (inst.reverify_since is not None or inst.integrity_failed):
+                    if inst.reverify_since is not None:
+                        disproved = _rowcount(
+                            s.execute(
+                                update(Lease)
+                                .where(
+                                    Lease.instance_id == instance_id,
+                                    Lease.reason == "checksum_mismatch",
+                                    Lease.ended_at >= inst.reverify_since,
+                                    Lease.disproved.is_(None),
+                                )
+                                .values(disproved=True)
+                            )
+                        )
+                    inst.reverify_since = None
+                    inst.integrity_failed = False
         if refused is not None:
             log.warning(
                 "integrity: instance %s published rank %d of identity %s whose digests differ from the "
-                "anchor (%s); manifest refused, instance quarantined",
+                "anchor (%s); manifest refused, instance offered to nobody until it republishes clean",
                 instance_id,
                 rank,
                 ikey[:12],
@@ -295,11 +343,117 @@ class Planner:
             )
             raise DigestMismatch(
                 f"manifest rank {rank}: digests differ from the identity's anchored set ({refused});"
-                f" instance {instance_id} is quarantined"
+                f" instance {instance_id} is offered to nobody until it republishes clean"
+            )
+        if disproved:
+            log.warning(
+                "integrity: instance %s re-verified clean; %d checksum report(s) disproved",
+                instance_id,
+                disproved,
             )
         if anchored:
             log.info("integrity: identity %s rank %d anchored by %s", ikey[:12], rank, instance_id)
         return anchored
+
+    def _anchor_once(
+        self,
+        s: Any,
+        ikey: str,
+        rank: int,
+        algo: str,
+        dset: str,
+        tensors: Sequence[dict[str, Any]],
+        now: float,
+        *,
+        instance_id: str,
+        set_by: str,
+    ) -> tuple[Anchor, bool]:
+        """Insert the anchor unless one exists (INSERT ... ON CONFLICT DO NOTHING), then read it back:
+        concurrent first publications on PostgreSQL end with one anchor and no error. (anchor, inserted)."""
+        values = {
+            "identity_key": ikey,
+            "rank": rank,
+            "checksum_algorithm": algo,
+            "digest_set": dset,
+            "digests": integrity.digests(tensors),
+            "instance_id": instance_id,
+            "created_at": now,
+            "set_by": set_by,
+        }
+        stmt = (sqlite_insert if self.db.sqlite else pg_insert)(Anchor).values(**values)
+        # RETURNING says whether this insert won (rowcount is -1 here on psycopg); through the connection:
+        # Core, not the ORM's bulk-insert path
+        won = stmt.on_conflict_do_nothing().returning(Anchor.identity_key)
+        inserted = s.connection().execute(won).first() is not None
+        anchor = s.execute(
+            select(Anchor)
+            .where(Anchor.identity_key == ikey, Anchor.rank == rank, Anchor.checksum_algorithm == algo)
+            .execution_options(populate_existing=True)
+        ).scalar_one()
+        return anchor, inserted
+
+    # ---- anchors (admin) ---------------------------------------------------------------------
+    def put_anchor(self, body: wire.AnchorUpload, now: float, *, set_by: str) -> wire.AnchorView:
+        """Set (or replace) an identity's anchor for one rank and algorithm from an operator's digests."""
+        ident = body.identity.model_dump()
+        world = ident["tp"] * ident["pp"]
+        if body.rank >= world:
+            raise Conflict(f"rank: {body.rank} is outside the identity's tp*pp = {world}")
+        names = [t.name for t in body.tensors]
+        if len(set(names)) != len(names):
+            raise Conflict("tensors: names must be unique")
+        ikey = wire.identity_key(ident)
+        tensors = [t.model_dump() for t in body.tensors]
+        dset = integrity.digest_set(body.checksum_algorithm, tensors)
+        with self.db.write() as s:
+            s.execute(
+                delete(Anchor).where(
+                    Anchor.identity_key == ikey,
+                    Anchor.rank == body.rank,
+                    Anchor.checksum_algorithm == body.checksum_algorithm,
+                )
+            )
+            anchor, _ = self._anchor_once(
+                s, ikey, body.rank, body.checksum_algorithm, dset, tensors, now, instance_id="", set_by=set_by
+            )
+            view = _anchor_view(anchor)
+        log.info("integrity: identity %s rank %d anchored by %s (upload)", ikey[:12], body.rank, set_by)
+        return view
+
+    def list_anchors(self, *, identity_key: str | None, limit: int, offset: int) -> wire.AnchorsPage:
+        """Anchors, oldest first (optionally of one identity)."""
+        conds = [] if identity_key is None else [Anchor.identity_key == identity_key]
+        with self.db.read() as s:
+            total = s.scalar(select(func.count()).select_from(Anchor).where(*conds)) or 0
+            rows = s.scalars(
+                select(Anchor)
+                .where(*conds)
+                .order_by(Anchor.created_at, Anchor.identity_key, Anchor.rank, Anchor.checksum_algorithm)
+                .limit(limit)
+                .offset(offset)
+            ).all()
+            return wire.AnchorsPage(items=[_anchor_view(a) for a in rows], total=total)
+
+    def revoke_anchor(self, identity_key: str, rank: int, checksum_algorithm: str) -> None:
+        """Delete an anchor: its identity's rank is served by nobody until an authority sets one again."""
+        with self.db.write() as s:
+            gone = _rowcount(
+                s.execute(
+                    delete(Anchor).where(
+                        Anchor.identity_key == identity_key,
+                        Anchor.rank == rank,
+                        Anchor.checksum_algorithm == checksum_algorithm,
+                    )
+                )
+            )
+        if not gone:
+            raise NotFound(f"no anchor for identity {identity_key[:12]} rank {rank} ({checksum_algorithm})")
+        log.warning(
+            "integrity: anchor of identity %s rank %d (%s) revoked",
+            identity_key[:12],
+            rank,
+            checksum_algorithm,
+        )
 
     def get_manifest(self, instance_id: str, rank: int) -> str:
         """The manifest text as stored; NotFound if absent."""
@@ -359,6 +513,8 @@ class Planner:
                 Instance.status == "READY",
                 Instance.last_heartbeat >= bindparam("oldest_beat"),
                 or_(Instance.quarantined_until.is_(None), Instance.quarantined_until <= bindparam("now")),
+                Instance.reverify_since.is_(None),
+                Instance.integrity_failed.is_(False),
             )
             .order_by(Instance.id)
         )
@@ -411,44 +567,52 @@ class Planner:
             )
             ranked = self.policy.rank(req, views)[: st.max_candidates]
             if not ranked:
-                est = self._busy_estimate(s, key, body, [v.instance_id for v in views], now)
-                raise AllBusy(
-                    f"all {len(views)} sources for rank {body.rank} are at their pull limit; "
-                    f"a slot is expected in {est.retry_after_s:.2f} s",
-                    retry_after_s=est.retry_after_s,
-                    expected_pull_s=est.expected_pull_s,
-                    fallback=est.fallback,
-                )
-            lease_id = uuid.uuid4().hex
-            expires_at = now + st.lease_ttl_s
-            # a Core INSERT: no ORM unit of work on the hot path
-            s.execute(
-                insert(Lease).values(
-                    id=lease_id,
-                    instance_id=ranked[0].instance_id,
-                    rank=body.rank,
-                    identity_key=key,
-                    requester_id=body.requester_id,
-                    holder=holder,
-                    provider=by_id[ranked[0].instance_id][1],
-                    created_at=now,
-                    expires_at=expires_at,
-                )
-            )
-            chosen = [v.instance_id for v in ranked]
-            manifests = dict(
+                busy = [v.instance_id for v in views]
+            else:
+                busy = []
+                lease_id = uuid.uuid4().hex
+                expires_at = now + st.lease_ttl_s
+                # a Core INSERT: no ORM unit of work on the hot path
                 s.execute(
-                    select(Manifest.instance_id, Manifest.body).where(
-                        Manifest.instance_id.in_(chosen), Manifest.rank == body.rank
+                    insert(Lease).values(
+                        id=lease_id,
+                        instance_id=ranked[0].instance_id,
+                        rank=body.rank,
+                        identity_key=key,
+                        requester_id=body.requester_id,
+                        holder=holder,
+                        provider=by_id[ranked[0].instance_id][1],
+                        created_at=now,
+                        expires_at=expires_at,
                     )
-                ).all()
+                )
+                chosen = [v.instance_id for v in ranked]
+                manifests = dict(
+                    s.execute(
+                        select(Manifest.instance_id, Manifest.body).where(
+                            Manifest.instance_id.in_(chosen), Manifest.rank == body.rank
+                        )
+                    ).all()
+                )
+        if busy:  # the 429's arithmetic runs after the write: heartbeats and other writes go on meanwhile
+            est = self._busy_estimate(key, body, busy, now)
+            raise AllBusy(
+                f"all {len(busy)} sources for rank {body.rank} are at their pull limit; "
+                f"a slot is expected in {est.retry_after_s:.2f} s",
+                retry_after_s=est.retry_after_s,
+                expected_pull_s=est.expected_pull_s,
+                fallback=est.fallback,
             )
         candidates = []
         for iid in chosen:
             r, provider = by_id[iid]
             token = (
                 control_token.issue(
-                    r.control_key, lease_id=lease_id, instance_id=iid, rank=body.rank, expires_at=expires_at
+                    control_token.unseal(self._control_secret, iid, r.control_key),
+                    lease_id=lease_id,
+                    instance_id=iid,
+                    rank=body.rank,
+                    expires_at=expires_at,
                 )
                 if iid == chosen[0] and r.control_key
                 else None
@@ -479,37 +643,54 @@ class Planner:
         )
 
     def _busy_estimate(
-        self, s: Any, key: str, body: wire.AssignmentRequest, seed_ids: Sequence[str], now: float
+        self, key: str, body: wire.AssignmentRequest, seed_ids: Sequence[str], now: float
     ) -> BusyEstimate:
-        """planner.burst's estimate from the busy seeds' live leases and this identity's recorded pulls."""
+        """planner.burst's estimate from the busy seeds' live leases and this identity's recent pulls.
+
+        Its own read transaction (after the write that found every seed busy): bounded queries, the rate
+        from successful pulls that ended within `rate_history_s` only.
+        """
         st = self.settings
-        starts = s.execute(
-            select(Lease.created_at).where(
-                Lease.instance_id.in_(seed_ids),
-                Lease.rank == body.rank,
-                Lease.ended_at.is_(None),
-                Lease.expires_at > now,
+        oldest = now - st.rate_history_s
+        with self.db.read() as s:
+            starts = (
+                s.execute(
+                    select(Lease.created_at).where(
+                        Lease.instance_id.in_(seed_ids),
+                        Lease.rank == body.rank,
+                        Lease.ended_at.is_(None),
+                        Lease.expires_at > now,
+                    )
+                )
+                .scalars()
+                .all()
             )
-        ).scalars().all()
-        recent = s.execute(
-            select(Lease.bytes, Lease.seconds)
-            .where(Lease.identity_key == key, Lease.rank == body.rank, Lease.outcome == "success")
-            .order_by(Lease.ended_at.desc())
-            .limit(st.rate_window)
-        ).all()
-        if not recent:  # a new identity: what pulls of any identity achieved here
             recent = s.execute(
                 select(Lease.bytes, Lease.seconds)
-                .where(Lease.outcome == "success")
+                .where(
+                    Lease.identity_key == key,
+                    Lease.rank == body.rank,
+                    Lease.outcome == "success",
+                    Lease.created_at >= oldest,
+                    Lease.ended_at >= oldest,
+                )
                 .order_by(Lease.ended_at.desc())
                 .limit(st.rate_window)
             ).all()
+            if not recent:  # a new identity: what pulls of any identity achieved here
+                recent = s.execute(
+                    select(Lease.bytes, Lease.seconds)
+                    .where(Lease.outcome == "success", Lease.created_at >= oldest, Lease.ended_at >= oldest)
+                    .order_by(Lease.ended_at.desc())
+                    .limit(st.rate_window)
+                ).all()
+            rank_bytes = self._rank_bytes(s, key, body.rank, seed_ids[0])
         rate = pull_rate_bps(((r[0], r[1]) for r in recent), default_bps=st.assumed_pull_gbps * 1e9)
         room = (key, body.rank)
         since = now - body.waited_s
         est = estimate_busy(
             lease_starts=list(starts),
-            rank_bytes=self._rank_bytes(s, key, body.rank, seed_ids[0]),
+            rank_bytes=rank_bytes,
             rate_bps=rate,
             now=now,
             position=self.waiting.position(room, now, since),
@@ -519,7 +700,7 @@ class Planner:
             max_s=st.retry_after_max_s,
         )
         if not est.fallback:
-            self.waiting.promise(room, now + est.retry_after_s, since)
+            self.waiting.promise(room, now + est.retry_after_s, since, now=now)
         return est
 
     def _rank_bytes(self, s: Any, key: str, rank: int, instance_id: str) -> int:
@@ -539,15 +720,22 @@ class Planner:
     def report(
         self, lease_id: str, body: wire.TransferReport, now: float | None, reporter: str | None = None
     ) -> wire.ReportAnswer:
-        """End a lease with the pull's outcome; failures count against the seed (quarantine).
+        """End a lease with the pull's outcome; only a seed's faults count against it.
 
         `reporter` is the caller's Principal.holder (None: admin); only the lease's holder may report.
-        A lease that has ended (reported, expired, released) is refused (Conflict). A checksum mismatch
-        quarantines the seed at once: its bytes differ from its (anchored) manifest.
+        A lease that has ended (reported, expired, released) is refused (Conflict). Failures whose reason
+        is in SEED_FAULTS count: `transport` ones towards quarantine after `failure_threshold` in a row,
+        a `checksum_mismatch` makes the seed re-verify (offered to nobody until it re-hashed its memory
+        and republished, see put_manifest), so one report costs a healthy seed one re-verification, no
+        more. Anything else (a loader's own destination, engine or algorithm) is recorded, not blamed.
+        Lock order (PostgreSQL): the seed's instance row, then the lease (as delete and assign).
         """
         quarantined = False
         with self.db.write() as session:
             s = session.connection()  # Core on the hot path: no ORM compile/unit of work
+            seed_id = s.execute(select(Lease.instance_id).where(Lease.id == lease_id)).scalar()
+            if seed_id is None:
+                raise NotFound(f"assignment {lease_id} not found")
             q = select(
                 Lease.instance_id,
                 Lease.holder,
@@ -556,15 +744,14 @@ class Planner:
                 Lease.expires_at,
                 Lease.provider,
             ).where(Lease.id == lease_id)
-            if not self.db.sqlite:
+            if not self.db.sqlite:  # serialise with assign() on the seed's row first, then the lease
+                s.execute(select(Instance.id).where(Instance.id == seed_id).with_for_update())
                 q = q.with_for_update()
             lease = s.execute(q).first()
             if lease is None:
                 raise NotFound(f"assignment {lease_id} not found")
             if reporter is not None and lease.holder != reporter:
                 raise PermissionError(f"assignment {lease_id} belongs to another requester")
-            if not self.db.sqlite:  # serialise with assign() on the seed's row, then read the clock
-                s.execute(select(Instance.id).where(Instance.id == lease.instance_id).with_for_update())
             now = _now(now)
             if lease.ended_at is not None or lease.expires_at <= now:
                 raise Conflict(
@@ -587,15 +774,33 @@ class Planner:
                 s.execute(
                     update(Instance).where(Instance.id == lease.instance_id).values(consecutive_failures=0)
                 )
-            else:
+            elif body.reason == CHECKSUM_MISMATCH and self._flagged(s, lease.holder):
+                log.warning(
+                    "seed %s: checksum mismatch reported by %s ignored: %d of its claims were disproved",
+                    lease.instance_id,
+                    lease.holder,
+                    self.settings.false_report_threshold,
+                )
+            elif body.reason == CHECKSUM_MISMATCH:
+                quarantined = True  # out of service until it re-verifies (not for quarantine_s)
+                s.execute(
+                    update(Instance)
+                    .where(Instance.id == lease.instance_id, Instance.reverify_since.is_(None))
+                    .values(reverify_since=now)
+                )
+                log.warning(
+                    "seed %s: a checksum mismatch reported by %s; offered to nobody until it re-verifies",
+                    lease.instance_id,
+                    lease.holder,
+                )
+            elif body.reason in SEED_FAULTS:
                 fails = s.execute(
                     update(Instance)
                     .where(Instance.id == lease.instance_id)
                     .values(consecutive_failures=Instance.consecutive_failures + 1)
                     .returning(Instance.consecutive_failures)
                 ).scalar()
-                integrity_failure = body.reason == "checksum_mismatch"
-                if fails is not None and (fails >= self.settings.failure_threshold or integrity_failure):
+                if fails is not None and fails >= self.settings.failure_threshold:
                     quarantined = True
                     s.execute(
                         update(Instance)
@@ -603,13 +808,59 @@ class Planner:
                         .values(consecutive_failures=0, quarantined_until=now + self.settings.quarantine_s)
                     )
                     log.warning(
-                        "seed %s quarantined for %.0fs after %d failed pull(s)%s",
+                        "seed %s quarantined for %.0fs after %d failed pull(s)",
                         lease.instance_id,
                         self.settings.quarantine_s,
                         fails,
-                        " (checksum mismatch)" if integrity_failure else "",
                     )
         return wire.ReportAnswer(id=lease_id, outcome=body.outcome, seed_quarantined=quarantined)
+
+    def renew(self, lease_id: str, now: float | None, holder: str | None) -> wire.LeaseRenewal:
+        """Extend a live lease by lease_ttl_s from now (a long pull keeps its slot); its holder only
+        (`holder` None: admin). Conflict once it has ended."""
+        with self.db.write() as session:
+            s = session.connection()
+            seed_id = s.execute(select(Lease.instance_id).where(Lease.id == lease_id)).scalar()
+            if seed_id is None:
+                raise NotFound(f"assignment {lease_id} not found")
+            q = select(Lease.holder, Lease.ended_at, Lease.expires_at, Lease.outcome).where(
+                Lease.id == lease_id
+            )
+            if not self.db.sqlite:  # the same lock order as report
+                s.execute(select(Instance.id).where(Instance.id == seed_id).with_for_update())
+                q = q.with_for_update()
+            lease = s.execute(q).first()
+            if lease is None:
+                raise NotFound(f"assignment {lease_id} not found")
+            if holder is not None and lease.holder != holder:
+                raise PermissionError(f"assignment {lease_id} belongs to another requester")
+            now = _now(now)
+            if lease.ended_at is not None or lease.expires_at <= now:
+                raise Conflict(f"assignment {lease_id} has ended ({lease.outcome or 'expired'}); not renewed")
+            expires_at = max(lease.expires_at, now + self.settings.lease_ttl_s)
+            s.execute(update(Lease).where(Lease.id == lease_id).values(expires_at=expires_at))
+        return wire.LeaseRenewal(id=lease_id, expires_at_unix=expires_at)
+
+    def _flagged(self, s: Any, holder: str | None) -> bool:
+        """True when `holder`'s checksum claims were disproved false_report_threshold times or more."""
+        if holder is None:
+            return False
+        disproved = s.execute(
+            select(func.count()).select_from(Lease).where(Lease.holder == holder, Lease.disproved.is_(True))
+        ).scalar()
+        return int(disproved or 0) >= self.settings.false_report_threshold
+
+    def false_reports(self, holder: str) -> int:
+        """Checksum-mismatch claims of `holder` that the seed's re-verification disproved."""
+        with self.db.read() as s:
+            return (
+                s.scalar(
+                    select(func.count())
+                    .select_from(Lease)
+                    .where(Lease.holder == holder, Lease.disproved.is_(True))
+                )
+                or 0
+            )
 
     # ---- views -----------------------------------------------------------------------------
     def models(self, now: float) -> ModelsPage:
@@ -705,10 +956,13 @@ class ReapResult:
 
     stale: int
     expired: int
+    deleted: int = 0
 
 
 def reap(db: Database, settings: PlannerSettings, now: float) -> ReapResult:
-    """Mark silent instances STALE and end expired leases; safe to run from several processes."""
+    """Mark silent instances STALE, end expired leases, and delete instances STALE for longer than
+    stale_retention_s with their ranks and manifests (up to 32 MiB each); safe from several processes."""
+    gone = _delete_retired(db, settings, now)
     with db.write() as s:
         stale = _rowcount(
             s.execute(
@@ -727,9 +981,54 @@ def reap(db: Database, settings: PlannerSettings, now: float) -> ReapResult:
                 .values(ended_at=now, outcome="expired")
             )
         )
-    if stale or expired:
-        log.info("reaper: %d instances STALE, %d leases expired", stale, expired)
-    return ReapResult(stale=stale, expired=expired)
+    if stale or expired or gone:
+        log.info(
+            "reaper: %d instances STALE, %d leases expired, %d STALE instances deleted", stale, expired, gone
+        )
+    return ReapResult(stale=stale, expired=expired, deleted=gone)
+
+
+def _delete_retired(db: Database, settings: PlannerSettings, now: float, batch: int = 500) -> int:
+    """Delete up to `batch` instances STALE since before now - stale_retention_s (instance row first,
+    then its manifests, ranks and live leases: the one lock order)."""
+    with db.write() as s:
+        q = (
+            select(Instance.id)
+            .where(
+                Instance.status == "STALE",
+                Instance.updated_at < now - settings.stale_retention_s,
+                Instance.last_heartbeat < now - settings.stale_retention_s,  # silent all along
+            )
+            .order_by(Instance.updated_at)
+            .limit(batch)
+        )
+        if not db.sqlite:
+            q = q.with_for_update(skip_locked=True)
+        ids = list(s.execute(q).scalars().all())
+        if not ids:
+            return 0
+        s.execute(delete(Manifest).where(Manifest.instance_id.in_(ids)))
+        s.execute(delete(InstanceRank).where(InstanceRank.instance_id.in_(ids)))
+        s.execute(delete(Instance).where(Instance.id.in_(ids)))
+        s.execute(
+            update(Lease)
+            .where(Lease.instance_id.in_(ids), Lease.ended_at.is_(None))
+            .values(ended_at=now, outcome="released")
+        )
+    return len(ids)
+
+
+def _anchor_view(a: Anchor) -> wire.AnchorView:
+    return wire.AnchorView(
+        identity_key=a.identity_key,
+        rank=a.rank,
+        checksum_algorithm=a.checksum_algorithm,
+        digest_set=a.digest_set,
+        tensors=len(a.digests),
+        instance_id=a.instance_id,
+        set_by=a.set_by,
+        created_at=a.created_at,
+    )
 
 
 def _now(now: float | None) -> float:

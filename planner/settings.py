@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -22,7 +24,12 @@ class PlannerSettings(BaseSettings):
     register_token: str | None = None
     load_token: str | None = None
     reader_token: str | None = None
+    # register + set an identity's anchor from a disk publication: give it to trusted disk seeds only
+    anchor_token: str | None = None
     insecure: bool = False
+    # seals the seeds' control keys in the database (planner.control_token.seal); every planner process
+    # of one database needs the same. Unset: derived from the configured tokens and the database URL
+    control_secret: str | None = Field(default=None, repr=False)
     heartbeat_ttl_s: float = Field(default=30.0, gt=0)
     lease_ttl_s: float = Field(default=120.0, gt=0)
     reaper_interval_s: float = Field(default=5.0, gt=0)
@@ -41,9 +48,34 @@ class PlannerSettings(BaseSettings):
     retry_after_max_s: float = Field(default=60.0, gt=0)
     assumed_pull_gbps: float = Field(default=1.0, gt=0)  # until a pull of the identity is recorded
     rate_window: int = Field(default=16, ge=1, le=1024)  # recent successful pulls that give the rate
+    rate_history_s: float = Field(default=86_400.0, gt=0)  # ... ended at most this long ago
+    stale_retention_s: float = Field(default=3600.0, ge=0)  # STALE this long: deleted with its manifests
+    false_report_threshold: int = Field(default=3, ge=1)  # disproved checksum claims that flag a reporter
+
+    def control_secret_bytes(self) -> bytes:
+        """The secret that seals control keys (see control_secret)."""
+        if self.control_secret:
+            return self.control_secret.encode()
+        parts = (
+            self.admin_token,
+            self.instance_token,
+            self.register_token,
+            self.anchor_token,
+            self.load_token,
+            self.reader_token,
+            self.db_url,
+        )
+        return hashlib.sha256("\0".join(p or "" for p in parts).encode()).digest()
 
     def has_tokens(self) -> bool:
         """True when at least one bearer token is configured."""
         return any(
-            (self.admin_token, self.instance_token, self.register_token, self.load_token, self.reader_token)
+            (
+                self.admin_token,
+                self.instance_token,
+                self.register_token,
+                self.anchor_token,
+                self.load_token,
+                self.reader_token,
+            )
         )

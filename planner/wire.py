@@ -225,6 +225,16 @@ class TensorEntry(BaseModel):
     checksum: Annotated[str, StringConstraints(max_length=1024)]
 
 
+class TensorDigest(Strict):
+    """One tensor of an anchor upload: what the digest set covers (planner.integrity.digest_set)."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=NO_NUL)]
+    dtype: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=NO_NUL)]
+    shape: Annotated[list[Annotated[int, Field(ge=0, le=MAX_BYTES), JSON_INT]], Field(max_length=64)]
+    nbytes: Bytes
+    checksum: Annotated[str, StringConstraints(max_length=1024, pattern=NO_NUL)]
+
+
 class RankManifest(BaseModel):
     """A rank manifest: which regions a rank serves and where each tensor lies in them.
 
@@ -250,7 +260,22 @@ class RankManifest(BaseModel):
                 return f"tensors[{i}].region: no region {t.region}"
             if t.offset + t.nbytes > sizes[t.region]:
                 return f"tensors[{i}]: offset+nbytes exceeds region {t.region}'s nbytes"
+        covered = self.covered_region_bytes()
+        for r in self.regions:  # a region is as large as the tensors in it, never larger
+            if r.nbytes > covered.get(r.index, 0):
+                return (
+                    f"regions: region {r.index} has nbytes {r.nbytes} but its tensors end at "
+                    f"{covered.get(r.index, 0)}"
+                )
         return None
+
+    def covered_region_bytes(self) -> dict[int, int]:
+        """{region index: where its last tensor ends}: the only region sizes a loader allocates."""
+        ends: dict[int, int] = {}
+        for t in self.tensors:
+            if t.nbytes:
+                ends[t.region] = max(ends.get(t.region, 0), t.offset + t.nbytes)
+        return ends
 
     @property
     def region_bytes(self) -> int:
@@ -376,12 +401,19 @@ class InstanceView(BaseModel):
     updated_at: float
     last_heartbeat: float
     quarantined_until: float | None
+    # a checksum mismatch was reported: offered to nobody until it re-hashed its memory and republished
+    reverifying: bool = False
+    # its manifest differed from the anchor: offered to nobody until it republishes clean
+    integrity_failed: bool = False
 
 
 class Registration(InstanceView):
     """201 answer to a registration: the instance plus its bearer token (shown once, never in repr)."""
 
     token: str = Field(repr=False)
+    # the key the seed's control endpoint checks per-assignment tokens with (derived from the planner's
+    # secret, planner.control_token; shown once, never stored); None without a control_url
+    control_key: str | None = Field(default=None, repr=False)
 
 
 class StatusChange(Strict):
@@ -395,6 +427,9 @@ class HeartbeatAnswer(BaseModel):
 
     status: InstanceStatus
     ttl_s: float
+    # a loader reported a checksum mismatch: re-hash the memory and republish the manifests (until then
+    # the planner offers this instance to nobody)
+    reverify: bool = False
 
 
 # ---- assignments ------------------------------------------------------------------------------
@@ -473,6 +508,43 @@ class TransferReport(Strict):
     backend: Annotated[str, StringConstraints(max_length=32, pattern=NO_NUL)] = ""
     reason: Annotated[str, StringConstraints(max_length=1024, pattern=NO_NUL)] | None = None
     error: Annotated[str, StringConstraints(max_length=65_536, pattern=NO_NUL)] | None = None
+
+
+class LeaseRenewal(BaseModel):
+    """Answer to POST /v1/assignments/{id}/renew: the lease's new expiry (a long pull keeps its slot)."""
+
+    id: str
+    expires_at_unix: float
+
+
+class AnchorUpload(Strict):
+    """PUT /v1/anchors (admin): an identity's rank digests, e.g. the file `rfork digest CHECKPOINT` writes."""
+
+    identity: SourceIdentity
+    rank: Rank
+    checksum_algorithm: Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=NO_NUL)]
+    # tensor name -> checksum, with dtype, shape and nbytes per tensor where the digest set needs them
+    tensors: Annotated[list[TensorDigest], Field(min_length=1, max_length=1_000_000)]
+
+
+class AnchorView(BaseModel):
+    """An identity's anchored digest set for one rank and algorithm, and who set it."""
+
+    identity_key: str
+    rank: int
+    checksum_algorithm: str
+    digest_set: str
+    tensors: int
+    instance_id: str
+    set_by: str
+    created_at: float
+
+
+class AnchorsPage(BaseModel):
+    """GET /v1/anchors (admin)."""
+
+    items: list[AnchorView]
+    total: int
 
 
 class ReportAnswer(BaseModel):

@@ -53,6 +53,8 @@ def request_assignment(
     principal: Principal = Depends(leaser),
 ) -> Response:
     """Ranked candidates for one rank, with a lease on the first (reported on only by its requester)."""
+    if not principal.may_lease_identity(body.identity.key()):
+        raise HTTPException(403, "Authorization: this instance token leases its own identity only")
     if principal.instance_id is not None:
         if body.requester_id not in (None, principal.instance_id):
             raise HTTPException(403, f"requester_id: this token acts for instance {principal.instance_id}")
@@ -97,3 +99,22 @@ def report(
     m.transfers.labels(outcome=body.outcome).inc()
     m.transfer_bytes.inc(body.bytes)
     return out
+
+
+@router.post(
+    "/{assignment_id}/renew",
+    response_model=wire.LeaseRenewal,
+    responses={401: {}, 403: {}, 404: {}, 409: {}, 422: {}},
+    operation_id="renew_assignment",
+)
+def renew(
+    assignment_id: Annotated[str, Path(pattern=r"^[0-9a-f]{32}$")],
+    planner: Planner = Depends(get_planner),
+    principal: Principal = Depends(leaser),
+) -> wire.LeaseRenewal:
+    """Keep a live lease for another lease_ttl_s (a long pull renews before it expires; 409 once ended)."""
+    holder = None if principal.has("admin") else principal.holder
+    try:
+        return planner.renew(assignment_id, None, holder=holder)
+    except PermissionError as exc:
+        raise HTTPException(403, f"assignment: {exc}") from exc

@@ -53,11 +53,17 @@ def register(
     planner: Planner = Depends(get_planner),
     principal: Principal = Depends(registrar),
 ) -> wire.Registration:
-    """Register an instance (INITIALIZING); the answer carries a token scoped to it."""
+    """Register an instance (INITIALIZING); the answer carries a token scoped to it.
+
+    The token may lease (its own identity) only when the registering token holds the load role, and the
+    instance's disk publications anchor its identity only when it holds the anchor role.
+    """
     conflict = body.conflicts()
     if conflict is not None:
         raise HTTPException(409, conflict)
-    return planner.register(body, time.time())
+    return planner.register(
+        body, time.time(), may_anchor=principal.has("anchor"), may_lease=principal.has("load")
+    )
 
 
 @router.get("", response_model=InstancePage, responses=ERRORS, operation_id="list_instances")
@@ -84,9 +90,7 @@ def list_instances(
     )
 
 
-@router.get(
-    "/{instance_id}", response_model=wire.InstanceView, responses=ERRORS, operation_id="get_instance"
-)
+@router.get("/{instance_id}", response_model=wire.InstanceView, responses=ERRORS, operation_id="get_instance")
 def get_instance(
     instance_id: IdPath,
     planner: Planner = Depends(get_planner),
@@ -143,10 +147,12 @@ async def heartbeat(
     """Liveness; without one for ttl_s the instance turns STALE."""
     owner_of(instance_id, principal)
     # coalesced with concurrent heartbeats into one UPDATE (planner/heartbeats.py)
-    status = await request.app.state.heartbeats.beat(instance_id)
-    if status is None:
+    beat = await request.app.state.heartbeats.beat(instance_id)
+    if beat is None:
         raise NotFound(f"instance {instance_id} not found")
-    return wire.HeartbeatAnswer(status=wire.InstanceStatus(status), ttl_s=planner.settings.heartbeat_ttl_s)
+    return wire.HeartbeatAnswer(
+        status=wire.InstanceStatus(beat[0]), ttl_s=planner.settings.heartbeat_ttl_s, reverify=beat[1]
+    )
 
 
 MANIFEST_BODY = {
@@ -201,15 +207,8 @@ async def put_manifest(
         raw += chunk
         if len(raw) > limit:
             raise HTTPException(413, f"body: manifest exceeds the limit of {limit} bytes")
-    try:
-        text = raw.decode("utf-8")
-        manifest = wire.RankManifest.model_validate_json(text)
-    except UnicodeDecodeError as exc:
-        raise HTTPException(400, "body: manifest is not UTF-8") from exc
-    except ValidationError as exc:
-        raise HTTPException(422, _errors(exc)) from exc
-    # stored as text, verbatim: an escaped NUL (\\u0000) is just six characters there; a raw one is no JSON
-    conflict = manifest.conflicts()
+    # up to max_manifest_bytes of JSON: parsed in a worker thread, never on the event loop
+    text, manifest, conflict = await run_in_threadpool(_parse_manifest, bytes(raw))
     if conflict is not None:
         raise HTTPException(409, f"body: {conflict}")
     if manifest.rank != rank:  # both well-formed, they contradict each other: a conflict, not bad input
@@ -253,6 +252,19 @@ def get_manifest(
             region["descriptor"] = ""
         text = json.dumps(doc)
     return Response(text, media_type="application/json")
+
+
+def _parse_manifest(raw: bytes) -> tuple[str, wire.RankManifest, str | None]:
+    """(text, manifest, what it contradicts in itself or None); 400 / 422 for bad input."""
+    try:
+        text = raw.decode("utf-8")
+        manifest = wire.RankManifest.model_validate_json(text)
+    except UnicodeDecodeError as exc:
+        raise HTTPException(400, "body: manifest is not UTF-8") from exc
+    except ValidationError as exc:
+        raise HTTPException(422, _errors(exc)) from exc
+    # stored as text, verbatim: an escaped NUL (\\u0000) is just six characters there; a raw one is no JSON
+    return text, manifest, manifest.conflicts()
 
 
 def _errors(exc: ValidationError) -> list[dict[str, Any]]:

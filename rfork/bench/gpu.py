@@ -9,7 +9,7 @@ Measured in one run (GB/s are 10^9 bytes per second of weights landed in GPU mem
   (backends.providers.cuda_ipc); this process opens the handle and copies on its own stream;
 - ``rfork tcp+staging``: the same seed serves a pinned host mirror over the tcp TransferEngine; this
   process reads through backends.providers.staging into GPU memory.
-Every R-Fork result is checked against the seed's pwsum64 checksum computed on the GPU.
+Every R-Fork result is checked against the seed's pmix64 checksum computed on the GPU.
 
 Run: ``python -m rfork.bench.gpu --size-gib 8 [--json FILE]``. Without CUDA it exits with status 2
 and one line of error. Written without a GPU at hand: not run on a GPU yet (see docs/gpu.md).

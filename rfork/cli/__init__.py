@@ -16,6 +16,7 @@ from types import ModuleType
 
 from rfork import __version__
 from rfork.bench import cold_start as bench_cold_start
+from rfork.bench import digest as bench_digest
 from rfork.bench import gpu as bench_gpu
 from rfork.bench import kv as bench_kv
 from rfork.bench import moe as bench_moe
@@ -24,7 +25,7 @@ from rfork.bench import planner as bench_planner
 from rfork.bench import rl as bench_rl
 from rfork.bench import scale_out as bench_scale_out
 from rfork.bench import transport as bench_transport
-from rfork.cli import demo, load, planner_migrate, planner_serve, seed, sglang
+from rfork.cli import demo, digest, load, planner_migrate, planner_serve, seed, sglang
 from rfork.simulate import scale_out as simulate_scale_out
 
 # (command path, implementing module). Groups ("planner", "bench") are created on the way.
@@ -34,6 +35,7 @@ COMMANDS: tuple[tuple[tuple[str, ...], ModuleType], ...] = (
     (("seed",), seed),
     (("load",), load),
     (("demo",), demo),
+    (("digest",), digest),
     (("sglang",), sglang),
     (("bench", "transport"), bench_transport),
     (("bench", "cold-start"), bench_cold_start),
@@ -44,6 +46,7 @@ COMMANDS: tuple[tuple[tuple[str, ...], ModuleType], ...] = (
     (("bench", "kv"), bench_kv),
     (("bench", "nccl"), bench_nccl),
     (("bench", "scale-out"), bench_scale_out),
+    (("bench", "digest"), bench_digest),
     (("simulate", "scale-out"), simulate_scale_out),
 )
 
@@ -78,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                 groups[key] = group.add_subparsers(dest=f"{word}_command", metavar="COMMAND", required=True)
             subs = groups[key]
         summary = _summary(module)
-        leaf = subs.add_parser(path[-1], help=summary, description=summary)
+        # no abbreviations: `--token` must be refused, not read as `--token-file`
+        leaf = subs.add_parser(path[-1], help=summary, description=summary, allow_abbrev=False)
         module.configure(leaf)
         leaf.set_defaults(_module=module)
     return parser

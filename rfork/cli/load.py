@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from rfork.cli.tokens import add_token_file, read_token
 
 log = logging.getLogger("rfork.load")
 
@@ -38,16 +39,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tp", type=int, default=None, help="tensor-parallel size (default: identity's or 1)"
     )
-    parser.add_argument(
-        "--token",
-        default=os.environ.get("RFORK_TOKEN"),
-        help="planner token with the load role ($RFORK_TOKEN)",
-    )
-    parser.add_argument(
-        "--register-token",
-        default=os.environ.get("RFORK_REGISTER_TOKEN"),
-        help="planner token with the register role, to become a seed"
-        " ($RFORK_REGISTER_TOKEN; default --token)",
+    add_token_file(parser, "--token-file", env=("RFORK_TOKEN",), role="load")
+    add_token_file(
+        parser, "--register-token-file", env=("RFORK_REGISTER_TOKEN",), role="register (to become a seed)"
     )
     parser.add_argument(
         "--insecure-ok", action="store_true", help="allow talking to the planner without a token"
@@ -109,8 +103,10 @@ def resolve_identity(args: argparse.Namespace) -> tuple[Any, Any]:
 def run(args: argparse.Namespace) -> int:
     """Load (R-Fork, NCCL or disk), verify, report; then serve or exit."""
     started = time.time()
+    args.token = read_token(args.token_file, env=("RFORK_TOKEN",))
+    args.register_token = read_token(args.register_token_file, env=("RFORK_REGISTER_TOKEN",))
     if args.planner and not args.token and not args.insecure_ok:
-        raise ValueError("no planner token: pass --token (or $RFORK_TOKEN), or --insecure-ok")
+        raise ValueError("no planner token: set $RFORK_TOKEN (or pass --token-file), or --insecure-ok")
     # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from rfork.pull.loader import Loader
     from rfork.pull.one_sided import warm_transport

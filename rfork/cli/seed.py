@@ -12,7 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rfork.cli.tokens import add_token_file, read_token
+
 log = logging.getLogger("rfork.seed")
+
+
+# a disk seed on a trusted host holds the anchor role: its publication sets the identity's digests
+SEED_TOKEN_ENV = ("RFORK_ANCHOR_TOKEN", "RFORK_REGISTER_TOKEN", "RFORK_TOKEN")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -29,11 +35,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tp", type=int, default=1, help="tensor-parallel size: one process per rank (default 1)"
     )
-    parser.add_argument(
-        "--token",
-        default=os.environ.get("RFORK_REGISTER_TOKEN") or os.environ.get("RFORK_TOKEN"),
-        help="planner token with the register role (default $RFORK_REGISTER_TOKEN, else $RFORK_TOKEN)",
-    )
+    add_token_file(parser, "--token-file", env=SEED_TOKEN_ENV, role="register (or anchor)")
     parser.add_argument(
         "--insecure-ok", action="store_true", help="allow talking to the planner without a token"
     )
@@ -65,9 +67,11 @@ def _providers(values: list[str] | None) -> list[str]:
 def _check_args(args: argparse.Namespace) -> None:
     if args.tp < 1:
         raise ValueError("--tp must be >= 1")
+    args.token = read_token(args.token_file, env=SEED_TOKEN_ENV)
     if not args.token and not args.insecure_ok:
         raise ValueError(
-            "no planner token: pass --token (or $RFORK_TOKEN), or --insecure-ok for an insecure planner"
+            "no planner token: set $RFORK_ANCHOR_TOKEN or $RFORK_REGISTER_TOKEN (or pass --token-file),"
+            " or --insecure-ok for an insecure planner"
         )
 
 

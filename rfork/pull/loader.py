@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from backends import Region
-from rfork.errors import DestinationMismatch, PullError
+from rfork.errors import DestinationMismatch, ManifestError, PullError
 from rfork.identity import SourceIdentity
 from rfork.pull.disk import load_from_disk
 from rfork.pull.nccl import pull_nccl
@@ -141,7 +141,12 @@ class Loader:
             "all checksums verified" if result.verified else "not verified (disk: nothing to compare with)",
         )
         if self.options.become_seed and self.planner_url is not None:
-            result.seed = self._become_seed(weights, regions)
+            try:
+                result.seed = self._become_seed(weights, regions)
+            except Exception as exc:  # noqa: BLE001 - the weights are loaded: a refused publication must not lose them
+                result.seed_error = f"{type(exc).__name__}: {exc}"
+                self.reader.close()
+                log.exception("loaded, but could not become a seed; serving nothing")
         else:
             self.reader.close()
         return result
@@ -222,6 +227,9 @@ class Loader:
     ) -> tuple[RankWeights, list[Region] | None]:
         """Check the destination against the source's manifest, then read and verify it."""
         manifest = source.manifest()
+        conflict = manifest.conflicts()  # e.g. a region larger than its tensors: never read or allocated
+        if conflict is not None:
+            raise ManifestError(f"seed {source.instance_id}: its manifest contradicts itself: {conflict}")
         if dest is not None:
             dest.check_matches(manifest)
         deadline = time.monotonic() + self.options.rank_deadline_s

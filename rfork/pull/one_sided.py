@@ -279,8 +279,11 @@ class _ReadPipeline:
         self.phases: dict[str, float] = {}
         self._verify_s = 0.0
         self._expected = {t.name: t.checksum for t in manifest.tensors}
-        if dest.checksum_algorithm != ck.XXH3_128:
-            raise PullError(f"rank {dest.rank}: one-sided reads verify host tensors (xxh3-128) only")
+        if dest.checksum_algorithm not in ck.HOST_ALGORITHMS:
+            raise PullError(
+                f"rank {dest.rank}: one-sided reads verify host digests"
+                f" ({', '.join(ck.HOST_ALGORITHMS)}) only, not {dest.checksum_algorithm}"
+            )
         self._spans = self._span_table()
 
     def _span_table(self) -> list[list[_Span]]:
@@ -292,7 +295,9 @@ class _ReadPipeline:
             key = (p.region, p.offset, p.nbytes)
             span = by_key.get(key)
             if span is None:
-                span = by_key[key] = _Span(p.offset, p.offset + p.nbytes, [], ck.StreamingDigest())
+                span = by_key[key] = _Span(
+                    p.offset, p.offset + p.nbytes, [], ck.StreamingDigest(self.dest.checksum_algorithm)
+                )
                 table[p.region].append(span)
             span.names.append(p.name)
         for spans in table:

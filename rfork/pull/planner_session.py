@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
+from backends.errors import BackendUnavailable, TransferError
 from backends.layout import dtype_from_name, expected_nbytes
 from planner.client import AllBusy, PlannerClient
 from planner.integrity import digest_set
@@ -78,6 +80,32 @@ def ask_with_wait(
             sleep(pause)
 
 
+class LeaseRenewer:
+    """Renews a lease at a third of its remaining time until stopped, so a pull longer than the planner's
+    lease TTL keeps its slot and its report is accepted. A failed renewal is logged, never raised: the
+    pull goes on, and at worst its report is refused (409, logged)."""
+
+    def __init__(self, client: PlannerClient, assignment: Assignment) -> None:
+        self._client = client
+        self._id = assignment.id
+        self._expires_at = assignment.expires_at_unix
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"rfork-renew-{self._id[:8]}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(max(0.05, (self._expires_at - time.time()) / 3)):
+            try:
+                self._expires_at = self._client.renew_assignment(self._id).expires_at_unix
+            except Exception as exc:  # noqa: BLE001 - a lost renewal must not fail the pull
+                log.warning("could not renew assignment %s: %s", self._id, exc)
+                return
+
+    def stop(self) -> None:
+        """Stop renewing (before the report ends the lease)."""
+        self._stop.set()
+
+
 @dataclass(kw_only=True)
 class Source:
     """One leased candidate for one rank; say how the pull went with `succeeded` or `failed`."""
@@ -87,6 +115,7 @@ class Source:
     rank: int
     name: str  # "rfork-tcp", "rfork-shm", ..., or "nccl"
     outcome: bool | None = None
+    renewer: LeaseRenewer | None = None  # keeps the lease while the pull runs
 
     @property
     def candidate(self) -> Candidate:
@@ -119,11 +148,15 @@ class Source:
     def succeeded(self, nbytes: int, seconds: float) -> None:
         """Report the pull (ends the lease); the session asks no more for this rank."""
         self.outcome = True
+        if self.renewer is not None:
+            self.renewer.stop()
         self.session.report(self, ok=True, nbytes=nbytes, seconds=seconds, error=None)
 
     def failed(self, error: BaseException, seconds: float) -> None:
         """Report the failure (counts against the seed); the session asks again without this seed."""
         self.outcome = False
+        if self.renewer is not None:
+            self.renewer.stop()
         self.session.report(self, ok=False, nbytes=0, seconds=seconds, error=error)
 
 
@@ -211,7 +244,8 @@ class PlannerSession:
 
     def sources(self, rank: int) -> Iterator[Source]:
         """Sources for `rank` until one succeeds, the attempts run out or no seed is left."""
-        if self.client is None:
+        client = self.client
+        if client is None:
             return
         one_sided = self.options.one_sided
         excluded = list(self.options.exclude)
@@ -226,8 +260,12 @@ class PlannerSession:
                 name = f"rfork-{cand.provider}"
             else:
                 name = "nccl"
-            source = Source(session=self, assignment=assignment, rank=rank, name=name)
-            yield source
+            renewer = LeaseRenewer(client, assignment)
+            source = Source(session=self, assignment=assignment, rank=rank, name=name, renewer=renewer)
+            try:
+                yield source
+            finally:
+                renewer.stop()
             if source.outcome:
                 return
             excluded.append(cand.instance_id)
@@ -240,7 +278,7 @@ class PlannerSession:
             reason = None
             self._pulled.append(source.assignment.id)
         else:
-            reason = "checksum_mismatch" if isinstance(error, ChecksumMismatch) else type(error).__name__
+            reason = None if error is None else fault_reason(error)
         t0 = time.perf_counter()
         try:
             assert self.client is not None
@@ -317,3 +355,21 @@ class PlannerSession:
                 len(found.candidates),
             )
         return found
+
+
+def fault_reason(error: BaseException) -> str:
+    """The report's reason: `checksum_mismatch` and `transport` count against the seed at the planner;
+    anything else (this loader's destination, engine, algorithm, a bad manifest) is the error's class
+    name, recorded but never blamed on the seed."""
+    seen: set[int] = set()
+    cur: BaseException | None = error
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, ChecksumMismatch):
+            return "checksum_mismatch"
+        if isinstance(cur, BackendUnavailable):
+            break  # this loader could not open its engine: not the seed's fault
+        if isinstance(cur, (TransferError, TimeoutError, ConnectionError)):
+            return "transport"
+        cur = cur.__cause__ or cur.__context__
+    return type(error).__name__

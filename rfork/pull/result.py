@@ -118,6 +118,8 @@ class LoadResult:
     verified: bool
     attempts: list[Attempt] = field(default_factory=list)
     seed: Seed | None = None
+    # why becoming a seed failed (the load itself succeeded); None when it did not fail or was not asked
+    seed_error: str | None = None
     # Seconds per phase, summed over ranks: planner (assignment + report round trips), alloc (destination
     # buffers), register (main thread blocked on registration), transfer (first read posted -> last read
     # done), verify (checksum work on the verifier thread, mostly overlapped with transfer), verify_tail

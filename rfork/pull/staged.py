@@ -1,7 +1,7 @@
 """Pulling into GPU tensors over a provider that cannot register device memory (tcp, shm here).
 
 Each distinct destination tensor is read through a `StagedReader` (pinned host bounce slots, then a
-copy to the device) and verified on its device as it lands (pwsum64-v1, computed by the GPU; see
+copy to the device) and verified on its device as it lands (pmix64-v1, computed by the GPU; see
 rfork.weights.checksum). Nothing of the destination is registered, so a seed this loader becomes
 registers (or mirrors) afresh. Not run on a GPU here: the CPU tests exercise it with host tensors.
 """

@@ -61,6 +61,7 @@ class Publication:
         retry: bool = False,
         retry_interval_s: float = 2.0,
         on_heartbeat_error: Callable[[Exception], None] | None = None,
+        rehash: Callable[[], Mapping[int, RankManifest]] | None = None,
     ) -> None:
         self.client = PlannerClient(planner_url, token=token)
         self._register_token = token
@@ -78,6 +79,7 @@ class Publication:
         self.instance_token: str | None = None  # acts as this instance only (set on registering)
         self._stop = threading.Event()
         self._on_error = on_heartbeat_error
+        self._rehash = rehash
         self._closed = False
         try:
             self._publish()
@@ -134,6 +136,8 @@ class Publication:
                     continue
                 beat = self.client.heartbeat(self.instance_id)
                 interval = max(0.2, min((beat.ttl_s or 6.0) / 3.0, 10.0))
+                if beat.reverify and not self._stop.is_set():
+                    self._reverify()
                 if beat.status == InstanceStatus.STALE and not self._stop.is_set():
                     self.client.set_status(self.instance_id, self._status)
                     log.warning("instance %s was STALE; set %s again", self.instance_id, self._status)
@@ -151,6 +155,19 @@ class Publication:
                 interval = self._retry_interval_s
                 if self._on_error is not None:
                     self._on_error(exc)
+
+    def _reverify(self) -> None:
+        """A loader reported a checksum mismatch: re-hash the memory and republish every manifest. The
+        planner compares them with the anchor: clean, the seed is offered again; else it stays refused
+        (DigestMismatch, logged) until a clean republication."""
+        if self._rehash is None or self.instance_id is None:
+            log.warning("instance %s asked to re-verify, but it cannot re-hash its memory", self.instance_id)
+            return
+        log.warning("instance %s: a checksum mismatch was reported; re-hashing its memory", self.instance_id)
+        self._manifests = dict(self._rehash())
+        for rank, manifest in self._manifests.items():
+            self.client.put_manifest(self.instance_id, rank, manifest)
+        log.info("instance %s re-verified clean", self.instance_id)
 
     def close(self) -> None:
         """DRAINING, then delete the instance; idempotent."""

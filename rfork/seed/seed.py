@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -23,7 +24,7 @@ import torch
 
 from backends import Region, TransferEngine
 from planner.control_token import new_control_key
-from planner.wire import RankEndpoint
+from planner.wire import RankEndpoint, RankManifest
 from rfork.identity import SourceIdentity, default_labels
 from rfork.seed.control import ControlServer
 from rfork.seed.publication import Publication, routable_host
@@ -214,6 +215,7 @@ class Seed:
                         control_key=control_key if control_url else None,
                         max_concurrent_pulls=self.max_concurrent_pulls,
                         retry=self.retry_publish,
+                        rehash=functools.partial(_rehash, server),
                     )
                 )
         except BaseException:
@@ -240,3 +242,13 @@ class Seed:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _rehash(server: RankServer) -> dict[int, RankManifest]:
+    """Every rank's manifest with checksums computed afresh from the served memory (re-verification)."""
+    out = {}
+    for rank, served in server.ranks.items():
+        served.weights.checksums.clear()
+        served.weights.compute_checksums()
+        out[rank] = served.weights.manifest(served.descriptors())
+    return out

@@ -1,49 +1,73 @@
-"""Per-tensor weight digests: xxh3-128 for host tensors, pwsum64 on the GPU.
+"""Per-tensor weight digests: xxh3-128 (or BLAKE3) for host tensors, pmix64 on the GPU.
 
 Host (CPU) tensors use `xxh3-128` (the xxHash library's XXH3 128-bit hash of the tensor's raw bytes,
 32 hex digits). It is non-linear (no combination of changed words cancels out, unlike a sum) and runs
 at memory speed; `StreamingDigest` computes the same value chunk by chunk as the bytes arrive, so
-the loader hashes each chunk while it is still in cache.
+the loader hashes each chunk while it is still in cache. It resists accidents, not a crafted
+collision: a fleet that must resist one sets `RFORK_DIGEST=blake3` on every seed and loader (the
+BLAKE3 hash, 64 hex digits; its anchors are recorded under that name). Its cost is measured in
+docs/reliability.md.
 
-CUDA tensors keep a device-side digest so no weight byte crosses to the host:
-Algorithm `pwsum64-v1`: the tensor's bytes are read as little-endian 64-bit words w_0 .. w_{n-1}
-(a final partial word is zero-padded). The digest is the pair
+CUDA tensors keep a device-side digest so no weight byte crosses to the host. Algorithm `pmix64-v1`
+(it replaced `pwsum64-v1`, a position-weighted sum: linear, so a zeroed quarter of a tensor plus two
+compensating words kept its digest, issue #21). The tensor's bytes are read as little-endian 64-bit
+words w_0 .. w_{n-1} (a final partial word is zero-padded); all arithmetic is modulo 2**64 and `>>>`
+is a logical shift. Each word is mixed with its position through two splitmix64-style finalisers:
 
-    A = sum_i w_i * (i + 1)   mod 2**64      (position-weighted: catches swapped or shifted words)
-    B = sum_i w_i             mod 2**64      (plain sum: any single changed word changes it)
+    x_i = mix(w_i XOR (i + 1) * K0, K1, K2)      mix(v, a, b) = ((v * a) ^ (.. >>> 32)) * b ^ (.. >>> 29)
+    y_i = (x_i XOR K3) * K4;  y_i ^= y_i >>> 32
+    digest = (sum_i x_i, sum_i y_i)  written as 32 hex digits
 
-written as 32 hex digits (A then B, each 16 digits). Integer addition and multiplication modulo
-2**64 are associative and commutative, so the reduction order (CPU vector lanes, CUDA blocks) does
-not change the result. Words are processed in chunks that stay in cache; within chunk c (of CHUNK
-words) the weight of word j is c*CHUNK + j + 1, so A_c = sum_j w_j (j+1) + c*CHUNK*B_c. The weights
-and accumulators live on the tensor's device: no weight byte is copied to the host.
+A change to any word changes its x_i unpredictably (the mix is a bijection with full avalanche), so
+changes no longer cancel by solving a linear system. The sums keep the reduction order free (CPU
+vector lanes, CUDA blocks, chunks). It is not a cryptographic hash: the sums of per-word mixes admit
+generalized-birthday collisions for an attacker with much compute; where that matters, anchor a
+cryptographic digest (docs/reliability.md). Only elementwise integer tensor ops: the same code runs on
+CPU, so it is tested here, and on the tensor's own device with no weight byte copied to the host.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
+from typing import Any
 
+import blake3
 import torch
 import xxhash
 
-PWSUM64 = "pwsum64-v1"
+DEVICE_DIGEST = "pmix64-v1"
 XXH3_128 = "xxh3-128"
-ALGORITHMS = (XXH3_128, PWSUM64)
-CHUNK_WORDS = 1 << 15  # 256 KiB of data per chunk: data + product stay in L2 (measured best here)
+BLAKE3 = "blake3"
+HOST_ALGORITHMS = (XXH3_128, BLAKE3)
+ALGORITHMS = (*HOST_ALGORITHMS, DEVICE_DIGEST)
+CHUNK_WORDS = 1 << 18  # 2 MiB of words per step: few torch calls per tensor, temporaries stay small
 _MASK = (1 << 64) - 1
 
-_weights_lock = threading.Lock()
-_weights: dict[torch.device, torch.Tensor] = {}
+
+def _s64(v: int) -> int:
+    """A 64-bit constant as the signed int64 torch stores."""
+    v &= _MASK
+    return v - (1 << 64) if v >= 1 << 63 else v
 
 
-def _chunk_weights(device: torch.device) -> torch.Tensor:
-    with _weights_lock:
-        w = _weights.get(device)
-        if w is None:
-            w = torch.arange(1, CHUNK_WORDS + 1, dtype=torch.int64, device=device)
-            _weights[device] = w
-        return w
+K0, K1, K2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+K3, K4 = 0xD6E8FEB86659FD93, 0xFF51AFD7ED558CCD
+_LOW = {s: (1 << (64 - s)) - 1 for s in (29, 32)}
+
+_index_lock = threading.Lock()
+_index_keys: dict[torch.device, torch.Tensor] = {}
+
+
+def _chunk_index_keys(device: torch.device) -> torch.Tensor:
+    """(j + 1) * K0 for j in [0, CHUNK_WORDS): a chunk at word offset o adds o * K0."""
+    with _index_lock:
+        keys = _index_keys.get(device)
+        if keys is None:
+            keys = torch.arange(1, CHUNK_WORDS + 1, dtype=torch.int64, device=device) * _s64(K0)
+            _index_keys[device] = keys
+        return keys
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -57,69 +81,87 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
 
+def _xorshift_(x: torch.Tensor, shift: int, tmp: torch.Tensor) -> None:
+    """x ^= x >>> shift, in place (torch shifts int64 arithmetically: mask the sign's copies off)."""
+    torch.bitwise_right_shift(x, shift, out=tmp)
+    tmp.bitwise_and_(_LOW[shift])
+    x.bitwise_xor_(tmp)
+
+
+def _mix_sums(words: torch.Tensor, first_index: int, acc_x: torch.Tensor, acc_y: torch.Tensor) -> None:
+    """Add sum x_i and sum y_i of `words` (int64, at word positions first_index..) to the accumulators."""
+    n = words.numel()
+    keys = _chunk_index_keys(words.device)
+    x = torch.empty(min(n, CHUNK_WORDS), dtype=torch.int64, device=words.device)
+    tmp = torch.empty_like(x)
+    for start in range(0, n, CHUNK_WORDS):
+        m = min(CHUNK_WORDS, n - start)
+        xs, ts = x[:m], tmp[:m]
+        torch.add(keys[:m], _s64((first_index + start) * K0), out=xs)  # (i + 1) * K0
+        xs.bitwise_xor_(words[start : start + m])
+        xs.mul_(_s64(K1))
+        _xorshift_(xs, 32, ts)
+        xs.mul_(_s64(K2))
+        _xorshift_(xs, 29, ts)
+        acc_x += xs.sum()
+        xs.bitwise_xor_(_s64(K3))
+        xs.mul_(_s64(K4))
+        _xorshift_(xs, 32, ts)
+        acc_y += xs.sum()
+
+
 def checksum_bytes(data: torch.Tensor) -> str:
-    """Digest of a flat uint8 tensor (see the module doc); returns 32 hex digits."""
+    """pmix64-v1 of a flat uint8 tensor on its device (see the module doc); returns 32 hex digits."""
     n = data.numel()
     device = data.device
     if n == 0:
         return "0" * 32
     n_words = n // 8
-    acc_a = torch.zeros((), dtype=torch.int64, device=device)
-    acc_b = torch.zeros((), dtype=torch.int64, device=device)
+    acc_x = torch.zeros((), dtype=torch.int64, device=device)
+    acc_y = torch.zeros((), dtype=torch.int64, device=device)
     if n_words:
         body = data[: n_words * 8]
         if body.data_ptr() % 8:
             body = body.clone()  # int64 views need 8-byte alignment
-        words = body.view(torch.int64)
-        if device.type == "cpu" and n_words >= CHUNK_WORDS:
-            # Few large ops instead of a Python loop per 256 KiB chunk: over [chunks, CHUNK_WORDS], one
-            # int64 matrix-vector product and one row sum give every chunk's (sum w_j (j+1), sum w_j).
-            # Far fewer GIL round trips: matters while a transport progress thread also runs Python.
-            full = n_words // CHUNK_WORDS
-            mat = words[: full * CHUNK_WORDS].view(full, CHUNK_WORDS)
-            a_c = torch.mv(mat, _chunk_weights(device))  # per chunk: sum w_j (j+1)
-            b_c = mat.sum(dim=1)  # per chunk: sum w_j
-            base = torch.arange(full, dtype=torch.int64, device=device) * CHUNK_WORDS
-            acc_a += (a_c + base * b_c).sum()
-            acc_b += b_c.sum()
-            rest = words[full * CHUNK_WORDS :]
-            if rest.numel():
-                s_b = rest.sum()
-                acc_a += (rest * _chunk_weights(device)[: rest.numel()]).sum() + s_b * (full * CHUNK_WORDS)
-                acc_b += s_b
-            words = words[:0]
-        weights = _chunk_weights(device)
-        tmp = torch.empty(CHUNK_WORDS, dtype=torch.int64, device=device)
-        for c, start in enumerate(range(0, n_words, CHUNK_WORDS)):
-            chunk = words[start : start + CHUNK_WORDS]
-            m = chunk.numel()
-            prod = torch.mul(chunk, weights[:m], out=tmp[:m])
-            s_b = chunk.sum()
-            acc_a += prod.sum()
-            if c:
-                acc_a += s_b * (c * CHUNK_WORDS)
-            acc_b += s_b
+        _mix_sums(body.view(torch.int64), 0, acc_x, acc_y)
     tail = data[n_words * 8 :]
     if tail.numel():
         shifts = torch.arange(tail.numel(), dtype=torch.int64, device=device) * 8
-        word = (tail.to(torch.int64) << shifts).sum()
-        acc_a += word * (n_words + 1)
-        acc_b += word
-    a = int(acc_a.item()) & _MASK
-    b = int(acc_b.item()) & _MASK
+        word = (tail.to(torch.int64) << shifts).sum().reshape(1)
+        _mix_sums(word, n_words, acc_x, acc_y)
+    a = int(acc_x.item()) & _MASK
+    b = int(acc_y.item()) & _MASK
     return f"{a:016x}{b:016x}"
 
 
+def host_algorithm() -> str:
+    """The host digest this process uses: $RFORK_DIGEST (xxh3-128 unless set; ValueError if unknown)."""
+    chosen = os.environ.get("RFORK_DIGEST") or XXH3_128
+    if chosen not in HOST_ALGORITHMS:
+        raise ValueError(f"RFORK_DIGEST: {chosen!r} is not one of {', '.join(HOST_ALGORITHMS)}")
+    return chosen
+
+
 def algorithm_for(device: torch.device | str) -> str:
-    """The digest used for tensors on `device`: xxh3-128 on the host, pwsum64 on a GPU."""
-    return PWSUM64 if torch.device(device).type == "cuda" else XXH3_128
+    """The digest used for tensors on `device`: host_algorithm() on the host, pmix64 on a GPU."""
+    return DEVICE_DIGEST if torch.device(device).type == "cuda" else host_algorithm()
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
-    """Digest of a tensor's raw bytes under algorithm_for(tensor.device) (32 hex digits)."""
-    if algorithm_for(tensor.device) == XXH3_128:
+    """Digest of a tensor's raw bytes under algorithm_for(tensor.device)."""
+    algorithm = algorithm_for(tensor.device)
+    if algorithm == XXH3_128:
         return xxh3_bytes(_as_bytes(tensor))
+    if algorithm == BLAKE3:
+        return blake3_bytes(_as_bytes(tensor))
     return checksum_bytes(_as_bytes(tensor))
+
+
+def blake3_bytes(data: torch.Tensor) -> str:
+    """BLAKE3 of a flat uint8 host tensor (zero-copy: hashed where it lies)."""
+    if data.numel() == 0:
+        return str(blake3.blake3(b"").hexdigest())
+    return str(blake3.blake3(_host_view(int(data.data_ptr()), data.numel())).hexdigest())
 
 
 def xxh3_bytes(data: torch.Tensor) -> str:
@@ -143,7 +185,7 @@ def _host_view(ptr: int, nbytes: int) -> memoryview:
 
 
 class StreamingDigest:
-    """xxh3-128 of one host tensor's bytes fed in order, chunk by chunk, as they land.
+    """A host digest (xxh3-128 or BLAKE3) of one tensor's bytes fed in order, chunk by chunk, as they land.
 
     `update(ptr, n)` hashes host memory [ptr, +n); the bytes must arrive in address order and add
     up to the tensor. Not thread-safe: one feeder (the loader's verifier thread).
@@ -151,8 +193,12 @@ class StreamingDigest:
 
     __slots__ = ("_hasher", "fed")
 
-    def __init__(self) -> None:
-        self._hasher = xxhash.xxh3_128()
+    def __init__(self, algorithm: str = XXH3_128) -> None:
+        if algorithm not in HOST_ALGORITHMS:
+            raise ValueError(
+                f"StreamingDigest: {algorithm!r} is not a host digest ({', '.join(HOST_ALGORITHMS)})"
+            )
+        self._hasher: Any = xxhash.xxh3_128() if algorithm == XXH3_128 else blake3.blake3()
         self.fed = 0
 
     def update(self, ptr: int, nbytes: int) -> None:
@@ -165,11 +211,20 @@ class StreamingDigest:
 
 
 def reference_checksum(raw: bytes) -> str:
-    """Pure-Python reference of the same algorithm, for tests (slow; small inputs only)."""
+    """Pure-Python reference of pmix64-v1, for tests (slow; small inputs only)."""
+    if not raw:
+        return "0" * 32
     a = b = 0
     padded = raw + b"\0" * (-len(raw) % 8)
     for i in range(0, len(padded), 8):
         w = int.from_bytes(padded[i : i + 8], "little")
-        a = (a + w * (i // 8 + 1)) & _MASK
-        b = (b + w) & _MASK
-    return f"{a:016x}{b:016x}" if raw else "0" * 32
+        x = w ^ ((i // 8 + 1) * K0 & _MASK)
+        x = x * K1 & _MASK
+        x ^= x >> 32
+        x = x * K2 & _MASK
+        x ^= x >> 29
+        y = (x ^ K3) * K4 & _MASK
+        y ^= y >> 32
+        a = (a + x) & _MASK
+        b = (b + y) & _MASK
+    return f"{a:016x}{b:016x}"

@@ -17,7 +17,7 @@ import torch
 
 from backends.layout import DEFAULT_MAX_REGION_BYTES, Layout, Placement, dtype_name, views
 from planner.wire import RankManifest, RegionEntry, TensorEntry
-from rfork.errors import ChecksumMismatch, DestinationMismatch, LayoutError
+from rfork.errors import ChecksumMismatch, DestinationMismatch, LayoutError, ManifestError
 from rfork.weights import checksum as ck
 from rfork.weights.memory import allocate, pack
 
@@ -77,10 +77,19 @@ class RankWeights:
 
     @classmethod
     def allocate_for(cls, manifest: RankManifest) -> RankWeights:
-        """Fresh flat region buffers (host memory on huge pages) shaped like a seed's manifest."""
+        """Fresh flat region buffers (host memory on huge pages) for a seed's manifest.
+
+        Sized from the tensor list (the anchored digests cover each tensor's dtype, shape and size),
+        never from the seed's own region sizes: a manifest whose region is larger than the tensors in
+        it, or whose tensors contradict its regions, is refused (ManifestError) before anything is
+        allocated.
+        """
+        conflict = manifest.conflicts()
+        if conflict is not None:
+            raise ManifestError(f"rank {manifest.rank}: the seed's manifest contradicts itself: {conflict}")
         sizes = [0] * (max((r.index for r in manifest.regions), default=-1) + 1)
-        for r in manifest.regions:
-            sizes[r.index] = r.nbytes
+        for index, end in manifest.covered_region_bytes().items():
+            sizes[index] = end
         placements = tuple(
             Placement(
                 name=t.name,
@@ -143,7 +152,7 @@ class RankWeights:
 
     @property
     def checksum_algorithm(self) -> str:
-        """The digest these weights are checked with (xxh3-128 on the host, pwsum64 on a GPU)."""
+        """The digest these weights are checked with (xxh3-128 on the host, pmix64 on a GPU)."""
         return ck.algorithm_for(self.device)
 
     def registrables(self) -> list[Any]:

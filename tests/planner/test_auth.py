@@ -22,6 +22,7 @@ from tests.planner.conftest import identity, manifest, ranks
 TOKENS: dict[str, Any] = {
     "admin_token": "adm-secret",
     "register_token": "reg-secret",
+    "anchor_token": "anc-secret",
     "load_token": "load-secret",
     "reader_token": "read-secret",
 }
@@ -44,7 +45,8 @@ def test_unknown_tokens_are_refused(secure):
 
 def test_least_privilege_roles(secure):
     register = PlannerClient(secure.url, token="reg-secret")
-    a = register.register_instance(identity=identity(), ranks=ranks(0))
+    # a: a trusted disk seed (the anchor role registers too, and its disk publication anchors)
+    a = PlannerClient(secure.url, token="anc-secret").register_instance(identity=identity(), ranks=ranks(0))
     b = register.register_instance(identity=identity(), ranks=ranks(0))
     with pytest.raises(AuthError):  # the register token changes no instance ...
         register.set_status(a.id, "READY")
@@ -85,13 +87,16 @@ def test_least_privilege_roles(secure):
     with pytest.raises(Conflict):  # an ended lease takes no more reports
         load.report_transfer(lease.id, outcome="failure")
 
-    as_b = PlannerClient(secure.url, token=b.token)  # an instance token leases as itself
-    lease_b = as_b.request_assignment(identity=identity(), rank=0)
-    assert lease_b is not None
+    as_b = PlannerClient(secure.url, token=b.token)
+    with pytest.raises(AuthError):  # registered by a register-only token: register never implies load
+        as_b.request_assignment(identity=identity(), rank=0)
+    admin_lease = PlannerClient(secure.url, token="adm-secret").request_assignment(
+        identity=identity(), rank=0
+    )
+    assert admin_lease is not None
     with pytest.raises(AuthError):  # the load token did not request this one
-        load.report_transfer(lease_b.id, outcome="failure")
-    as_b.report_transfer(lease_b.id, outcome="success")
-    assert reader.transfers().items[0].requester_id == b.id
+        load.report_transfer(admin_lease.id, outcome="failure")
+    PlannerClient(secure.url, token="adm-secret").report_transfer(admin_lease.id, outcome="success")
 
     # readers (and other instances) see manifests without descriptors; the owner and admins with them
     assert reader.get_manifest(a.id, 0).regions[0].descriptor == ""
@@ -185,8 +190,23 @@ def test_planner_bench_ignores_tokens_in_the_environment_and_writes_json_without
     environment used to turn auth on there while its clients sent none (every request a 401)."""
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "rfork", "bench", "planner", "--instances", "20", "--seconds", "2",
-         "--clients", "2", "--heartbeaters", "2", "--json", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "rfork",
+            "bench",
+            "planner",
+            "--instances",
+            "20",
+            "--seconds",
+            "2",
+            "--clients",
+            "2",
+            "--heartbeaters",
+            "2",
+            "--json",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=300,

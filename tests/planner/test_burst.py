@@ -177,6 +177,9 @@ def test_http_429_carries_the_estimate_and_a_retry_after_header(server):
         reg = c.register_instance(identity=identity(), ranks=ranks(0, 1), max_concurrent_pulls=1)
         big = manifest(0)
         big["regions"][0]["nbytes"] = 100 * GB  # 100 s at the assumed 1 GB/s
+        # ... in one tensor as large (a region larger than its tensors is refused, issue #21)
+        big["tensors"][0].update(shape=[25 * GB], nbytes=100 * GB)
+        big["tensors"][1]["offset"] = 100 * GB
         c.put_manifest(reg.id, 0, big)
         c.set_status(reg.id, "READY")
         assert c.request_assignment(identity=identity(), rank=0) is not None

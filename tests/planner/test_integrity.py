@@ -67,10 +67,11 @@ def test_first_disk_publication_anchors_and_differing_manifests_are_refused(serv
     assert _metric(server.url, "rfork_planner_integrity_refusals_total") == refused_before + 1
     assert any("differ from the anchor" in r.getMessage() for r in caplog.records)
 
-    # a READY seed republishing different digests (its memory changed) is refused and quarantined
+    # a READY seed republishing different digests (its memory changed) is refused and taken out of
+    # service until it republishes clean (issue #21: not for quarantine_s)
     with pytest.raises(Conflict):
         c.put_manifest(anchor, 0, corrupted)
-    assert c.get_instance(anchor).quarantined_until is not None
+    assert c.get_instance(anchor).integrity_failed
     lease2 = c.request_assignment(identity=identity(), rank=0, exclude=[unanchored])
     assert lease2 is None  # neither the quarantined seed nor the refused one is offered
     # the anchor is per checksum algorithm: a device-side digest anchors separately
@@ -78,17 +79,19 @@ def test_first_disk_publication_anchors_and_differing_manifests_are_refused(serv
     c.put_manifest(liar.id, 0, other_algo)
 
 
-def test_checksum_mismatch_report_quarantines_at_once(server):
+def test_checksum_mismatch_report_takes_the_seed_out_until_it_reverifies(server):
     c = PlannerClient(server.url)
     seed = _instance(c, manifest(0))
     lease = c.request_assignment(identity=identity(), rank=0)
     assert lease is not None
     out = c.report_transfer(lease.id, outcome="failure", reason="checksum_mismatch", error="bad bytes")
     assert out.seed_quarantined is True
-    quarantined_until = c.get_instance(seed).quarantined_until
-    assert quarantined_until is not None
-    assert quarantined_until > time.time()
+    assert c.get_instance(seed).reverifying
+    assert c.heartbeat(seed).reverify
     assert c.request_assignment(identity=identity(), rank=0) is None
+    c.put_manifest(seed, 0, manifest(0))  # re-hashed, clean: offered again at once
+    assert not c.get_instance(seed).reverifying
+    assert c.request_assignment(identity=identity(), rank=0) is not None
 
 
 def test_reports_on_expired_leases_are_refused(planner_url):

@@ -60,7 +60,7 @@ def test_quarantine_after_repeated_failures(planner_url):
     try:
         now = time.time()
         seed = _ready_seed(svc, now, limit=5)
-        fail = TransferReport(outcome="failure", error="peer reset")
+        fail = TransferReport(outcome="failure", reason="transport", error="peer reset")  # the seed's fault
         first = svc.assign(_ask(), now).id
         assert not svc.report(first, fail, now).seed_quarantined
         second = svc.assign(_ask(), now).id

@@ -67,6 +67,7 @@ def planner(sqlite_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         db_url=sqlite_url,
         admin_token=ADMIN,
         register_token=REGISTER,
+        anchor_token=REGISTER,  # one string, both roles: the tests' disk seeds anchor their identity
         load_token=LOAD,
         reader_token=READER,
     ) as srv:

@@ -25,6 +25,9 @@ def busy_planner(sqlite_url):
         reg = c.register_instance(identity=identity(), ranks=ranks(0, 1), max_concurrent_pulls=1)
         m = manifest(0)
         m["regions"][0]["nbytes"] = 10 * GB  # 1 s at the assumed 10 GB/s
+        # ... in a tensor as large (a region larger than its tensors is refused, issue #21)
+        m["tensors"][0].update(shape=[10 * GB // 4], nbytes=10 * GB)
+        m["tensors"][1]["offset"] = 10 * GB
         c.put_manifest(reg.id, 0, m)
         c.set_status(reg.id, "READY")
         held = c.request_assignment(identity=identity(), rank=0)
@@ -89,3 +92,36 @@ def test_policy_bounds_and_estimate():
     assert fallback_seconds(4 * GB, 2.0) == pytest.approx(2.0)
     assert fallback_seconds(4 * GB, None) is None
     assert fallback_seconds(0, 2.0) is None
+
+
+def test_a_pull_longer_than_the_lease_keeps_it_by_renewing(sqlite_url):
+    """Issue #21: leases lasted lease_ttl_s with no renewal, so a long pull's report got 409 and the seed
+    was over-subscribed meanwhile. The session renews the lease while the source is out."""
+    import time
+
+    from rfork.identity import SourceIdentity
+    from rfork.pull.planner_session import PlannerSession
+    from rfork.pull.result import LoadOptions
+
+    with PlannerServer(db_url=sqlite_url, insecure=True, lease_ttl_s=2.0, reaper_interval_s=0.2) as srv:
+        c = PlannerClient(srv.url)
+        reg = c.register_instance(identity=identity(), ranks=ranks(0, 1), max_concurrent_pulls=1)
+        c.put_manifest(reg.id, 0, manifest(0))
+        c.set_status(reg.id, "READY")
+        session = PlannerSession(
+            planner_url=srv.url,
+            token=None,
+            identity=SourceIdentity.model_validate(identity()),
+            options=LoadOptions(providers=["tcp"]),
+            fallback_bytes=None,
+        )
+        sources = session.sources(0)  # held: the loader iterates it while the pull runs
+        source = next(sources)
+        time.sleep(5.0)  # two and a half lease lifetimes: the pull goes on
+        c.heartbeat(reg.id)
+        with pytest.raises(AllBusy):  # the seed's one slot is still taken
+            c.request_assignment(identity=identity(), rank=0)
+        source.succeeded(64, 5.0)
+        assert [t.outcome for t in c.transfers().items] == ["success"]
+        session.close()
+        c.close()

@@ -1,5 +1,5 @@
 """rfork.weights.checksum: the host digest (xxh3-128, streamed as bytes land) and the device digest
-(pwsum64-v1).
+(pmix64-v1).
 """
 
 from __future__ import annotations
@@ -40,14 +40,16 @@ def test_checksum_is_dtype_and_view_independent_and_handles_unaligned():
     buf = torch.zeros(4000, dtype=torch.uint8)
     buf[3 : 3 + 2002] = t.view(torch.uint8)
     assert ck.xxh3_bytes(buf[3 : 3 + 2002]) == ck.tensor_checksum(t)
-    assert ck.checksum_bytes(buf[3 : 3 + 2002]) == ck.checksum_bytes(t.view(torch.uint8))  # pwsum too
+    assert ck.checksum_bytes(buf[3 : 3 + 2002]) == ck.checksum_bytes(
+        t.view(torch.uint8)
+    )  # the device digest too
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 def test_checksum_same_on_cuda():
     t = torch.randn(3_000_001, dtype=torch.bfloat16)
-    assert ck.tensor_checksum(t.cuda()) == ck.checksum_bytes(t.view(torch.uint8))  # pwsum64 on the GPU
+    assert ck.tensor_checksum(t.cuda()) == ck.checksum_bytes(t.view(torch.uint8))  # pmix64 on the GPU
 
 
 @given(st.binary(min_size=0, max_size=5000), st.lists(st.integers(1, 700), max_size=20))
@@ -69,7 +71,7 @@ def test_host_digest_is_xxh3_and_not_linear():
     import xxhash
 
     assert ck.algorithm_for("cpu") == ck.XXH3_128
-    assert ck.algorithm_for("cuda:0") == ck.PWSUM64
+    assert ck.algorithm_for("cuda:0") == ck.DEVICE_DIGEST
     t = torch.arange(4096, dtype=torch.int64)
     assert ck.tensor_checksum(t) == xxhash.xxh3_128_hexdigest(t.numpy().tobytes())
     # Two changes that cancel in any position-weighted sum (w0 += 2, w1 -= 1, w2 ... ) still differ:
@@ -79,4 +81,5 @@ def test_host_digest_is_xxh3_and_not_linear():
     u[1] -= 2  # sum unchanged and sum of w_i*(i+1) unchanged: (1*1) + (1*3) - (2*2) = 0
     assert int(u.sum()) == int(t.sum())
     assert ck.tensor_checksum(u) != ck.tensor_checksum(t)
-    assert ck.checksum_bytes(u.view(torch.uint8)) == ck.checksum_bytes(t.view(torch.uint8))  # pwsum cannot
+    # ... and the device digest (pmix64-v1) too, where the linear pwsum64-v1 could not (issue #21)
+    assert ck.checksum_bytes(u.view(torch.uint8)) != ck.checksum_bytes(t.view(torch.uint8))
