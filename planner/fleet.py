@@ -179,6 +179,8 @@ def fleet_view(
                 Instance.max_concurrent_pulls,
                 Instance.last_heartbeat,
                 Instance.quarantined_until,
+                Instance.reverify_since,
+                Instance.integrity_failed,
                 Instance.created_at,
             ).order_by(Instance.created_at, Instance.id)
         ).all()
@@ -225,6 +227,11 @@ def fleet_view(
                 )
                 or "failed pulls"
             )
+    for i in insts:  # out of service until it re-hashes its memory against the anchor (a checksum report)
+        if i.integrity_failed:
+            why[i.id] = "failed re-verification: not offered until it republishes clean"
+        elif i.reverify_since is not None:
+            why[i.id] = "re-verifying its memory after a checksum report"
     edge_views = []
     for lease in edges:
         live = lease.ended_at is None and lease.expires_at > now
@@ -289,7 +296,11 @@ def fleet_view(
                 pulls=live_by_seed.get(i.id, 0),
                 max_concurrent_pulls=i.max_concurrent_pulls,
                 heartbeat_age_s=max(0.0, now - i.last_heartbeat),
-                quarantined_for_s=(i.quarantined_until - now) if i.id in why else None,
+                quarantined_for_s=(
+                    i.quarantined_until - now
+                    if i.id in quarantined and i.quarantined_until is not None
+                    else None
+                ),
                 quarantine_reason=why.get(i.id),
             )
             for i in insts

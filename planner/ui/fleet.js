@@ -73,7 +73,7 @@ function drawInstances(view) {
   const model = modelOf(view);
   fill("instances", view.instances.map((i) => el("tr", { "data-instance": i.id, "data-state": i.status },
     cell(short(i.id), "id"), cell(model[i.identity_key] || short(i.identity_key)),
-    cell(i.quarantined_for_s !== null ? i.status + " (quarantined)" : i.status, "state-" + i.status),
+    cell(i.quarantine_reason !== null ? i.status + " (quarantined)" : i.status, "state-" + i.status),
     cell(i.labels.node), cell(i.labels.rack), cell(i.labels.zone),
     cell(i.pulls + " / " + i.max_concurrent_pulls, "num"), cell(fmtSeconds(i.heartbeat_age_s), "num"))));
 }
@@ -84,7 +84,7 @@ function treeOf(view) {
   const nodes = new Map();
   for (const i of view.instances) {
     nodes.set(i.id, { id: i.id, label: short(i.id), sub: i.status + (i.labels.node ? " @" + i.labels.node : ""),
-      cls: i.quarantined_for_s !== null ? "quarantined" : i.status, children: [], parent: null });
+      cls: i.quarantine_reason !== null ? "quarantined" : i.status, children: [], parent: null });
   }
   const pairs = new Map();  // seed|loader -> merged edge (one per rank)
   for (const e of view.edges) {
@@ -207,9 +207,9 @@ function drawRefusals(view) {
   const model = modelOf(view);
   const rows = [];
   for (const i of view.instances) {
-    if (i.quarantined_for_s === null) continue;
+    if (i.quarantine_reason === null) continue;
     rows.push(el("tr", { "data-quarantine": i.id },
-      cell("for " + fmtSeconds(i.quarantined_for_s)), cell("quarantine", "bad"), cell(short(i.id), "id"), cell(""),
+      cell(i.quarantined_for_s === null ? "until re-verified" : "for " + fmtSeconds(i.quarantined_for_s)), cell("quarantine", "bad"), cell(short(i.id), "id"), cell(""),
       cell(i.quarantine_reason || ""), cell(model[i.identity_key] || "")));
   }
   for (const r of view.refusals) {

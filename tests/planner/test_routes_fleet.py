@@ -27,6 +27,7 @@ TOKENS: dict[str, Any] = {
     "register_token": "reg-secret",
     "load_token": "load-secret",
     "reader_token": "read-secret",
+    "anchor_token": "reg-secret",  # one string, both roles: the test's disk seeds anchor their identity
 }
 HOSTILE = "<img src=x onerror=alert(1)>"
 
@@ -149,9 +150,9 @@ def test_refusals_and_quarantines_carry_their_reason(secure):
     assert refusal.identity_key == identity_key(identity(model="nobody"))
     (inst,) = view.instances
     assert inst.id == seed_id
-    assert inst.quarantine_reason == "checksum_mismatch"
-    assert inst.quarantined_for_s is not None
-    assert inst.quarantined_for_s > 0
+    # one checksum report takes a seed out of service until it re-hashes its memory (issue #21)
+    assert inst.quarantine_reason == "re-verifying its memory after a checksum report"
+    assert inst.quarantined_for_s is None
     (t,) = view.transfers
     assert (t.outcome, t.reason) == ("failure", "checksum_mismatch")
     assert view.edges == []  # a failed pull draws no edge
