@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 
 import pytest
 
@@ -107,5 +108,45 @@ def test_a_transient_error_is_retried_and_a_dropped_receiver_is_told(engines: li
     finally:
         del teng.write
         del teng.write_paged
+        receiver.close()
+        trainer.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_slow_trainers_late_writes_cannot_land_in_a_slot_the_receiver_moved_past(
+    engines: list[TransferEngine],
+) -> None:
+    teng, reng = engines
+    trainer = make_trainer(teng)
+    roster = [TrainerRank(teng.address, 1, 0)]
+    receiver = RLReceiver(reng, session="s", specs=SPECS, trainers=roster, index=0, update_timeout_s=1.0)
+    def held_back(*_a: object, **_k: object) -> Future[None]:
+        """The completion immediate, held back (the trainer is slow): reported sent, never sent."""
+        f: Future[None] = Future()
+        f.set_result(None)
+        return f
+
+    try:
+        trainer.wait_receivers(1, 10)
+        rec = trainer._receivers[0]
+        free = rec.free_slot
+        assert free is not None
+        old = list(rec.slots[free])
+        # version 1's writes land but its completion is late: the receiver abandons it
+        teng.write_imm = held_back  # type: ignore[method-assign, assignment]
+        fill(trainer, 6.0)
+        res = trainer.update(1, timeout_s=10)
+        assert "abandoned" in res.failed[0]
+        assert receiver.version == 0
+        assert rec.slots[free] != old  # READY brought the re-keyed slot
+        # the slow trainer's write for version 1, still using the old keys, cannot land
+        with pytest.raises(TransferError):
+            teng.write(trainer._src[0], 0, 64, old[0], 0).result(10)
+        del teng.write_imm
+        fill(trainer, 7.0)
+        assert trainer.update(2, timeout_s=10).applied == (0,)
+        assert _all(receiver, 7.0)
+    finally:
+        teng.__dict__.pop("write_imm", None)
         receiver.close()
         trainer.close()
