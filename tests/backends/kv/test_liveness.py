@@ -74,7 +74,8 @@ def test_a_failed_requests_late_immediates_never_complete_a_later_request(
     assert _until(lambda: all(engine.imm.pending(v) == 1 for v in late))
     c = rx.request(raw_sender.address, "c", [2])
     time.sleep(0.3)
-    assert not any(f.done() for f in c._layers) and not c._complete.done()
+    assert not any(f.done() for f in c._layers)
+    assert not c._complete.done()
     _refuse(raw_sender, rx, "c")
     with pytest.raises(KvError, match="refused"):
         c.wait(10)
@@ -86,7 +87,8 @@ def test_a_failed_requests_late_immediates_never_complete_a_later_request(
     d = rx.request(raw_sender.address, "d", [3])
     assert all(engine.imm.pending(v) == 0 for v in late)
     time.sleep(0.2)
-    assert not any(f.done() for f in d._layers) and not d._complete.done()
+    assert not any(f.done() for f in d._layers)
+    assert not d._complete.done()
     # a's and c's senders were told to stop
     got = raw_sender.call("inbox", "kv", 20, 10)
     cancels = {json.loads(data)["rid"] for kind, data, _ in got if kind == "cancel"}
