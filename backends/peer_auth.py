@@ -29,6 +29,7 @@ against it, channels need a secret handed out at set-up, or an isolated fabric.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
@@ -152,6 +153,7 @@ class PeerSessions:
                 f"channel {name!r}: {kind} message is {size} bytes, over the {MAX_MESSAGE}-byte limit"
             )
         hello: bytes | None = None
+        hs: _Handshake | None = None
         with self._lock:
             session = self._session_for(peer)
             if session is None:
@@ -170,7 +172,7 @@ class PeerSessions:
                 frame = self._seal(session, n, k, data)
         if session is not None:
             return self._engine.send(peer, frame)
-        if hello is not None:
+        if hello is not None and hs is not None:
             self._start(peer, hs, hello)
         return fut
 
@@ -202,9 +204,11 @@ class PeerSessions:
             timer.cancel()
             self._give_up(peer, nonce_a, exc)
             return
-        sent.add_done_callback(
-            lambda f: f.exception() is not None and self._give_up(peer, nonce_a, f.exception())
-        )
+        def hello_sent(f: Future[None]) -> None:
+            if f.exception() is not None:
+                self._give_up(peer, nonce_a, f.exception())
+
+        sent.add_done_callback(hello_sent)
 
     def _give_up(self, peer: bytes, nonce_a: bytes, exc: BaseException | None) -> None:
         with self._lock:
@@ -242,11 +246,12 @@ class PeerSessions:
             return
         peer, (nonce_a,) = parsed
         accept = _handshake(_ACCEPT, self._engine.address, nonce_a, self._cookie(peer, nonce_a))
+        def accept_sent(f: Future[None]) -> None:
+            if f.exception() is not None:
+                log.debug("accept to %s failed: %s", _label(peer), f.exception())
+
         try:
-            self._engine.send(peer, accept).add_done_callback(
-                lambda f: f.exception() is not None
-                and log.debug("accept to %s failed: %s", _label(peer), f.exception())
-            )
+            self._engine.send(peer, accept).add_done_callback(accept_sent)
         except (TransferError, ValueError) as exc:
             log.debug("could not answer a hello from %s: %s", _label(peer), exc)
 
@@ -265,13 +270,14 @@ class PeerSessions:
             del self._handshakes[peer]
             if hs.timer is not None:
                 hs.timer.cancel()
-            session = _Session(peer, nonce_a, session_key(nonce_b, nonce_a, self._engine.address, peer), True)
+            key = session_key(nonce_b, nonce_a, self._engine.address, peer)
+            session = _Session(peer, nonce_a, key, True)
             self._keep(session)
             for name, kind, data, fut in hs.queued:
                 out.append((self._seal(session, name.encode(), kind.encode(), data), fut))
         for sealed, fut in out:
             try:
-                self._engine.send(peer, sealed).add_done_callback(lambda f, fut=fut: _chain(f, fut))
+                self._engine.send(peer, sealed).add_done_callback(functools.partial(_chain, target=fut))
             except (TransferError, ValueError) as exc:
                 fut.set_exception(exc)
 
@@ -362,7 +368,7 @@ def _parse_handshake(frame: bytes, nonce_bytes: int) -> tuple[bytes, tuple[bytes
     return address, tuple(bytes(rest[i : i + NONCE_BYTES]) for i in range(0, nonce_bytes, NONCE_BYTES))
 
 
-def _chain(source: Future[None], target: Future[None]) -> None:
+def _chain(source: Future[None], *, target: Future[None]) -> None:
     exc = source.exception()
     if target.done():
         return

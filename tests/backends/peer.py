@@ -134,7 +134,7 @@ def serve(
                         keep.append(f)
                         return send(a, f)
 
-                    eng.send = capture  # type: ignore[method-assign]
+                    eng.send = capture  # type: ignore[method-assign, assignment]
                     try:
                         channel(name).send(addr, kind, data).result(10)
                     finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -75,7 +76,9 @@ def test_a_hostile_rank_never_crashes_its_peer_and_a_fresh_group_serves(
     r0, r1 = eps
     honest_pack = r1._pack
 
-    def hostile_pack(views, rows, scales, plan, dest) -> None:  # type: ignore[no-untyped-def]  # noqa: ANN001
+    def hostile_pack(
+        views: Any, rows: torch.Tensor, scales: torch.Tensor | None, plan: Any, dest: int  # noqa: ANN401
+    ) -> None:
         honest_pack(views, rows, scales, plan, dest)
         if dest == 0:  # what rank 1 writes into rank 0's receive buffer
             first = 1

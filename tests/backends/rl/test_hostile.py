@@ -91,7 +91,7 @@ def test_a_transient_error_is_retried_and_a_dropped_receiver_is_told(engines: li
 
     try:
         trainer.wait_receivers(1, 10)
-        teng.write = flaky_write  # type: ignore[method-assign]
+        teng.write = flaky_write  # type: ignore[method-assign, assignment]
         teng.write_paged = flaky_write  # type: ignore[method-assign, assignment]
         fill(trainer, 4.0)
         assert trainer.update(1, timeout_s=10).applied == (0,)
@@ -133,7 +133,7 @@ def test_a_slow_trainers_late_writes_cannot_land_in_a_slot_the_receiver_moved_pa
         assert free is not None
         old = list(rec.slots[free])
         # version 1's writes land but its completion is late: the receiver abandons it
-        teng.write_imm = held_back  # type: ignore[method-assign, assignment]
+        teng.write_imm = held_back  # type: ignore[method-assign]
         fill(trainer, 6.0)
         res = trainer.update(1, timeout_s=10)
         assert "abandoned" in res.failed[0]
