@@ -127,6 +127,7 @@ class RLTrainer:
         self._inbox: deque[Message] = deque()
         self._closed = False
         self._version = version
+        self.refused = 0  # messages dropped because the control inbox was full (MAX_INBOX)
         self.channel = engine.channel(protocol.channel_name(session))
         self.channel.on_message(self._on_message)
         self._thread = threading.Thread(target=self._control_loop, name=f"rl-trainer-{index}", daemon=True)
@@ -380,6 +381,9 @@ class RLTrainer:
     # ----- messages -----------------------------------------------------------------------------
     def _on_message(self, message: Message) -> None:
         with self._cond:
+            if len(self._inbox) >= protocol.MAX_INBOX:
+                self.refused += 1
+                return
             self._inbox.append(message)
             self._cond.notify_all()
 

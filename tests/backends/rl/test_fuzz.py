@@ -97,6 +97,7 @@ def test_hostile_rl_messages_never_kill_grow_or_stop_an_honest_update(
     assert r._thread.is_alive()
     assert t._thread.is_alive()
     assert len(r._inbox) <= protocol.MAX_INBOX
+    assert len(t._inbox) <= protocol.MAX_INBOX
     with r._cond:
         top = max(r._version, r._abandoned_up_to, r._pending.version if r._pending else 0)
     assert top - before <= len(messages) * protocol.MAX_VERSION_JUMP
