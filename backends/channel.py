@@ -12,11 +12,14 @@ Every two-sided message is one frame sealed under a session with the peer engine
 what a frame body claims. Forged, replayed, foreign or malformed frames are dropped and counted by
 reason (`engine.frames_dropped`), never raised on the progress thread. Frames for a channel with no
 callback yet are kept (at most EARLY_LIMIT of them, EARLY_PER_SENDER from one sender) and
-delivered, in order, by `on_message`.
+delivered, in order, by `on_message`. A channel opened with a set-up `key` (a secret its members
+got out of band, at least 16 bytes) accepts only frames tagged with that key, and a keyless
+channel only untagged ones: this also holds against a peer that can read the fabric.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import threading
@@ -29,7 +32,7 @@ from typing import Any, Protocol
 from backends.errors import ChannelError
 from backends.imm import ImmCounter
 from backends.peer_auth import DROP_REASONS as SESSION_DROPS
-from backends.peer_auth import PeerSessions
+from backends.peer_auth import Opened, PeerSessions, channel_tag
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +121,10 @@ class Channel:
     then free again; later frames for it are dropped).
     """
 
-    def __init__(self, hub: ChannelHub, name: str, imms: ImmRange) -> None:
+    def __init__(self, hub: ChannelHub, name: str, imms: ImmRange, key: bytes | None = None) -> None:
         self.name = name
         self.imms = imms
+        self.key = key
         self._hub = hub
         self.closed = False
 
@@ -137,7 +141,7 @@ class Channel:
         """Send one message to the channel of this name on the peer engine."""
         if self.closed:
             raise ChannelError(f"channel {self.name!r} is closed")
-        return self._hub.sessions.send(peer_address, self.name, kind, data)
+        return self._hub.sessions.send(peer_address, self.name, kind, data, self.key)
 
     def send_json(self, peer_address: bytes, kind: str, **fields: Any) -> Future[None]:
         """send() with a JSON object of fields as the data (Message.fields() on the other side)."""
@@ -184,7 +188,7 @@ class ChannelHub:
         self._lock = threading.Lock()
         self._open: dict[str, Channel] = {}
         self._callbacks: dict[str, Callable[[Message], None]] = {}
-        self._early: deque[Message] = deque()
+        self._early: deque[Opened] = deque()
         self._early_from: Counter[bytes] = Counter()
         self._closed_names: set[str] = set()
         self._next_imm = IMM_FIRST
@@ -198,15 +202,17 @@ class ChannelHub:
             self.dropped[reason] += 1
         log.debug("dropped a frame: %s", reason)
 
-    def open(self, name: str, imms: int) -> Channel:
+    def open(self, name: str, imms: int, key: bytes | None = None) -> Channel:
         if not 0 < len(name.encode()) < 256:
             raise ValueError(f"channel name {name!r} must be 1..255 bytes")
+        if key is not None and len(key) < 16:
+            raise ValueError(f"channel {name!r}: a set-up key must have at least 16 bytes, not {len(key)}")
         if imms < 0:
             raise ValueError(f"channel {name!r}: imms must be >= 0, not {imms}")
         with self._lock:
             if name in self._open:
                 raise ChannelError(f"channel {name!r} is already open on this engine")
-            channel = Channel(self, name, self._allocate(name, imms))
+            channel = Channel(self, name, self._allocate(name, imms), key)
             self._open[name] = channel
             self._closed_names.discard(name)
         return channel
@@ -254,50 +260,69 @@ class ChannelHub:
     def attach(self, name: str, callback: Callable[[Message], None]) -> None:
         while True:
             with self._lock:
-                if name not in self._open:
+                channel = self._open.get(name)
+                if channel is None:
                     raise ChannelError(f"channel {name!r} is not open")
                 early = self._take_early(name)
                 if not early:
                     self._callbacks[name] = callback
                     return
-            for message in early:
-                _call(callback, message)
+            for opened in early:
+                message = self._admitted(channel, opened)
+                if message is not None:
+                    _call(callback, message)
 
-    def _take_early(self, name: str) -> list[Message]:
+    def _take_early(self, name: str) -> list[Opened]:
         """Under the lock: remove and return the early frames of one channel."""
-        taken = [m for m in self._early if m.channel == name]
+        taken = [m for m in self._early if m.name == name]
         if taken:
-            self._early = deque(m for m in self._early if m.channel != name)
+            self._early = deque(m for m in self._early if m.name != name)
             for m in taken:
                 self._early_from[m.sender] -= 1
                 if self._early_from[m.sender] <= 0:
                     del self._early_from[m.sender]
         return taken
 
+    def _admitted(self, channel: Channel, opened: Opened) -> Message | None:
+        """The message, if the frame carries the channel's set-up key tag exactly when the channel has a
+        key; otherwise counted as forged."""
+        if channel.key is None:
+            ok = opened.channel_tag is None
+        else:
+            ok = opened.channel_tag is not None and hmac.compare_digest(
+                channel_tag(channel.key, opened.signed), opened.channel_tag
+            )
+        if not ok:
+            self._count("forged")
+            return None
+        return Message(opened.name, opened.kind, opened.sender, opened.data)
+
     def deliver(self, frame: bytes) -> None:
         """Route one received frame (progress thread): to its callback, the early queue, or the drop count."""
         opened = self.sessions.receive(frame)
         if opened is None:
             return  # a handshake, or dropped and counted by the sessions
-        message = Message(opened.name, opened.kind, opened.sender, opened.data)
         reason = None
         with self._lock:
-            callback = self._callbacks.get(message.channel)
+            callback = self._callbacks.get(opened.name)
+            channel = self._open.get(opened.name)
             if callback is None:
-                if message.channel in self._closed_names:
+                if opened.name in self._closed_names:
                     reason = "closed"
-                elif len(self._early) >= EARLY_LIMIT or self._early_from[message.sender] >= EARLY_PER_SENDER:
+                elif len(self._early) >= EARLY_LIMIT or self._early_from[opened.sender] >= EARLY_PER_SENDER:
                     reason = "overflow"
                 else:
-                    self._early.append(message)
-                    self._early_from[message.sender] += 1
+                    self._early.append(opened)
+                    self._early_from[opened.sender] += 1
         if reason == "overflow":
             log.warning("dropped a %s frame for channel %r: early frames are capped (%d, %d per sender)",
-                        message.kind, message.channel, EARLY_LIMIT, EARLY_PER_SENDER)
+                        opened.kind, opened.name, EARLY_LIMIT, EARLY_PER_SENDER)
         if reason is not None:
             self._count(reason)
-        if callback is not None:
-            _call(callback, message)
+        if callback is not None and channel is not None:
+            message = self._admitted(channel, opened)
+            if message is not None:
+                _call(callback, message)
 
     def early(self) -> int:
         """Frames held for channels with no callback yet."""

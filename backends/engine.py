@@ -356,10 +356,11 @@ class TransferEngine:
         return self.imm.expect(imm, count)
 
     # ----- two-sided messages -------------------------------------------------------------------
-    def channel(self, name: str, *, imms: int = 0) -> Channel:
-        """Open the channel `name` with `imms` private immediate values (backends.channel)."""
+    def channel(self, name: str, *, imms: int = 0, key: bytes | None = None) -> Channel:
+        """Open the channel `name` with `imms` private immediate values and, optionally, a set-up key
+        every frame on it must carry (backends.channel)."""
         self._check_open("channel")
-        return self._hub().open(name, imms)
+        return self._hub().open(name, imms, key)
 
     def send(self, peer_address: bytes, frame: bytes) -> Future[None]:
         """Send one frame (<= MAX_MESSAGE bytes) to a peer engine. Paths use Channel.send, which seals

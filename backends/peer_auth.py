@@ -22,9 +22,14 @@ rise per session and direction, and a sliding window of REPLAY_WINDOW numbers dr
 reason: malformed, forged (tag does not verify), replayed, foreign (a session or answer this
 engine does not know).
 
+A channel opened with a set-up key (a secret its members got out of band, e.g. from the planner)
+sets flags bit 1 and puts HMAC-SHA256(channel key, header .. data)[:16] between data and tag; the
+receiving channel checks it (`channel_tag`), so only holders of the key speak on that channel.
+
 Threat model: an off-path peer that can reach this engine's endpoints but not read traffic
 between two other engines. A peer that can read the fabric learns nonce_b from the accept;
-against it, channels need a secret handed out at set-up, or an isolated fabric.
+against it, a channel needs a set-up key (it still learns what is sent: nothing is encrypted), or
+an isolated fabric.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ _HANDSHAKE_HEAD = struct.Struct("<4sBxH")  # magic, version, len(address)
 # magic, version, flags, len(sender), len(name), len(kind), nonce_a, seq
 _SEALED_HEAD = struct.Struct("<4sBBHBBxx16sQ")
 _FROM_INITIATOR = 1
+_CHANNEL_KEYED = 2
 NONCE_BYTES = 16
 TAG_BYTES = 16
 REPLAY_WINDOW = 1024  # sequence numbers behind the highest seen that may still arrive (reordering)
@@ -84,6 +90,8 @@ class Opened:
     kind: str
     sender: bytes
     data: bytes
+    signed: bytes = b""  # header .. data: what a channel tag covers
+    channel_tag: bytes | None = None
 
 
 @dataclass
@@ -100,7 +108,7 @@ class _Session:
 @dataclass
 class _Handshake:
     nonce_a: bytes
-    queued: list[tuple[str, str, bytes, Future[None]]] = field(default_factory=list)
+    queued: list[tuple[str, str, bytes, bytes | None, Future[None]]] = field(default_factory=list)
     timer: threading.Timer | None = None
 
 
@@ -112,6 +120,11 @@ def session_key(nonce_b: bytes, nonce_a: bytes, initiator: bytes, responder: byt
     """The key both ends derive once the handshake is done."""
     info = b"rfork-session-1" + nonce_a + _lp(initiator) + _lp(responder)
     return hmac.new(nonce_b, info, hashlib.sha256).digest()
+
+
+def channel_tag(channel_key: bytes, signed: bytes) -> bytes:
+    """The tag a channel's set-up key puts on a frame (over its header .. data)."""
+    return hmac.new(channel_key, b"rfork-channel-1" + signed, hashlib.sha256).digest()[:TAG_BYTES]
 
 
 def check_window(top: int, seen: int, seq: int) -> tuple[int, int] | None:
@@ -142,12 +155,16 @@ class PeerSessions:
         self._handshakes: dict[bytes, _Handshake] = {}
 
     # ----- sending ------------------------------------------------------------------------------
-    def send(self, peer: bytes, name: str, kind: str, data: bytes) -> Future[None]:
-        """Seal and send one frame; the first frame to a peer waits for the handshake."""
+    def send(
+        self, peer: bytes, name: str, kind: str, data: bytes, channel_key: bytes | None = None
+    ) -> Future[None]:
+        """Seal and send one frame (with a channel tag under channel_key, if given); the first frame
+        to a peer waits for the handshake."""
         n, k = name.encode(), kind.encode()
         if not 0 < len(n) < 256 or not 0 < len(k) < 256:
             raise ValueError(f"channel {name!r}: name and kind must be 1..255 bytes")
         size = _SEALED_HEAD.size + len(self._engine.address) + len(n) + len(k) + len(data) + TAG_BYTES
+        size += TAG_BYTES if channel_key is not None else 0
         if size > MAX_MESSAGE:
             raise ValueError(
                 f"channel {name!r}: {kind} message is {size} bytes, over the {MAX_MESSAGE}-byte limit"
@@ -167,9 +184,9 @@ class PeerSessions:
                     )
                 fut: Future[None] = Future()
                 fut.set_running_or_notify_cancel()
-                hs.queued.append((name, kind, data, fut))
+                hs.queued.append((name, kind, data, channel_key, fut))
             else:
-                frame = self._seal(session, n, k, data)
+                frame = self._seal(session, n, k, data, channel_key)
         if session is not None:
             return self._engine.send(peer, frame)
         if hello is not None and hs is not None:
@@ -180,16 +197,20 @@ class PeerSessions:
         key = self._current.get(peer)
         return None if key is None else self._sessions.get(key)
 
-    def _seal(self, session: _Session, name: bytes, kind: bytes, data: bytes) -> bytes:
+    def _seal(
+        self, session: _Session, name: bytes, kind: bytes, data: bytes, channel_key: bytes | None
+    ) -> bytes:
         """Under the lock (the sequence number)."""
         seq = session.next_seq
         session.next_seq += 1
         me = self._engine.address
-        flags = _FROM_INITIATOR if session.initiator else 0
+        flags = (_FROM_INITIATOR if session.initiator else 0) | (_CHANNEL_KEYED if channel_key else 0)
         head = _SEALED_HEAD.pack(
             _SEALED, _VERSION, flags, len(me), len(name), len(kind), session.nonce_a, seq
         )
         body = b"".join((head, me, name, kind, data))
+        if channel_key is not None:
+            body += channel_tag(channel_key, body)
         return body + hmac.new(session.key, body, hashlib.sha256).digest()[:TAG_BYTES]
 
     def _start(self, peer: bytes, hs: _Handshake, hello: bytes) -> None:
@@ -221,7 +242,7 @@ class PeerSessions:
                             f"{self._engine.timeout_s:g}s")
             if exc is None else exc
         )
-        for *_, fut in hs.queued:
+        for *_, fut in hs.queued:  # (name, kind, data, channel key, future)
             if not fut.done():
                 fut.set_exception(err)
 
@@ -273,8 +294,8 @@ class PeerSessions:
             key = session_key(nonce_b, nonce_a, self._engine.address, peer)
             session = _Session(peer, nonce_a, key, True)
             self._keep(session)
-            for name, kind, data, fut in hs.queued:
-                out.append((self._seal(session, name.encode(), kind.encode(), data), fut))
+            for name, kind, data, channel_key, fut in hs.queued:
+                out.append((self._seal(session, name.encode(), kind.encode(), data, channel_key), fut))
         for sealed, fut in out:
             try:
                 self._engine.send(peer, sealed).add_done_callback(functools.partial(_chain, target=fut))
@@ -288,7 +309,8 @@ class PeerSessions:
         _, version, flags, slen, nlen, klen, nonce_a, seq = _SEALED_HEAD.unpack_from(frame)
         pos = _SEALED_HEAD.size
         end = pos + slen + nlen + klen
-        if version != _VERSION or not (slen and nlen and klen) or end > len(frame) - TAG_BYTES:
+        tags = TAG_BYTES * (2 if flags & _CHANNEL_KEYED else 1)
+        if version != _VERSION or not (slen and nlen and klen) or end > len(frame) - tags:
             self._count("malformed")
             return None
         sender = bytes(frame[pos : pos + slen])
@@ -324,7 +346,9 @@ class PeerSessions:
                 return None
             session.top, session.seen = window
             self._sessions.move_to_end((sender, nonce_a))
-        return Opened(name, kind, sender, bytes(frame[end : len(frame) - TAG_BYTES]))
+        signed = bytes(frame[: len(frame) - tags])
+        ctag = bytes(frame[len(frame) - tags : len(frame) - TAG_BYTES]) if flags & _CHANNEL_KEYED else None
+        return Opened(name, kind, sender, signed[end:], signed, ctag)
 
     def _keep(self, session: _Session) -> None:
         """Under the lock: add a proven session, the peer's current one; the table stays bounded."""

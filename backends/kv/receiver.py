@@ -170,7 +170,8 @@ class KvReceiver:
     slots: requests in flight at once (each takes layers + 1 of the engine's immediate values).
     request_timeout_s: a request not complete by then fails (default 20 x timeout_s).
     quarantine_s: how long a failed request's slot rests (default 2 x timeout_s: the sender's posted
-    writes end within its engine's timeout).
+    writes end within its engine's timeout). channel_key: an optional secret shared with the
+    senders at set-up (backends.channel).
     """
 
     def __init__(
@@ -182,6 +183,7 @@ class KvReceiver:
         slots: int = DEFAULT_SLOTS,
         request_timeout_s: float | None = None,
         quarantine_s: float | None = None,
+        channel_key: bytes | None = None,
     ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, not {slots}")
@@ -199,7 +201,9 @@ class KvReceiver:
         self._requests: dict[str, IncomingRequest] = {}
         self._free: deque[int] = deque(range(slots))
         self._resting: deque[tuple[float, int]] = deque()  # (until, slot) of failed requests, in order
-        self.channel = self.engine.channel(wire.CHANNEL, imms=slots * (pool.geometry.layers + 1))
+        self.channel = self.engine.channel(
+            wire.CHANNEL, imms=slots * (pool.geometry.layers + 1), key=channel_key
+        )
         self.channel.on_message(self._on_message)
 
     def join(self, sender: bytes, timeout_s: float | None = None) -> None:

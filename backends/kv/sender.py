@@ -122,9 +122,10 @@ class KvSender:
     What a receiver can make the sender hold is bounded: its partial page lists and the wants no
     prefill has started yet count against its slots; partial lists expire after the engine's
     timeout_s, unpaired wants after want_ttl_s (the receiver is told, its request fails).
+    channel_key: an optional secret shared with the receivers at set-up (backends.channel).
     """
 
-    def __init__(self, pool: KvPool, *, want_ttl_s: float = 300.0) -> None:
+    def __init__(self, pool: KvPool, *, want_ttl_s: float = 300.0, channel_key: bytes | None = None) -> None:
         self.pool = pool
         self.engine = pool.engine
         self.want_ttl_s = float(want_ttl_s)
@@ -133,7 +134,7 @@ class KvSender:
         self._wants: dict[str, _Want] = {}
         self._parts: dict[tuple[bytes, str], _Partial] = {}
         self._outgoing: dict[str, OutgoingRequest] = {}
-        self.channel = self.engine.channel(wire.CHANNEL)
+        self.channel = self.engine.channel(wire.CHANNEL, key=channel_key)
         self.channel.on_message(self._on_message)
 
     @property

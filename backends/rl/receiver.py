@@ -68,6 +68,7 @@ class RLReceiver:
     shards), registered in place as slot 0; slot 1 is a copy. Both slots are registered for remote
     write only, and their descriptors go only to the session's trainers (in HELLO). The session
     talks on its own channel, whose immediate range (advertised in HELLO) carries completions.
+    channel_key: a secret every member of the session got at set-up (optional; backends.channel).
     """
 
     def __init__(
@@ -85,6 +86,7 @@ class RLReceiver:
         version: int = 0,
         update_timeout_s: float = 60.0,
         on_update_begin: Callable[[int], None] | None = None,
+        channel_key: bytes | None = None,
     ) -> None:
         check_tp(tp_size, tp_rank, f"receiver {index}")
         if update_timeout_s <= 0:
@@ -146,7 +148,7 @@ class RLReceiver:
         self.abandoned = 0
         self.foreign = 0  # messages from engines outside the roster, dropped
         self.refused = 0  # BEGINs past MAX_VERSION_JUMP or a full inbox, dropped
-        self.channel = engine.channel(protocol.channel_name(session), imms=protocol.IMMS)
+        self.channel = engine.channel(protocol.channel_name(session), imms=protocol.IMMS, key=channel_key)
         self.channel.on_message(self._on_message)
         self._thread = threading.Thread(target=self._control_loop, name=f"rl-receiver-{index}", daemon=True)
         self._thread.start()

@@ -71,7 +71,8 @@ class RLTrainer:
 
     `trainers` is the whole trainer roster, the same list every member got; `index` is this rank's
     position in it. The training loop writes new weights into `tensors` (views of `buffers`) between
-    updates, never during one. The session talks on its own channel of the engine.
+    updates, never during one. The session talks on its own channel of the engine; channel_key is
+    an optional secret every member of the session got at set-up (backends.channel).
     """
 
     def __init__(
@@ -85,6 +86,7 @@ class RLTrainer:
         buffers: Sequence[torch.Tensor],
         version: int = 0,
         timeout_s: float = 60.0,
+        channel_key: bytes | None = None,
     ) -> None:
         if not 0 <= index < len(trainers):
             raise RLError(f"trainer index {index} is not in the roster of {len(trainers)}")
@@ -128,7 +130,7 @@ class RLTrainer:
         self._closed = False
         self._version = version
         self.refused = 0  # messages dropped because the control inbox was full (MAX_INBOX)
-        self.channel = engine.channel(protocol.channel_name(session))
+        self.channel = engine.channel(protocol.channel_name(session), key=channel_key)
         self.channel.on_message(self._on_message)
         self._thread = threading.Thread(target=self._control_loop, name=f"rl-trainer-{index}", daemon=True)
         self._thread.start()

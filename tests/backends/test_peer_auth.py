@@ -126,3 +126,26 @@ def test_the_replay_window_accepts_each_number_once(seqs: list[int]) -> None:
             accepted.add(seq)
             top, seen = nxt
         assert seen < 1 << REPLAY_WINDOW
+
+
+def test_a_keyed_channel_hears_only_holders_of_its_key() -> None:
+    key = b"k" * 32
+    a, b, ta, tb = _hub_pair()
+    got: list[Message] = []
+    b.open("keyed", 0, key=key).on_message(got.append)
+    a.open("keyed", 0, key=key).send(tb.address, "k", b"ok").result(1)
+    assert [m.data for m in got] == [b"ok"]
+    a.open("plain", 0)
+    for wrong in (b"w" * 32, None):  # another key, or none: a session member without the secret
+        a2, b2, ta2, tb2 = _hub_pair()
+        b2.open("keyed", 0, key=key).on_message(got.append)
+        a2.open("keyed", 0, key=wrong).send(tb2.address, "k", b"no").result(1)
+        assert b2.dropped["forged"] == 1
+    # early frames are checked when the callback attaches
+    a3, b3, ta3, tb3 = _hub_pair()
+    a3.open("later", 0, key=b"x" * 32).send(tb3.address, "k", b"early").result(1)
+    b3.open("later", 0, key=key).on_message(got.append)
+    assert b3.dropped["forged"] == 1
+    assert [m.data for m in got] == [b"ok"]
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        a.open("short", 0, key=b"short")

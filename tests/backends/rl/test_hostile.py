@@ -13,8 +13,9 @@ from concurrent.futures import Future
 import pytest
 
 from backends import TransferEngine, TransferError
-from backends.rl import RLReceiver, TrainerRank
+from backends.rl import RLError, RLReceiver, RLTrainer, TrainerRank, shard_layout
 from backends.rl import messages as protocol
+from rfork.weights.memory import allocate
 from tests.backends.conftest import Peer, start_peer
 from tests.backends.rl.test_session import SPECS, fill, make_trainer
 
@@ -149,4 +150,30 @@ def test_a_slow_trainers_late_writes_cannot_land_in_a_slot_the_receiver_moved_pa
     finally:
         teng.__dict__.pop("write_imm", None)
         receiver.close()
+        trainer.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_session_key_keeps_out_a_receiver_without_it(engines: list[TransferEngine]) -> None:
+    teng, reng = engines
+    roster = [TrainerRank(teng.address, 1, 0)]
+    bufs = allocate(shard_layout(SPECS, tp_size=1, tp_rank=0))
+    key = b"session-secret-from-the-planner!"
+    trainer = RLTrainer(teng, session="s", specs=SPECS, trainers=roster, index=0, buffers=bufs,
+                        timeout_s=10, channel_key=key)
+    outsider = RLReceiver(reng, session="s", specs=SPECS, trainers=roster, index=0, channel_key=b"w" * 32)
+    try:
+        with pytest.raises(RLError, match="0 of 1 receivers joined"):
+            trainer.wait_receivers(1, 1.0)
+        assert teng.frames_dropped["forged"] >= 1
+    finally:
+        outsider.close()
+    member = RLReceiver(reng, session="s", specs=SPECS, trainers=roster, index=0, channel_key=key)
+    try:
+        trainer.wait_receivers(1, 10)
+        fill(trainer, 8.0)
+        assert trainer.update(1, timeout_s=10).applied == (0,)
+        assert _all(member, 8.0)
+    finally:
+        member.close()
         trainer.close()
