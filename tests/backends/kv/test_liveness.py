@@ -130,3 +130,19 @@ def test_a_cancelled_request_stops_its_sender(provider: str) -> None:
             out.wait(10)
         with pytest.raises(KvError, match="decode went away"):
             inc.wait(1)
+
+
+@pytest.mark.timeout(60)
+def test_immediates_written_ahead_into_a_free_slot_do_not_count(
+    engine: TransferEngine, raw_sender: Peer
+) -> None:
+    """A peer that sprays a slot's immediates before any request uses it completes nothing."""
+    rx = KvReceiver(KvPool(engine, layers=2, pages=8, page_bytes=64), timeout_s=5.0, slots=1)
+    ahead = [rx.channel.imm(i) for i in range(3)]  # slot 0: layers 0, 1 and the completion
+    assert raw_sender.call("write_imms", ahead, rx.pool.descriptor.to_bytes()) is True
+    assert _until(lambda: all(engine.imm.pending(v) == 1 for v in ahead))
+    g = rx.request(raw_sender.address, "g", [0])
+    time.sleep(0.2)
+    assert not g.done.done()
+    assert all(engine.imm.pending(v) == 0 for v in ahead)
+    g.cancel()
