@@ -266,19 +266,23 @@ class KvReceiver:
         self.channel.close()
 
     def _take_slot(self) -> int:
-        """Under the lock: a free slot; rested slots come back with their stale counts dropped."""
+        """Under the lock: a free slot, its counts dropped first.
+
+        Nothing may count for a slot before its want is sent: what is there is stale (a failed
+        request's late writes) or was written ahead by a peer, and must not complete this request.
+        """
         now = time.monotonic()
-        layers = self.pool.geometry.layers
         while self._resting and self._resting[0][0] <= now:
-            _, slot = self._resting.popleft()
-            self.channel.forget(wire.imm_index(slot, 0, layers), layers + 1)
-            self._free.append(slot)
+            self._free.append(self._resting.popleft()[1])
         if not self._free:
             raise KvError(
                 f"all {self.slots} request slots are busy or resting ({len(self._resting)} resting after a "
                 f"failure; they come back within {self.quarantine_s:g}s)"
             )
-        return self._free.popleft()
+        slot = self._free.popleft()
+        layers = self.pool.geometry.layers
+        self.channel.forget(wire.imm_index(slot, 0, layers), layers + 1)
+        return slot
 
     def _expire_requests(self) -> None:
         """Fail requests past their request_timeout_s (their slots then rest and come back)."""
