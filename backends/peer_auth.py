@@ -323,18 +323,24 @@ class PeerSessions:
             return None
         body, tag = frame[: len(frame) - TAG_BYTES], frame[len(frame) - TAG_BYTES :]
         with self._lock:
+            known = self._sessions.get((sender, nonce_a))
+        if known is None and not flags & _FROM_INITIATOR:
+            self._count("foreign")  # an answer on a session this engine never started (or forgot)
+            return None
+        # The tag is checked outside the lock: progress threads of several domains open in parallel.
+        if known is not None:
+            key = known.key
+        else:
+            key = session_key(self._cookie(sender, nonce_a), nonce_a, sender, self._engine.address)
+        if not hmac.compare_digest(hmac.new(key, body, hashlib.sha256).digest()[:TAG_BYTES], tag):
+            self._count("forged")
+            return None
+        with self._lock:
             session = self._sessions.get((sender, nonce_a))
             if session is None:
-                if not flags & _FROM_INITIATOR:
-                    self._count("foreign")  # an answer on a session this engine never started (or forgot)
+                if known is not None:
+                    self._count("foreign")  # evicted meanwhile
                     return None
-                key = session_key(self._cookie(sender, nonce_a), nonce_a, sender, self._engine.address)
-            else:
-                key = session.key
-            if not hmac.compare_digest(hmac.new(key, body, hashlib.sha256).digest()[:TAG_BYTES], tag):
-                self._count("forged")
-                return None
-            if session is None:
                 session = _Session(sender, nonce_a, key, False)
                 self._keep(session)
             elif session.initiator == bool(flags & _FROM_INITIATOR):
