@@ -4,9 +4,10 @@ Every trainer rank runs an `RLTrainer` over its own engine and its own shard buf
 join by sending HELLO; the trainer then computes that receiver's schedule once (the static part)
 and keeps only its own runs. `update(version)` waits for each receiver's READY (its free slot),
 sends BEGIN, posts the runs as one-sided writes into that slot, and when they have all completed
-sends one immediate for the version. A write that fails is retried (RETRIES more times, within the
-update's timeout); a receiver whose writes still fail (it died, or stopped answering within the
-engine's timeout) is dropped from the session and told so (DROPPED); the others are unaffected.
+sends one immediate for the version. A write that fails fast (a reset connection) is retried
+(RETRIES more times, with backoff, within the update's timeout); a receiver whose writes still
+fail, or time out (it died, or stopped answering within the engine's timeout), is dropped from the
+session and told so (DROPPED); the others are unaffected.
 A receiver index belongs to the address that joined under it while that receiver is live, and its
 READY counts only from that address; a re-keyed slot's new descriptors come with READY.
 """
@@ -29,7 +30,7 @@ import backends.rl.messages as protocol
 from backends.channel import ImmRange, Message
 from backends.descriptor import MemoryRegionDescriptor
 from backends.engine import Region, TransferEngine
-from backends.errors import TransferError
+from backends.errors import EngineClosed, RemoteAccessError, TransferError, TransferTimeout
 from backends.layout import views
 from backends.rl.schedule import RankShard, Run, build_receiver_schedule
 from backends.rl.spec import RLError, TensorSpec, TrainerRank, check_tp, shard_layout, specs_digest
@@ -233,7 +234,10 @@ class RLTrainer:
                 try:
                     fut.result(timeout=max(0.0, deadline - time.monotonic()))
                 except TransferError as exc:
-                    if attempts < RETRIES and time.monotonic() < deadline:
+                    # A timeout means the engine already waited timeout_s on an unresponsive peer:
+                    # not transient. Errors that come fast (a reset connection) are retried.
+                    transient = not isinstance(exc, (TransferTimeout, RemoteAccessError, EngineClosed))
+                    if transient and attempts < RETRIES and time.monotonic() < deadline:
                         attempts += 1
                         log.warning("trainer %d: update %d to receiver %d failed (%s); retry %d of %d",
                                     self.index, version, i, exc, attempts, RETRIES)
