@@ -7,43 +7,45 @@ from every other open channel's. A peer learns a channel's range from a message 
 `channel.expect(i, count)`. The engine's ImmCounter counts every immediate from the moment the
 engine opens, so an expect never races the writes it waits for.
 
-Every two-sided message is one frame, little-endian:
-    b"RFCH" | version u8 | len(name) u8 | len(kind) u8 | 0 u8 | len(sender) u16 | name | kind | sender | data
-The sender's engine address travels in every frame, so a receiver can answer. A frame that does
-not decode is dropped and counted, never raised on the progress thread; frames for a channel with
-no callback yet are kept (at most EARLY_LIMIT of them) and delivered, in order, by `on_message`.
+Every two-sided message is one frame sealed under a session with the peer engine
+(backends.peer_auth): `Message.sender` is the engine address the session handshake proved, never
+what a frame body claims. Forged, replayed, foreign or malformed frames are dropped and counted by
+reason (`engine.frames_dropped`), never raised on the progress thread. Frames for a channel with no
+callback yet are kept (at most EARLY_LIMIT of them, EARLY_PER_SENDER from one sender) and
+delivered, in order, by `on_message`. A channel opened with a set-up `key` (a secret its members
+got out of band, at least 16 bytes) accepts only frames tagged with that key, and a keyless
+channel only untagged ones: this also holds against a peer that can read the fabric.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
-import struct
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from backends.descriptor import EngineAddress
-from backends.errors import ChannelError, TransferError
+from backends.errors import ChannelError
 from backends.imm import ImmCounter
-from backends.progress import MAX_MESSAGE
+from backends.peer_auth import DROP_REASONS as SESSION_DROPS
+from backends.peer_auth import Opened, PeerSessions, channel_tag
 
 log = logging.getLogger(__name__)
 
-_MAGIC = b"RFCH"
-_VERSION = 1
-_HEAD = struct.Struct("<4sBBBxH")
 EARLY_LIMIT = 256  # frames kept for channels that have no callback yet
+EARLY_PER_SENDER = 64  # of which one sender may hold at most this many
+DROP_REASONS = (*SESSION_DROPS, "overflow", "closed")
 IMM_FIRST = 1 << 24  # channel ranges come from [IMM_FIRST, 2**32); smaller values are left to raw write_imm
 _IMM_END = 1 << 32
 
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """One received frame: the channel and kind it was sent with, the sender's address, its data."""
+    """One received frame: the channel and kind it was sent with, the sender's proven address, its data."""
 
     channel: str
     kind: str
@@ -54,43 +56,11 @@ class Message:
         """The data as a JSON object (what `Channel.send_json` sent); ValueError when it is not one."""
         try:
             doc = json.loads(self.data) if self.data else {}
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise ValueError(f"{self.kind} message on channel {self.channel!r} is not JSON ({exc})") from exc
         if not isinstance(doc, dict):
             raise ValueError(f"{self.kind} message on channel {self.channel!r} is not a JSON object")  # noqa: TRY004
         return doc
-
-
-def encode_frame(channel: str, kind: str, sender: bytes, data: bytes) -> bytes:
-    """One frame; ValueError naming the channel when a field or the whole frame is too large."""
-    name, k = channel.encode(), kind.encode()
-    if not 0 < len(name) < 256 or not 0 < len(k) < 256 or not 0 < len(sender) < 65536:
-        raise ValueError(f"channel {channel!r}: name and kind must be 1..255 bytes, sender 1..65535")
-    frame = b"".join((_HEAD.pack(_MAGIC, _VERSION, len(name), len(k), len(sender)), name, k, sender, data))
-    if len(frame) > MAX_MESSAGE:
-        raise ValueError(
-            f"channel {channel!r}: {kind} message is {len(frame)} bytes, over the {MAX_MESSAGE}-byte limit"
-        )
-    return frame
-
-
-def decode_frame(frame: bytes) -> Message | None:
-    """The frame's message, or None when it is not a well-formed frame (never raises)."""
-    if len(frame) < _HEAD.size:
-        return None
-    magic, version, nlen, klen, slen = _HEAD.unpack_from(frame)
-    end = _HEAD.size + nlen + klen + slen
-    if magic != _MAGIC or version != _VERSION or not (nlen and klen and slen) or end > len(frame):
-        return None
-    pos = _HEAD.size
-    try:
-        name = frame[pos : pos + nlen].decode()
-        kind = frame[pos + nlen : pos + nlen + klen].decode()
-        sender = bytes(frame[pos + nlen + klen : end])
-        EngineAddress.from_bytes(sender)
-    except (UnicodeDecodeError, TransferError):
-        return None
-    return Message(name, kind, sender, bytes(frame[end:]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +105,9 @@ class Transport(Protocol):
     @property
     def imm(self) -> ImmCounter: ...
 
+    @property
+    def timeout_s(self) -> float: ...
+
     def expect(self, imm: int, count: int = 1) -> Future[None]: ...
 
     def send(self, peer_address: bytes, frame: bytes) -> Future[None]: ...
@@ -148,9 +121,10 @@ class Channel:
     then free again; later frames for it are dropped).
     """
 
-    def __init__(self, hub: ChannelHub, name: str, imms: ImmRange) -> None:
+    def __init__(self, hub: ChannelHub, name: str, imms: ImmRange, key: bytes | None = None) -> None:
         self.name = name
         self.imms = imms
+        self.key = key
         self._hub = hub
         self.closed = False
 
@@ -167,8 +141,7 @@ class Channel:
         """Send one message to the channel of this name on the peer engine."""
         if self.closed:
             raise ChannelError(f"channel {self.name!r} is closed")
-        transport = self._hub.transport
-        return transport.send(peer_address, encode_frame(self.name, kind, transport.address, data))
+        return self._hub.sessions.send(peer_address, self.name, kind, data, self.key)
 
     def send_json(self, peer_address: bytes, kind: str, **fields: Any) -> Future[None]:
         """send() with a JSON object of fields as the data (Message.fields() on the other side)."""
@@ -188,6 +161,15 @@ class Channel:
         """Withdraw an expect no longer wanted; True if it was still waiting."""
         return self._hub.transport.imm.discard(self.imms.value(index), future)
 
+    def forget(self, first: int, count: int) -> None:
+        """Drop what arrived for indices [first, first + count) and not yet consumed (a slot reused)."""
+        if count:
+            self.imms.value(first)
+            self.imms.value(first + count - 1)
+            self._hub.transport.imm.forget(
+                self.imms.base + first, count, ChannelError(f"channel {self.name!r}: indices forgotten")
+            )
+
     def close(self) -> None:
         """Stop receiving; outstanding expects fail; the name and the range may be reused."""
         if not self.closed:
@@ -206,21 +188,31 @@ class ChannelHub:
         self._lock = threading.Lock()
         self._open: dict[str, Channel] = {}
         self._callbacks: dict[str, Callable[[Message], None]] = {}
-        self._early: deque[Message] = deque()
+        self._early: deque[Opened] = deque()
+        self._early_from: Counter[bytes] = Counter()
         self._closed_names: set[str] = set()
         self._next_imm = IMM_FIRST
         self._free: list[ImmRange] = []  # ranges of closed channels, sorted by base, adjacent ones merged
-        self.dropped = {"malformed": 0, "overflow": 0, "closed": 0}
+        self._count_lock = threading.Lock()
+        self.dropped = dict.fromkeys(DROP_REASONS, 0)
+        self.sessions = PeerSessions(transport, self._count)
 
-    def open(self, name: str, imms: int) -> Channel:
+    def _count(self, reason: str) -> None:
+        with self._count_lock:
+            self.dropped[reason] += 1
+        log.debug("dropped a frame: %s", reason)
+
+    def open(self, name: str, imms: int, key: bytes | None = None) -> Channel:
         if not 0 < len(name.encode()) < 256:
             raise ValueError(f"channel name {name!r} must be 1..255 bytes")
+        if key is not None and len(key) < 16:
+            raise ValueError(f"channel {name!r}: a set-up key must have at least 16 bytes, not {len(key)}")
         if imms < 0:
             raise ValueError(f"channel {name!r}: imms must be >= 0, not {imms}")
         with self._lock:
             if name in self._open:
                 raise ChannelError(f"channel {name!r} is already open on this engine")
-            channel = Channel(self, name, self._allocate(name, imms))
+            channel = Channel(self, name, self._allocate(name, imms), key)
             self._open[name] = channel
             self._closed_names.discard(name)
         return channel
@@ -249,7 +241,7 @@ class ChannelHub:
             del self._open[channel.name]
             self._callbacks.pop(channel.name, None)
             self._closed_names.add(channel.name)
-            self._early = deque(m for m in self._early if m.channel != channel.name)
+            self._take_early(channel.name)
             if channel.imms.count:
                 self._free.append(channel.imms)
                 self._free.sort(key=lambda r: r.base)
@@ -268,36 +260,69 @@ class ChannelHub:
     def attach(self, name: str, callback: Callable[[Message], None]) -> None:
         while True:
             with self._lock:
-                if name not in self._open:
+                channel = self._open.get(name)
+                if channel is None:
                     raise ChannelError(f"channel {name!r} is not open")
-                early = [m for m in self._early if m.channel == name]
+                early = self._take_early(name)
                 if not early:
                     self._callbacks[name] = callback
                     return
-                self._early = deque(m for m in self._early if m.channel != name)
-            for message in early:
-                _call(callback, message)
+            for opened in early:
+                message = self._admitted(channel, opened)
+                if message is not None:
+                    _call(callback, message)
+
+    def _take_early(self, name: str) -> list[Opened]:
+        """Under the lock: remove and return the early frames of one channel."""
+        taken = [m for m in self._early if m.name == name]
+        if taken:
+            self._early = deque(m for m in self._early if m.name != name)
+            for m in taken:
+                self._early_from[m.sender] -= 1
+                if self._early_from[m.sender] <= 0:
+                    del self._early_from[m.sender]
+        return taken
+
+    def _admitted(self, channel: Channel, opened: Opened) -> Message | None:
+        """The message, if the frame carries the channel's set-up key tag exactly when the channel has a
+        key; otherwise counted as forged."""
+        if channel.key is None:
+            ok = opened.channel_tag is None
+        else:
+            ok = opened.channel_tag is not None and hmac.compare_digest(
+                channel_tag(channel.key, opened.signed), opened.channel_tag
+            )
+        if not ok:
+            self._count("forged")
+            return None
+        return Message(opened.name, opened.kind, opened.sender, opened.data)
 
     def deliver(self, frame: bytes) -> None:
         """Route one received frame (progress thread): to its callback, the early queue, or the drop count."""
-        message = decode_frame(frame)
+        opened = self.sessions.receive(frame)
+        if opened is None:
+            return  # a handshake, or dropped and counted by the sessions
+        reason = None
         with self._lock:
-            if message is None:
-                self.dropped["malformed"] += 1
-                log.debug("dropped a malformed frame of %d bytes", len(frame))
-                return
-            callback = self._callbacks.get(message.channel)
+            callback = self._callbacks.get(opened.name)
+            channel = self._open.get(opened.name)
             if callback is None:
-                if message.channel in self._closed_names:
-                    self.dropped["closed"] += 1
-                elif len(self._early) >= EARLY_LIMIT:
-                    self.dropped["overflow"] += 1
-                    log.warning("dropped a %s frame for channel %r: %d early frames are kept at most",
-                                message.kind, message.channel, EARLY_LIMIT)
+                if opened.name in self._closed_names:
+                    reason = "closed"
+                elif len(self._early) >= EARLY_LIMIT or self._early_from[opened.sender] >= EARLY_PER_SENDER:
+                    reason = "overflow"
                 else:
-                    self._early.append(message)
-                return
-        _call(callback, message)
+                    self._early.append(opened)
+                    self._early_from[opened.sender] += 1
+        if reason == "overflow":
+            log.warning("dropped a %s frame for channel %r: early frames are capped (%d, %d per sender)",
+                        opened.kind, opened.name, EARLY_LIMIT, EARLY_PER_SENDER)
+        if reason is not None:
+            self._count(reason)
+        if callback is not None and channel is not None:
+            message = self._admitted(channel, opened)
+            if message is not None:
+                _call(callback, message)
 
     def early(self) -> int:
         """Frames held for channels with no callback yet."""

@@ -356,14 +356,16 @@ class TransferEngine:
         return self.imm.expect(imm, count)
 
     # ----- two-sided messages -------------------------------------------------------------------
-    def channel(self, name: str, *, imms: int = 0) -> Channel:
-        """Open the channel `name` with `imms` private immediate values (backends.channel)."""
+    def channel(self, name: str, *, imms: int = 0, key: bytes | None = None) -> Channel:
+        """Open the channel `name` with `imms` private immediate values and, optionally, a set-up key
+        every frame on it must carry (backends.channel)."""
         self._check_open("channel")
-        return self._hub().open(name, imms)
+        return self._hub().open(name, imms, key)
 
     def send(self, peer_address: bytes, frame: bytes) -> Future[None]:
-        """Send one frame (<= MAX_MESSAGE bytes) to a peer engine. Paths use Channel.send, which builds
-        the frame; the peer routes frames by channel and drops (and counts) anything else."""
+        """Send one frame (<= MAX_MESSAGE bytes) to a peer engine. Paths use Channel.send, which seals
+        the frame (backends.peer_auth); the peer routes frames by channel and drops (and counts) the
+        rest."""
         if len(frame) > MAX_MESSAGE:
             raise ValueError(f"send: {len(frame)} bytes exceeds the {MAX_MESSAGE}-byte message limit")
         route = self._route(peer_address)
@@ -372,7 +374,8 @@ class TransferEngine:
 
     @property
     def frames_dropped(self) -> dict[str, int]:
-        """Received frames dropped so far: malformed, for a closed channel, or over the early limit."""
+        """Received frames dropped so far, by reason: malformed, forged, replayed, foreign
+        (backends.peer_auth), for a closed channel, or over the early limits."""
         return dict(self._hub().dropped)
 
     def _hub(self) -> ChannelHub:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from concurrent.futures import Future
+
+log = logging.getLogger(__name__)
+
+MAX_STORED = 1 << 20  # values with unconsumed arrivals kept; beyond, arrivals nobody waits for are dropped
 
 
 class ImmCounter:
@@ -12,18 +17,24 @@ class ImmCounter:
 
     Thread-safe: arrivals come from progress threads, expects from any thread. Futures are resolved
     outside the lock (their callbacks may call back into the counter). Only values with arrivals
-    not yet consumed are stored.
+    not yet consumed are stored, at most MAX_STORED of them: a peer writing values nobody waits for
+    cannot grow the table without bound (those arrivals are dropped and counted in `dropped`).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[int, int] = {}
         self._waiters: dict[int, deque[tuple[int, Future[None]]]] = {}
+        self.dropped = 0
 
     def arrive(self, imm: int, n: int = 1) -> None:
         """Record n arrivals of imm and resolve the waiters they satisfy."""
         ready: list[Future[None]] = []
         with self._lock:
+            if imm not in self._counts and imm not in self._waiters and len(self._counts) >= MAX_STORED:
+                self.dropped += n
+                log.warning("immediate %#x dropped: %d values already wait to be consumed", imm, MAX_STORED)
+                return
             have = self._counts.get(imm, 0) + n
             queue = self._waiters.get(imm)
             while queue and have >= queue[0][0]:
@@ -83,9 +94,16 @@ class ImmCounter:
     def forget(self, base: int, count: int, exc: BaseException) -> None:
         """Drop the counts of values [base, base + count) and fail their waiters (a channel closed)."""
         with self._lock:
-            for imm in [v for v in self._counts if base <= v < base + count]:
-                del self._counts[imm]
-            gone = [v for v in self._waiters if base <= v < base + count]
+            if count <= len(self._counts):
+                for imm in range(base, base + count):
+                    self._counts.pop(imm, None)
+            else:
+                for imm in [v for v in self._counts if base <= v < base + count]:
+                    del self._counts[imm]
+            if count <= len(self._waiters):
+                gone = [v for v in range(base, base + count) if v in self._waiters]
+            else:
+                gone = [v for v in self._waiters if base <= v < base + count]
             futs = [f for v in gone for _, f in self._waiters.pop(v)]
         for fut in futs:
             fut.set_exception(exc)

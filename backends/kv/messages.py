@@ -7,8 +7,10 @@ sender -> receiver  welcome  {layers}; or reject {reason} (geometry or descripto
 receiver -> sender  want     {rid, slot, part, parts, pages}: a request's destination pages as
                              [start, count] runs, in parts that keep each message small
 sender -> receiver  failed   {rid, reason}: the sender refused a request
+receiver -> sender  cancel   {rid}: the receiver gave up on a request; the sender stops writing it
 receiver -> sender  bye      the receiver leaves; its requests fail on the sender
-The sender's address needs no field: every frame carries it (Message.sender).
+The sender's address needs no field: the channel's session proves it (Message.sender).
+Every field is bounds-checked before use: page runs before they are expanded (`checked_runs`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 
 CHANNEL = "kv"
 HELLO, WELCOME, REJECT, WANT, FAILED, BYE = "hello", "welcome", "reject", "want", "failed", "bye"
+CANCEL = "cancel"
 # shm 1.17 stalls on sends above ~4 KiB (docs/transport.md): page lists travel in parts below that.
 PART_BYTES = 3000
 
@@ -48,8 +51,35 @@ def runs(pages: Sequence[int]) -> list[list[int]]:
 
 
 def unruns(page_runs: Sequence[Sequence[int]]) -> list[int]:
-    """Inverse of runs."""
+    """Inverse of runs (for runs checked_runs accepted)."""
     return [s + i for s, n in page_runs for i in range(int(n))]
+
+
+def checked_runs(page_runs: object, pages: int, budget: int) -> list[list[int]]:
+    """A peer's page runs, checked before anything is expanded; ValueError otherwise.
+
+    Each run is [start, count] with 0 <= start, 1 <= count, start + count <= pages, and the runs
+    hold at most `budget` pages in all.
+    """
+    if not isinstance(page_runs, list):
+        raise ValueError("pages must be a list of [start, count] runs")  # noqa: TRY004
+    total = 0
+    out: list[list[int]] = []
+    for r in page_runs:
+        if (
+            not isinstance(r, list)
+            or len(r) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+        ):
+            raise ValueError(f"a page run is [start, count], not {str(r)[:40]!r}")
+        start, count = r
+        if start < 0 or count < 1 or start + count > pages:
+            raise ValueError(f"page run [{start}, {count}] is outside 0..{pages - 1}")
+        total += count
+        if total > budget:
+            raise ValueError(f"page runs hold more than {budget} pages")
+        out.append([start, count])
+    return out
 
 
 def parts(page_runs: list[list[int]]) -> list[list[list[int]]]:

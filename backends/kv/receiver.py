@@ -5,22 +5,28 @@ values each (every layer, then the completion), advertised in hello; a want name
 engine's ImmCounter counts them from engine open, so none is lost to a late wait, and no ordering
 between writes or immediates is assumed.
 
+A slot is never shared: a pending request holds its slot, and a request that failed (refused,
+cancelled, or past its request_timeout_s) tells its sender to stop and leaves its slot in
+quarantine for quarantine_s, while the sender's writes already posted may still land; the slot's
+stale counts are dropped before it is used again, so a late immediate never completes a later
+request.
+
 Thread-safety: any thread may call; message callbacks run on the engine's progress thread.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import backends.kv.messages as wire
 from backends.channel import Message
 from backends.errors import TransferError, TransferTimeout
-from backends.kv.futures import fail, settle, settle_error
+from backends.kv.futures import fail, log_failure, settle, settle_error
 from backends.kv.pool import KvError, KvPool
 
 log = logging.getLogger(__name__)
@@ -42,6 +48,7 @@ class IncomingRequest:
         self.request_id = request_id
         self.pages = pages
         self.slot = slot
+        self.deadline = time.monotonic() + receiver.request_timeout_s
         self._receiver = receiver
         self._sender = sender
         self.done: Future[None] = Future()
@@ -104,7 +111,7 @@ class IncomingRequest:
         """
         timeout = self._receiver.timeout_s if timeout_s is None else timeout_s
         fut = self._layers[layer]
-        deadline = time.monotonic() + timeout
+        deadline = min(time.monotonic() + timeout, self.deadline)
         while True:
             # done succeeds only after every layer did; then the layer itself is all there is to wait for.
             watch = [fut] if self.done.done() else [fut, self.done]
@@ -119,17 +126,37 @@ class IncomingRequest:
             if failed is not None:
                 raise failed
             if time.monotonic() >= deadline:
+                if self._expire_if_due():
+                    raise self.done.exception()  # type: ignore[misc]
                 raise TransferTimeout(
                     f"KV request {self.request_id}: layer {layer} did not arrive from sender "
                     f"{_label(self._sender)} within {timeout:g}s"
                 )
 
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Give up on this request: its waiters fail, its sender is told to stop writing it."""
+        fail(self.done, KvError(f"KV request {self.request_id}: {reason}"))
+
+    def _expire_if_due(self) -> bool:
+        """Fail the request once its request_timeout_s passed; True if it failed so."""
+        if not self.done.done() and time.monotonic() >= self.deadline:
+            fail(self.done, TransferTimeout(
+                f"KV request {self.request_id} did not complete from sender {_label(self._sender)} within "
+                f"its request_timeout_s of {self._receiver.request_timeout_s:g}s"
+            ))
+        return self.done.done() and self.done.exception() is not None
+
     def wait(self, timeout_s: float | None = None) -> None:
-        """Block until every layer landed; raises the request's error or TransferTimeout."""
+        """Block until every layer landed; raises the request's error or TransferTimeout.
+
+        A wait that times out leaves the request pending (wait again), unless the request's own
+        request_timeout_s passed: then the request fails and frees its slot."""
         timeout = self._receiver.timeout_s if timeout_s is None else timeout_s
         try:
-            self.done.result(timeout)
+            self.done.result(max(0.0, min(timeout, self.deadline - time.monotonic())))
         except TimeoutError as exc:
+            if self._expire_if_due():
+                raise self.done.exception() from exc  # type: ignore[misc]
             raise TransferTimeout(
                 f"KV request {self.request_id} did not complete from sender "
                 f"{_label(self._sender)} within {timeout:g}s"
@@ -141,10 +168,22 @@ class KvReceiver:
 
     timeout_s bounds joins and the default waits; a dead sender shows up as TransferTimeout.
     slots: requests in flight at once (each takes layers + 1 of the engine's immediate values).
+    request_timeout_s: a request not complete by then fails (default 20 x timeout_s).
+    quarantine_s: how long a failed request's slot rests (default 2 x timeout_s: the sender's posted
+    writes end within its engine's timeout). channel_key: an optional secret shared with the
+    senders at set-up (backends.channel).
     """
 
     def __init__(
-        self, pool: KvPool, *, name: str = "", timeout_s: float | None = None, slots: int = DEFAULT_SLOTS
+        self,
+        pool: KvPool,
+        *,
+        name: str = "",
+        timeout_s: float | None = None,
+        slots: int = DEFAULT_SLOTS,
+        request_timeout_s: float | None = None,
+        quarantine_s: float | None = None,
+        channel_key: bytes | None = None,
     ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, not {slots}")
@@ -152,12 +191,19 @@ class KvReceiver:
         self.engine = pool.engine
         self.name = name
         self.timeout_s = self.engine.timeout_s if timeout_s is None else float(timeout_s)
+        self.request_timeout_s = (
+            20 * self.timeout_s if request_timeout_s is None else float(request_timeout_s)
+        )
+        self.quarantine_s = 2 * self.timeout_s if quarantine_s is None else float(quarantine_s)
         self.slots = slots
         self._lock = threading.Lock()
         self._joins: dict[bytes, Future[None]] = {}
         self._requests: dict[str, IncomingRequest] = {}
-        self._slot_ids = itertools.count()
-        self.channel = self.engine.channel(wire.CHANNEL, imms=slots * (pool.geometry.layers + 1))
+        self._free: deque[int] = deque(range(slots))
+        self._resting: deque[tuple[float, int]] = deque()  # (until, slot) of failed requests, in order
+        self.channel = self.engine.channel(
+            wire.CHANNEL, imms=slots * (pool.geometry.layers + 1), key=channel_key
+        )
         self.channel.on_message(self._on_message)
 
     def join(self, sender: bytes, timeout_s: float | None = None) -> None:
@@ -198,13 +244,14 @@ class KvReceiver:
     def request(self, sender: bytes, request_id: str, dst_pages: Sequence[int]) -> IncomingRequest:
         """Ask `sender` for request_id's K/V into dst_pages of every layer of this pool."""
         pages = self.pool.geometry.check_pages(dst_pages, f"KV request {request_id}")
+        self._expire_requests()
         with self._lock:
             if request_id in self._requests:
                 raise KvError(f"KV request {request_id} is already pending on this receiver")
-            slot = next(self._slot_ids) % self.slots
+            slot = self._take_slot()
             req = IncomingRequest(self, request_id, sender, slot, pages)
             self._requests[request_id] = req
-        req.done.add_done_callback(lambda _f: self._forget(request_id))
+        req.done.add_done_callback(lambda f: self._finished(req, f))
         parts = wire.parts(wire.runs(pages))
         for i, part in enumerate(parts):
             self.channel.send_json(
@@ -218,9 +265,50 @@ class KvReceiver:
         """Stop receiving (the channel closes; pending requests fail; the pool and engine stay)."""
         self.channel.close()
 
-    def _forget(self, request_id: str) -> None:
+    def _take_slot(self) -> int:
+        """Under the lock: a free slot, its counts dropped first.
+
+        Nothing may count for a slot before its want is sent: what is there is stale (a failed
+        request's late writes) or was written ahead by a peer, and must not complete this request.
+        """
+        now = time.monotonic()
+        while self._resting and self._resting[0][0] <= now:
+            self._free.append(self._resting.popleft()[1])
+        if not self._free:
+            raise KvError(
+                f"all {self.slots} request slots are busy or resting ({len(self._resting)} resting after a "
+                f"failure; they come back within {self.quarantine_s:g}s)"
+            )
+        slot = self._free.popleft()
+        layers = self.pool.geometry.layers
+        self.channel.forget(wire.imm_index(slot, 0, layers), layers + 1)
+        return slot
+
+    def _expire_requests(self) -> None:
+        """Fail requests past their request_timeout_s (their slots then rest and come back)."""
+        now = time.monotonic()
         with self._lock:
-            self._requests.pop(request_id, None)
+            due = [r for r in self._requests.values() if r.deadline <= now]
+        for req in due:
+            req._expire_if_due()
+
+    def _finished(self, req: IncomingRequest, done: Future[None]) -> None:
+        """A request settled: free its slot, or rest it and tell the sender to stop when it failed."""
+        failed = done.exception() is not None
+        with self._lock:
+            if self._requests.get(req.request_id) is req:
+                del self._requests[req.request_id]
+            if failed:
+                self._resting.append((time.monotonic() + self.quarantine_s, req.slot))
+            else:
+                self._free.append(req.slot)
+        if failed and not self.channel.closed:
+            try:
+                self.channel.send_json(req._sender, wire.CANCEL, rid=req.request_id).add_done_callback(
+                    log_failure(f"KV receiver: cancel of {req.request_id}")
+                )
+            except (TransferError, ValueError) as exc:
+                log.debug("KV receiver: could not cancel %s at its sender: %s", req.request_id, exc)
 
     def _on_message(self, message: Message) -> None:
         try:
@@ -241,7 +329,7 @@ class KvReceiver:
         elif kind == wire.FAILED:
             with self._lock:
                 req = self._requests.get(str(msg.get("rid")))
-            if req is not None:
+            if req is not None and req._sender == sender:  # only the sender asked may refuse it
                 fail(req.done, KvError(f"KV request {req.request_id}: sender refused: {msg.get('reason')}"))
         else:
             log.warning("KV receiver: unknown message kind %r", kind)

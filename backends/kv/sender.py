@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ class _Receiver:
     imms: ImmRange
     label: str
     requests: set[str] = field(default_factory=set)
+    held: int = 0  # partial page lists and unpaired wants this receiver has here (capped at slots)
 
     @property
     def slots(self) -> int:
@@ -53,6 +55,21 @@ class _Want:
     receiver: bytes
     slot: int
     pages: list[int]
+    since: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Partial:
+    """A want's page runs while its parts arrive."""
+
+    parts: int
+    slot: int
+    got: dict[int, list[list[int]]] = field(default_factory=dict)
+    pages: int = 0
+    since: float = field(default_factory=time.monotonic)
+
+
+MAX_RID = 256  # characters of a request id
 
 
 class OutgoingRequest:
@@ -100,17 +117,24 @@ class OutgoingRequest:
 
 
 class KvSender:
-    """Prefill side: accepts receivers and writes requests' pages into their pools (channel "kv")."""
+    """Prefill side: accepts receivers and writes requests' pages into their pools (channel "kv").
 
-    def __init__(self, pool: KvPool) -> None:
+    What a receiver can make the sender hold is bounded: its partial page lists and the wants no
+    prefill has started yet count against its slots; partial lists expire after the engine's
+    timeout_s, unpaired wants after want_ttl_s (the receiver is told, its request fails).
+    channel_key: an optional secret shared with the receivers at set-up (backends.channel).
+    """
+
+    def __init__(self, pool: KvPool, *, want_ttl_s: float = 300.0, channel_key: bytes | None = None) -> None:
         self.pool = pool
         self.engine = pool.engine
+        self.want_ttl_s = float(want_ttl_s)
         self._lock = threading.Lock()
         self._receivers: dict[bytes, _Receiver] = {}
         self._wants: dict[str, _Want] = {}
-        self._parts: dict[str, dict[int, list[list[int]]]] = {}
+        self._parts: dict[tuple[bytes, str], _Partial] = {}
         self._outgoing: dict[str, OutgoingRequest] = {}
-        self.channel = self.engine.channel(wire.CHANNEL)
+        self.channel = self.engine.channel(wire.CHANNEL, key=channel_key)
         self.channel.on_message(self._on_message)
 
     @property
@@ -132,6 +156,10 @@ class KvSender:
                 raise KvError(f"KV request {request_id} is already being sent")
             self._outgoing[request_id] = req
             want = self._wants.pop(request_id, None)
+            if want is not None:
+                rec = self._receivers.get(want.receiver)
+                if rec is not None:
+                    rec.held -= 1
         req.done.add_done_callback(lambda _f: self._forget(request_id))
         if want is not None:
             self._pair(req, want)
@@ -151,6 +179,8 @@ class KvSender:
                 self._bye(message.sender)
             elif message.kind == wire.WANT:
                 self._want_part(message.sender, msg)
+            elif message.kind == wire.CANCEL:
+                self._cancel(message.sender, msg)
             else:
                 log.warning("KV sender: unknown message kind %r", message.kind)
         except (KeyError, TypeError, ValueError, TransferError) as exc:
@@ -188,7 +218,9 @@ class KvSender:
         label = str(msg.get("name") or desc.address[-8:].hex())
         with self._lock:
             old = self._receivers.get(address)
-            rec = _Receiver(address, desc, geo, imms, label, old.requests if old else set())
+            rec = _Receiver(address, desc, geo, imms, label)
+            if old is not None:
+                rec.requests, rec.held = old.requests, old.held
             self._receivers[address] = rec
         log.info("KV sender: receiver %s joined (%d pages of %d B)", label, geo.pages, geo.page_bytes)
         self._reply(address, wire.WELCOME, layers=self.pool.geometry.layers)
@@ -201,50 +233,126 @@ class KvSender:
             failed = [self._outgoing[r] for r in rec.requests if r in self._outgoing]
             for rid in [r for r, w in self._wants.items() if w.receiver == address]:
                 del self._wants[rid]
+            for key in [k for k in self._parts if k[0] == address]:
+                del self._parts[key]
         log.info("KV sender: receiver %s left", rec.label)
         for req in failed:
             fail(req.done, KvError(f"KV request {req.request_id}: receiver {rec.label} left"))
 
     def _want_part(self, address: bytes, msg: dict[str, Any]) -> None:
-        rid, part, parts = str(msg["rid"]), int(msg["part"]), int(msg["parts"])
+        rid, part, parts, slot = msg["rid"], msg["part"], msg["parts"], msg["slot"]
+        if not isinstance(rid, str) or not 0 < len(rid) <= MAX_RID:
+            raise ValueError(f"a request id is a string of 1..{MAX_RID} characters")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (part, parts, slot)):
+            raise ValueError(f"KV request {rid}: part, parts and slot must be integers")  # noqa: TRY004
         with self._lock:
-            got = self._parts.setdefault(rid, {})
-            got[part] = msg["pages"]
-            if len(got) < parts:
-                return
-            del self._parts[rid]
             rec = self._receivers.get(address)
-        page_runs = [r for i in range(parts) for r in got[i]]
         if rec is None:
-            # Messages may be reordered: a want can arrive after its receiver's bye.
-            reason = "receiver left or never joined this sender"
-            self._reply(address, wire.FAILED, rid=rid, reason=reason)
-            with self._lock:
-                orphan = self._outgoing.get(rid)
-            if orphan is not None and orphan._want is None:
-                fail(orphan.done, KvError(f"KV request {rid}: {reason}"))
+            if part == 0:  # answered once per want, whatever order its parts come in
+                self._orphan(address, rid, "receiver left or never joined this sender")
             return
+        geo = rec.geometry
         try:
-            what = f"KV request {rid} (receiver {rec.label})"
-            pages = rec.geometry.check_pages(wire.unruns(page_runs), what)
-            slot = int(msg["slot"])
             if not 0 <= slot < rec.slots:
                 raise KvError(f"KV request {rid}: slot {slot} out of range")  # noqa: TRY301
-        except (KvError, ValueError, TypeError) as exc:
+            if not 0 <= part < parts <= geo.pages:
+                raise KvError(f"KV request {rid}: part {part} of {parts} is out of range")  # noqa: TRY301
+            runs = wire.checked_runs(msg["pages"], geo.pages, geo.pages)
+        except (KvError, ValueError) as exc:
             self._reply(address, wire.FAILED, rid=rid, reason=str(exc))
             return
+        self._expire()
+        reason = None
+        with self._lock:
+            key = (address, rid)
+            partial = self._parts.get(key)
+            if partial is None:
+                if rec.held >= rec.slots:
+                    reason = f"receiver {rec.label} already has {rec.slots} requests held here"
+                else:
+                    partial = self._parts[key] = _Partial(parts, slot)
+                    rec.held += 1
+            if partial is not None:
+                if partial.parts != parts or partial.slot != slot or part in partial.got:
+                    reason = f"KV request {rid}: part {part} of {parts} does not fit the parts before it"
+                elif partial.pages + sum(n for _, n in runs) > geo.pages:
+                    reason = f"KV request {rid}: more than {geo.pages} pages"
+                if reason is not None:
+                    del self._parts[key]
+                    rec.held -= 1
+                else:
+                    partial.got[part] = runs
+                    partial.pages += sum(n for _, n in runs)
+                    if len(partial.got) < parts:
+                        return
+                    del self._parts[key]
+                    rec.held -= 1
+        if reason is not None:
+            self._reply(address, wire.FAILED, rid=rid, reason=reason)
+            return
+        assert partial is not None
+        page_runs = [r for i in range(parts) for r in partial.got[i]]
+        pages = wire.unruns(page_runs)  # checked: at most geo.pages of them
         want = _Want(address, slot, pages)
         with self._lock:
             req = self._outgoing.get(rid)
             duplicate = rid in self._wants or (req is not None and req._want is not None)
-            if req is None and not duplicate:
+            if req is None and not duplicate and rec.held < rec.slots:
                 self._wants[rid] = want
+                rec.held += 1
                 return
         if duplicate:
             self._reply(address, wire.FAILED, rid=rid, reason=f"KV request {rid} was already asked for")
             return
-        assert req is not None
+        if req is None:
+            self._reply(address, wire.FAILED, rid=rid, reason=f"receiver {rec.label} holds too many wants")
+            return
         self._pair(req, want)
+
+    def _orphan(self, address: bytes, rid: str, reason: str) -> None:
+        """A want from an address that is not a joined receiver (a want may overtake its bye)."""
+        self._reply(address, wire.FAILED, rid=rid, reason=reason)
+        with self._lock:
+            orphan = self._outgoing.get(rid)
+        if orphan is not None and orphan._want is None:
+            fail(orphan.done, KvError(f"KV request {rid}: {reason}"))
+
+    def _expire(self) -> None:
+        """Drop partial page lists older than the engine's timeout_s and wants older than want_ttl_s."""
+        now = time.monotonic()
+        with self._lock:
+            stale_parts = [k for k, p in self._parts.items() if now - p.since > self.engine.timeout_s]
+            for key in stale_parts:
+                del self._parts[key]
+            stale_wants = [(rid, w) for rid, w in self._wants.items() if now - w.since > self.want_ttl_s]
+            for rid, _ in stale_wants:
+                del self._wants[rid]
+            for address in [k[0] for k in stale_parts] + [w.receiver for _, w in stale_wants]:
+                rec = self._receivers.get(address)
+                if rec is not None:
+                    rec.held -= 1
+        for address, rid in stale_parts:
+            reason = f"KV request {rid}: its parts did not all arrive"
+            self._reply(address, wire.FAILED, rid=rid, reason=reason)
+        for rid, w in stale_wants:
+            self._reply(w.receiver, wire.FAILED, rid=rid, reason=f"KV request {rid}: not started here within "
+                        f"{self.want_ttl_s:g}s")
+
+    def _cancel(self, address: bytes, msg: dict[str, Any]) -> None:
+        """The receiver gave up on a request: stop writing it (only the receiver that asked may)."""
+        rid = msg["rid"]
+        if not isinstance(rid, str):
+            raise ValueError("a request id is a string")  # noqa: TRY004
+        with self._lock:
+            want = self._wants.get(rid)
+            if want is not None and want.receiver == address:
+                del self._wants[rid]
+                rec = self._receivers.get(address)
+                if rec is not None:
+                    rec.held -= 1
+            req = self._outgoing.get(rid)
+        if req is not None and req._want is not None and req._want.receiver == address:
+            fail(req.done, KvError(f"KV request {rid}: the receiver cancelled it"))
 
     def _pair(self, req: OutgoingRequest, want: _Want) -> None:
         with self._lock:

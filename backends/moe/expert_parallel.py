@@ -416,6 +416,11 @@ class ExpertParallel:
                 _, _, offset, pairs = self._header(self._recv, src)
                 if pairs != n:
                     raise MoEError(f"rank {src}'s header promised {pairs} pairs, its ids hold {n}")
+                if not 0 <= offset <= self._back_buf.shape[0] - n:
+                    raise MoEError(
+                        f"rank {src}'s header puts {n} outputs at row {offset}, outside its "
+                        f"{self._back_buf.shape[0]}-row combine buffer"
+                    )
                 if src == self.rank:
                     self._self_block = (offset, start[src], n)
                     continue

@@ -5,9 +5,16 @@ receiver -> trainers  HELLO  join: TP position, layout parameters, model digest,
                              free slot
 receiver -> trainers  READY  "I serve `version`; slot `slot` is free to write" (after a flip or an
                              abandoned update, once no reader uses that slot); slot null: "I serve
-                             `version`, but a reader still holds the other slot" (a confirmation)
-trainer -> receiver   BEGIN  "version `version` is being written into the free slot"
+                             `version`, but a reader still holds the other slot" (a confirmation).
+                             After an abandoned update the free slot is re-registered (re-keyed) and
+                             READY carries its new descriptors in `descs`: writes a slow trainer
+                             still has in flight for the abandoned version fail at the old keys.
+trainer -> receiver   BEGIN  "version `version` is being written into the free slot"; at most
+                             MAX_VERSION_JUMP above what the receiver serves or abandoned
 trainer -> receiver   REJECT the HELLO disagrees with the trainer (model, layout, contributors)
+trainer -> receiver   DROPPED the trainer dropped this receiver from the session {reason}
+Only roster trainers' messages count at a receiver, and a receiver's READY only from the address
+that joined under its index (Message.sender is proven by the channel's session).
 Completion is not a message: each contributing trainer sends one immediate, index
 `imm_index(version)` of the receiver's range, after its writes to that receiver have completed.
 Messages of other sessions travel on other channels: a session never sees them.
@@ -21,11 +28,13 @@ from typing import Any
 from backends.channel import Channel, Message
 from backends.rl.spec import RLError
 
-HELLO, READY, BEGIN, REJECT = "hello", "ready", "begin", "reject"
-_KINDS = (HELLO, READY, BEGIN, REJECT)
+HELLO, READY, BEGIN, REJECT, DROPPED = "hello", "ready", "begin", "reject", "dropped"
+_KINDS = (HELLO, READY, BEGIN, REJECT, DROPPED)
 VERSION_BITS = 24  # a receiver's range holds one immediate per version modulo 2**24
 VERSION_MASK = (1 << VERSION_BITS) - 1
 IMMS = 1 << VERSION_BITS
+MAX_VERSION_JUMP = 1 << 20  # well inside the 24-bit immediate, so no two live versions alias
+MAX_INBOX = 1024  # control messages queued for a session's control thread; beyond, dropped and counted
 
 
 def channel_name(session: str) -> str:

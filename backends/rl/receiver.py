@@ -6,7 +6,10 @@ completion immediate for that version has arrived, the receiver makes the free s
 index swap under a lock, so a reader gets one slot or the other, never a mix). The slot that was
 active is offered for the next version (READY) only after the last reader that took it has
 released it. A trainer that dies mid-update never completes, so after `update_timeout_s` the
-update is abandoned and the receiver stays on the old version, whose slot was never touched.
+update is abandoned and the receiver stays on the old version, whose slot was never touched; the
+free slot is re-registered before it is offered again, so a trainer that was slow rather than dead
+cannot land its late writes in it (they fail at the old keys). Only the roster's trainers are heard
+(Message.sender is proven by the channel), and a BEGIN may jump at most MAX_VERSION_JUMP ahead.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class RLReceiver:
     shards), registered in place as slot 0; slot 1 is a copy. Both slots are registered for remote
     write only, and their descriptors go only to the session's trainers (in HELLO). The session
     talks on its own channel, whose immediate range (advertised in HELLO) carries completions.
+    channel_key: a secret every member of the session got at set-up (optional; backends.channel).
     """
 
     def __init__(
@@ -82,6 +86,7 @@ class RLReceiver:
         version: int = 0,
         update_timeout_s: float = 60.0,
         on_update_begin: Callable[[int], None] | None = None,
+        channel_key: bytes | None = None,
     ) -> None:
         check_tp(tp_size, tp_rank, f"receiver {index}")
         if update_timeout_s <= 0:
@@ -135,10 +140,15 @@ class RLReceiver:
         self._confirmed = version  # the last version a READY told the trainers about
         self._inbox: deque[Message] = deque()
         self._closed = False
+        self._rekey = False  # an abandoned update may still write the free slot: re-key it before READY
+        self._roster = {t.address: i for i, t in enumerate(self.trainers)}
         self.rejected: str | None = None
+        self.dropped_by: dict[int, str] = {}  # trainer index -> why it dropped this receiver
         self.applied = 0
         self.abandoned = 0
-        self.channel = engine.channel(protocol.channel_name(session), imms=protocol.IMMS)
+        self.foreign = 0  # messages from engines outside the roster, dropped
+        self.refused = 0  # BEGINs past MAX_VERSION_JUMP or a full inbox, dropped
+        self.channel = engine.channel(protocol.channel_name(session), imms=protocol.IMMS, key=channel_key)
         self.channel.on_message(self._on_message)
         self._thread = threading.Thread(target=self._control_loop, name=f"rl-receiver-{index}", daemon=True)
         self._thread.start()
@@ -203,8 +213,14 @@ class RLReceiver:
                 raise RLError(f"receiver {self.index}: HELLO to trainer {i} failed: {exc}") from exc
 
     def _on_message(self, message: Message) -> None:
-        # Progress thread: queue only.
+        # Progress thread: queue only, and only what the roster's trainers send.
         with self._cond:
+            if message.sender not in self._roster:
+                self.foreign += 1
+                return
+            if len(self._inbox) >= protocol.MAX_INBOX:
+                self.refused += 1
+                return
             self._inbox.append(message)
             self._cond.notify_all()
 
@@ -233,10 +249,27 @@ class RLReceiver:
                     ready = (self._version, None)
                 if ready is not None:
                     self._confirmed = ready[0]
+                rekey = ready is not None and ready[1] is not None and self._rekey
+                if rekey:
+                    self._rekey = False
             for message in inbox:
                 self._handle(message)
             if ready is not None:
-                self._broadcast(protocol.READY, version=ready[0], slot=ready[1])
+                extra: dict[str, Any] = {}
+                if rekey:
+                    assert ready[1] is not None
+                    extra["descs"] = self._rekey_slot(ready[1])
+                self._broadcast(protocol.READY, version=ready[0], slot=ready[1], **extra)
+
+    def _rekey_slot(self, slot: int) -> list[str]:
+        """Register the free slot anew and release its old registrations: writes still in flight for an
+        abandoned version then fail at the old keys instead of landing in the next version's bytes."""
+        fresh = [self.engine.register(b, "write") for b in self._slots[slot]]
+        old, self._regions[slot] = self._regions[slot], fresh
+        for region in old:
+            region.close()
+        log.info("receiver %d: slot %d re-keyed after an abandoned update", self.index, slot)
+        return [base64.b64encode(r.descriptor.to_bytes()).decode() for r in fresh]
 
     def _confirm_due(self) -> bool:
         return self._confirmed != self._version
@@ -266,7 +299,8 @@ class RLReceiver:
         self._pending = None
         self._abandoned_up_to = max(self._abandoned_up_to, pending.version)
         self.abandoned += 1
-        self._announce = True  # the free slot is garbage now but free: offer it again
+        self._announce = True  # the free slot is garbage now but free: offer it again, re-keyed
+        self._rekey = True
 
     def _handle(self, message: Message) -> None:
         try:
@@ -275,8 +309,12 @@ class RLReceiver:
             if kind == protocol.BEGIN:
                 self._begin(protocol.field(msg, "version", int))
             elif kind == protocol.REJECT:
-                self.rejected = str(msg.get("reason"))
+                self.rejected = str(msg.get("reason"))[:2000]
                 log.error("receiver %d: a trainer rejected this receiver: %s", self.index, self.rejected)
+            elif kind == protocol.DROPPED:
+                trainer = self._roster[message.sender]
+                self.dropped_by[trainer] = str(msg.get("reason"))[:2000]
+                log.error("receiver %d: trainer %d dropped it: %s", self.index, trainer, msg.get("reason"))
             else:
                 log.debug("receiver %d: ignoring %s message", self.index, kind)
         except RLError as exc:
@@ -286,6 +324,11 @@ class RLReceiver:
         with self._cond:
             if version <= max(self._version, self._abandoned_up_to):
                 return  # stale, or a second trainer's BEGIN for an update already under way
+            if version - max(self._version, self._abandoned_up_to) > protocol.MAX_VERSION_JUMP:
+                self.refused += 1
+                log.warning("receiver %d: BEGIN of version %d jumps more than %d past %d; ignored",
+                            self.index, version, protocol.MAX_VERSION_JUMP, self._version)
+                return
             if self._pending is not None:
                 if self._pending.version >= version:
                     return
@@ -298,6 +341,7 @@ class RLReceiver:
                 )
                 self._abandoned_up_to = self._pending.version
                 self.abandoned += 1
+                self._rekey = True
             pending = _Pending(version, time.monotonic() + self.update_timeout_s)
             self._pending = pending
         log.debug("receiver %d: update to version %d begins", self.index, version)

@@ -4,8 +4,12 @@ Every trainer rank runs an `RLTrainer` over its own engine and its own shard buf
 join by sending HELLO; the trainer then computes that receiver's schedule once (the static part)
 and keeps only its own runs. `update(version)` waits for each receiver's READY (its free slot),
 sends BEGIN, posts the runs as one-sided writes into that slot, and when they have all completed
-sends one immediate for the version. A receiver whose writes fail (it died, or stopped answering
-within the engine's timeout) is dropped from the session; the others are unaffected.
+sends one immediate for the version. A write that fails fast (a reset connection) is retried
+(RETRIES more times, with backoff, within the update's timeout); a receiver whose writes still
+fail, or time out (it died, or stopped answering within the engine's timeout), is dropped from the
+session and told so (DROPPED); the others are unaffected.
+A receiver index belongs to the address that joined under it while that receiver is live, and its
+READY counts only from that address; a re-keyed slot's new descriptors come with READY.
 """
 
 from __future__ import annotations
@@ -26,13 +30,15 @@ import backends.rl.messages as protocol
 from backends.channel import ImmRange, Message
 from backends.descriptor import MemoryRegionDescriptor
 from backends.engine import Region, TransferEngine
-from backends.errors import TransferError
+from backends.errors import EngineClosed, RemoteAccessError, TransferError, TransferTimeout
 from backends.layout import views
 from backends.rl.schedule import RankShard, Run, build_receiver_schedule
 from backends.rl.spec import RLError, TensorSpec, TrainerRank, check_tp, shard_layout, specs_digest
 
 log = logging.getLogger(__name__)
 
+RETRIES = 3  # more attempts at a receiver's share of an update after a TransferError
+RETRY_BACKOFF_S = 0.25  # before the first retry; doubled for each next one (a connection may be re-made)
 
 @dataclass(frozen=True, slots=True)
 class UpdateResult:
@@ -66,7 +72,8 @@ class RLTrainer:
 
     `trainers` is the whole trainer roster, the same list every member got; `index` is this rank's
     position in it. The training loop writes new weights into `tensors` (views of `buffers`) between
-    updates, never during one. The session talks on its own channel of the engine.
+    updates, never during one. The session talks on its own channel of the engine; channel_key is
+    an optional secret every member of the session got at set-up (backends.channel).
     """
 
     def __init__(
@@ -80,6 +87,7 @@ class RLTrainer:
         buffers: Sequence[torch.Tensor],
         version: int = 0,
         timeout_s: float = 60.0,
+        channel_key: bytes | None = None,
     ) -> None:
         if not 0 <= index < len(trainers):
             raise RLError(f"trainer index {index} is not in the roster of {len(trainers)}")
@@ -122,7 +130,8 @@ class RLTrainer:
         self._inbox: deque[Message] = deque()
         self._closed = False
         self._version = version
-        self.channel = engine.channel(protocol.channel_name(session))
+        self.refused = 0  # messages dropped because the control inbox was full (MAX_INBOX)
+        self.channel = engine.channel(protocol.channel_name(session), key=channel_key)
         self.channel.on_message(self._on_message)
         self._thread = threading.Thread(target=self._control_loop, name=f"rl-trainer-{index}", daemon=True)
         self._thread.start()
@@ -179,11 +188,17 @@ class RLTrainer:
                 raise RLError(
                     f"trainer {self.index}: version {version} is not above the last one ({self._version})"
                 )
+            if version - self._version > protocol.MAX_VERSION_JUMP:
+                raise RLError(
+                    f"trainer {self.index}: version {version} jumps more than {protocol.MAX_VERSION_JUMP} "
+                    f"past {self._version} (receivers ignore such a BEGIN)"
+                )
             if version & protocol.VERSION_MASK == 0:
                 raise RLError(f"trainer {self.index}: version {version} wraps the 24-bit immediate to 0")
             self._version = version
             waiting = {i for i, r in self._receivers.items() if r.alive}
         deliveries: dict[int, Future[None]] = {}
+        slots: dict[int, int] = {}
         posted = 0
         dropped: dict[int, str] = {}
         failed: dict[int, str] = {}
@@ -207,21 +222,36 @@ class RLTrainer:
                     continue
             for rec, slot in start:
                 deliveries[rec.index] = self._post(rec, slot, version)
+                slots[rec.index] = slot
                 posted += rec.bytes_per_update
         for i in waiting:
             failed[i] = (
                 f"no free slot (READY) within the update timeout; it serves {self._receivers[i].version}"
             )
         for i, fut in deliveries.items():
-            try:
-                fut.result(timeout=max(0.0, deadline - time.monotonic()))
-            except (TransferError, FutureTimeout) as exc:
-                reason = f"update {version}: {exc or 'timed out'}"
-                if isinstance(exc, TransferError):
+            attempts = 0
+            while True:
+                try:
+                    fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                except TransferError as exc:
+                    # A timeout means the engine already waited timeout_s on an unresponsive peer:
+                    # not transient. Errors that come fast (a reset connection) are retried.
+                    transient = not isinstance(exc, (TransferTimeout, RemoteAccessError, EngineClosed))
+                    if transient and attempts < RETRIES and time.monotonic() < deadline:
+                        attempts += 1
+                        log.warning("trainer %d: update %d to receiver %d failed (%s); retry %d of %d",
+                                    self.index, version, i, exc, attempts, RETRIES)
+                        backoff = RETRY_BACKOFF_S * 2 ** (attempts - 1)
+                        time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
+                        fut = self._post(self._receivers[i], slots[i], version)
+                        posted += self._receivers[i].bytes_per_update
+                        continue
+                    reason = f"update {version}: {exc} (after {attempts + 1} attempts)"
                     self._drop(i, reason)
                     dropped[i] = reason
-                else:
-                    failed[i] = reason
+                except FutureTimeout:
+                    failed[i] = f"update {version}: timed out"
+                break
         applied: list[int] = []
         pending = [i for i in deliveries if i not in dropped and i not in failed]
         if not wait_applied:
@@ -338,17 +368,28 @@ class RLTrainer:
         return done
 
     def _drop(self, index: int, reason: str) -> None:
+        """Drop a receiver from the session and tell it (best effort: it may be dead)."""
         with self._cond:
             rec = self._receivers.get(index)
+            told = rec is not None and rec.alive
             if rec is not None and rec.alive:
                 rec.alive = False
                 rec.reason = reason
                 log.warning("trainer %d: dropped receiver %d: %s", self.index, index, reason)
             self._cond.notify_all()
+        if told:
+            assert rec is not None
+            try:
+                protocol.send(self.channel, rec.address, protocol.DROPPED, reason=reason[:2000])
+            except TransferError:
+                log.debug("DROPPED to receiver %d failed", index, exc_info=True)
 
     # ----- messages -----------------------------------------------------------------------------
     def _on_message(self, message: Message) -> None:
         with self._cond:
+            if len(self._inbox) >= protocol.MAX_INBOX:
+                self.refused += 1
+                return
             self._inbox.append(message)
             self._cond.notify_all()
 
@@ -367,18 +408,35 @@ class RLTrainer:
                     if msg["kind"] == protocol.HELLO:
                         self._hello(message.sender, msg)
                     elif msg["kind"] == protocol.READY:
-                        self._ready(msg)
+                        self._ready(message.sender, msg)
                 except RLError as exc:
                     log.warning("trainer %d: %s", self.index, exc)
 
-    def _ready(self, msg: dict[str, object]) -> None:
+    def _ready(self, address: bytes, msg: dict[str, object]) -> None:
         index = protocol.field(msg, "receiver", int)
+        version = protocol.field(msg, "version", int)
+        slot = None if msg.get("slot") is None else protocol.field(msg, "slot", int) & 1
         with self._cond:
             rec = self._receivers.get(index)
-            if rec is None or not rec.alive:
+            if rec is None or not rec.alive or rec.address != address:
+                return  # not the receiver that joined under this index
+            layout_regions = len(rec.slots[0])
+        descs = None
+        if msg.get("descs") is not None and slot is not None:
+            try:
+                sizes = [d.length for d in rec.slots[slot]]
+                descs = _slot_descs(protocol.field(msg, "descs", list), address, sizes)
+            except (RLError, TransferError, ValueError) as exc:
+                raise RLError(f"receiver {index}: READY with unusable descriptors ({exc})") from exc
+            if len(descs) != layout_regions:
+                raise RLError(f"receiver {index}: READY re-keys {len(descs)} regions, not {layout_regions}")
+        with self._cond:
+            if self._receivers.get(index) is not rec:
                 return
-            rec.version = protocol.field(msg, "version", int)
-            rec.free_slot = None if msg.get("slot") is None else protocol.field(msg, "slot", int) & 1
+            rec.version = version
+            if descs is not None and slot is not None:
+                rec.slots[slot] = descs
+            rec.free_slot = slot
             self._cond.notify_all()
 
     def _hello(self, address: bytes, msg: dict[str, object]) -> None:
@@ -394,8 +452,19 @@ class RLTrainer:
                 log.debug("REJECT to receiver %d failed", index, exc_info=True)
             return
         with self._cond:
-            self._receivers[index] = rec  # a receiver that re-joins under its index replaces itself
+            old = self._receivers.get(index)
+            taken = old is not None and old.alive and old.address != address
+            if not taken:
+                self._receivers[index] = rec  # a receiver that re-joins under its index replaces itself
             self._cond.notify_all()
+        if taken:
+            reason = f"trainer {self.index} rejects receiver {index}: another live receiver holds that index"
+            log.warning("%s", reason)
+            try:
+                protocol.send(self.channel, address, protocol.REJECT, reason=reason)
+            except TransferError:
+                log.debug("REJECT to receiver %d failed", index, exc_info=True)
+            return
         log.info(
             "trainer %d: receiver %d joined (%d runs, %d bytes per update, schedule %.3fs)",
             self.index,
@@ -427,15 +496,7 @@ class RLTrainer:
         slots_raw = protocol.field(msg, "slots", list)
         if len(slots_raw) != 2:
             raise RLError("field 'slots' must list two slots")
-        slots: list[list[MemoryRegionDescriptor]] = []
-        for slot in slots_raw:
-            descs = [MemoryRegionDescriptor.from_bytes(base64.b64decode(d)) for d in slot]
-            if len(descs) != len(layout.region_sizes):
-                raise RLError(f"a slot has {len(descs)} regions, the layout {len(layout.region_sizes)}")
-            for d, n in zip(descs, layout.region_sizes, strict=True):
-                if not d.writable or d.length < n or d.address != address:
-                    raise RLError("a slot region is not writable, too small, or not the receiver's")
-            slots.append(descs)
+        slots = [_slot_descs(slot, address, list(layout.region_sizes)) for slot in slots_raw]
         imms = ImmRange.from_json(msg.get("imms"))
         if imms.count < protocol.IMMS:
             raise RLError(f"its immediate range holds {imms.count} values, a session needs {protocol.IMMS}")
@@ -471,3 +532,16 @@ class RLTrainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _slot_descs(raw: object, address: bytes, sizes: list[int]) -> list[MemoryRegionDescriptor]:
+    """One slot's region descriptors as a receiver sent them, checked against the layout's sizes."""
+    if not isinstance(raw, list) or not all(isinstance(d, str) for d in raw):
+        raise RLError("a slot is a list of base64 descriptors")
+    descs = [MemoryRegionDescriptor.from_bytes(base64.b64decode(d, validate=True)) for d in raw]
+    if len(descs) != len(sizes):
+        raise RLError(f"a slot has {len(descs)} regions, the layout {len(sizes)}")
+    for d, n in zip(descs, sizes, strict=True):
+        if not d.writable or d.length < n or d.address != address:
+            raise RLError("a slot region is not writable, too small, or not the receiver's")
+    return descs

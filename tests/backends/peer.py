@@ -123,6 +123,23 @@ def serve(
                     addr, name, kind, data = args
                     channel(name).send(addr, kind, data).result(10)
                     conn.send(True)
+                elif cmd == "send_captured":  # like send, and returns the sealed frame as it went out
+                    addr, name, kind, data = args
+                    captured: list[bytes] = []
+                    real_send = eng.send
+
+                    def capture(
+                        a: bytes, f: bytes, keep: list[bytes] = captured, send: Any = real_send
+                    ) -> Any:
+                        keep.append(f)
+                        return send(a, f)
+
+                    eng.send = capture  # type: ignore[method-assign, assignment]
+                    try:
+                        channel(name).send(addr, kind, data).result(10)
+                    finally:
+                        del eng.send
+                    conn.send(captured[-1])
                 elif cmd == "send_raw":  # (address, frame): anything, framed or not
                     addr, data = args
                     eng.send(addr, data).result(10)

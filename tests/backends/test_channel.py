@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends import ChannelError, EngineAddress, ImmRange, Message, TransferEngine
-from backends.channel import EARLY_LIMIT, IMM_FIRST, ChannelHub, decode_frame, encode_frame
+from backends.channel import EARLY_LIMIT, EARLY_PER_SENDER, IMM_FIRST, ChannelHub
 from backends.imm import ImmCounter
 from tests.backends.conftest import Peer, start_peer
 from tests.backends.peer import engine_kwargs
@@ -131,12 +131,15 @@ def test_malformed_frames_are_dropped_and_counted_and_the_channel_still_works(
     inbox = Inbox()
     channel = engine.channel("sturdy")
     channel.on_message(inbox)
-    frame = encode_frame("sturdy", "ok", peer.address, b"payload")
-    garbage = [b"", b"x", b"RFCH", frame[:-len(peer.address) - 9], b"RFCH\x02" + frame[5:], b"\xff" * 300]
+    frame = peer.call("send_captured", engine.address, "sturdy", "ok", b"payload")
+    assert [(m.kind, m.data) for m in inbox.wait(1)] == [("ok", b"payload")]
+    garbage = [
+        b"", b"x", b"RFCS", frame[:40], b"RFCS\x02" + frame[5:], b"\xff" * 300, b"RFHI\x01\x00\x05\x00abc"
+    ]
     for g in garbage:
         assert peer.call("send_raw", engine.address, g) is True
-    assert peer.call("send_raw", engine.address, frame) is True
-    assert [(m.kind, m.data) for m in inbox.wait(1)] == [("ok", b"payload")]
+    assert peer.call("send", engine.address, "sturdy", "ok", b"payload") is True
+    assert [(m.kind, m.data) for m in inbox.wait(2)] == [("ok", b"payload")] * 2
     assert _until(lambda: engine.frames_dropped["malformed"] == len(garbage))
     channel.close()
 
@@ -170,63 +173,70 @@ def test_immediate_ranges_are_disjoint_and_run_out_with_a_clear_error(provider: 
         assert eng.channel("big", imms=2**32 - IMM_FIRST - 10).imms.base == IMM_FIRST + 10
 
 
-# ----- anything a peer can send: the frame decoder and the hub (hypothesis) -------------------------
-class _Transport:
-    """The hub's view of an engine, for feeding it frames without one."""
+# ----- anything a peer can send: the hub (hypothesis) ----------------------------------------------
+class _Loopback:
+    """Test double for the fabric between in-process hubs (frames hand-delivered, no engine)."""
 
-    address = b"unused"
+    timeout_s = 5.0
 
-    def __init__(self) -> None:
+    def __init__(self, name: bytes) -> None:
+        self.address = EngineAddress("tcp", (name,)).to_bytes()
         self.imm = ImmCounter()
+        self.hubs: dict[bytes, ChannelHub] = {}
+        self.sent: list[bytes] = []
 
     def expect(self, imm: int, count: int = 1) -> Future[None]:
         return self.imm.expect(imm, count)
 
     def send(self, peer_address: bytes, frame: bytes) -> Future[None]:
-        raise AssertionError("the hub never sends")
+        self.sent.append(frame)
+        hub = self.hubs.get(peer_address)
+        if hub is not None:
+            hub.deliver(frame)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
 
 
-_ADDRESS = EngineAddress("tcp", (b"abcd",)).to_bytes()  # a well-formed sender
-
-
-@settings(max_examples=400, deadline=None)
-@given(st.binary(max_size=400))
-def test_arbitrary_bytes_never_raise_and_never_grow_state(data: bytes) -> None:
-    inputs = [data, b"RFCH" + data, b"RFCH\x01" + data]
-    decoded = [decode_frame(x) for x in inputs]  # never raises
-    valid = [m for m in decoded if m is not None]
-    hub = ChannelHub(_Transport())
-    hub.open("known", 0).on_message(lambda _m: None)
-    for x in inputs:
-        hub.deliver(x)  # never raises
-    assert hub.dropped["malformed"] == len(inputs) - len(valid)  # what does not decode leaves nothing
-    assert hub.early() == len([m for m in valid if m.channel != "known"])
+def _hub_pair() -> tuple[ChannelHub, ChannelHub, _Loopback, _Loopback]:
+    ta, tb = _Loopback(b"a"), _Loopback(b"b")
+    a, b = ChannelHub(ta), ChannelHub(tb)
+    ta.hubs[tb.address] = b
+    tb.hubs[ta.address] = a
+    return a, b, ta, tb
 
 
 @settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=400))
+def test_arbitrary_bytes_never_raise_and_never_grow_state(data: bytes) -> None:
+    hub = ChannelHub(_Loopback(b"me"))
+    got: list[Message] = []
+    hub.open("known", 0).on_message(got.append)
+    for x in (data, b"RFCS" + data, b"RFCS\x01" + data, b"RFHA\x01" + data):
+        hub.deliver(x)  # never raises
+    assert got == []
+    assert hub.early() == 0
+    assert hub.sessions.sessions() == 0
+
+
+@settings(max_examples=60, deadline=None)
 @given(
     name=st.text(min_size=1, max_size=40).filter(lambda s: len(s.encode()) < 256),
     kind=st.text(min_size=1, max_size=20).filter(lambda s: len(s.encode()) < 256),
     data=st.binary(max_size=2000),
-    cut=st.integers(0, 100),
 )
-def test_frames_round_trip_and_truncated_frames_are_dropped(
-    name: str, kind: str, data: bytes, cut: int
-) -> None:
-    frame = encode_frame(name, kind, _ADDRESS, data)
-    assert decode_frame(frame) == Message(name, kind, _ADDRESS, data)
-    head = len(frame) - len(data)
-    if cut < head:
-        assert decode_frame(frame[:cut]) is None  # cut inside the header, name, kind or sender
-    hub = ChannelHub(_Transport())
+def test_frames_round_trip_and_early_frames_are_bounded(name: str, kind: str, data: bytes) -> None:
+    a, b, ta, tb = _hub_pair()
+    ch = a.open(name, 0)
     got: list[Message] = []
-    for _ in range(EARLY_LIMIT + 5):  # a channel nobody opened: kept up to the bound, then counted
-        hub.deliver(frame)
-    assert hub.early() == EARLY_LIMIT
-    assert hub.dropped["overflow"] == 5
-    hub.open(name, 0).on_message(got.append)
-    assert len(got) == EARLY_LIMIT
-    assert hub.early() == 0
+    for _ in range(EARLY_PER_SENDER + 5):  # a channel b has not opened: kept up to the bound, then counted
+        ch.send(tb.address, kind, data).result(1)
+    assert b.early() == EARLY_PER_SENDER
+    assert b.dropped["overflow"] == 5
+    b.open(name, 0).on_message(got.append)
+    assert got == [Message(name, kind, ta.address, data)] * EARLY_PER_SENDER
+    assert b.early() == 0
+    assert EARLY_PER_SENDER < EARLY_LIMIT
 
 
 @settings(max_examples=200, deadline=None)

@@ -1,0 +1,134 @@
+"""A live KvSender and KvReceiver fed malformed and hostile messages (hypothesis) by a peer engine that
+speaks the KV channel directly: no callback raises, nothing grows past its cap, nothing is written
+outside a registered buffer, and an honest receiver is served afterwards."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from backends import TransferEngine
+from backends.channel import Channel
+from backends.kv import KvPool, KvReceiver, KvSender
+from backends.kv import messages as wire
+from tests.backends.peer import engine_kwargs
+
+LAYERS, PAGES, PAGE = 2, 16, 64
+
+
+class Live:
+    """A sender, an honest receiver joined to it, and a hostile engine with a raw "kv" channel."""
+
+    def __init__(self, provider: str) -> None:
+        kw = engine_kwargs(provider)
+        self.engines = [TransferEngine(provider, 1, timeout_s=2.0, **kw) for _ in range(3)]
+        a, b, h = self.engines
+        self.sender = KvSender(KvPool(a, layers=LAYERS, pages=PAGES, page_bytes=PAGE))
+        self.sender.pool.buffer[:] = np.arange(self.sender.pool.buffer.size, dtype=np.uint64).astype(np.uint8)
+        rpool = KvPool(b, layers=LAYERS, pages=PAGES, page_bytes=PAGE)
+        self.receiver = KvReceiver(rpool, timeout_s=5, slots=4)
+        self.receiver.join(self.sender.address)
+        self.hostile_pool = h.register(np.zeros(LAYERS * 2 * PAGES * PAGE, dtype=np.uint8), "rw")
+        self.raw: Channel = h.channel(wire.CHANNEL, imms=4 * (LAYERS + 1))
+        self.raw.on_message(lambda _m: None)
+        self.served = 0
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.close()
+
+
+@pytest.fixture(scope="module")
+def live(provider: str) -> Iterator[Live]:
+    lv = Live(provider)
+    yield lv
+    lv.close()
+
+
+_ints = st.one_of(st.integers(-3, 40), st.integers(-(2**70), 2**70), st.just(10**10))
+_json = st.recursive(
+    st.none() | st.booleans() | _ints | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=12,
+)
+_runs = st.one_of(
+    st.just([[0, 10**10]]),
+    st.lists(st.lists(_ints, min_size=2, max_size=2), max_size=6),
+    _json,
+)
+
+
+@st.composite
+def hostile_message(draw: st.DrawFn, live: Live) -> tuple[str, bytes]:
+    kind = draw(st.sampled_from([wire.HELLO, wire.WANT, wire.CANCEL, wire.BYE, "junk", wire.FAILED]))
+    if draw(st.booleans()) and kind != wire.HELLO:
+        return kind, draw(st.binary(max_size=64))
+    fields: dict[str, Any] = {}
+    if kind == wire.HELLO:
+        good = draw(st.booleans())
+        desc = live.hostile_pool.descriptor.to_bytes() if good else draw(st.binary(max_size=40))
+        fields = {
+            "desc": wire.b64(desc),
+            "geometry": {"layers": LAYERS, "pages": PAGES, "page_bytes": PAGE} if good else draw(_json),
+            "name": draw(st.text(max_size=8)),
+            "imms": live.raw.imms.to_json() if draw(st.booleans()) else draw(_json),
+        }
+    elif kind in (wire.WANT, wire.CANCEL, wire.FAILED):
+        fields = {
+            "rid": draw(st.one_of(st.sampled_from(["r0", "r1", "x" * 300]), _json)),
+            "slot": draw(_ints),
+            "part": draw(_ints),
+            "parts": draw(_ints),
+            "pages": draw(_runs),
+        }
+    return kind, json.dumps(fields).encode()
+
+
+def _honest_round(live: Live) -> None:
+    rid = f"honest-{live.served}"
+    live.served += 1
+    inc = live.receiver.request(live.sender.address, rid, [3, 4])
+    live.sender.start(rid, [5, 6]).send_all().wait(10)
+    inc.wait(10)
+    g = live.sender.pool.geometry
+    src, dst = live.sender.pool.buffer, live.receiver.pool.buffer
+    for layer in range(LAYERS):
+        so, do = g.offset(layer, 1, 5), g.offset(layer, 1, 3)
+        assert np.array_equal(dst[do : do + 2 * PAGE], src[so : so + 2 * PAGE])
+
+
+@pytest.mark.timeout(300)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_hostile_kv_messages_never_raise_grow_or_stop_an_honest_receiver(
+    live: Live, data: st.DataObject, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR)
+    messages = data.draw(st.lists(hostile_message(live), min_size=1, max_size=8))
+    h = live.engines[2]
+    for kind, body in messages:
+        live.raw.send(live.sender.address, kind, body).result(5)
+        live.raw.send(live.receiver.engine.address, kind, body).result(5)
+    time.sleep(0.05)
+    s = live.sender
+    with s._lock:
+        hostile = s._receivers.get(h.address)
+        assert len(s._parts) + len(s._wants) <= 2 * 4 * 4  # each receiver's held state is capped by its slots
+        assert all(r.held <= r.slots for r in s._receivers.values())
+        assert hostile is None or hostile.desc.address == h.address  # it can only name its own memory
+    assert len(live.receiver._requests) <= live.receiver.slots
+    assert engine_errors(caplog) == []
+    _honest_round(live)
+
+
+def engine_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """Errors logged by a callback that raised (what a hostile message must never cause)."""
+    return [r.getMessage() for r in caplog.records if "raised" in r.getMessage()]

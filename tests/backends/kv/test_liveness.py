@@ -1,0 +1,148 @@
+"""KV liveness: a failed or expired request fails its waiters, tells its sender, and its slot is not
+reused while its late immediates can still land (a receiver against a raw peer process that writes
+exactly the immediates a test names); a cancelled request stops its sender."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from backends import TransferEngine, TransferTimeout
+from backends.kv import IncomingRequest, KvError, KvPool, KvReceiver, KvSender
+from tests.backends.conftest import Peer, start_peer
+from tests.backends.peer import engine_kwargs
+
+DONE = -1
+
+
+def _imms(inc: IncomingRequest, *layers: int) -> list[int]:
+    return [inc.done_imm if layer == DONE else inc.layer_imm(layer) for layer in layers]
+
+
+def _until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+@pytest.fixture
+def engine(provider: str) -> Iterator[TransferEngine]:
+    with TransferEngine(provider, 2, timeout_s=5.0, reorder_for_test=True, **engine_kwargs(provider)) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def raw_sender(provider: str) -> Iterator[Peer]:
+    p = start_peer(provider, [("unused", 4096, "rw")])
+    yield p
+    p.stop()
+
+
+def _refuse(raw: Peer, rx: KvReceiver, rid: str) -> None:
+    """The raw peer refuses request rid, as a sender would."""
+    data = json.dumps({"rid": rid, "reason": "test"}).encode()
+    assert raw.call("send", rx.engine.address, "kv", "failed", data) is True
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_requests_late_immediates_never_complete_a_later_request(
+    engine: TransferEngine, raw_sender: Peer
+) -> None:
+    """Failed before: the slot went round-robin, so request c reused failed request a's slot and its
+    layer 2 and completion counted as landed at once from a's late immediates."""
+    rx = KvReceiver(KvPool(engine, layers=3, pages=8, page_bytes=64), timeout_s=20.0, slots=2)
+    desc = rx.pool.descriptor.to_bytes()
+    a = rx.request(raw_sender.address, "a", [0])
+    _refuse(raw_sender, rx, "a")
+    with pytest.raises(KvError, match="refused"):
+        a.wait(10)
+    b = rx.request(raw_sender.address, "b", [1])
+    assert raw_sender.call("write_imms", _imms(b, 0, 1, 2, DONE), desc) is True
+    b.wait(10)
+    late = _imms(a, 2, DONE)  # a's sender had these in flight when a failed
+    assert raw_sender.call("write_imms", late, desc) is True
+    assert _until(lambda: all(engine.imm.pending(v) == 1 for v in late))
+    c = rx.request(raw_sender.address, "c", [2])
+    time.sleep(0.3)
+    assert not any(f.done() for f in c._layers)
+    assert not c._complete.done()
+    _refuse(raw_sender, rx, "c")
+    with pytest.raises(KvError, match="refused"):
+        c.wait(10)
+    # both slots now rest; they come back after quarantine_s, with a's stale counts gone
+    with pytest.raises(KvError, match="busy or resting"):
+        rx.request(raw_sender.address, "d", [3])
+    rx.quarantine_s = 0.0
+    rx._resting = type(rx._resting)((0.0, s) for _, s in rx._resting)
+    d = rx.request(raw_sender.address, "d", [3])
+    assert all(engine.imm.pending(v) == 0 for v in late)
+    time.sleep(0.2)
+    assert not any(f.done() for f in d._layers)
+    assert not d._complete.done()
+    # a's and c's senders were told to stop
+    got = raw_sender.call("inbox", "kv", 6, 10)  # wants for a, b, c, d; cancels for a and c
+    cancels = {json.loads(data)["rid"] for kind, data, _ in got if kind == "cancel"}
+    assert cancels >= {"a", "c"}
+
+
+@pytest.mark.timeout(120)
+def test_a_request_past_its_deadline_fails_its_waiters_and_frees_its_slot(
+    engine: TransferEngine, raw_sender: Peer
+) -> None:
+    rx = KvReceiver(
+        KvPool(engine, layers=2, pages=8, page_bytes=64), timeout_s=5.0, slots=1,
+        request_timeout_s=1.0, quarantine_s=0.5,
+    )
+    e = rx.request(raw_sender.address, "e", [0])
+    t0 = time.monotonic()
+    with pytest.raises(TransferTimeout, match="request_timeout_s"):
+        e.wait(10)
+    assert time.monotonic() - t0 < 3.0
+    with pytest.raises(TransferTimeout, match="request_timeout_s"):
+        e.wait_layer(0, 10)
+    assert not engine.imm._waiters  # its expects were withdrawn
+    time.sleep(0.6)
+    f = rx.request(raw_sender.address, "f", [1])  # the one slot came back
+    desc = rx.pool.descriptor.to_bytes()
+    assert raw_sender.call("write_imms", _imms(f, 1, 0, DONE), desc) is True
+    f.wait(10)
+
+
+@pytest.mark.timeout(120)
+def test_a_cancelled_request_stops_its_sender(provider: str) -> None:
+    kw = engine_kwargs(provider)
+    with (
+        TransferEngine(provider, 1, timeout_s=5.0, **kw) as a,
+        TransferEngine(provider, 1, timeout_s=5.0, **kw) as b,
+    ):
+        sender = KvSender(KvPool(a, layers=2, pages=8, page_bytes=64))
+        receiver = KvReceiver(KvPool(b, layers=2, pages=8, page_bytes=64), timeout_s=10)
+        receiver.join(sender.address)
+        out = sender.start("x", [1, 2])
+        inc = receiver.request(sender.address, "x", [3, 4])
+        assert _until(lambda: out._want is not None)
+        inc.cancel("decode went away")
+        with pytest.raises(KvError, match="cancelled"):
+            out.wait(10)
+        with pytest.raises(KvError, match="decode went away"):
+            inc.wait(1)
+
+
+@pytest.mark.timeout(60)
+def test_immediates_written_ahead_into_a_free_slot_do_not_count(
+    engine: TransferEngine, raw_sender: Peer
+) -> None:
+    """A peer that sprays a slot's immediates before any request uses it completes nothing."""
+    rx = KvReceiver(KvPool(engine, layers=2, pages=8, page_bytes=64), timeout_s=5.0, slots=1)
+    ahead = [rx.channel.imm(i) for i in range(3)]  # slot 0: layers 0, 1 and the completion
+    assert raw_sender.call("write_imms", ahead, rx.pool.descriptor.to_bytes()) is True
+    assert _until(lambda: all(engine.imm.pending(v) == 1 for v in ahead))
+    g = rx.request(raw_sender.address, "g", [0])
+    time.sleep(0.2)
+    assert not g.done.done()
+    assert all(engine.imm.pending(v) == 0 for v in ahead)
+    g.cancel()
