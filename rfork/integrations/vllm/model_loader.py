@@ -220,7 +220,7 @@ class RforkModelLoader(BaseModelLoader):
             log.warning("rfork: could not become a seed: %s", exc, exc_info=True)
             return None
         self.seed = seed
-        drain_at_exit(seed)
+        drain_at_exit(seed, planner_url=s.planner_url)
         ids = ",".join(seed.instance_ids)
         log.info("rfork: serving as seed %s (identity %s)", ids, out.identity.key()[:12])
         return seed

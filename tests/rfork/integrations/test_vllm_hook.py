@@ -135,7 +135,7 @@ def test_a_vllm_parameters_identity_never_equals_an_sglang_one():
 # ------------------------------------------------------------------------------------ draining
 
 _CHILD = """
-import multiprocessing as mp, signal, sys, time, torch
+import multiprocessing as mp, os, signal, sys, time, torch
 
 def engine(planner, ready):
     # like vLLM's engine core: a spawned child whose SIGTERM handler raises SystemExit
@@ -150,12 +150,14 @@ def engine(planner, ready):
     ident = SourceIdentity(model="m", revision="main", fingerprint="f", dtype="float32", framework="vllm")
     seed = Seed(weights=[w], identity=ident, planner_url=planner, token=sys.argv[2], providers=["tcp"])
     seed.start()
-    drain_at_exit(seed)
+    drain_at_exit(seed, planner_url=planner)
     ready.set()
     while True:
         time.sleep(0.1)
 
 if __name__ == "__main__":
+    from rfork.integrations.vllm.lifecycle import arm_root_process
+    assert arm_root_process()  # as the plugin does in vLLM's API server
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     p = ctx.Process(target=engine, args=(sys.argv[1], ready))
@@ -164,6 +166,7 @@ if __name__ == "__main__":
     print(p.pid, flush=True)
     p.join(120)
     print(p.exitcode, flush=True)
+    sys.stdin.read()  # then exit: atexit drains what the child left recorded
 """
 
 
@@ -175,20 +178,58 @@ def test_a_spawned_engine_process_drains_its_seed_on_sigterm(tmp_path: Path, pla
     script = tmp_path / "engine.py"
     script.write_text(_CHILD)
     env = {**os.environ, "PYTHONPATH": str(Path.cwd()), "RFORK_TCP_HOST": "127.0.0.1"}
-    proc = subprocess.Popen(
-        [sys.executable, str(script), planner, REGISTER], stdout=subprocess.PIPE, text=True, env=env
-    )
+    proc = _start_engine_like(script, planner, env)
     try:
         assert proc.stdout is not None
+        assert proc.stdin is not None
         child = int(proc.stdout.readline())
         with PlannerClient(planner, token=ADMIN) as client:
             assert client.list_instances(status="READY").total == 1
             os.kill(child, signal.SIGTERM)
             assert int(proc.stdout.readline()) == 0
-            deadline = time.monotonic() + 10
-            while client.list_instances().total and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert client.list_instances().total == 0, "the seed did not drain"
+            _wait_until_empty(client)
+            proc.stdin.close()
+            assert proc.wait(30) == 0, "the root process failed to drain a drained seed quietly"
     finally:
         proc.kill()
         proc.wait(30)
+
+
+@pytest.mark.slow
+def test_the_root_process_drains_the_seed_of_a_sigkilled_worker(tmp_path: Path, planner: str):
+    """vLLM SIGKILLs its engine core and worker on shutdown: the API server drains their records."""
+    from planner.client import PlannerClient
+
+    script = tmp_path / "engine.py"
+    script.write_text(_CHILD)
+    env = {**os.environ, "PYTHONPATH": str(Path.cwd()), "RFORK_TCP_HOST": "127.0.0.1"}
+    env.pop("RFORK_SGLANG_RUN_DIR", None)
+    proc = _start_engine_like(script, planner, env)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdin is not None
+        child = int(proc.stdout.readline())
+        with PlannerClient(planner, token=ADMIN) as client:
+            os.kill(child, signal.SIGKILL)
+            assert int(proc.stdout.readline()) == -signal.SIGKILL
+            assert client.list_instances(status="READY").total == 1  # dead, still READY
+            proc.stdin.close()
+            assert proc.wait(30) == 0
+            assert client.list_instances().total == 0, "the root process did not drain"
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+def _start_engine_like(script: Path, planner: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(script), planner, REGISTER],
+        stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True, env=env,
+    )
+
+
+def _wait_until_empty(client: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while client.list_instances().total and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert client.list_instances().total == 0, "the seed did not drain"
