@@ -155,7 +155,7 @@ def test_4_sigterm_drains_and_transfers_tell_the_story(server_fleet, planner, fl
     while set(flow.seed_ids["P1"]) & {i["id"] for i in instances(planner)} and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not set(flow.seed_ids["P1"]) & {i["id"] for i in instances(planner)}, "P1 did not drain"
-    assert "rfork: drained seed" in p1.log()
+    assert "drained seed" in p1.log()  # by the API server: vLLM SIGKILLed the worker
     items = transfers(planner)
     outcomes = sorted((t["outcome"], t["backend"]) for t in items)
     assert outcomes.count(("success", "tcp")) == 3  # seed0 -> A, A -> B, P1 -> P2

@@ -100,8 +100,11 @@ class RforkModelLoader(BaseModelLoader):
         self.become_seed()
         return model
 
-    def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
-        """Fill the freshly built model (called by `BaseModelLoader.load_model`, post-processing after)."""
+    def load_weights(self, model: Any, model_config: Any) -> None:
+        """Fill the freshly built model (called by `BaseModelLoader.load_model`, post-processing after).
+
+        `model` is a vLLM model: a torch module with vLLM's `load_weights(iterable of (name, tensor))`.
+        """
         if self._pulled is not None:
             loaded = model.load_weights(iter(self._pulled.state_dict(0).items()))
             if model_config.quantization is None and loaded is not None:
