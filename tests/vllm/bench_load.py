@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,8 @@ from rfork.weights.synthetic import config_for_size
 from tests.vllm.servers import NEW_TOKENS, PROMPT, cpu_env, write_vllm_tiny_llama
 
 _CHILD_MARK = "RFORK-BENCH-ROW "
+# rfork's own line for the pull (or disk read) inside the load: bytes, source, seconds
+_PULLED = re.compile(r"loaded 1 rank\(s\), (\d+) bytes, from (\S+) in ([0-9.]+) s")
 
 
 def drop_page_cache(model: Path) -> None:
@@ -104,6 +107,9 @@ def _run_row(model: Path, load_format: str, extra: dict[str, Any], log: Path, *,
             row: dict[str, Any] = json.loads(line[len(_CHILD_MARK):])
             if not hold:
                 proc.wait(timeout=600)
+            pulled = _PULLED.findall(log.read_text())
+            if pulled:
+                row["rfork_source"], row["rfork_pull_s"] = pulled[-1][1], float(pulled[-1][2])
             return row, proc
     proc.wait(timeout=60)
     raise RuntimeError(f"{load_format} row failed ({proc.returncode}):\n{log.read_text()[-4000:]}")
@@ -123,6 +129,7 @@ def run(size_mib: int, workdir: Path) -> dict[str, Any]:
 
     def add(name: str, row: dict[str, Any]) -> None:
         rows.append({"row": name, "get_model_s": round(row["get_model_s"], 4), "tokens": row["tokens"],
+                     "rfork_source": row.get("rfork_source"), "rfork_pull_s": row.get("rfork_pull_s"),
                      "load_average": round(os.getloadavg()[0], 2)})
 
     drop_page_cache(model)
@@ -176,9 +183,11 @@ def main() -> int:
         out = run(args.size_mib, Path(tmp))
     m = out["model"]
     print(f"model: hidden {m['hidden']}, {m['layers']} layers, {m['bytes'] / 1e6:.1f} MB (shared machine)")
-    print(f"{'row':<44} {'get_model s':>12} {'vs auto cold':>13} {'tokens=':>8} {'load avg':>9}")
+    print(f"{'row':<44} {'get_model s':>12} {'vs auto cold':>13} {'rfork pull s':>13} {'tokens=':>8} "
+          f"{'load avg':>9}")
     for r in out["rows"]:
-        print(f"{r['row']:<44} {r['get_model_s']:>12.3f} {r['vs_auto_cold']:>12.2f}x "
+        pull = "" if r["rfork_pull_s"] is None else f"{r['rfork_pull_s']:.3f} ({r['rfork_source']})"
+        print(f"{r['row']:<44} {r['get_model_s']:>12.3f} {r['vs_auto_cold']:>12.2f}x {pull:>13} "
               f"{str(r['tokens_equal_auto']):>8} {r['load_average']:>9.2f}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
