@@ -46,6 +46,23 @@ def write_vllm_tiny_llama(directory: Path, config: LlamaConfig = TINY) -> Path:
     return write_tiny_llama(directory, config=config)
 
 
+def write_bin_copy(model: Path, directory: Path) -> Path:
+    """The same model as a `pytorch_model.bin` (no safetensors: rfork cannot read it, vLLM can)."""
+    import shutil
+
+    import torch
+
+    from rfork.weights.checkpoint import load_state_dict
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for f in model.iterdir():
+        if f.suffix == ".json" and not f.name.endswith(".index.json"):
+            shutil.copy(f, directory / f.name)
+    tensors = {k: v.clone() for k, v in load_state_dict(model).items()}
+    torch.save(tensors, directory / "pytorch_model.bin")
+    return directory
+
+
 def cpu_server_args(model: Path, port: int) -> list[str]:
     """`vllm serve` arguments for a tiny model on a CPU-only machine (see ../shared/notes/vllm.md)."""
     return [
@@ -184,10 +201,11 @@ class ServerFleet:
         return self._start(name, argv, port)
 
     def start_rfork(self, name: str, *, planner_url: str, mode: str = "checkpoint",
-                    rfork_args: Sequence[str] = ()) -> VllmServer:
+                    rfork_args: Sequence[str] = (), model: Path | None = None) -> VllmServer:
         port = free_port()
         argv = [sys.executable, "-m", "rfork", "vllm", "--planner", planner_url, "--insecure-ok",
-                "--mode", mode, "--timeout", "3", *rfork_args, "--", *cpu_server_args(self.model, port)]
+                "--mode", mode, "--timeout", "3", *rfork_args, "--",
+                *cpu_server_args(model or self.model, port)]
         return self._start(name, argv, port)
 
     def _start(self, name: str, argv: list[str], port: int) -> VllmServer:

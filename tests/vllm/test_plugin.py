@@ -75,3 +75,29 @@ def test_bad_extra_config_is_refused_with_the_key(extra, needle):
     register()
     with pytest.raises(SettingsError, match=needle):
         get_model_loader(LoadConfig(load_format="rfork", model_loader_extra_config=extra))
+
+
+def test_parameters_mode_does_not_serve_parameters_the_post_load_steps_changed_in_place(caplog, monkeypatch):
+    """The seed's digests are taken before vLLM's post-load steps; if a step rewrote a parameter in
+    place, serving it would hand out post-processed bytes as loaded ones: the seed is not published."""
+    import logging
+
+    import torch
+    from vllm.config.load import LoadConfig
+
+    from rfork.identity import SourceIdentity
+    from rfork.integrations.vllm.model_loader import LoadOutcome, RforkModelLoader
+    from rfork.weights.rank_weights import RankWeights
+
+    extra = {"planner_url": "http://127.0.0.1:9", "mode": "parameters"}
+    loader = RforkModelLoader(LoadConfig(load_format="rfork", model_loader_extra_config=extra))
+    weight = torch.ones(8, 8, dtype=torch.bfloat16)
+    served = RankWeights.from_tensors(rank=0, tensors={"layer.weight": weight})
+    served.compute_checksums()
+    ident = SourceIdentity(model="m", revision="main", fingerprint="f", dtype="bfloat16", framework="vllm")
+    loader.outcome = LoadOutcome(source="disk", identity=ident, served=served)
+    weight.mul_(2)  # what an in-place post-load step would do
+    monkeypatch.setattr(logging.getLogger("rfork"), "propagate", True)  # the plugin's handler stops it
+    with caplog.at_level(logging.WARNING, logger="rfork"):
+        assert loader.become_seed() is None
+    assert "changed the loaded parameters in place" in caplog.text

@@ -6,7 +6,10 @@ Order (each step needs the ones before; servers start in pairs where independent
      beside it P1 in parameters mode finds no parameters seed and fills its parameters from disk;
   3. P2 pulls straight into its parameters from P1; beside it, after A and B were SIGKILLed (still
      READY in the planner), C fails over across both dead seeds and loads from disk;
-  4. SIGTERM drains P1; `/v1/transfers` shows every pull, failures included.
+  4. SIGTERM drains P1; `/v1/transfers` shows every pull, failures included;
+  5. P2 is SIGKILLed: P3 (parameters mode) fails over the dead seed and vLLM's disk loader fills its
+     parameters; beside it D (checkpoint mode) gets a `.bin` copy rfork cannot read and loads with
+     vLLM's DefaultModelLoader.
 Every server's generated tokens equal the `auto` server's for the same prompt.
 """
 
@@ -160,6 +163,24 @@ def test_4_sigterm_drains_and_transfers_tell_the_story(server_fleet, planner, fl
     outcomes = sorted((t["outcome"], t["backend"]) for t in items)
     assert outcomes.count(("success", "tcp")) == 3  # seed0 -> A, A -> B, P1 -> P2
     assert sum(1 for o, _ in outcomes if o == "failure") >= 2
+
+
+def test_5_parameters_failover_to_disk_and_vllms_own_loader(
+    server_fleet, planner, flow, tiny_model, tmp_path
+):
+    from tests.vllm.servers import write_bin_copy
+
+    flow.servers["P2"].kill()  # the last parameters seed dies without draining
+    (p2_id,) = ids_by_framework(planner, "vllm")
+    p3 = server_fleet.start_rfork("P3", planner_url=planner.url, mode="parameters")
+    bin_model = write_bin_copy(tiny_model, tmp_path / "bin")
+    d = server_fleet.start_rfork("D", planner_url=planner.url, model=bin_model)
+    flow.servers.update(P3=p3.wait_ready(), D=d.wait_ready())
+    assert p3.generate() == flow.reference
+    assert d.generate() == flow.reference
+    assert "vLLM's disk loader fills the parameters" in p3.log()
+    assert [t["outcome"] for t in transfers(planner) if t["seed_id"] == p2_id] == ["failure"]
+    assert "loading with vLLM's default loader: no local safetensors checkpoint" in d.log()
     _record_load_times(flow)
 
 
