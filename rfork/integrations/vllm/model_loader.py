@@ -155,6 +155,7 @@ class RforkModelLoader(BaseModelLoader):
         rank = _global_rank(self._vllm_config)
         identity = self._parameters_identity(model_config, params)
         source, nbytes, reason = "disk", 0, None
+        served: RankWeights | None = None
         if self.settings.planner_url is None:
             reason = "no planner URL"
         else:
@@ -169,15 +170,17 @@ class RforkModelLoader(BaseModelLoader):
                         options=self._options(),
                     )
                 source, nbytes = result.source, result.bytes
+                served = result.weights.get(rank)  # these parameters, digests verified by the pull
                 result.close()
             except Exception as exc:  # noqa: BLE001 - the parameters are undefined now: disk rewrites all
                 reason = str(exc) or type(exc).__name__
         if reason is not None:
             log.info("rfork: parameters mode: vLLM's disk loader fills the parameters: %s", reason)
             self._default_loader().load_weights(model, model_config)
-        served = RankWeights.from_tensors(rank=rank, tensors=params)
-        served.origin = "disk" if reason is not None else "peer"
-        served.compute_checksums()  # before the post-load steps, which may replace or repack them
+        if served is None:
+            served = RankWeights.from_tensors(rank=rank, tensors=params)
+            served.origin = "disk"
+        served.compute_checksums()  # before the post-load steps (a pull's verified digests are kept)
         self.outcome = LoadOutcome(
             source=source, bytes=nbytes, identity=identity, rank=rank, served=served, reason=reason
         )
