@@ -87,6 +87,7 @@ class RforkModelLoader(BaseModelLoader):
             return self._fallback(vllm_config, model_config, prefix, t0, f"rfork load failed: {exc}")
         finally:
             self._pulled = None
+            self._vllm_config = None  # a later load_weights (vLLM reloading weights) reads the disk
         assert self.outcome is not None
         self.outcome.seconds = time.perf_counter() - t0
         log.info(
@@ -113,7 +114,9 @@ class RforkModelLoader(BaseModelLoader):
         if self.settings.mode == "parameters" and self._vllm_config is not None:
             self._load_parameters(model, model_config)
             return
-        # vLLM calling load_weights on its own (a weight reload): from disk, as vLLM would
+        # vLLM calling load_weights on its own (a weight reload): from disk, as vLLM would. A seed
+        # serving these parameters in place then serves new bytes under old digests: its readers'
+        # digest checks fail and they fail over, so nobody loads them.
         self._default_loader().load_weights(model, model_config)
 
     # --- modes
