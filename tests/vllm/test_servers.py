@@ -9,7 +9,9 @@ Order (each step needs the ones before; servers start in pairs where independent
   4. SIGTERM drains P1; `/v1/transfers` shows every pull, failures included;
   5. P2 is SIGKILLed: P3 (parameters mode) fails over the dead seed and vLLM's disk loader fills its
      parameters; beside it D (checkpoint mode) gets a `.bin` copy rfork cannot read and loads with
-     vLLM's DefaultModelLoader.
+     vLLM's DefaultModelLoader;
+  6. a `vllm.LLM` pulls from C, then vLLM's `load_weights` rejects the tensors (an unknown one is
+     injected): vLLM's disk loader fills the same model.
 Every server's generated tokens equal the `auto` server's for the same prompt.
 """
 
@@ -197,3 +199,44 @@ def _record_load_times(flow: Flow) -> None:
         Path(path).write_text(json.dumps({"load_model_s": figures, "ready_s": ready}, indent=1))
     print("rfork load_model seconds:", figures)
     print("seconds to ready:", ready)
+
+
+_UNDIGESTIBLE_PULL = """
+import json, sys, torch
+from rfork.pull.result import LoadResult
+
+state_dict = LoadResult.state_dict
+
+def with_an_unknown_tensor(self, rank=0):  # fault injection (test-only): a tensor vLLM has no place for
+    return {**state_dict(self, rank), "model.layers.0.mlp.bogus.weight": torch.zeros(2, dtype=torch.bfloat16)}
+
+LoadResult.state_dict = with_an_unknown_tensor
+from tests.vllm.bench_load import child
+child(sys.argv[1], "rfork", json.loads(sys.argv[2]), False)
+"""
+
+
+def test_6_tensors_vllm_cannot_digest_end_in_its_default_loader(planner, flow, tiny_model, tmp_path):
+    """`vllm.LLM` in one process pulls from C, then vLLM's `load_weights` rejects the pulled tensors
+    (an unknown one is injected): vLLM's disk loader fills the same model, the tokens are the reference."""
+    import subprocess
+    import sys
+
+    from tests.vllm.bench_load import _CHILD_MARK
+    from tests.vllm.servers import cpu_env
+
+    script = tmp_path / "undigestible.py"
+    script.write_text(_UNDIGESTIBLE_PULL)
+    extra = {"planner_url": planner.url, "mode": "checkpoint", "serve": False, "transfer_timeout_s": 3}
+    before = {t["id"] for t in transfers(planner)}
+    out = subprocess.run(
+        [sys.executable, str(script), str(tiny_model), json.dumps(extra)],
+        capture_output=True, text=True, timeout=900, env=cpu_env(), check=False,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    (row,) = [json.loads(line[len(_CHILD_MARK):]) for line in out.stdout.splitlines()
+              if line.startswith(_CHILD_MARK)]
+    assert row["tokens"] == flow.reference
+    assert "loading with vLLM's default loader: vLLM's load_weights failed on the pulled" in out.stderr
+    pulled = [t for t in transfers(planner) if t["id"] not in before]
+    assert [t["outcome"] for t in pulled] == ["success"]  # the pull itself went fine

@@ -68,6 +68,7 @@ class RforkModelLoader(BaseModelLoader):
         self.seed: Seed | None = None
         self._pulled: LoadResult | None = None  # checkpoint mode: what load_weights feeds the model
         self._vllm_config: Any = None
+        self._built = False  # vLLM registers layer names when a model is built: never build twice
 
     # --- vLLM's loader interface
 
@@ -84,6 +85,8 @@ class RforkModelLoader(BaseModelLoader):
                     return self._fallback(vllm_config, model_config, prefix, t0, reason)
             model = super().load_model(vllm_config, model_config, prefix)
         except Exception as exc:  # noqa: BLE001 - every failure ends in vLLM's own loader
+            if self._built:  # a second model would clash with the first's layer names: vLLM's error
+                raise
             return self._fallback(vllm_config, model_config, prefix, t0, f"rfork load failed: {exc}")
         finally:
             self._pulled = None
@@ -101,15 +104,25 @@ class RforkModelLoader(BaseModelLoader):
         self.become_seed()
         return model
 
+    def create_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> torch.nn.Module:
+        self._built = True
+        return super().create_model(vllm_config, model_config, prefix)
+
     def load_weights(self, model: Any, model_config: Any) -> None:
         """Fill the freshly built model (called by `BaseModelLoader.load_model`, post-processing after).
 
         `model` is a vLLM model: a torch module with vLLM's `load_weights(iterable of (name, tensor))`.
         """
         if self._pulled is not None:
-            loaded = model.load_weights(iter(self._pulled.state_dict(0).items()))
-            if model_config.quantization is None and loaded is not None:
-                self._default_loader().track_weights_loading(model, loaded)  # every parameter written
+            try:
+                loaded = model.load_weights(iter(self._pulled.state_dict(0).items()))
+                if model_config.quantization is None and loaded is not None:
+                    self._default_loader().track_weights_loading(model, loaded)  # every parameter set
+            except Exception as exc:  # noqa: BLE001 - tensors vLLM cannot digest: its own disk loader
+                reason = f"vLLM's load_weights failed on the pulled tensors: {exc!r}"
+                log.info("rfork: loading with vLLM's default loader: %s", reason)
+                self._default_loader().load_weights(model, model_config)  # rewrites every parameter
+                self.outcome = LoadOutcome(source="vllm-default", reason=reason)  # nothing to serve
             return
         if self.settings.mode == "parameters" and self._vllm_config is not None:
             self._load_parameters(model, model_config)
