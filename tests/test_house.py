@@ -18,7 +18,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("rfork", "backends", "planner", "migrations")
 # may import project code inside functions: `rfork --help` and SGLang's processes import them at start-up
-EDGES = ("rfork/cli/", "rfork/bench/", "rfork/simulate/scale_out.py", "rfork/integrations/sglang/")
+EDGES = (
+    "rfork/cli/",
+    "rfork/bench/",
+    "rfork/simulate/scale_out.py",
+    "rfork/integrations/sglang/",
+    "rfork/integrations/vllm/",
+)
 ALLOWED_ARROWS = {
     "rfork": {"rfork", "planner", "backends"},
     "backends": {"backends"},

@@ -25,7 +25,7 @@ from rfork.bench import planner as bench_planner
 from rfork.bench import rl as bench_rl
 from rfork.bench import scale_out as bench_scale_out
 from rfork.bench import transport as bench_transport
-from rfork.cli import demo, digest, load, planner_migrate, planner_serve, seed, sglang
+from rfork.cli import demo, digest, load, planner_migrate, planner_serve, seed, sglang, vllm
 from rfork.simulate import scale_out as simulate_scale_out
 
 # (command path, implementing module). Groups ("planner", "bench") are created on the way.
@@ -37,6 +37,7 @@ COMMANDS: tuple[tuple[tuple[str, ...], ModuleType], ...] = (
     (("demo",), demo),
     (("digest",), digest),
     (("sglang",), sglang),
+    (("vllm",), vllm),
     (("bench", "transport"), bench_transport),
     (("bench", "cold-start"), bench_cold_start),
     (("bench", "planner"), bench_planner),

@@ -72,7 +72,7 @@ def flag_values(args: Sequence[str], flag: str) -> list[str]:
     return out
 
 
-def _without_flag(args: Sequence[str], flag: str) -> list[str]:
+def without_flag(args: Sequence[str], flag: str) -> list[str]:
     out: list[str] = []
     skip = False
     for word in args:
@@ -151,7 +151,7 @@ def build_command(
             raise LaunchError(f"--model-loader-extra-config is not a JSON object: {exc}") from exc
     extra.update(settings.to_extra_config())
     HookSettings.resolve(extra, {})  # the same check the server will run, before anything starts
-    rest = _without_flag(_without_flag(rest, "--load-format"), "--model-loader-extra-config")
+    rest = without_flag(without_flag(rest, "--load-format"), "--model-loader-extra-config")
     argv = [*command, *rest, "--load-format", "rfork", "--model-loader-extra-config", json.dumps(extra)]
     env = dict(environ)
     plugins = [p for p in env.get("SGLANG_PLUGINS", "").split(",") if p.strip()]

@@ -1,7 +1,8 @@
 """Hook settings: `--model-loader-extra-config` keys first, then `RFORK_*` variables, then defaults.
 
-The planner token comes only from `$RFORK_TOKEN`: SGLang logs its whole argument list at startup, so a
-token in the extra config would end up in every log; it is refused with a message saying so.
+The planner token comes only from `$RFORK_TOKEN`: SGLang and vLLM log their whole argument list at
+startup, so a token in the extra config would end up in every log; it is refused with a message saying so.
+The vLLM hook uses these same settings (its DefaultModelLoader takes the same pass-through keys).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 from rfork.errors import RforkError
 
 MODES = ("checkpoint", "parameters")
-# Keys SGLang's DefaultModelLoader accepts in the extra config; handed to it when rfork falls back.
+# Keys SGLang's and vLLM's DefaultModelLoader accept in the extra config; passed on when rfork falls back.
 DEFAULT_LOADER_KEYS = frozenset({"enable_multithread_load", "num_threads"})
 # extra-config key -> environment variable
 ENV_FOR_KEY = {
@@ -63,7 +64,7 @@ class HookSettings:
         extra = dict(extra_config or {})
         if "token" in extra:
             raise SettingsError(
-                "do not put the planner token in --model-loader-extra-config (SGLang logs its "
+                "do not put the planner token in --model-loader-extra-config (the server logs its "
                 f"arguments); set ${TOKEN_ENV} instead"
             )
         unknown = set(extra) - set(ENV_FOR_KEY) - DEFAULT_LOADER_KEYS

