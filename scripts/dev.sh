@@ -243,9 +243,12 @@ ensure_vllm_env() {
 start_vllm_prefetch() {
   VLLM_PREFETCH_LOG=$(mktemp "${TMPDIR:-/tmp}/rfork-vllm-install.XXXXXX")
   log "installing vLLM into $VLLM_VENV in the background (log: $VLLM_PREFETCH_LOG)"
+  local after=${SGLANG_PREFETCH_PID:-}
   (
     renice -n 19 -p "$BASHPID" >/dev/null 2>&1 || true
     ionice -c 3 -p "$BASHPID" >/dev/null 2>&1 || true
+    # one install at a time: two at once slow the fast suite beside them more than one does
+    while [ -n "$after" ] && kill -0 "$after" 2>/dev/null; do sleep 2; done
     prefetch_vllm_env
   ) >"$VLLM_PREFETCH_LOG" 2>&1 &
   VLLM_PREFETCH_PID=$!

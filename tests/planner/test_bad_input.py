@@ -119,7 +119,7 @@ def test_schemathesis_all_checks_with_stateful_links(sqlite_url, tmp_path):
                 "-H",
                 "Authorization: Bearer st-admin",
                 "--max-examples",
-                "12",
+                "8",
                 "--workers",
                 "1",
                 "--seed",

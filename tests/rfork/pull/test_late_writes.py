@@ -91,7 +91,7 @@ def test_a_stalled_seed_cannot_write_into_weights_verified_elsewhere(fleet, medi
         assert [x.instance_id for x in result.attempts if x.ok] == b_ids
         assert_same(dest, expected)
         os.kill(a.proc.pid, signal.SIGCONT)  # A wakes up and answers the old reads
-        time.sleep(4.0)
+        time.sleep(2.0)
         assert_same(dest, expected)
         result.close()
     finally:
@@ -124,7 +124,7 @@ def test_a_stalled_seed_cannot_write_into_weights_read_from_disk_after_it(fleet,
         assert result.source == "disk"
         assert_same(dest, expected)
         os.kill(a.proc.pid, signal.SIGCONT)
-        time.sleep(4.0)
+        time.sleep(2.0)
         assert_same(dest, expected)
         result.close()
     finally:
