@@ -239,4 +239,8 @@ def test_6_tensors_vllm_cannot_digest_end_in_its_default_loader(planner, flow, t
     assert row["tokens"] == flow.reference
     assert "loading with vLLM's default loader: vLLM's load_weights failed on the pulled" in out.stderr
     pulled = [t for t in transfers(planner) if t["id"] not in before]
-    assert [t["outcome"] for t in pulled] == ["success"]  # the pull itself went fine
+    # the pull itself went fine: one success. Before it the planner may still offer A and B, which
+    # step 3 SIGKILLed (the long TTL keeps them READY, and their quarantine may have run out on a
+    # slow machine): those attempts fail on the transport, nothing else may
+    assert [t["outcome"] for t in pulled].count("success") == 1, pulled
+    assert all(t["reason"] == "transport" for t in pulled if t["outcome"] == "failure"), pulled
