@@ -69,7 +69,7 @@ def test_bad_extra_config_is_refused_with_the_key(extra, needle):
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader import get_model_loader
 
-    from rfork.integrations.sglang.settings import SettingsError
+    from rfork.integrations.hook.settings import SettingsError
     from rfork.integrations.vllm.plugin import register
 
     register()

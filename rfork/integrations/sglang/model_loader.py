@@ -20,7 +20,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,13 +32,13 @@ from sglang.srt.model_loader.loader import (
 )
 from sglang.srt.model_loader.utils import set_default_torch_dtype
 
-from rfork.errors import CheckpointError
 from rfork.identity import SourceIdentity
-from rfork.integrations.sglang.identity import checkpoint_identity, parameters_identity
-from rfork.integrations.sglang.serving import keep_signal_handlers, publish_seed
-from rfork.integrations.sglang.settings import HookSettings, default_loader_extra
+from rfork.integrations.hook import drain
+from rfork.integrations.hook.identity import checkpoint_identity, parameters_identity
+from rfork.integrations.hook.local_model import local_checkpoint, model_name
+from rfork.integrations.hook.serving import keep_signal_handlers, start_seed
+from rfork.integrations.hook.settings import HookSettings, default_loader_extra
 from rfork.pull.loader import load, pull_into
-from rfork.pull.result import LoadOptions
 from rfork.seed.seed import Seed
 from rfork.weights.rank_weights import RankWeights
 
@@ -83,7 +82,7 @@ class RforkModelLoader(BaseModelLoader):
     def _load_checkpoint(self, model_config: Any, device_config: Any) -> torch.nn.Module:
         t0 = time.perf_counter()
         target = torch.device(device_config.device)
-        info = _local_checkpoint(model_config.model_path)
+        info = local_checkpoint(model_config.model_path)
         if info is None:
             return self._fallback(model_config, device_config, t0, "no local safetensors checkpoint")
         identity = checkpoint_identity(info, model=self.settings.model, revision=self.settings.revision)
@@ -95,7 +94,7 @@ class RforkModelLoader(BaseModelLoader):
                     token=self.settings.token,
                     checkpoint=info,
                     ranks=[0],
-                    options=self._options(),
+                    options=self.settings.load_options(),
                 )
         except Exception as exc:  # noqa: BLE001 - every failure ends in SGLang's own loader
             return self._fallback(model_config, device_config, t0, f"rfork load failed: {exc}")
@@ -163,7 +162,7 @@ class RforkModelLoader(BaseModelLoader):
                 token=self.settings.token,
                 tensors=params,
                 rank=rank,
-                options=self._options(),
+                options=self.settings.load_options(),
             )
         try:
             return result.bytes, result.source
@@ -192,28 +191,15 @@ class RforkModelLoader(BaseModelLoader):
                 if self.outcome.served is None or self.outcome.identity is None:
                     return None
                 identity, weights = self.outcome.identity, self.outcome.served
-            self.seed = publish_seed(
-                weights=[weights],
-                identity=identity,
-                planner_url=s.planner_url,
-                token=s.token,
-                providers=s.providers,
-                transfer_timeout_s=s.transfer_timeout_s,
-            )
+            self.seed = start_seed(weights=[weights], identity=identity, settings=s)
+            # SGLang SIGKILLs its schedulers: its main process drains what they published
+            drain.record_publications(self.seed, planner_url=s.planner_url)
         except Exception as exc:  # noqa: BLE001 - the server runs fine without being a seed
             log.warning("rfork: could not become a seed: %s", exc, exc_info=True)
             return None
         return self.seed
 
     # --- helpers
-
-    def _options(self) -> LoadOptions:
-        return LoadOptions(
-            providers=self.settings.providers,
-            transfer_timeout_s=self.settings.transfer_timeout_s,
-            become_seed=False,
-            pull_torch_threads=None,
-        )
 
     def _build(self, model_config: Any, target: torch.device) -> torch.nn.Module:
         quant_config = _get_quantization_config(model_config, self.load_config)
@@ -252,7 +238,9 @@ class RforkModelLoader(BaseModelLoader):
 
         par = _parallel()
         return parameters_identity(
-            model=self.settings.model or _model_name(model_config),
+            framework="sglang",
+            framework_version=str(sglang.__version__),
+            model=self.settings.model or model_name(model_config, model_config.model_path),
             revision=self.settings.revision if model_config.revision is None else str(model_config.revision),
             tensors=params,
             dtype=model_config.dtype,
@@ -261,31 +249,8 @@ class RforkModelLoader(BaseModelLoader):
             pp=par["pp"],
             ep=par["ep"],
             dp=par["dp"],
-            framework_version=str(sglang.__version__),
             device=device,
         )
-
-
-def _local_checkpoint(model_path: str) -> Any | None:
-    """rfork's view of a local safetensors checkpoint (headers only), or None."""
-    # imported here: SGLang imports the plugin in each of its processes (start-up time)
-    from rfork.weights.checkpoint import read_checkpoint_info
-
-    path = Path(model_path)
-    if not path.is_dir():
-        return None
-    try:
-        info = read_checkpoint_info(path)
-    except (CheckpointError, OSError, ValueError) as exc:
-        log.info("rfork: %s is not a checkpoint rfork can read: %s", path, exc)
-        return None
-    return info if info.tensors else None
-
-
-def _model_name(model_config: Any) -> str:
-    hf = getattr(model_config, "hf_config", None)
-    name = getattr(hf, "_name_or_path", None) or model_config.model_path
-    return Path(str(name)).name or str(name)
 
 
 def _parallel() -> dict[str, int]:

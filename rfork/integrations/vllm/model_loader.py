@@ -27,18 +27,17 @@ import dataclasses
 import logging
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from rfork.integrations.sglang.settings import HookSettings, default_loader_extra
+from rfork.integrations.hook.settings import HookSettings, default_loader_extra
 
 if TYPE_CHECKING:
     from rfork.identity import SourceIdentity
-    from rfork.pull.result import LoadOptions, LoadResult
+    from rfork.pull.result import LoadResult
     from rfork.seed.seed import Seed
     from rfork.weights.rank_weights import RankWeights
 
@@ -137,11 +136,12 @@ class RforkModelLoader(BaseModelLoader):
     def _pull_checkpoint(self, model_config: Any) -> str | None:
         """Pull (or read) the checkpoint tensors for load_weights; the fallback reason, else None."""
         # imported here: vLLM imports the plugin in each of its processes (start-up time)
-        from rfork.integrations.sglang.identity import checkpoint_identity
-        from rfork.integrations.sglang.serving import keep_signal_handlers
+        from rfork.integrations.hook.identity import checkpoint_identity
+        from rfork.integrations.hook.local_model import local_checkpoint
+        from rfork.integrations.hook.serving import keep_signal_handlers
         from rfork.pull.loader import load
 
-        info = _local_checkpoint(model_config.model)
+        info = local_checkpoint(model_config.model)
         if info is None:
             return "no local safetensors checkpoint"
         identity = checkpoint_identity(info, model=self.settings.model, revision=self.settings.revision)
@@ -152,7 +152,7 @@ class RforkModelLoader(BaseModelLoader):
                 token=self.settings.token,
                 checkpoint=info,
                 ranks=[0],
-                options=self._options(),
+                options=self.settings.load_options(),
             )
         self._pulled = result
         self.outcome = LoadOutcome(
@@ -163,7 +163,7 @@ class RforkModelLoader(BaseModelLoader):
     def _load_parameters(self, model: torch.nn.Module, model_config: Any) -> None:
         """Pull this rank's loaded parameters in place; no source or a failed pull: vLLM's disk loader."""
         # imported here: vLLM imports the plugin in each of its processes (start-up time)
-        from rfork.integrations.sglang.serving import keep_signal_handlers
+        from rfork.integrations.hook.serving import keep_signal_handlers
         from rfork.pull.loader import pull_into
         from rfork.weights.rank_weights import RankWeights
 
@@ -183,7 +183,7 @@ class RforkModelLoader(BaseModelLoader):
                         token=self.settings.token,
                         tensors=params,
                         rank=rank,
-                        options=self._options(),
+                        options=self.settings.load_options(),
                     )
                 source, nbytes = result.source, result.bytes
                 served = result.weights.get(rank)  # these parameters, digests verified by the pull
@@ -212,25 +212,14 @@ class RforkModelLoader(BaseModelLoader):
             return self.seed
         # imported here: vLLM imports the plugin in each of its processes (start-up time)
         from rfork.errors import ChecksumMismatch
-        from rfork.integrations.sglang.serving import keep_signal_handlers
+        from rfork.integrations.hook.serving import start_seed
         from rfork.integrations.vllm.lifecycle import drain_at_exit
-        from rfork.seed.seed import Seed
 
         try:
             if s.mode == "parameters":
                 # the post-load steps must have left the loaded parameters as they were: recheck
                 out.served.verify(dict(out.served.checksums))
-            one_sided = [p for p in s.providers if p != "nccl"] or ["tcp"]
-            seed = Seed(
-                weights=[out.served],
-                identity=out.identity,
-                planner_url=s.planner_url,
-                providers=one_sided,
-                token=s.token,
-                timeout_s=s.transfer_timeout_s,
-            )
-            with keep_signal_handlers():
-                seed.start()
+            seed = start_seed(weights=[out.served], identity=out.identity, settings=s)
         except ChecksumMismatch as exc:
             log.warning(
                 "rfork: vLLM's post-load steps changed the loaded parameters in place (%s); "
@@ -243,22 +232,9 @@ class RforkModelLoader(BaseModelLoader):
             return None
         self.seed = seed
         drain_at_exit(seed, planner_url=s.planner_url)
-        ids = ",".join(seed.instance_ids)
-        log.info("rfork: serving as seed %s (identity %s)", ids, out.identity.key()[:12])
         return seed
 
     # --- helpers
-
-    def _options(self) -> LoadOptions:
-        # imported here: vLLM imports the plugin in each of its processes (start-up time)
-        from rfork.pull.result import LoadOptions
-
-        return LoadOptions(
-            providers=self.settings.providers,
-            transfer_timeout_s=self.settings.transfer_timeout_s,
-            become_seed=False,
-            pull_torch_threads=None,
-        )
 
     def _default_loader(self) -> DefaultModelLoader:
         config = dataclasses.replace(
@@ -286,13 +262,16 @@ class RforkModelLoader(BaseModelLoader):
         import vllm
 
         # imported here: vLLM imports the plugin in each of its processes (start-up time)
-        from rfork.integrations.vllm.identity import parameters_identity
+        from rfork.integrations.hook.identity import parameters_identity
+        from rfork.integrations.hook.local_model import model_name
 
         par = self._vllm_config.parallel_config
         tp, pp, dp = par.tensor_parallel_size, par.pipeline_parallel_size, par.data_parallel_size
         device = next(iter(params.values())).device if params else torch.device("cpu")
         return parameters_identity(
-            model=self.settings.model or _model_name(model_config),
+            framework="vllm",
+            framework_version=str(vllm.__version__),
+            model=self.settings.model or model_name(model_config, model_config.model),
             revision=self.settings.revision if model_config.revision is None else str(model_config.revision),
             tensors=params,
             dtype=model_config.dtype,
@@ -301,32 +280,8 @@ class RforkModelLoader(BaseModelLoader):
             pp=pp,
             ep=tp * dp if getattr(par, "enable_expert_parallel", False) else 1,
             dp=dp,
-            framework_version=str(vllm.__version__),
             device=device,
         )
-
-
-def _local_checkpoint(model_path: str) -> Any | None:
-    """rfork's view of a local safetensors checkpoint (headers only), or None."""
-    # imported here: vLLM imports the plugin in each of its processes (start-up time)
-    from rfork.errors import CheckpointError
-    from rfork.weights.checkpoint import read_checkpoint_info
-
-    path = Path(model_path)
-    if not path.is_dir():
-        return None
-    try:
-        info = read_checkpoint_info(path)
-    except (CheckpointError, OSError, ValueError) as exc:
-        log.info("rfork: %s is not a checkpoint rfork can read: %s", path, exc)
-        return None
-    return info if info.tensors else None
-
-
-def _model_name(model_config: Any) -> str:
-    hf = getattr(model_config, "hf_config", None)
-    name = getattr(hf, "_name_or_path", None) or model_config.model
-    return Path(str(name)).name or str(name)
 
 
 def _global_rank(vllm_config: Any) -> int:

@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 
 from rfork import LoadOptions, load
 from rfork.cli import sglang as launcher
-from rfork.integrations.sglang import lifecycle
-from rfork.integrations.sglang.identity import parameters_fingerprint, parameters_identity
-from rfork.integrations.sglang.serving import publish_seed
-from rfork.integrations.sglang.settings import HookSettings, SettingsError, default_loader_extra
+from rfork.integrations.hook import drain
+from rfork.integrations.hook.identity import parameters_fingerprint, parameters_identity
+from rfork.integrations.hook.serving import start_seed
+from rfork.integrations.hook.settings import HookSettings, SettingsError, default_loader_extra
 from rfork.weights.rank_weights import RankWeights
 from tests.rfork.conftest import ADMIN, AUTH, REGISTER, SMALL
 from tests.tiny_llama import LlamaForCausalLM
@@ -254,6 +254,7 @@ def test_parameters_identity_tracks_shapes_and_layout():
 
     def ident(tp: int):
         return parameters_identity(
+            framework="sglang",
             model="m",
             revision="r",
             tensors=a,
@@ -278,12 +279,13 @@ def test_parameters_identity_tracks_shapes_and_layout():
 def test_parameters_served_in_place_are_pulled_bit_identical_then_drained(tmp_path, planner, monkeypatch):
     from planner.client import PlannerClient
 
-    monkeypatch.setenv(lifecycle.RUN_DIR_ENV, str(tmp_path / "run"))
+    monkeypatch.setenv(drain.RUN_DIR_ENV, str(tmp_path / "run"))
     model = LlamaForCausalLM(SMALL)
     params = dict(model.named_parameters())
     ptrs = {n: p.data_ptr() for n, p in params.items()}
     weights = RankWeights.from_tensors(rank=0, tensors=params)  # served where they live, no copy
     ident = parameters_identity(
+        framework="sglang",
         model="small",
         revision="main",
         tensors=params,
@@ -296,14 +298,9 @@ def test_parameters_served_in_place_are_pulled_bit_identical_then_drained(tmp_pa
         framework_version="test",
         device="cpu",
     )
-    seed = publish_seed(
-        weights=[weights],
-        identity=ident,
-        planner_url=planner,
-        token=REGISTER,
-        providers=["tcp"],
-        transfer_timeout_s=3.0,
-    )
+    settings = HookSettings(planner_url=planner, token=REGISTER, providers=("tcp",), transfer_timeout_s=3.0)
+    seed = start_seed(weights=[weights], identity=ident, settings=settings)  # as the SGLang hook does
+    drain.record_publications(seed, planner_url=planner)
     try:
         records = list((tmp_path / "run").glob("*.json"))
         assert [r.stem for r in records] == seed.instance_ids
@@ -323,7 +320,7 @@ def test_parameters_served_in_place_are_pulled_bit_identical_then_drained(tmp_pa
             result.close()
         with PlannerClient(planner, token=ADMIN) as client:
             assert client.list_instances(status="READY").total == 1
-            assert lifecycle.drain_recorded() == 1
+            assert drain.drain_recorded() == 1
             assert client.list_instances().total == 0
         assert not (tmp_path / "run").exists()
     finally:
@@ -333,20 +330,20 @@ def test_parameters_served_in_place_are_pulled_bit_identical_then_drained(tmp_pa
 def test_only_a_root_process_arms_the_drain(tmp_path):
     code = (
         "import multiprocessing as mp, os\n"
-        "from rfork.integrations.sglang import lifecycle\n"
+        "from rfork.integrations.hook import drain\n"
         "def child(q):\n"
-        "    q.put((lifecycle.arm_drain_in_main_process(), os.environ.get(lifecycle.RUN_DIR_ENV)))\n"
+        "    q.put((drain.arm_drain_in_main_process(), os.environ.get(drain.RUN_DIR_ENV)))\n"
         "if __name__ == '__main__':\n"
-        "    armed = lifecycle.arm_drain_in_main_process()\n"
+        "    armed = drain.arm_drain_in_main_process()\n"
         "    q = mp.get_context('spawn').Queue()\n"
         "    p = mp.get_context('spawn').Process(target=child, args=(q,)); p.start()\n"
         "    c_armed, c_dir = q.get(timeout=60); p.join(60)\n"
-        "    print(armed, c_armed, c_dir == os.environ[lifecycle.RUN_DIR_ENV])\n"
+        "    print(armed, c_armed, c_dir == os.environ[drain.RUN_DIR_ENV])\n"
     )
     script = tmp_path / "arm.py"
     script.write_text(code)
     env = {**os.environ, "PYTHONPATH": str(Path.cwd())}
-    env.pop(lifecycle.RUN_DIR_ENV, None)
+    env.pop(drain.RUN_DIR_ENV, None)
     out = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env, check=False
     )

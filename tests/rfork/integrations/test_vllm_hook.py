@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from rfork.cli import vllm as launcher
-from rfork.integrations.sglang.identity import parameters_identity as sglang_parameters_identity
-from rfork.integrations.vllm.identity import parameters_identity
+from rfork.integrations.hook.drain import RUN_DIR_ENV
+from rfork.integrations.hook.identity import parameters_identity
 from tests.rfork.conftest import ADMIN, REGISTER
 
 
@@ -123,13 +123,13 @@ def test_a_vllm_parameters_identity_never_equals_an_sglang_one():
         "model": "m", "revision": "main", "tensors": tensors, "dtype": torch.bfloat16, "quantization": None,
         "tp": 1, "pp": 1, "ep": 1, "dp": 1, "framework_version": "0.32.0", "device": "cpu",
     }
-    ours = parameters_identity(**common)
+    ours = parameters_identity(framework="vllm", **common)
     assert (ours.framework, ours.framework_version, ours.quantization) == ("vllm", "0.32.0", "none")
-    assert ours.key() != sglang_parameters_identity(**common).key()
-    assert ours.key() != parameters_identity(**{**common, "tp": 2}).key()
-    assert ours.key() != parameters_identity(**{**common, "quantization": "fp8"}).key()
+    assert ours.key() != parameters_identity(framework="sglang", **common).key()
+    assert ours.key() != parameters_identity(framework="vllm", **{**common, "tp": 2}).key()
+    assert ours.key() != parameters_identity(framework="vllm", **{**common, "quantization": "fp8"}).key()
     bigger = {"w": torch.zeros(8, 8, dtype=torch.bfloat16)}
-    assert ours.key() != parameters_identity(**{**common, "tensors": bigger}).key()
+    assert ours.key() != parameters_identity(framework="vllm", **{**common, "tensors": bigger}).key()
 
 
 # ------------------------------------------------------------------------------------ draining
@@ -156,8 +156,8 @@ def engine(planner, ready):
         time.sleep(0.1)
 
 if __name__ == "__main__":
-    from rfork.integrations.vllm.lifecycle import arm_root_process
-    assert arm_root_process()  # as the plugin does in vLLM's API server
+    from rfork.integrations.hook.drain import arm_drain_in_main_process
+    assert arm_drain_in_main_process()  # as the plugin does in vLLM's API server
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     p = ctx.Process(target=engine, args=(sys.argv[1], ready))
@@ -203,7 +203,7 @@ def test_the_root_process_drains_the_seed_of_a_sigkilled_worker(tmp_path: Path, 
     script = tmp_path / "engine.py"
     script.write_text(_CHILD)
     env = {**os.environ, "PYTHONPATH": str(Path.cwd()), "RFORK_TCP_HOST": "127.0.0.1"}
-    env.pop("RFORK_SGLANG_RUN_DIR", None)
+    env.pop(RUN_DIR_ENV, None)
     proc = _start_engine_like(script, planner, env)
     try:
         assert proc.stdout is not None
