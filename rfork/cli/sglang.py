@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 from collections.abc import Mapping, Sequence
 
 from rfork.integrations.hook.launch import (
     LaunchError,
     add_hook_options,
+    exec_server,
     flag_values,
+    server_args,
     with_plugin_enabled,
     with_rfork_load_format,
 )
@@ -65,11 +66,7 @@ def build_command(
     args: argparse.Namespace, sglang_args: Sequence[str], environ: Mapping[str, str]
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) of the SGLang server to exec; raises LaunchError / SettingsError."""
-    rest = list(sglang_args)
-    if rest and rest[0] == "--":
-        rest = rest[1:]
-    if not rest:
-        raise LaunchError("no SGLang arguments: rfork sglang [options] -- --model-path DIR [...]")
+    rest = server_args(sglang_args, "no SGLang arguments: rfork sglang [options] -- --model-path DIR [...]")
     command, rest = ([sys.executable, "-m", _SERVER_MODULE], rest) if rest[0].startswith("-") else ([], rest)
     check_sglang_args(rest)
     argv = [*command, *with_rfork_load_format(args, rest, environ)]
@@ -79,10 +76,4 @@ def build_command(
 def run(args: argparse.Namespace) -> int:
     """Check the arguments, then exec SGLang (it never returns unless --dry-run)."""
     argv, env = build_command(args, args.sglang_args, os.environ)
-    if args.dry_run:
-        print(shlex.join(argv))
-        return 0
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execvpe(argv[0], argv, env)
-    return 0  # pragma: no cover - exec does not return
+    return exec_server(argv, env, dry_run=args.dry_run)

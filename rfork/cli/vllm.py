@@ -12,7 +12,9 @@ from collections.abc import Mapping, Sequence
 from rfork.integrations.hook.launch import (
     LaunchError,
     add_hook_options,
+    exec_server,
     flag_values,
+    server_args,
     with_plugin_enabled,
     with_rfork_load_format,
 )
@@ -63,11 +65,7 @@ def build_command(
     args: argparse.Namespace, vllm_args: Sequence[str], environ: Mapping[str, str]
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) of the vLLM server to exec; raises LaunchError / SettingsError."""
-    rest = list(vllm_args)
-    if rest and rest[0] == "--":
-        rest = rest[1:]
-    if not rest:
-        raise LaunchError("no vLLM arguments: rfork vllm [options] -- MODEL_DIR [--port N ...]")
+    rest = server_args(vllm_args, "no vLLM arguments: rfork vllm [options] -- MODEL_DIR [--port N ...]")
     if rest[0] == "vllm" or "/" in rest[0] and os.path.basename(rest[0]) == "vllm":
         command, rest = rest[:2], rest[2:]  # a full command: vllm serve ...
         if command[1:] != ["serve"]:
@@ -84,10 +82,4 @@ def build_command(
 def run(args: argparse.Namespace) -> int:
     """Check the arguments, then exec vLLM (it never returns unless --dry-run)."""
     argv, env = build_command(args, args.vllm_args, os.environ)
-    if args.dry_run:
-        print(shlex.join(argv))
-        return 0
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execvpe(argv[0], argv, env)
-    return 0  # pragma: no cover - exec does not return
+    return exec_server(argv, env, dry_run=args.dry_run)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import sys
 from collections.abc import Mapping, Sequence
 
 
@@ -45,6 +47,16 @@ def add_hook_options(parser: argparse.ArgumentParser, *, framework: str) -> None
         "--insecure-ok", action="store_true", help="allow talking to the planner without $RFORK_TOKEN"
     )
     parser.add_argument("--dry-run", action="store_true", help="print the command, do not start it")
+
+
+def server_args(given: Sequence[str], usage: str) -> list[str]:
+    """The server's arguments (what follows `--`); LaunchError with `usage` when there are none."""
+    rest = list(given)
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    if not rest:
+        raise LaunchError(usage)
+    return rest
 
 
 def flag_values(args: Sequence[str], flag: str, aliases: Mapping[str, str] | None = None) -> list[str]:
@@ -126,3 +138,14 @@ def with_plugin_enabled(environ: Mapping[str, str], plugins_var: str) -> dict[st
     if plugins and "rfork" not in plugins:
         env[plugins_var] = ",".join([*plugins, "rfork"])
     return env
+
+
+def exec_server(argv: Sequence[str], env: Mapping[str, str], *, dry_run: bool) -> int:
+    """Replace this process by the server (never returns), or print its command with `dry_run`."""
+    if dry_run:
+        sys.stdout.write(shlex.join(argv) + "\n")
+        return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(argv[0], list(argv), dict(env))
+    return 0  # pragma: no cover - exec does not return

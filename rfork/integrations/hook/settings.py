@@ -7,6 +7,7 @@ The SGLang and vLLM hooks take the same settings (their DefaultModelLoaders take
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -130,6 +131,16 @@ class HookSettings:
             become_seed=False,
             pull_torch_threads=None,
         )
+
+
+def default_loader_config(load_config: Any, load_format: Any) -> Any:
+    """The framework's `load_config` (a dataclass) for its own DefaultModelLoader: `load_format`, and
+    only the extra-config keys that loader understands."""
+    return dataclasses.replace(
+        load_config,
+        load_format=load_format,
+        model_loader_extra_config=default_loader_extra(load_config.model_loader_extra_config),
+    )
 
 
 def default_loader_extra(extra_config: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -16,7 +16,6 @@ Either way `ModelRunner.load_model` is followed by `become_seed` (the plugin's A
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -34,28 +33,16 @@ from sglang.srt.model_loader.utils import set_default_torch_dtype
 
 from rfork.identity import SourceIdentity
 from rfork.integrations.hook import drain
-from rfork.integrations.hook.identity import checkpoint_identity, parameters_identity
-from rfork.integrations.hook.local_model import local_checkpoint, model_name
-from rfork.integrations.hook.serving import keep_signal_handlers, start_seed
-from rfork.integrations.hook.settings import HookSettings, default_loader_extra
-from rfork.pull.loader import load, pull_into
+from rfork.integrations.hook.identity import parameters_identity
+from rfork.integrations.hook.local_model import identity_model_and_revision, local_checkpoint
+from rfork.integrations.hook.outcome import LoadOutcome
+from rfork.integrations.hook.pulling import pull_checkpoint, pull_parameters
+from rfork.integrations.hook.serving import start_seed
+from rfork.integrations.hook.settings import HookSettings, default_loader_config
 from rfork.seed.seed import Seed
 from rfork.weights.rank_weights import RankWeights
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(kw_only=True)
-class LoadOutcome:
-    """How this rank got its weights; what the seed step and the logs need."""
-
-    source: str  # "rfork-tcp", "nccl", "disk" (rfork's reader), "sglang-default"
-    seconds: float
-    bytes: int = 0
-    identity: SourceIdentity | None = None
-    rank: int = 0
-    served: RankWeights | None = None  # checkpoint mode: the tensors to serve (pulled or read)
-    reason: str | None = None  # why it fell back, if it did
 
 
 class RforkModelLoader(BaseModelLoader):
@@ -85,17 +72,8 @@ class RforkModelLoader(BaseModelLoader):
         info = local_checkpoint(model_config.model_path)
         if info is None:
             return self._fallback(model_config, device_config, t0, "no local safetensors checkpoint")
-        identity = checkpoint_identity(info, model=self.settings.model, revision=self.settings.revision)
         try:
-            with keep_signal_handlers():
-                result = load(
-                    identity=identity,
-                    planner_url=self.settings.planner_url,
-                    token=self.settings.token,
-                    checkpoint=info,
-                    ranks=[0],
-                    options=self.settings.load_options(),
-                )
+            identity, result = pull_checkpoint(info, self.settings)
         except Exception as exc:  # noqa: BLE001 - every failure ends in SGLang's own loader
             return self._fallback(model_config, device_config, t0, f"rfork load failed: {exc}")
         pulled = time.perf_counter()
@@ -135,7 +113,9 @@ class RforkModelLoader(BaseModelLoader):
         if self.settings.planner_url is None:
             return self._fallback(model_config, device_config, t0, "no planner URL")
         try:
-            nbytes, source = self._pull_into(params, identity=identity, rank=rank)
+            result = pull_parameters(params, identity=identity, rank=rank, settings=self.settings)
+            nbytes, source = result.bytes, result.source
+            result.close()
         except Exception as exc:  # noqa: BLE001 - no source or a failed pull: SGLang's own loader
             return self._fallback(model_config, device_config, t0, f"{exc}")
         self.outcome = LoadOutcome(
@@ -149,25 +129,6 @@ class RforkModelLoader(BaseModelLoader):
             self.outcome.seconds,
         )
         return model.eval()
-
-    def _pull_into(
-        self, params: Mapping[str, torch.Tensor], *, identity: SourceIdentity, rank: int
-    ) -> tuple[int, str]:
-        """Pull one rank straight into the parameters' storage (checked against the manifest first,
-        verified); raises on no source or any failure, leaving the parameters undefined."""
-        with keep_signal_handlers():
-            result = pull_into(
-                identity=identity,
-                planner_url=self.settings.planner_url,
-                token=self.settings.token,
-                tensors=params,
-                rank=rank,
-                options=self.settings.load_options(),
-            )
-        try:
-            return result.bytes, result.source
-        finally:
-            result.close()
 
     # --- seeding (called after ModelRunner.load_model)
 
@@ -207,12 +168,7 @@ class RforkModelLoader(BaseModelLoader):
             return _initialize_model(model_config, self.load_config, quant_config)
 
     def _default_loader(self) -> DefaultModelLoader:
-        config = dataclasses.replace(
-            self.load_config,
-            load_format=LoadFormat.AUTO,
-            model_loader_extra_config=default_loader_extra(self.load_config.model_loader_extra_config),
-        )
-        return DefaultModelLoader(config)
+        return DefaultModelLoader(default_loader_config(self.load_config, LoadFormat.AUTO))
 
     def _fallback(self, model_config: Any, device_config: Any, t0: float, reason: str) -> torch.nn.Module:
         log.info("rfork: loading with SGLang's default loader: %s", reason)
@@ -237,11 +193,12 @@ class RforkModelLoader(BaseModelLoader):
         import sglang
 
         par = _parallel()
+        model, revision = identity_model_and_revision(self.settings, model_config, model_config.model_path)
         return parameters_identity(
             framework="sglang",
             framework_version=str(sglang.__version__),
-            model=self.settings.model or model_name(model_config, model_config.model_path),
-            revision=self.settings.revision if model_config.revision is None else str(model_config.revision),
+            model=model,
+            revision=revision,
             tensors=params,
             dtype=model_config.dtype,
             quantization=model_config.quantization,

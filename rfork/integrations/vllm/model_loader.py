@@ -23,7 +23,6 @@ instance becomes a seed of what it loaded and drains when the process exits.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -33,7 +32,8 @@ import torch
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from rfork.integrations.hook.settings import HookSettings, default_loader_extra
+from rfork.integrations.hook.outcome import LoadOutcome
+from rfork.integrations.hook.settings import HookSettings, default_loader_config
 
 if TYPE_CHECKING:
     from rfork.identity import SourceIdentity
@@ -42,19 +42,6 @@ if TYPE_CHECKING:
     from rfork.weights.rank_weights import RankWeights
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(kw_only=True)
-class LoadOutcome:
-    """How this rank got its weights; what the seed step and the logs need."""
-
-    source: str  # "rfork-tcp", "nccl", "disk" (rfork's reader or vLLM's, inside rfork), "vllm-default"
-    seconds: float = 0.0
-    bytes: int = 0
-    identity: SourceIdentity | None = None
-    rank: int = 0
-    served: RankWeights | None = None  # what becomes the seed: checkpoint tensors or loaded parameters
-    reason: str | None = None  # why it fell back, if it did
 
 
 class RforkModelLoader(BaseModelLoader):
@@ -136,24 +123,13 @@ class RforkModelLoader(BaseModelLoader):
     def _pull_checkpoint(self, model_config: Any) -> str | None:
         """Pull (or read) the checkpoint tensors for load_weights; the fallback reason, else None."""
         # imported here: vLLM imports the plugin in each of its processes (start-up time)
-        from rfork.integrations.hook.identity import checkpoint_identity
         from rfork.integrations.hook.local_model import local_checkpoint
-        from rfork.integrations.hook.serving import keep_signal_handlers
-        from rfork.pull.loader import load
+        from rfork.integrations.hook.pulling import pull_checkpoint
 
         info = local_checkpoint(model_config.model)
         if info is None:
             return "no local safetensors checkpoint"
-        identity = checkpoint_identity(info, model=self.settings.model, revision=self.settings.revision)
-        with keep_signal_handlers():
-            result = load(
-                identity=identity,
-                planner_url=self.settings.planner_url,
-                token=self.settings.token,
-                checkpoint=info,
-                ranks=[0],
-                options=self.settings.load_options(),
-            )
+        identity, result = pull_checkpoint(info, self.settings)
         self._pulled = result
         self.outcome = LoadOutcome(
             source=result.source, bytes=result.bytes, identity=identity, served=result.weights[0]
@@ -163,8 +139,7 @@ class RforkModelLoader(BaseModelLoader):
     def _load_parameters(self, model: torch.nn.Module, model_config: Any) -> None:
         """Pull this rank's loaded parameters in place; no source or a failed pull: vLLM's disk loader."""
         # imported here: vLLM imports the plugin in each of its processes (start-up time)
-        from rfork.integrations.hook.serving import keep_signal_handlers
-        from rfork.pull.loader import pull_into
+        from rfork.integrations.hook.pulling import pull_parameters
         from rfork.weights.rank_weights import RankWeights
 
         params = dict(model.named_parameters())
@@ -176,15 +151,7 @@ class RforkModelLoader(BaseModelLoader):
             reason = "no planner URL"
         else:
             try:
-                with keep_signal_handlers():
-                    result = pull_into(
-                        identity=identity,
-                        planner_url=self.settings.planner_url,
-                        token=self.settings.token,
-                        tensors=params,
-                        rank=rank,
-                        options=self.settings.load_options(),
-                    )
+                result = pull_parameters(params, identity=identity, rank=rank, settings=self.settings)
                 source, nbytes = result.source, result.bytes
                 served = result.weights.get(rank)  # these parameters, digests verified by the pull
                 result.close()
@@ -237,12 +204,7 @@ class RforkModelLoader(BaseModelLoader):
     # --- helpers
 
     def _default_loader(self) -> DefaultModelLoader:
-        config = dataclasses.replace(
-            self.load_config,
-            load_format="auto",
-            model_loader_extra_config=default_loader_extra(self.load_config.model_loader_extra_config),
-        )
-        return DefaultModelLoader(config)
+        return DefaultModelLoader(default_loader_config(self.load_config, "auto"))
 
     def _fallback(
         self, vllm_config: Any, model_config: Any, prefix: str, t0: float, reason: str
@@ -263,16 +225,17 @@ class RforkModelLoader(BaseModelLoader):
 
         # imported here: vLLM imports the plugin in each of its processes (start-up time)
         from rfork.integrations.hook.identity import parameters_identity
-        from rfork.integrations.hook.local_model import model_name
+        from rfork.integrations.hook.local_model import identity_model_and_revision
 
         par = self._vllm_config.parallel_config
         tp, pp, dp = par.tensor_parallel_size, par.pipeline_parallel_size, par.data_parallel_size
         device = next(iter(params.values())).device if params else torch.device("cpu")
+        model, revision = identity_model_and_revision(self.settings, model_config, model_config.model)
         return parameters_identity(
             framework="vllm",
             framework_version=str(vllm.__version__),
-            model=self.settings.model or model_name(model_config, model_config.model),
-            revision=self.settings.revision if model_config.revision is None else str(model_config.revision),
+            model=model,
+            revision=revision,
             tensors=params,
             dtype=model_config.dtype,
             quantization=model_config.quantization,
