@@ -22,6 +22,7 @@ EDGES = (
     "rfork/cli/",
     "rfork/bench/",
     "rfork/simulate/scale_out.py",
+    "rfork/integrations/hook/",
     "rfork/integrations/sglang/",
     "rfork/integrations/vllm/",
 )

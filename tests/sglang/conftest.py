@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("sglang", reason="SGLang runs in .venv-sglang: scripts/dev.sh test-sglang")
 
+from tests.integrations.server_flow import flow, planner  # noqa: E402, F401 - test_servers.py's fixtures
 from tests.sglang.servers import ServerFleet  # noqa: E402
 from tests.sglang.tiny_model import write_tiny_llama  # noqa: E402
 

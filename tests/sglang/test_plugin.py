@@ -45,7 +45,8 @@ def test_register_is_cheap_it_imports_no_loader_transport_or_planner():
     )
     took, new = out.stdout.strip().splitlines()[-2], out.stdout.strip().splitlines()[-1].split()
     allowed = {"rfork", "rfork.integrations", "rfork.integrations.sglang"}
-    allowed |= {"rfork.integrations.sglang.plugin", "rfork.integrations.sglang.lifecycle"}
+    allowed |= {"rfork.integrations.sglang.plugin"}
+    allowed |= {"rfork.integrations.hook", "rfork.integrations.hook.drain"}  # the drain the plugin arms
     assert set(new) <= allowed, new
     assert float(took) < 0.5
 
@@ -76,8 +77,8 @@ def test_loader_dispatch_routes_only_rfork(plugins_loaded):
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.model_loader.loader import DefaultModelLoader, DummyModelLoader, get_model_loader
 
+    from rfork.integrations.hook.settings import SettingsError
     from rfork.integrations.sglang.model_loader import RforkModelLoader
-    from rfork.integrations.sglang.settings import SettingsError
 
     extra = {"planner_url": "http://127.0.0.1:9", "mode": "parameters", "num_threads": 2}
     loader = get_model_loader(LoadConfig(load_format="rfork", model_loader_extra_config=extra))

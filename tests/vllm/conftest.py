@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM runs in .venv-vllm: scripts/dev.sh test-vllm")
 
+from tests.integrations.server_flow import flow, planner  # noqa: E402, F401 - test_servers.py's fixtures
 from tests.vllm.servers import ServerFleet, write_vllm_tiny_llama  # noqa: E402
 
 

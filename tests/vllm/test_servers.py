@@ -21,12 +21,19 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from tests.integrations.server_flow import (
+    Flow,
+    chain_and_parameters_mode_without_a_seed,
+    ids_by_framework,
+    instances,
+    parameters_pull_and_failover_past_sigkilled_seeds,
+    pull_from_an_rfork_seed_and_match_auto,
+    transfers,
+)
 from tests.vllm.servers import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -34,121 +41,25 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
 RESULTS_ENV = "RFORK_VLLM_RESULTS"  # optional: write the measured load times here as JSON
 
 
-@pytest.fixture(scope="module")
-def planner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from planner.client import PlannerClient
-    from planner.server import PlannerServer
-
-    db = tmp_path_factory.mktemp("planner") / "planner.db"
-    # a long TTL keeps SIGKILLed seeds READY, so a loader really meets a dead seed
-    with (
-        PlannerServer(db_url=f"sqlite:///{db}", insecure=True, heartbeat_ttl_s=900) as srv,
-        PlannerClient(srv.url) as client,
-    ):
-        client.url = srv.url  # type: ignore[attr-defined]
-        yield client
-
-
-class Flow:
-    """What the steps hand each other."""
-
-    reference: list[int]
-    servers: dict[str, VllmServer]
-    seed_ids: dict[str, list[str]]
-
-    def __init__(self) -> None:
-        self.servers = {}
-        self.seed_ids = {}
-
-
-@pytest.fixture(scope="module")
-def flow() -> Flow:
-    return Flow()
-
-
-def instances(planner: Any, **filters: Any) -> list[dict[str, Any]]:
-    return [i.model_dump() for i in planner.list_instances(limit=100, **filters).items]
-
-
-def ids_by_framework(planner: Any, framework: str) -> set[str]:
-    return {i["id"] for i in instances(planner, status="READY") if i["identity"]["framework"] == framework}
-
-
-def transfers(planner: Any) -> list[dict[str, Any]]:
-    return [t.model_dump() for t in planner.transfers(limit=100).items]
-
-
 def test_1_pull_from_an_rfork_seed_and_tokens_equal_auto(planner, server_fleet, flow, tiny_model):
-    from rfork.seed.seed import Seed
-    from rfork.weights.checkpoint import load_state_dict, read_checkpoint_info
-    from rfork.weights.rank_weights import RankWeights
-
-    info = read_checkpoint_info(tiny_model)
-    seed0 = Seed(
-        weights=[RankWeights.from_tensors(rank=0, tensors=load_state_dict(tiny_model))],
-        identity=info.identity(tp=1),
-        planner_url=planner.url,
-    ).start()
-    flow.seed_ids["rfork-seed"] = seed0.instance_ids
-    try:
-        auto = server_fleet.start_auto("auto")
-        a = server_fleet.start_rfork("A", planner_url=planner.url)
-        flow.servers.update(auto=auto.wait_ready(), A=a.wait_ready())
-        flow.reference = auto.generate()
-        assert len(flow.reference) == 12
-        assert a.generate() == flow.reference
-        assert "rfork: checkpoint mode" in a.log()
-        pulled = [t for t in transfers(planner) if t["outcome"] == "success"]
-        assert [t["seed_id"] for t in pulled] == seed0.instance_ids
-        assert pulled[0]["backend"] == "tcp"
-        flow.seed_ids["A"] = sorted(ids_by_framework(planner, "rfork") - set(seed0.instance_ids))
-        assert len(flow.seed_ids["A"]) == 1, instances(planner)
-    finally:
-        seed0.close()  # DRAINING + deleted: from now on A is the only checkpoint seed
-    auto.stop()
-    assert set(flow.seed_ids["A"]) == ids_by_framework(planner, "rfork")
+    pull_from_an_rfork_seed_and_match_auto(planner, server_fleet, flow, tiny_model)
 
 
 def test_2_chain_from_the_vllm_seed_and_parameters_mode_without_a_seed(server_fleet, planner, flow):
-    b = server_fleet.start_rfork("B", planner_url=planner.url)
-    p1 = server_fleet.start_rfork("P1", planner_url=planner.url, mode="parameters")
-    flow.servers.update(B=b.wait_ready(), P1=p1.wait_ready())
-    assert b.generate() == flow.reference
-    assert p1.generate() == flow.reference
-    from_a = [t for t in transfers(planner) if t["seed_id"] in flow.seed_ids["A"]]
-    assert [t["outcome"] for t in from_a] == ["success"]
-    assert "vLLM's disk loader fills the parameters" in p1.log()  # no parameters seed yet
-    params_seeds = ids_by_framework(planner, "vllm")
-    assert len(params_seeds) == 1
-    (p1_identity,) = [i["identity"] for i in instances(planner) if i["id"] in params_seeds]
+    chain_and_parameters_mode_without_a_seed(
+        planner, server_fleet, flow, framework="vllm", fallback_line="vLLM's disk loader fills the parameters"
+    )
+    p1_seeds = set(flow.seed_ids["P1"])
+    (p1_identity,) = [i["identity"] for i in instances(planner) if i["id"] in p1_seeds]
     assert p1_identity["framework_version"] == "0.32.0"
     assert (p1_identity["tp"], p1_identity["pp"], p1_identity["dtype"]) == (1, 1, "bfloat16")
     assert (p1_identity["quantization"], p1_identity["device_kind"]) == ("none", "cpu")
-    flow.seed_ids["P1"] = sorted(params_seeds)
-    flow.seed_ids["B"] = sorted(ids_by_framework(planner, "rfork") - set(flow.seed_ids["A"]))
-    assert len(flow.seed_ids["B"]) == 1
 
 
 def test_3_parameters_pull_and_failover_past_sigkilled_seeds(server_fleet, planner, flow):
-    # A and B die without draining: the planner still lists both as READY
-    flow.servers["A"].kill()
-    flow.servers["B"].kill()
-    ready = ids_by_framework(planner, "rfork")
-    assert set(flow.seed_ids["A"] + flow.seed_ids["B"]) <= ready
-    p2 = server_fleet.start_rfork("P2", planner_url=planner.url, mode="parameters")
-    c = server_fleet.start_rfork("C", planner_url=planner.url)
-    flow.servers.update(P2=p2.wait_ready(), C=c.wait_ready())
-    assert p2.generate() == flow.reference
-    assert c.generate() == flow.reference
+    p2, _ = parameters_pull_and_failover_past_sigkilled_seeds(planner, server_fleet, flow)
     assert "rfork: parameters mode: rank 0" in p2.log()
     assert "from rfork-tcp" in p2.log()
-    from_p1 = [t for t in transfers(planner) if t["seed_id"] in flow.seed_ids["P1"]]
-    assert [t["outcome"] for t in from_p1] == ["success"]
-    dead = set(flow.seed_ids["A"] + flow.seed_ids["B"])
-    failed = [t for t in transfers(planner) if t["seed_id"] in dead and t["outcome"] == "failure"]
-    assert {t["seed_id"] for t in failed} == dead, transfers(planner)
-    assert "rfork: checkpoint mode" in c.log()
-    assert "from disk" in c.log()
 
 
 def test_4_sigterm_drains_and_transfers_tell_the_story(server_fleet, planner, flow):
@@ -186,7 +97,7 @@ def test_5_parameters_failover_to_disk_and_vllms_own_loader(
     _record_load_times(flow)
 
 
-def _record_load_times(flow: Flow) -> None:
+def _record_load_times(flow: Flow[VllmServer]) -> None:
     """rfork's whole-`load_model` figure per rfork server (build, weights, post-processing)."""
     figures: dict[str, float] = {}
     for name, s in flow.servers.items():

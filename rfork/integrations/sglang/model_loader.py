@@ -16,11 +16,9 @@ Either way `ModelRunner.load_model` is followed by `become_seed` (the plugin's A
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,30 +31,18 @@ from sglang.srt.model_loader.loader import (
 )
 from sglang.srt.model_loader.utils import set_default_torch_dtype
 
-from rfork.errors import CheckpointError
 from rfork.identity import SourceIdentity
-from rfork.integrations.sglang.identity import checkpoint_identity, parameters_identity
-from rfork.integrations.sglang.serving import keep_signal_handlers, publish_seed
-from rfork.integrations.sglang.settings import HookSettings, default_loader_extra
-from rfork.pull.loader import load, pull_into
-from rfork.pull.result import LoadOptions
+from rfork.integrations.hook import drain
+from rfork.integrations.hook.identity import parameters_identity
+from rfork.integrations.hook.local_model import identity_model_and_revision, local_checkpoint
+from rfork.integrations.hook.outcome import LoadOutcome
+from rfork.integrations.hook.pulling import pull_checkpoint, pull_parameters
+from rfork.integrations.hook.serving import start_seed
+from rfork.integrations.hook.settings import HookSettings, default_loader_config
 from rfork.seed.seed import Seed
 from rfork.weights.rank_weights import RankWeights
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(kw_only=True)
-class LoadOutcome:
-    """How this rank got its weights; what the seed step and the logs need."""
-
-    source: str  # "rfork-tcp", "nccl", "disk" (rfork's reader), "sglang-default"
-    seconds: float
-    bytes: int = 0
-    identity: SourceIdentity | None = None
-    rank: int = 0
-    served: RankWeights | None = None  # checkpoint mode: the tensors to serve (pulled or read)
-    reason: str | None = None  # why it fell back, if it did
 
 
 class RforkModelLoader(BaseModelLoader):
@@ -83,20 +69,11 @@ class RforkModelLoader(BaseModelLoader):
     def _load_checkpoint(self, model_config: Any, device_config: Any) -> torch.nn.Module:
         t0 = time.perf_counter()
         target = torch.device(device_config.device)
-        info = _local_checkpoint(model_config.model_path)
+        info = local_checkpoint(model_config.model_path)
         if info is None:
             return self._fallback(model_config, device_config, t0, "no local safetensors checkpoint")
-        identity = checkpoint_identity(info, model=self.settings.model, revision=self.settings.revision)
         try:
-            with keep_signal_handlers():
-                result = load(
-                    identity=identity,
-                    planner_url=self.settings.planner_url,
-                    token=self.settings.token,
-                    checkpoint=info,
-                    ranks=[0],
-                    options=self._options(),
-                )
+            identity, result = pull_checkpoint(info, self.settings)
         except Exception as exc:  # noqa: BLE001 - every failure ends in SGLang's own loader
             return self._fallback(model_config, device_config, t0, f"rfork load failed: {exc}")
         pulled = time.perf_counter()
@@ -136,7 +113,9 @@ class RforkModelLoader(BaseModelLoader):
         if self.settings.planner_url is None:
             return self._fallback(model_config, device_config, t0, "no planner URL")
         try:
-            nbytes, source = self._pull_into(params, identity=identity, rank=rank)
+            result = pull_parameters(params, identity=identity, rank=rank, settings=self.settings)
+            nbytes, source = result.bytes, result.source
+            result.close()
         except Exception as exc:  # noqa: BLE001 - no source or a failed pull: SGLang's own loader
             return self._fallback(model_config, device_config, t0, f"{exc}")
         self.outcome = LoadOutcome(
@@ -150,25 +129,6 @@ class RforkModelLoader(BaseModelLoader):
             self.outcome.seconds,
         )
         return model.eval()
-
-    def _pull_into(
-        self, params: Mapping[str, torch.Tensor], *, identity: SourceIdentity, rank: int
-    ) -> tuple[int, str]:
-        """Pull one rank straight into the parameters' storage (checked against the manifest first,
-        verified); raises on no source or any failure, leaving the parameters undefined."""
-        with keep_signal_handlers():
-            result = pull_into(
-                identity=identity,
-                planner_url=self.settings.planner_url,
-                token=self.settings.token,
-                tensors=params,
-                rank=rank,
-                options=self._options(),
-            )
-        try:
-            return result.bytes, result.source
-        finally:
-            result.close()
 
     # --- seeding (called after ModelRunner.load_model)
 
@@ -192,14 +152,9 @@ class RforkModelLoader(BaseModelLoader):
                 if self.outcome.served is None or self.outcome.identity is None:
                     return None
                 identity, weights = self.outcome.identity, self.outcome.served
-            self.seed = publish_seed(
-                weights=[weights],
-                identity=identity,
-                planner_url=s.planner_url,
-                token=s.token,
-                providers=s.providers,
-                transfer_timeout_s=s.transfer_timeout_s,
-            )
+            self.seed = start_seed(weights=[weights], identity=identity, settings=s)
+            # SGLang SIGKILLs its schedulers: its main process drains what they published
+            drain.record_publications(self.seed, planner_url=s.planner_url)
         except Exception as exc:  # noqa: BLE001 - the server runs fine without being a seed
             log.warning("rfork: could not become a seed: %s", exc, exc_info=True)
             return None
@@ -207,26 +162,13 @@ class RforkModelLoader(BaseModelLoader):
 
     # --- helpers
 
-    def _options(self) -> LoadOptions:
-        return LoadOptions(
-            providers=self.settings.providers,
-            transfer_timeout_s=self.settings.transfer_timeout_s,
-            become_seed=False,
-            pull_torch_threads=None,
-        )
-
     def _build(self, model_config: Any, target: torch.device) -> torch.nn.Module:
         quant_config = _get_quantization_config(model_config, self.load_config)
         with set_default_torch_dtype(model_config.dtype), target:
             return _initialize_model(model_config, self.load_config, quant_config)
 
     def _default_loader(self) -> DefaultModelLoader:
-        config = dataclasses.replace(
-            self.load_config,
-            load_format=LoadFormat.AUTO,
-            model_loader_extra_config=default_loader_extra(self.load_config.model_loader_extra_config),
-        )
-        return DefaultModelLoader(config)
+        return DefaultModelLoader(default_loader_config(self.load_config, LoadFormat.AUTO))
 
     def _fallback(self, model_config: Any, device_config: Any, t0: float, reason: str) -> torch.nn.Module:
         log.info("rfork: loading with SGLang's default loader: %s", reason)
@@ -251,9 +193,12 @@ class RforkModelLoader(BaseModelLoader):
         import sglang
 
         par = _parallel()
+        model, revision = identity_model_and_revision(self.settings, model_config, model_config.model_path)
         return parameters_identity(
-            model=self.settings.model or _model_name(model_config),
-            revision=self.settings.revision if model_config.revision is None else str(model_config.revision),
+            framework="sglang",
+            framework_version=str(sglang.__version__),
+            model=model,
+            revision=revision,
             tensors=params,
             dtype=model_config.dtype,
             quantization=model_config.quantization,
@@ -261,31 +206,8 @@ class RforkModelLoader(BaseModelLoader):
             pp=par["pp"],
             ep=par["ep"],
             dp=par["dp"],
-            framework_version=str(sglang.__version__),
             device=device,
         )
-
-
-def _local_checkpoint(model_path: str) -> Any | None:
-    """rfork's view of a local safetensors checkpoint (headers only), or None."""
-    # imported here: SGLang imports the plugin in each of its processes (start-up time)
-    from rfork.weights.checkpoint import read_checkpoint_info
-
-    path = Path(model_path)
-    if not path.is_dir():
-        return None
-    try:
-        info = read_checkpoint_info(path)
-    except (CheckpointError, OSError, ValueError) as exc:
-        log.info("rfork: %s is not a checkpoint rfork can read: %s", path, exc)
-        return None
-    return info if info.tensors else None
-
-
-def _model_name(model_config: Any) -> str:
-    hf = getattr(model_config, "hf_config", None)
-    name = getattr(hf, "_name_or_path", None) or model_config.model_path
-    return Path(str(name)).name or str(name)
 
 
 def _parallel() -> dict[str, int]:

@@ -10,7 +10,8 @@ after all plugins ran. The hook bodies import rfork's loader lazily, and only fo
 - AROUND `get_model_loader` (SGLang's loader selection): "rfork" gets `RforkModelLoader`; every
   other format gets what SGLang would have chosen.
 - AFTER `ModelRunner.load_model`: the instance becomes a seed of what it loaded.
-- BEFORE `kill_process_tree`: SGLang's main process drains the seeds before SIGKILLing schedulers.
+- BEFORE `kill_process_tree`: SGLang's main process drains the seeds before SIGKILLing schedulers
+  (rfork.integrations.hook.drain; it drains them at exit too).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from rfork.integrations.sglang import lifecycle
+from rfork.integrations.hook import drain
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +43,8 @@ def register() -> None:
     HookRegistry.register(HOOK_TARGETS["verify_load_format"], keep_rfork_load_format, HookType.AROUND)
     HookRegistry.register(HOOK_TARGETS["get_model_loader"], select_model_loader, HookType.AROUND)
     HookRegistry.register(HOOK_TARGETS["load_model"], after_load_model, HookType.AFTER)
-    HookRegistry.register(
-        HOOK_TARGETS["kill_process_tree"], lifecycle.before_kill_process_tree, HookType.BEFORE
-    )
-    lifecycle.arm_drain_in_main_process()
+    HookRegistry.register(HOOK_TARGETS["kill_process_tree"], before_kill_process_tree, HookType.BEFORE)
+    drain.arm_drain_in_main_process()
 
 
 def is_rfork_format(load_format: Any) -> bool:
@@ -82,3 +81,9 @@ def after_load_model(result: Any, runner: Any, *args: Any, **kwargs: Any) -> Non
         return
     loader.become_seed(runner.model)
     return
+
+
+def before_kill_process_tree(*_args: Any, **_kwargs: Any) -> None:
+    """BEFORE `kill_process_tree`: drain this server's seeds before their schedulers die."""
+    if drain.armed_here():
+        drain.drain_recorded()

@@ -7,7 +7,7 @@ core and, with the default `--shutdown-timeout 0`, SIGKILLs it and the worker at
 the worker runs on the way out. Two ways out, both armed:
 
 - the root process (the API server, which loads the plugin too) exported a private run directory
-  (the SGLang hook's `rfork.integrations.sglang.lifecycle`); a worker that publishes a seed writes a
+  (`rfork.integrations.hook.drain`, as the SGLang hook's); a worker that publishes a seed writes a
   drain record there, and the root process drains every record at exit (atexit);
 - a `multiprocessing.util.Finalize` drains the seed in the process that holds it, when that process
   exits by itself or by SystemExit (vLLM's SIGTERM handlers raise it; atexit does not run in a
@@ -25,7 +25,7 @@ from multiprocessing import util
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rfork.integrations.sglang import lifecycle as run_dir
+from rfork.integrations.hook import drain
 
 if TYPE_CHECKING:
     from rfork.seed.seed import Seed
@@ -40,18 +40,8 @@ def drain_at_exit(seed: Seed, *, planner_url: str) -> None:
     """Drain `seed` when this process exits, or from the root process when vLLM kills this one."""
     records: list[Path] = []
     if multiprocessing.parent_process() is not None:  # a root process drains itself (Finalize)
-        for pub in seed.publications:
-            path = run_dir.record_publication(
-                instance_id=str(pub.instance_id), token=pub.instance_token, planner_url=planner_url
-            )
-            if path is not None:
-                records.append(path)
+        records = drain.record_publications(seed, planner_url=planner_url)
     util.Finalize(None, _drain, args=(seed, records), exitpriority=DRAIN_EXIT_PRIORITY)
-
-
-def arm_root_process() -> bool:
-    """In the process that started vLLM: drain the recorded seeds at exit (see the module docstring)."""
-    return run_dir.arm_drain_in_main_process()
 
 
 def _drain(seed: Seed, records: list[Path]) -> None:

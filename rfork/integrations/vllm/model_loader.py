@@ -23,39 +23,25 @@ instance becomes a seed of what it loaded and drains when the process exits.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from rfork.integrations.sglang.settings import HookSettings, default_loader_extra
+from rfork.integrations.hook.outcome import LoadOutcome
+from rfork.integrations.hook.settings import HookSettings, default_loader_config
 
 if TYPE_CHECKING:
     from rfork.identity import SourceIdentity
-    from rfork.pull.result import LoadOptions, LoadResult
+    from rfork.pull.result import LoadResult
     from rfork.seed.seed import Seed
     from rfork.weights.rank_weights import RankWeights
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(kw_only=True)
-class LoadOutcome:
-    """How this rank got its weights; what the seed step and the logs need."""
-
-    source: str  # "rfork-tcp", "nccl", "disk" (rfork's reader or vLLM's, inside rfork), "vllm-default"
-    seconds: float = 0.0
-    bytes: int = 0
-    identity: SourceIdentity | None = None
-    rank: int = 0
-    served: RankWeights | None = None  # what becomes the seed: checkpoint tensors or loaded parameters
-    reason: str | None = None  # why it fell back, if it did
 
 
 class RforkModelLoader(BaseModelLoader):
@@ -137,23 +123,13 @@ class RforkModelLoader(BaseModelLoader):
     def _pull_checkpoint(self, model_config: Any) -> str | None:
         """Pull (or read) the checkpoint tensors for load_weights; the fallback reason, else None."""
         # imported here: vLLM imports the plugin in each of its processes (start-up time)
-        from rfork.integrations.sglang.identity import checkpoint_identity
-        from rfork.integrations.sglang.serving import keep_signal_handlers
-        from rfork.pull.loader import load
+        from rfork.integrations.hook.local_model import local_checkpoint
+        from rfork.integrations.hook.pulling import pull_checkpoint
 
-        info = _local_checkpoint(model_config.model)
+        info = local_checkpoint(model_config.model)
         if info is None:
             return "no local safetensors checkpoint"
-        identity = checkpoint_identity(info, model=self.settings.model, revision=self.settings.revision)
-        with keep_signal_handlers():
-            result = load(
-                identity=identity,
-                planner_url=self.settings.planner_url,
-                token=self.settings.token,
-                checkpoint=info,
-                ranks=[0],
-                options=self._options(),
-            )
+        identity, result = pull_checkpoint(info, self.settings)
         self._pulled = result
         self.outcome = LoadOutcome(
             source=result.source, bytes=result.bytes, identity=identity, served=result.weights[0]
@@ -163,8 +139,7 @@ class RforkModelLoader(BaseModelLoader):
     def _load_parameters(self, model: torch.nn.Module, model_config: Any) -> None:
         """Pull this rank's loaded parameters in place; no source or a failed pull: vLLM's disk loader."""
         # imported here: vLLM imports the plugin in each of its processes (start-up time)
-        from rfork.integrations.sglang.serving import keep_signal_handlers
-        from rfork.pull.loader import pull_into
+        from rfork.integrations.hook.pulling import pull_parameters
         from rfork.weights.rank_weights import RankWeights
 
         params = dict(model.named_parameters())
@@ -176,15 +151,7 @@ class RforkModelLoader(BaseModelLoader):
             reason = "no planner URL"
         else:
             try:
-                with keep_signal_handlers():
-                    result = pull_into(
-                        identity=identity,
-                        planner_url=self.settings.planner_url,
-                        token=self.settings.token,
-                        tensors=params,
-                        rank=rank,
-                        options=self._options(),
-                    )
+                result = pull_parameters(params, identity=identity, rank=rank, settings=self.settings)
                 source, nbytes = result.source, result.bytes
                 served = result.weights.get(rank)  # these parameters, digests verified by the pull
                 result.close()
@@ -212,25 +179,14 @@ class RforkModelLoader(BaseModelLoader):
             return self.seed
         # imported here: vLLM imports the plugin in each of its processes (start-up time)
         from rfork.errors import ChecksumMismatch
-        from rfork.integrations.sglang.serving import keep_signal_handlers
+        from rfork.integrations.hook.serving import start_seed
         from rfork.integrations.vllm.lifecycle import drain_at_exit
-        from rfork.seed.seed import Seed
 
         try:
             if s.mode == "parameters":
                 # the post-load steps must have left the loaded parameters as they were: recheck
                 out.served.verify(dict(out.served.checksums))
-            one_sided = [p for p in s.providers if p != "nccl"] or ["tcp"]
-            seed = Seed(
-                weights=[out.served],
-                identity=out.identity,
-                planner_url=s.planner_url,
-                providers=one_sided,
-                token=s.token,
-                timeout_s=s.transfer_timeout_s,
-            )
-            with keep_signal_handlers():
-                seed.start()
+            seed = start_seed(weights=[out.served], identity=out.identity, settings=s)
         except ChecksumMismatch as exc:
             log.warning(
                 "rfork: vLLM's post-load steps changed the loaded parameters in place (%s); "
@@ -243,30 +199,12 @@ class RforkModelLoader(BaseModelLoader):
             return None
         self.seed = seed
         drain_at_exit(seed, planner_url=s.planner_url)
-        ids = ",".join(seed.instance_ids)
-        log.info("rfork: serving as seed %s (identity %s)", ids, out.identity.key()[:12])
         return seed
 
     # --- helpers
 
-    def _options(self) -> LoadOptions:
-        # imported here: vLLM imports the plugin in each of its processes (start-up time)
-        from rfork.pull.result import LoadOptions
-
-        return LoadOptions(
-            providers=self.settings.providers,
-            transfer_timeout_s=self.settings.transfer_timeout_s,
-            become_seed=False,
-            pull_torch_threads=None,
-        )
-
     def _default_loader(self) -> DefaultModelLoader:
-        config = dataclasses.replace(
-            self.load_config,
-            load_format="auto",
-            model_loader_extra_config=default_loader_extra(self.load_config.model_loader_extra_config),
-        )
-        return DefaultModelLoader(config)
+        return DefaultModelLoader(default_loader_config(self.load_config, "auto"))
 
     def _fallback(
         self, vllm_config: Any, model_config: Any, prefix: str, t0: float, reason: str
@@ -286,14 +224,18 @@ class RforkModelLoader(BaseModelLoader):
         import vllm
 
         # imported here: vLLM imports the plugin in each of its processes (start-up time)
-        from rfork.integrations.vllm.identity import parameters_identity
+        from rfork.integrations.hook.identity import parameters_identity
+        from rfork.integrations.hook.local_model import identity_model_and_revision
 
         par = self._vllm_config.parallel_config
         tp, pp, dp = par.tensor_parallel_size, par.pipeline_parallel_size, par.data_parallel_size
         device = next(iter(params.values())).device if params else torch.device("cpu")
+        model, revision = identity_model_and_revision(self.settings, model_config, model_config.model)
         return parameters_identity(
-            model=self.settings.model or _model_name(model_config),
-            revision=self.settings.revision if model_config.revision is None else str(model_config.revision),
+            framework="vllm",
+            framework_version=str(vllm.__version__),
+            model=model,
+            revision=revision,
             tensors=params,
             dtype=model_config.dtype,
             quantization=model_config.quantization,
@@ -301,32 +243,8 @@ class RforkModelLoader(BaseModelLoader):
             pp=pp,
             ep=tp * dp if getattr(par, "enable_expert_parallel", False) else 1,
             dp=dp,
-            framework_version=str(vllm.__version__),
             device=device,
         )
-
-
-def _local_checkpoint(model_path: str) -> Any | None:
-    """rfork's view of a local safetensors checkpoint (headers only), or None."""
-    # imported here: vLLM imports the plugin in each of its processes (start-up time)
-    from rfork.errors import CheckpointError
-    from rfork.weights.checkpoint import read_checkpoint_info
-
-    path = Path(model_path)
-    if not path.is_dir():
-        return None
-    try:
-        info = read_checkpoint_info(path)
-    except (CheckpointError, OSError, ValueError) as exc:
-        log.info("rfork: %s is not a checkpoint rfork can read: %s", path, exc)
-        return None
-    return info if info.tensors else None
-
-
-def _model_name(model_config: Any) -> str:
-    hf = getattr(model_config, "hf_config", None)
-    name = getattr(hf, "_name_or_path", None) or model_config.model
-    return Path(str(name)).name or str(name)
 
 
 def _global_rank(vllm_config: Any) -> int:

@@ -2,7 +2,7 @@
 
 vLLM calls `register()` in every one of its processes (API server, engine core, workers) and may call
 it more than once, so it only puts `RforkModelLoader` in vLLM's loader registry, once, and in the
-root process arms the drain of the seeds its children publish (rfork.integrations.vllm.lifecycle). The loader
+root process arms the drain of the seeds its children publish (rfork.integrations.hook.drain). The loader
 module imports vLLM's own loader base (vLLM imports it anyway to load a model) and rfork's settings;
 rfork's transport, planner and seed modules load only when a model loads with `--load-format rfork`.
 """
@@ -20,12 +20,12 @@ def register() -> None:
     from vllm.model_executor import model_loader
 
     # imported here: vLLM imports the plugin in each of its processes (start-up time)
-    from rfork.integrations.vllm import lifecycle
+    from rfork.integrations.hook import drain
     from rfork.integrations.vllm.model_loader import RforkModelLoader
 
     if model_loader._LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not RforkModelLoader:
         model_loader.register_model_loader(LOAD_FORMAT)(RforkModelLoader)
-    lifecycle.arm_root_process()
+    drain.arm_drain_in_main_process()
     show_rfork_logs()
 
 

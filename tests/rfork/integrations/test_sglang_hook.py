@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 
 from rfork import LoadOptions, load
 from rfork.cli import sglang as launcher
-from rfork.integrations.sglang import lifecycle
-from rfork.integrations.sglang.identity import parameters_fingerprint, parameters_identity
-from rfork.integrations.sglang.serving import publish_seed
-from rfork.integrations.sglang.settings import HookSettings, SettingsError, default_loader_extra
+from rfork.integrations.hook import drain
+from rfork.integrations.hook.identity import parameters_fingerprint, parameters_identity
+from rfork.integrations.hook.serving import start_seed
+from rfork.integrations.hook.settings import HookSettings, SettingsError, default_loader_extra
 from rfork.weights.rank_weights import RankWeights
 from tests.rfork.conftest import ADMIN, AUTH, REGISTER, SMALL
 from tests.tiny_llama import LlamaForCausalLM
@@ -102,42 +102,14 @@ def _args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def test_launcher_sets_load_format_and_merges_the_extra_config_without_the_token():
-    args = _args(
-        [
-            "--planner",
-            "http://p:9",
-            "--mode",
-            "parameters",
-            "--provider",
-            "tcp,shm",
-            "--",
-            "--model-path",
-            "/m",
-            "--model-loader-extra-config",
-            '{"num_threads": 2}',
-            "--port",
-            "1",
-        ]
-    )
-    argv, env = launcher.build_command(args, args.sglang_args, {"RFORK_TOKEN": "tok", "SGLANG_PLUGINS": "x"})
+def test_launcher_runs_sglangs_server_module_with_the_arguments_in_order():
+    """The extra config's merging is checked for both launchers in test_hook_launch.py."""
+    extra = ["--model-loader-extra-config", '{"num_threads": 2}']
+    args = _args(["--", "--model-path", "/m", *extra, "--port", "1"])
+    argv, _ = launcher.build_command(args, args.sglang_args, {})
     assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
-    assert argv[argv.index("--load-format") + 1] == "rfork"
-    extra = json.loads(argv[argv.index("--model-loader-extra-config") + 1])
-    assert extra == {
-        "num_threads": 2,
-        "planner_url": "http://p:9",
-        "mode": "parameters",
-        "providers": ["tcp", "shm"],
-        "serve": True,
-        "revision": "main",
-        "transfer_timeout_s": 5.0,
-    }
-    assert argv.count("--model-loader-extra-config") == 1
-    assert "tok" not in " ".join(argv)
-    assert env["RFORK_TOKEN"] == "tok"
-    assert env["SGLANG_PLUGINS"] == "x,rfork"
     assert argv[3:7] == ["--model-path", "/m", "--port", "1"]
+    assert argv[7:9] == ["--load-format", "rfork"]
 
 
 def test_launcher_keeps_a_full_command():
@@ -155,8 +127,6 @@ def test_launcher_keeps_a_full_command():
         (["--load-format", "auto"], "conflicts"),
         (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/d"], "draft"),
         (["--speculative-draft-model=/d", "--speculative-draft-load-format", "rfork"], "draft"),
-        (["--model-loader-extra-config", "{not json"], "JSON"),
-        (["--model-loader-extra-config", '{"token": "t"}'], "RFORK_TOKEN"),
         ([], "no SGLang arguments"),
     ],
 )
@@ -186,12 +156,6 @@ def test_launcher_accepts_a_draft_with_a_plan_and_serial_loading():
     )
     argv, _ = launcher.build_command(args, args.sglang_args, {})
     assert argv[argv.index("--speculative-draft-load-format") + 1] == "auto"
-
-
-def test_launcher_wants_a_token_for_a_planner():
-    args = _args(["--planner", "http://p", "--", "--model-path", "/m"])
-    with pytest.raises(ValueError, match="RFORK_TOKEN"):
-        launcher.build_command(args, args.sglang_args, {})
 
 
 def test_cli_dry_run_prints_the_command_and_bad_input_is_one_line(tmp_path):
@@ -226,24 +190,6 @@ def test_cli_dry_run_prints_the_command_and_bad_input_is_one_line(tmp_path):
     assert "weight-cache-mode" in bad.stderr
 
 
-@given(
-    words=st.lists(st.sampled_from(["--a", "--b", "x", "y", "--load-format", "--load-format=z"]), max_size=12)
-)
-def test_flag_values_reads_both_spellings(words):
-    values = launcher.flag_values(words, "--load-format")
-    expected = []
-    i = 0
-    while i < len(words):
-        if words[i] == "--load-format":
-            expected.append(words[i + 1] if i + 1 < len(words) else "")
-            i += 2
-            continue
-        if words[i] == "--load-format=z":
-            expected.append("z")
-        i += 1
-    assert values == expected
-
-
 # ------------------------------------------------------------------------------------ serving in place
 
 
@@ -254,6 +200,7 @@ def test_parameters_identity_tracks_shapes_and_layout():
 
     def ident(tp: int):
         return parameters_identity(
+            framework="sglang",
             model="m",
             revision="r",
             tensors=a,
@@ -278,12 +225,13 @@ def test_parameters_identity_tracks_shapes_and_layout():
 def test_parameters_served_in_place_are_pulled_bit_identical_then_drained(tmp_path, planner, monkeypatch):
     from planner.client import PlannerClient
 
-    monkeypatch.setenv(lifecycle.RUN_DIR_ENV, str(tmp_path / "run"))
+    monkeypatch.setenv(drain.RUN_DIR_ENV, str(tmp_path / "run"))
     model = LlamaForCausalLM(SMALL)
     params = dict(model.named_parameters())
     ptrs = {n: p.data_ptr() for n, p in params.items()}
     weights = RankWeights.from_tensors(rank=0, tensors=params)  # served where they live, no copy
     ident = parameters_identity(
+        framework="sglang",
         model="small",
         revision="main",
         tensors=params,
@@ -296,14 +244,9 @@ def test_parameters_served_in_place_are_pulled_bit_identical_then_drained(tmp_pa
         framework_version="test",
         device="cpu",
     )
-    seed = publish_seed(
-        weights=[weights],
-        identity=ident,
-        planner_url=planner,
-        token=REGISTER,
-        providers=["tcp"],
-        transfer_timeout_s=3.0,
-    )
+    settings = HookSettings(planner_url=planner, token=REGISTER, providers=("tcp",), transfer_timeout_s=3.0)
+    seed = start_seed(weights=[weights], identity=ident, settings=settings)  # as the SGLang hook does
+    drain.record_publications(seed, planner_url=planner)
     try:
         records = list((tmp_path / "run").glob("*.json"))
         assert [r.stem for r in records] == seed.instance_ids
@@ -323,7 +266,7 @@ def test_parameters_served_in_place_are_pulled_bit_identical_then_drained(tmp_pa
             result.close()
         with PlannerClient(planner, token=ADMIN) as client:
             assert client.list_instances(status="READY").total == 1
-            assert lifecycle.drain_recorded() == 1
+            assert drain.drain_recorded() == 1
             assert client.list_instances().total == 0
         assert not (tmp_path / "run").exists()
     finally:
@@ -333,20 +276,20 @@ def test_parameters_served_in_place_are_pulled_bit_identical_then_drained(tmp_pa
 def test_only_a_root_process_arms_the_drain(tmp_path):
     code = (
         "import multiprocessing as mp, os\n"
-        "from rfork.integrations.sglang import lifecycle\n"
+        "from rfork.integrations.hook import drain\n"
         "def child(q):\n"
-        "    q.put((lifecycle.arm_drain_in_main_process(), os.environ.get(lifecycle.RUN_DIR_ENV)))\n"
+        "    q.put((drain.arm_drain_in_main_process(), os.environ.get(drain.RUN_DIR_ENV)))\n"
         "if __name__ == '__main__':\n"
-        "    armed = lifecycle.arm_drain_in_main_process()\n"
+        "    armed = drain.arm_drain_in_main_process()\n"
         "    q = mp.get_context('spawn').Queue()\n"
         "    p = mp.get_context('spawn').Process(target=child, args=(q,)); p.start()\n"
         "    c_armed, c_dir = q.get(timeout=60); p.join(60)\n"
-        "    print(armed, c_armed, c_dir == os.environ[lifecycle.RUN_DIR_ENV])\n"
+        "    print(armed, c_armed, c_dir == os.environ[drain.RUN_DIR_ENV])\n"
     )
     script = tmp_path / "arm.py"
     script.write_text(code)
     env = {**os.environ, "PYTHONPATH": str(Path.cwd())}
-    env.pop(lifecycle.RUN_DIR_ENV, None)
+    env.pop(drain.RUN_DIR_ENV, None)
     out = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env, check=False
     )

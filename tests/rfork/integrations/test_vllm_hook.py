@@ -6,7 +6,6 @@ The real vLLM tests are in tests/vllm (they run in .venv-vllm, see scripts/dev.s
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -19,8 +18,8 @@ import pytest
 import torch
 
 from rfork.cli import vllm as launcher
-from rfork.integrations.sglang.identity import parameters_identity as sglang_parameters_identity
-from rfork.integrations.vllm.identity import parameters_identity
+from rfork.integrations.hook.drain import RUN_DIR_ENV
+from rfork.integrations.hook.identity import parameters_identity
 from tests.rfork.conftest import ADMIN, REGISTER
 
 
@@ -33,28 +32,13 @@ def _args(argv: list[str]) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------ launcher
 
 
-def test_launcher_runs_vllm_serve_with_load_format_rfork_and_no_token_in_argv():
-    args = _args(
-        ["--planner", "http://p:9/", "--mode", "parameters", "--provider", "tcp", "--provider", "shm", "--",
-         "/models/m", "--port", "1", "--model-loader-extra-config", '{"num_threads": 2}']
-    )
-    argv, env = launcher.build_command(args, args.vllm_args, {"RFORK_TOKEN": "tok", "VLLM_PLUGINS": "x"})
+def test_launcher_runs_vllms_api_server_with_the_model_as_a_flag():
+    """The extra config's merging is checked for both launchers in test_hook_launch.py."""
+    args = _args(["--", "/models/m", "--port", "1", "--model-loader-extra-config", '{"num_threads": 2}'])
+    argv, _ = launcher.build_command(args, args.vllm_args, {})
     assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     assert argv[3:7] == ["--model", "/models/m", "--port", "1"]
-    assert argv[argv.index("--load-format") + 1] == "rfork"
-    extra = json.loads(argv[argv.index("--model-loader-extra-config") + 1])
-    assert extra == {
-        "num_threads": 2,
-        "planner_url": "http://p:9",
-        "mode": "parameters",
-        "providers": ["tcp", "shm"],
-        "serve": True,
-        "revision": "main",
-        "transfer_timeout_s": 5.0,
-    }
-    assert argv.count("--model-loader-extra-config") == 1
-    assert "tok" not in " ".join(argv)
-    assert env["VLLM_PLUGINS"] == "x,rfork"
+    assert argv[7:9] == ["--load-format", "rfork"]
 
 
 def test_launcher_keeps_a_full_vllm_serve_command():
@@ -73,9 +57,6 @@ def test_launcher_keeps_a_full_vllm_serve_command():
         (["/m", "--load-format=ipc_cache"], "conflicts"),
         (["/m", "--speculative-config", '{"model": "/draft", "num_speculative_tokens": 2}'], "draft"),
         (["/m", "--config", "serve.yaml"], "--config"),
-        (["/m", "--model-loader-extra-config", "{not json"], "JSON"),
-        (["/m", "--model-loader-extra-config", "[1]"], "JSON object"),
-        (["/m", "--model-loader-extra-config", '{"token": "t"}'], "RFORK_TOKEN"),
         (["vllm", "bench", "/m"], "only `vllm serve`"),
         ([], "no vLLM arguments"),
     ],
@@ -90,12 +71,6 @@ def test_launcher_accepts_speculation_without_a_draft_model():
     args = _args(["--", "/m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
     argv, _ = launcher.build_command(args, args.vllm_args, {})
     assert "--speculative-config" in argv
-
-
-def test_launcher_wants_a_token_for_a_planner():
-    args = _args(["--planner", "http://p", "--", "/m"])
-    with pytest.raises(ValueError, match="RFORK_TOKEN"):
-        launcher.build_command(args, args.vllm_args, {})
 
 
 def test_cli_dry_run_prints_the_command_and_bad_input_is_one_line(tmp_path):
@@ -123,13 +98,13 @@ def test_a_vllm_parameters_identity_never_equals_an_sglang_one():
         "model": "m", "revision": "main", "tensors": tensors, "dtype": torch.bfloat16, "quantization": None,
         "tp": 1, "pp": 1, "ep": 1, "dp": 1, "framework_version": "0.32.0", "device": "cpu",
     }
-    ours = parameters_identity(**common)
+    ours = parameters_identity(framework="vllm", **common)
     assert (ours.framework, ours.framework_version, ours.quantization) == ("vllm", "0.32.0", "none")
-    assert ours.key() != sglang_parameters_identity(**common).key()
-    assert ours.key() != parameters_identity(**{**common, "tp": 2}).key()
-    assert ours.key() != parameters_identity(**{**common, "quantization": "fp8"}).key()
+    assert ours.key() != parameters_identity(framework="sglang", **common).key()
+    assert ours.key() != parameters_identity(framework="vllm", **{**common, "tp": 2}).key()
+    assert ours.key() != parameters_identity(framework="vllm", **{**common, "quantization": "fp8"}).key()
     bigger = {"w": torch.zeros(8, 8, dtype=torch.bfloat16)}
-    assert ours.key() != parameters_identity(**{**common, "tensors": bigger}).key()
+    assert ours.key() != parameters_identity(framework="vllm", **{**common, "tensors": bigger}).key()
 
 
 # ------------------------------------------------------------------------------------ draining
@@ -156,8 +131,8 @@ def engine(planner, ready):
         time.sleep(0.1)
 
 if __name__ == "__main__":
-    from rfork.integrations.vllm.lifecycle import arm_root_process
-    assert arm_root_process()  # as the plugin does in vLLM's API server
+    from rfork.integrations.hook.drain import arm_drain_in_main_process
+    assert arm_drain_in_main_process()  # as the plugin does in vLLM's API server
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     p = ctx.Process(target=engine, args=(sys.argv[1], ready))
@@ -203,7 +178,7 @@ def test_the_root_process_drains_the_seed_of_a_sigkilled_worker(tmp_path: Path, 
     script = tmp_path / "engine.py"
     script.write_text(_CHILD)
     env = {**os.environ, "PYTHONPATH": str(Path.cwd()), "RFORK_TCP_HOST": "127.0.0.1"}
-    env.pop("RFORK_SGLANG_RUN_DIR", None)
+    env.pop(RUN_DIR_ENV, None)
     proc = _start_engine_like(script, planner, env)
     try:
         assert proc.stdout is not None

@@ -1,11 +1,12 @@
-"""Seeds published from SGLang's scheduler processes, drained by SGLang's main process.
+"""Seeds published from a framework's worker processes, drained by the process that started it.
 
-SGLang shuts down by SIGKILLing its schedulers (`kill_process_tree`), so code there never runs on the
-way out. The process that starts SGLang (no multiprocessing parent) therefore picks a private run
-directory and exports it; each scheduler that publishes a seed writes a record there (instance id,
-instance token, planner URL; mode 0600). The main process drains every record, DRAINING then delete,
-right before SGLang calls `kill_process_tree` and again at exit. If the main process itself is
-SIGKILLed nothing drains: the planner's heartbeat TTL then marks the seeds STALE.
+SGLang and vLLM shut down by SIGKILLing their workers (SGLang's schedulers, vLLM's engine core and
+workers), so code there may never run on the way out. The process that starts the framework (no
+multiprocessing parent) therefore picks a private run directory and exports it; each worker that
+publishes a seed writes a record there (instance id, instance token, planner URL; mode 0600). The root
+process drains every record, DRAINING then delete, at exit (and SGLang's right before it kills its
+schedulers). If the root process itself is SIGKILLed nothing drains: the planner's heartbeat TTL then
+marks the seeds STALE.
 """
 
 from __future__ import annotations
@@ -19,18 +20,21 @@ import os
 import secrets
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rfork.seed.seed import Seed
 
 log = logging.getLogger(__name__)
 
-RUN_DIR_ENV = "RFORK_SGLANG_RUN_DIR"
+RUN_DIR_ENV = "RFORK_SGLANG_RUN_DIR"  # its first user's name, kept: it is what running servers export
 _armed_pid: int | None = None
 
 
 def arm_drain_in_main_process() -> bool:
     """In a root process (no multiprocessing parent): export a fresh run directory, drain it at exit.
 
-    Children (SGLang's schedulers) inherit the variable. Cheap: nothing is created on disk here.
+    Children (the framework's workers) inherit the variable. Cheap: nothing is created on disk here.
     Returns whether this process armed.
     """
     global _armed_pid
@@ -43,10 +47,9 @@ def arm_drain_in_main_process() -> bool:
     return True
 
 
-def before_kill_process_tree(*_args: Any, **_kwargs: Any) -> None:
-    """SGLang BEFORE hook on `kill_process_tree`: drain this server's seeds before their schedulers die."""
-    if _armed_pid == os.getpid():
-        drain_recorded()
+def armed_here() -> bool:
+    """Whether this process armed the drain (it is the framework's root process)."""
+    return _armed_pid == os.getpid()
 
 
 def record_publication(*, instance_id: str, token: str | None, planner_url: str) -> Path | None:
@@ -69,9 +72,21 @@ def record_publication(*, instance_id: str, token: str | None, planner_url: str)
     return path
 
 
+def record_publications(seed: Seed, *, planner_url: str) -> list[Path]:
+    """A drain record for each of `seed`'s planner instances; the records written."""
+    records: list[Path] = []
+    for pub in seed.publications:
+        path = record_publication(
+            instance_id=str(pub.instance_id), token=pub.instance_token, planner_url=planner_url
+        )
+        if path is not None:
+            records.append(path)
+    return records
+
+
 def drain_recorded(run_dir: str | Path | None = None, *, timeout_s: float = 3.0) -> int:
     """DRAINING + delete every recorded seed (best effort, bounded); returns how many drained."""
-    # imported here: SGLang imports the plugin in each of its processes (start-up time)
+    # imported here: the frameworks import the plugin in each of their processes (start-up time)
     from planner.client import PlannerClient
 
     d = Path(run_dir or os.environ.get(RUN_DIR_ENV) or "")

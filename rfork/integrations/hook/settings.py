@@ -2,17 +2,21 @@
 
 The planner token comes only from `$RFORK_TOKEN`: SGLang and vLLM log their whole argument list at
 startup, so a token in the extra config would end up in every log; it is refused with a message saying so.
-The vLLM hook uses these same settings (its DefaultModelLoader takes the same pass-through keys).
+The SGLang and vLLM hooks take the same settings (their DefaultModelLoaders take the same pass-through keys).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rfork.errors import RforkError
+
+if TYPE_CHECKING:
+    from rfork.pull.result import LoadOptions
 
 MODES = ("checkpoint", "parameters")
 # Keys SGLang's and vLLM's DefaultModelLoader accept in the extra config; passed on when rfork falls back.
@@ -36,7 +40,7 @@ class SettingsError(RforkError, ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class HookSettings:
-    """What the SGLang hook needs to find a source and to publish itself."""
+    """What a framework hook needs to find a source and to publish itself."""
 
     planner_url: str | None = None
     token: str | None = None
@@ -59,7 +63,7 @@ class HookSettings:
     def resolve(
         cls, extra_config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
     ) -> HookSettings:
-        """Settings from SGLang's extra-config dict and the environment; raises SettingsError."""
+        """Settings from the framework's extra-config dict and the environment; raises SettingsError."""
         env = os.environ if environ is None else environ
         extra = dict(extra_config or {})
         if "token" in extra:
@@ -116,9 +120,31 @@ class HookSettings:
             out["model"] = self.model
         return out
 
+    def load_options(self) -> LoadOptions:
+        """Options of the hook's own pull: these providers and timeout; the hook seeds by itself after."""
+        # imported here: the frameworks import the plugin in each of their processes (start-up time)
+        from rfork.pull.result import LoadOptions
+
+        return LoadOptions(
+            providers=self.providers,
+            transfer_timeout_s=self.transfer_timeout_s,
+            become_seed=False,
+            pull_torch_threads=None,
+        )
+
+
+def default_loader_config(load_config: Any, load_format: Any) -> Any:
+    """The framework's `load_config` (a dataclass) for its own DefaultModelLoader: `load_format`, and
+    only the extra-config keys that loader understands."""
+    return dataclasses.replace(
+        load_config,
+        load_format=load_format,
+        model_loader_extra_config=default_loader_extra(load_config.model_loader_extra_config),
+    )
+
 
 def default_loader_extra(extra_config: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The part of the extra config SGLang's own DefaultModelLoader understands (it rejects the rest)."""
+    """The part of the extra config the framework's DefaultModelLoader understands (it rejects the rest)."""
     return {k: v for k, v in (extra_config or {}).items() if k in DEFAULT_LOADER_KEYS}
 
 

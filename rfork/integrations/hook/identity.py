@@ -1,12 +1,15 @@
-"""Source identities for SGLang instances, one per loader mode (docs/sglang.md, "Identity rules").
+"""Source identities of a framework instance, one per loader mode (docs/sglang.md and docs/vllm.md,
+"Identity rules").
 
-checkpoint mode pulls checkpoint-named, unsharded tensors, whatever SGLang does with them after, so
-its identity is the checkpoint's own (framework "rfork", tp=pp=1, cpu): the same identity as
-`rfork seed --checkpoint DIR`, and any SGLang version, parallel layout or device can use it.
+checkpoint mode pulls checkpoint-named, unsharded tensors, whatever the framework does with them after,
+so its identity is the checkpoint's own (framework "rfork", tp=pp=1, cpu): the same identity as
+`rfork seed --checkpoint DIR`, and any SGLang or vLLM version, parallel layout or device can use it.
 
-parameters mode pulls the post-processed `named_parameters()` of one rank straight into the new
-instance's parameters, so everything that shapes those bytes is in the identity: framework "sglang"
-and its version, tp/pp/ep/dp, quantization, dtype, device kind and a fingerprint of the parameters.
+parameters mode pulls one rank's `named_parameters()` straight into the new instance's parameters,
+so everything that shapes those bytes is in the identity: the framework ("sglang", "vllm") and its
+version, tp/pp/ep/dp, quantization, dtype, device kind and a fingerprint of the parameters. An SGLang
+instance and a vLLM one never share such an identity (the framework differs), so neither pulls from
+the other.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ def parameters_fingerprint(tensors: Mapping[str, torch.Tensor]) -> str:
 
 def parameters_identity(
     *,
+    framework: str,
+    framework_version: str,
     model: str,
     revision: str,
     tensors: Mapping[str, torch.Tensor],
@@ -45,10 +50,9 @@ def parameters_identity(
     pp: int,
     ep: int,
     dp: int,
-    framework_version: str,
     device: torch.device | str,
 ) -> SourceIdentity:
-    """Identity of an SGLang instance in parameters mode (see the module docstring)."""
+    """Identity of a framework instance in parameters mode (see the module docstring)."""
     return SourceIdentity(
         model=model,
         revision=revision,
@@ -59,7 +63,7 @@ def parameters_identity(
         pp=pp,
         ep=ep,
         dp=dp,
-        framework="sglang",
+        framework=framework,
         framework_version=framework_version,
         device_kind=device_kind(device),
     )

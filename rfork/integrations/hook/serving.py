@@ -1,0 +1,58 @@
+"""Become a seed inside a framework's worker: keep the framework's signal handlers, serve, publish."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rfork.identity import SourceIdentity
+    from rfork.integrations.hook.settings import HookSettings
+    from rfork.seed.seed import Seed
+    from rfork.weights.rank_weights import RankWeights
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def keep_signal_handlers() -> Iterator[None]:
+    """Opening a libfabric engine may replace SIGTERM/SIGINT handlers; put the framework's back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+def start_seed(*, weights: Sequence[RankWeights], identity: SourceIdentity, settings: HookSettings) -> Seed:
+    """Serve `weights` read-only on the settings' one-sided providers, publish READY and heartbeat.
+
+    The caller arranges the drain (rfork.integrations.hook.drain); raises when the seed cannot start.
+    """
+    # imported here: the frameworks import the plugin in each of their processes (start-up time)
+    from rfork.seed.seed import Seed
+
+    if settings.planner_url is None:
+        raise ValueError("a seed needs a planner URL")
+    one_sided = [p for p in settings.providers if p != "nccl"] or ["tcp"]
+    seed = Seed(
+        weights=list(weights),
+        identity=identity,
+        planner_url=settings.planner_url,
+        providers=one_sided,
+        token=settings.token,
+        timeout_s=settings.transfer_timeout_s,
+    )
+    with keep_signal_handlers():
+        seed.start()
+    log.info("rfork: serving as seed %s (identity %s)", ",".join(seed.instance_ids), identity.key()[:12])
+    return seed
