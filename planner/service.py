@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, bindparam, delete, func, insert, or_, select, update
+from sqlalchemy import Connection, Row, and_, bindparam, delete, func, insert, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -733,30 +733,8 @@ class Planner:
         quarantined = False
         with self.db.write() as session:
             s = session.connection()  # Core on the hot path: no ORM compile/unit of work
-            seed_id = s.execute(select(Lease.instance_id).where(Lease.id == lease_id)).scalar()
-            if seed_id is None:
-                raise NotFound(f"assignment {lease_id} not found")
-            q = select(
-                Lease.instance_id,
-                Lease.holder,
-                Lease.outcome,
-                Lease.ended_at,
-                Lease.expires_at,
-                Lease.provider,
-            ).where(Lease.id == lease_id)
-            if not self.db.sqlite:  # serialise with assign() on the seed's row first, then the lease
-                s.execute(select(Instance.id).where(Instance.id == seed_id).with_for_update())
-                q = q.with_for_update()
-            lease = s.execute(q).first()
-            if lease is None:
-                raise NotFound(f"assignment {lease_id} not found")
-            if reporter is not None and lease.holder != reporter:
-                raise PermissionError(f"assignment {lease_id} belongs to another requester")
             now = _now(now)
-            if lease.ended_at is not None or lease.expires_at <= now:
-                raise Conflict(
-                    f"assignment {lease_id} has ended ({lease.outcome or 'expired'}); reports are refused"
-                )
+            lease = self._live_lease(s, lease_id, reporter, now, "reports are refused", Lease.provider)
             s.execute(
                 update(Lease)
                 .where(Lease.id == lease_id)
@@ -815,28 +793,37 @@ class Planner:
                     )
         return wire.ReportAnswer(id=lease_id, outcome=body.outcome, seed_quarantined=quarantined)
 
+    def _live_lease(
+        self, s: Connection, lease_id: str, holder: str | None, now: float, refused: str, *extra: Any
+    ) -> Row[Any]:
+        """The lease row, locked in the one lock order (PostgreSQL: the seed's instance row, then the
+        lease, as assign and delete); NotFound, PermissionError (another holder; None: admin) or
+        Conflict (ended or expired: `refused` says what is refused) otherwise."""
+        seed_id = s.execute(select(Lease.instance_id).where(Lease.id == lease_id)).scalar()
+        if seed_id is None:
+            raise NotFound(f"assignment {lease_id} not found")
+        q = select(
+            Lease.instance_id, Lease.holder, Lease.outcome, Lease.ended_at, Lease.expires_at, *extra
+        ).where(Lease.id == lease_id)
+        if not self.db.sqlite:
+            s.execute(select(Instance.id).where(Instance.id == seed_id).with_for_update())
+            q = q.with_for_update()
+        lease = s.execute(q).first()
+        if lease is None:
+            raise NotFound(f"assignment {lease_id} not found")
+        if holder is not None and lease.holder != holder:
+            raise PermissionError(f"assignment {lease_id} belongs to another requester")
+        if lease.ended_at is not None or lease.expires_at <= now:
+            raise Conflict(f"assignment {lease_id} has ended ({lease.outcome or 'expired'}); {refused}")
+        return lease
+
     def renew(self, lease_id: str, now: float | None, holder: str | None) -> wire.LeaseRenewal:
         """Extend a live lease by lease_ttl_s from now (a long pull keeps its slot); its holder only
         (`holder` None: admin). Conflict once it has ended."""
         with self.db.write() as session:
             s = session.connection()
-            seed_id = s.execute(select(Lease.instance_id).where(Lease.id == lease_id)).scalar()
-            if seed_id is None:
-                raise NotFound(f"assignment {lease_id} not found")
-            q = select(Lease.holder, Lease.ended_at, Lease.expires_at, Lease.outcome).where(
-                Lease.id == lease_id
-            )
-            if not self.db.sqlite:  # the same lock order as report
-                s.execute(select(Instance.id).where(Instance.id == seed_id).with_for_update())
-                q = q.with_for_update()
-            lease = s.execute(q).first()
-            if lease is None:
-                raise NotFound(f"assignment {lease_id} not found")
-            if holder is not None and lease.holder != holder:
-                raise PermissionError(f"assignment {lease_id} belongs to another requester")
             now = _now(now)
-            if lease.ended_at is not None or lease.expires_at <= now:
-                raise Conflict(f"assignment {lease_id} has ended ({lease.outcome or 'expired'}); not renewed")
+            lease = self._live_lease(s, lease_id, holder, now, "not renewed")
             expires_at = max(lease.expires_at, now + self.settings.lease_ttl_s)
             s.execute(update(Lease).where(Lease.id == lease_id).values(expires_at=expires_at))
         return wire.LeaseRenewal(id=lease_id, expires_at_unix=expires_at)
