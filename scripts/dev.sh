@@ -14,7 +14,7 @@
 # libfabric: the binding is built against the system's (Debian 12: 1.17) and loads it by default; .venv
 # also gets the libfabric 2.5.1 that PyPI's `mpich` wheel bundles (extra `libfabric2`, x86_64/aarch64
 # Linux), used with RFORK_LIBFABRIC_LIB=mpich (backends/providers/_native.py). 2.5.1 is not the default
-# yet: its shm crashes when two endpoints of one process write to each other (docs/transport.md).
+# yet: its shm stalls intermittently across the whole suite on this machine (docs/transport.md).
 # `test` runs the suite on the default one and the conformance suite again on the other.
 # Re-running is cheap: the Python install is skipped while pyproject.toml and setup files are unchanged.
 set -euo pipefail
