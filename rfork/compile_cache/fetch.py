@@ -106,5 +106,5 @@ def _download(source: CompileCacheSource, key: str, *, limits: Limits, timeout_s
 
 
 def _nothing(t0: float, reason: str) -> FetchOutcome:
-    log.info("compile cache not installed: %s", reason)
+    log.debug("compile cache not installed: %s", reason)
     return FetchOutcome(installed=False, seconds=time.perf_counter() - t0, reason=reason)
