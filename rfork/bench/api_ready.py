@@ -28,6 +28,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from rfork.bench.processes import Fleet, HarnessError, free_port
+from rfork.compile_cache.vllm_log import CompileEvidence, kernels_built_since
+
 ROWS = ("cold", "weights", "weights+caches")
 _STAMP = r"(\d\d-\d\d \d\d:\d\d:\d\d)"
 
@@ -41,9 +44,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # imported here: `rfork --help` must stay instant (rfork.cli)
+    # imported here: `rfork --help` start-up stays instant (rfork.cli)
     from planner.server import PlannerServer
-    from rfork.bench.processes import Fleet
     from rfork.weights.synthetic import config_for_size, write_servable_llama
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="rfork-api-ready-"))
@@ -80,17 +82,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 class _Server:
-    def __init__(self, child: Any, port: int) -> None:
+    def __init__(self, child: Any, port: int, cache_root: Path) -> None:
         self.child = child
         self.port = port
         self.started = child.started
+        self.cache_root = cache_root
 
 
 def _start(
-    fleet: Any, name: str, model: Path, work: Path, planner_url: str, *, rfork_args: list[str] | None
+    fleet: Fleet, name: str, model: Path, work: Path, planner_url: str, *, rfork_args: list[str] | None
 ) -> _Server:
-    from rfork.bench.processes import free_port
-
     port = free_port()
     cache_root = work / f"cache-{name}"
     env = {
@@ -111,13 +112,11 @@ def _start(
     else:
         argv = ["vllm", "--planner", planner_url, "--insecure-ok", *rfork_args, "--", *serve]
         child = fleet.spawn(name, argv, env=env)
-    return _Server(child, port)
+    return _Server(child, port, cache_root)
 
 
 def _ready(server: _Server, timeout_s: float) -> float:
     """Seconds from process start until `/health` answers 200."""
-    from rfork.bench.processes import HarnessError
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.child.proc.poll() is not None:
@@ -147,8 +146,6 @@ def _first_token(port: int) -> float:
 
 def _figures(server: _Server, ready_s: float, first_token_s: float) -> dict[str, Any]:
     """The row's breakdown and cache evidence, from its log."""
-    from rfork.compile_cache.vllm_log import CompileEvidence
-
     text = server.child.log_path.read_text(errors="replace")
     ev = CompileEvidence.from_log(text)
     weights = re.findall(r"Model loading took [^\n]*? and ([0-9.]+) seconds", text)
@@ -169,6 +166,7 @@ def _figures(server: _Server, ready_s: float, first_token_s: float) -> dict[str,
         "vllm_used_cache": ev.used_cache,
         "aot_load_failures": ev.aot_load_failures,
         "cache_installed": "installed from" in text,
+        "kernels_built": kernels_built_since(server.cache_root, server.started),
     }
 
 
@@ -186,6 +184,7 @@ def _table(results: dict[str, Any]) -> str:
     cols = [
         ("API-ready s", "api_ready_s"), ("imports+setup", "imports_setup_s"), ("weights", "weights_s"),
         ("engine init", "engine_init_s"), ("compile (log)", "compile_s"), ("first req", "first_request_s"),
+        ("kernels built", "kernels_built"),
     ]
     rows = results["rows"]
     base = rows.get("cold", {}).get("api_ready_s")
@@ -200,12 +199,14 @@ def _table(results: dict[str, Any]) -> str:
             continue
         cells = "".join(f"{_num(r[k]):>15}" for _, k in cols)
         ratio = f"{base / r['api_ready_s']:.2f}x" if base and r["api_ready_s"] else ""
-        used = "used" if r["vllm_used_cache"] else ("compiled" if r["vllm_compiled"] else "?")
-        if r["cache_installed"]:
-            used = f"installed, {used}"
+        used = "installed" if r["cache_installed"] else "none"
+        if r["aot_load_failures"]:
+            used += ", AOT artifact found (load failed)"
         lines.append(f"{name:16}{cells}{ratio:>9}  {used}")
     return "\n".join(lines)
 
 
 def _num(x: float | None) -> str:
+    if isinstance(x, int):
+        return str(x)
     return "" if x is None else f"{x:.2f}"

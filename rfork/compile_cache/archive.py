@@ -1,7 +1,7 @@
 """Pack a compile-cache directory into a digested tar; unpack a peer's archive, refusing anything unsafe.
 
 The archive is plain tar: first a member `.rfork-compile-cache.json` naming the key it was packed
-under, then the directory's regular files (relative paths, permission bits masked to 0o755). Its
+under, then the directory's regular files (relative paths, permission bits masked to 0o755, mtimes kept). Its
 name on the wire is `sha256:<hex>` of the whole archive.
 
 The archive comes from a peer and holds code the engine will load, so `unpack` trusts nothing in it:
@@ -161,7 +161,7 @@ def _extract_members(tar: tarfile.TarFile, staging: Path, *, key: str, limits: L
             raise ArchiveRefused(f"archive unpacks to more than {limits.max_unpacked_bytes} bytes")
         if rel in names:
             raise ArchiveRefused(f"archive member {member.name!r} appears twice")
-        _write_new(staging / rel, _read(tar, member), member.mode & 0o755)
+        _write_new(staging / rel, _read(tar, member), member.mode & 0o755, member.mtime)
         names.append(rel)
     return names
 
@@ -202,12 +202,14 @@ def _read(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
     return data
 
 
-def _write_new(path: Path, data: bytes, mode: int) -> None:
-    """Create `path` (it must not exist; no link is followed) and its parents, inside the staging tree."""
+def _write_new(path: Path, data: bytes, mode: int, mtime: float) -> None:
+    """Create `path` (it must not exist; no link is followed) and its parents, inside the staging tree,
+    with the packed mtime (a kernel newer than the start of the engine was built by it, not installed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode | 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+    os.utime(path, (mtime, mtime))
 
 
 def _merge(staging: Path, dest: Path, names: list[str]) -> int:

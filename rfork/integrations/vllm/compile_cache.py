@@ -61,6 +61,7 @@ def prepare(
     vllm_config: Any, identity: SourceIdentity, rank: int, settings: HookSettings
 ) -> CacheShelf | None:
     """Fetch and install this worker's compile cache from a seed; the shelf to serve it, or None."""
+    # imported here: vLLM imports the plugin in each of its processes (start-up time)
     from rfork.compile_cache.fetch import fetch_compile_cache
     from rfork.compile_cache.shelf import CacheShelf
     from rfork.identity import default_labels

@@ -91,6 +91,7 @@ class RforkModelLoader(BaseModelLoader):
         )
         identity = self.outcome.identity
         if identity is not None:  # before vLLM compiles (its profiling run, after this)
+            # imported here: vLLM imports the plugin in each of its processes (start-up time)
             from rfork.integrations.vllm.compile_cache import prepare
 
             self.compile_caches = prepare(vllm_config, identity, self.outcome.rank, self.settings)

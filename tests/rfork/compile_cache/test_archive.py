@@ -75,6 +75,7 @@ def test_round_trip_installs_the_same_files_with_safe_modes(tmp_path: Path) -> N
     assert _tree(dest) == _tree(src)
     so = dest / "abc123" / "rank_0_0" / "inductor_cache" / "xy" / "kernel.so"
     assert so.stat().st_mode & 0o7777 == 0o755
+    assert int(so.stat().st_mtime) == int((src / so.relative_to(dest)).stat().st_mtime)
     assert not any(p.name.startswith(".dest.rfork-") for p in tmp_path.iterdir())  # staging removed
 
 

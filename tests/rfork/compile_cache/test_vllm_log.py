@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from rfork.compile_cache.vllm_log import CompileEvidence
+import os
+import time
+from pathlib import Path
+
+from rfork.compile_cache.vllm_log import CompileEvidence, kernels_built_since
 
 MISS = """\
 (Worker pid=1) INFO 11-24 01:05:09 [backends.py:1166] Dynamo bytecode transform time: 3.10 s
@@ -52,3 +56,13 @@ def test_an_eager_start_says_nothing() -> None:
     assert not ev.compiled
     assert not ev.used_cache
     assert ev.torch_compile_s is None
+
+
+def test_kernels_built_since_counts_only_fresh_shared_objects(tmp_path: Path) -> None:
+    old, new = tmp_path / "a" / "k1.so", tmp_path / "b" / "k2.so"
+    for p in (old, new, tmp_path / "b" / "k2.cpp"):
+        p.parent.mkdir(exist_ok=True)
+        p.write_bytes(b"x")
+    os.utime(old, (1000.0, 1000.0))  # installed: keeps the seed's mtime
+    assert kernels_built_since(tmp_path, time.time() - 60) == 1
+    assert kernels_built_since(tmp_path / "missing", 0.0) == 0
