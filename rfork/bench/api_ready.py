@@ -7,11 +7,13 @@
 - weights: `rfork vllm --no-compile-cache`, weights pulled from a running replica, vLLM compiles;
 - weights + caches: `rfork vllm`, weights and the replica's compile cache pulled before vLLM compiles.
 The replica is a `rfork vllm` server started first (it compiles and serves both); it is the setup,
-not a row. Breakdown from vLLM's own log lines: weights ("Model loading took"), engine init (profile
-run, which compiles on CPU, KV cache, warm-up: "init engine ... took"), the compile share of it
-(the "Warming up model for the compilation" to "Warming up done" log timestamps, 1 s resolution),
-imports and set-up (the rest until `/health`), and the first request. Whether vLLM used the cache
-comes from its log too (rfork.compile_cache.vllm_log). Runs where vLLM is installed (.venv-vllm).
+not a row. Breakdown from the server's log: the model load ("Starting to load model" to the compile
+warm-up, log timestamps at 1 s resolution: build, weights, post-processing, rfork's seed and cache
+fetch, the fetch also on its own from rfork's line), engine init (profile run, which compiles on
+CPU, KV cache, warm-up: "init engine ... took"), the compile share of it ("Warming up model for the
+compilation" to "Warming up done", 1 s resolution), imports and set-up (the rest until `/health`),
+the first request, and the C++ kernels inductor built (rfork.compile_cache.vllm_log). Runs where
+vLLM is installed (.venv-vllm).
 """
 
 from __future__ import annotations
@@ -148,16 +150,19 @@ def _figures(server: _Server, ready_s: float, first_token_s: float) -> dict[str,
     """The row's breakdown and cache evidence, from its log."""
     text = server.child.log_path.read_text(errors="replace")
     ev = CompileEvidence.from_log(text)
-    weights = re.findall(r"Model loading took [^\n]*? and ([0-9.]+) seconds", text)
-    weights_s = float(weights[-1]) if weights else None
+    # the CPU runner logs no "Model loading took": its load is the span from "Starting to load model"
+    # to the compile warm-up (building the model, the weights, post-processing, rfork's seed and fetch)
+    load_s = _between(text, "Starting to load model", "Warming up model for the compilation")
+    fetch = re.findall(r"installed from \S+: \d+ new file\(s\), \d+ bytes, ([0-9.]+) s", text)
     init_s = ev.init_engine_s
     compile_s = _between(text, "Warming up model for the compilation", "Warming up done")
-    setup_s = ready_s - (weights_s or 0.0) - (init_s or 0.0) if ready_s else None
+    setup_s = ready_s - (load_s or 0.0) - (init_s or 0.0) if ready_s else None
     return {
         "api_ready_s": first_token_s,
         "health_s": ready_s,
         "imports_setup_s": setup_s,
-        "weights_s": weights_s,
+        "load_s": load_s,
+        "cache_fetch_s": float(fetch[-1]) if fetch else None,
         "engine_init_s": init_s,
         "compile_s": compile_s,
         "warmup_other_s": None if init_s is None or compile_s is None else init_s - compile_s,
@@ -182,9 +187,9 @@ def _between(text: str, start: str, end: str) -> float | None:
 
 def _table(results: dict[str, Any]) -> str:
     cols = [
-        ("API-ready s", "api_ready_s"), ("imports+setup", "imports_setup_s"), ("weights", "weights_s"),
+        ("API-ready s", "api_ready_s"), ("imports+setup", "imports_setup_s"), ("load (log)", "load_s"),
         ("engine init", "engine_init_s"), ("compile (log)", "compile_s"), ("first req", "first_request_s"),
-        ("kernels built", "kernels_built"),
+        ("cache fetch", "cache_fetch_s"), ("kernels built", "kernels_built"),
     ]
     rows = results["rows"]
     base = rows.get("cold", {}).get("api_ready_s")

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 from rfork.bench import api_ready
 
 LOG = """\
-(Worker pid=2) INFO 11-24 01:05:04 [default_loader.py:502] Loading weights took 0.40 seconds
-(Worker pid=2) INFO 11-24 01:05:06 [cpu_model_runner.py:70] Model loading took 0.1 GiB memory and 2.50 seconds
-INFO 11-24 01:05:07 [rfork.integrations.vllm.compile_cache] rfork: compile cache ab installed from x
+(Worker pid=2) INFO 11-24 01:05:04 [cpu_model_runner.py:68] Starting to load model /m...
+INFO 11-24 01:05:07 [rfork.integrations.vllm.compile_cache] rfork: compile cache ab installed from x: \
+51 new file(s), 3471360 bytes, 0.085 s
 (Worker pid=2) INFO 11-24 01:05:07 [cpu_model_runner.py:87] Warming up model for the compilation...
 (Worker pid=2) WARNING 11-24 01:05:10 [decorators.py:333] Compiling model again due to a load failure
 (Worker pid=2) INFO 11-24 01:05:19 [decorators.py:743] [backbone] saved AOT compiled function to /c/model
@@ -31,11 +31,12 @@ def _server(tmp_path: Path) -> SimpleNamespace:
 
 def test_breakdown_from_the_log(tmp_path: Path) -> None:
     row = api_ready._figures(_server(tmp_path), 30.0, 31.5)  # type: ignore[arg-type]
-    assert row["weights_s"] == 2.5
+    assert row["load_s"] == 3.0
+    assert row["cache_fetch_s"] == 0.085
     assert row["engine_init_s"] == 13.0
     assert row["compile_s"] == 12.0  # log timestamps, 1 s resolution
     assert row["warmup_other_s"] == 1.0
-    assert row["imports_setup_s"] == 30.0 - 2.5 - 13.0
+    assert row["imports_setup_s"] == 30.0 - 3.0 - 13.0
     assert row["first_request_s"] == 1.5
     assert row["cache_installed"]
     assert row["vllm_compiled"]
