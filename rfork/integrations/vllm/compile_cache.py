@@ -42,7 +42,10 @@ def compile_cache_key(vllm_config: Any, identity: SourceIdentity, rank: int) -> 
 
     if vllm_config.compilation_config.mode == CompilationMode.NONE or envs.VLLM_DISABLE_COMPILE_CACHE:
         return None
-    device = identity.device_kind if identity.device_kind.startswith("cuda") else None
+    gpu = None  # the worker's GPU, whatever the identity's device kind (checkpoint mode says "cpu")
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        gpu = f"cuda:sm{major}{minor}"
     return CompileCacheKey(
         identity_key=identity.key(),
         rank=rank,
@@ -53,7 +56,7 @@ def compile_cache_key(vllm_config: Any, identity: SourceIdentity, rank: int) -> 
         settings_digest=settings_digest(
             {"config": vllm_config.compute_hash(), "env": envs.compile_factors()}
         ),
-        processor=processor_tag(gpu=device),
+        processor=processor_tag(gpu=gpu),
     )
 
 
