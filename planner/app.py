@@ -26,7 +26,7 @@ from planner.fleet import ProgressBoard, RefusalLog
 from planner.guard import RequestGuard
 from planner.heartbeats import HeartbeatBatcher, HeartbeatFastPath
 from planner.metrics import MetricsMiddleware, PlannerMetrics
-from planner.routes import anchors, assignments, fleet, instances, observe
+from planner.routes import anchors, assignments, compile_caches, fleet, instances, observe
 from planner.selection import make_policy
 from planner.service import Planner, reap
 from planner.settings import PlannerSettings
@@ -96,6 +96,7 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
     )
     app.include_router(instances.router)
     app.include_router(assignments.router)
+    app.include_router(compile_caches.router)
     app.include_router(observe.router)
     app.include_router(fleet.router)
     app.include_router(anchors.router)

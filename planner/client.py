@@ -26,6 +26,8 @@ from planner.errors import (
 from planner.wire import (
     Assignment,
     AssignmentRequest,
+    CompileCacheRequest,
+    CompileCacheSources,
     FleetView,
     HeartbeatAnswer,
     InstancePage,
@@ -96,6 +98,7 @@ class PlannerClient:
         ranks: Sequence[RankEndpoint | Mapping[str, Any]] = (),
         max_concurrent_pulls: int = 2,
         control_key: str | None = None,
+        compile_cache_keys: Sequence[str] = (),
     ) -> Registration:
         """Register an instance (INITIALIZING); ranks: RankEndpoint or {rank, provider, address (bytes or
         base64), backends}.
@@ -111,6 +114,7 @@ class PlannerClient:
                 control_key=control_key,
                 ranks=[_rank(r) for r in ranks],
                 max_concurrent_pulls=max_concurrent_pulls,
+                compile_cache_keys=list(compile_cache_keys),
             )
         return self._call("POST", "/v1/instances", "register instance", Registration, body=body)
 
@@ -189,6 +193,21 @@ class PlannerClient:
             return self._call(
                 "POST", "/v1/assignments", f"request assignment rank {rank}", Assignment, body=body
             )
+        except NotFound as exc:
+            if exc.reason == "no_source":
+                return None
+            raise
+
+    def compile_cache_sources(
+        self, cache_key: str, *, labels: Mapping[str, str] | None = None
+    ) -> CompileCacheSources | None:
+        """Instances serving a compile cache, nearest first, with fetch tokens; None = no source (compile)."""
+        op = f"compile cache sources {cache_key[:12]}"
+        with _checked(op):
+            body = CompileCacheRequest(labels=Labels(**dict(labels or {})))
+        try:
+            path = f"/v1/compile-caches/{cache_key}/sources"
+            return self._call("POST", path, op, CompileCacheSources, body=body)
         except NotFound as exc:
             if exc.reason == "no_source":
                 return None

@@ -17,6 +17,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 VERSION = "v1"
+# lease-id prefix of compile-cache grants (planner.service.compile_cache_sources): they fetch a
+# compile cache and never open a weight session; weight leases are plain uuid hex
+COMPILE_CACHE_LEASE = "cc-"
 
 
 class ControlTokenError(ValueError):
@@ -32,6 +35,11 @@ class ControlGrant:
     rank: int
     expires_at: int
 
+    @property
+    def compile_cache(self) -> bool:
+        """A compile-cache grant (rank 0 by convention: the cache key names the rank)."""
+        return self.lease_id.startswith(COMPILE_CACHE_LEASE)
+
 
 def new_control_key() -> str:
     """A fresh 256-bit key, hex."""
@@ -42,6 +50,12 @@ def issue(key: str, *, lease_id: str, instance_id: str, rank: int, expires_at: f
     """The token for one lease."""
     head = f"{VERSION}.{lease_id}.{instance_id}.{int(rank)}.{int(expires_at)}"
     return f"{head}.{_mac(key, head)}"
+
+
+def issue_compile_cache(key: str, *, instance_id: str, expires_at: float) -> str:
+    """A token to fetch a compile cache from one instance until `expires_at` (no weight session)."""
+    lease_id = COMPILE_CACHE_LEASE + secrets.token_hex(16)
+    return issue(key, lease_id=lease_id, instance_id=instance_id, rank=0, expires_at=expires_at)
 
 
 def verify(token: str, key: str, *, instance_ids: Collection[str], rank: int, now: float) -> ControlGrant:

@@ -65,6 +65,13 @@ class Instance(Base):
         order_by="InstanceRank.rank",
         lazy="selectin",
     )
+    compile_caches: Mapped[list[CompileCache]] = relationship(
+        back_populates="instance",
+        cascade="all, delete-orphan",
+        passive_deletes=True,
+        order_by="CompileCache.cache_key",
+        lazy="selectin",
+    )
 
 
 class InstanceRank(Base):
@@ -81,6 +88,23 @@ class InstanceRank(Base):
     backends: Mapped[list[str]] = mapped_column(JSON)
 
     instance: Mapped[Instance] = relationship(back_populates="ranks")
+
+
+class CompileCache(Base):
+    """A compile-cache key an instance serves (rfork.compile_cache): what the engine compiled for it.
+
+    Registered with the instance and deleted with it; the key is a sha256 of everything a compiled
+    artifact depends on, so equal keys are interchangeable caches.
+    """
+
+    __tablename__ = "compile_caches"
+
+    instance_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("instances.id", ondelete="CASCADE"), primary_key=True
+    )
+    cache_key: Mapped[str] = mapped_column(String(64), primary_key=True, index=True)
+
+    instance: Mapped[Instance] = relationship(back_populates="compile_caches")
 
 
 class Manifest(Base):

@@ -10,7 +10,7 @@ import datetime as dt
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from planner.auth import new_instance_token
 from planner.burst import BusyEstimate, WaitingRoom, estimate_busy, pull_rate_bps
 from planner.db import Database
 from planner.errors import AllBusy, Conflict, DigestMismatch, NoSource, NotFound
-from planner.models import Anchor, Instance, InstanceRank, Lease, Manifest
+from planner.models import Anchor, CompileCache, Instance, InstanceRank, Lease, Manifest
 from planner.selection import Requester, SeedView, SelectionPolicy, choose_provider, make_policy
 from planner.settings import PlannerSettings
 from planner.wire import InstancePage, ModelsPage, ModelView, TransfersPage, TransferView
@@ -69,6 +69,7 @@ def _instance_fields(inst: Instance) -> dict[str, Any]:
         "quarantined_until": inst.quarantined_until,
         "reverifying": inst.reverify_since is not None,
         "integrity_failed": bool(inst.integrity_failed),
+        "compile_cache_keys": [c.cache_key for c in inst.compile_caches],
     }
 
 
@@ -147,6 +148,7 @@ class Planner:
                 )
                 for r in body.ranks
             ],
+            compile_caches=[CompileCache(cache_key=k) for k in body.compile_cache_keys],
         )
         if body.control_key:
             inst.control_key = control_token.seal(self._control_secret, inst.id, body.control_key)
@@ -641,6 +643,51 @@ class Planner:
             expires_at_unix=expires_at,
             candidates=candidates,
         )
+
+    def compile_cache_sources(
+        self, cache_key: str, now: float, *, may_lease: Callable[[str], bool], labels: wire.Labels
+    ) -> wire.CompileCacheSources:
+        """READY, unquarantined instances serving `cache_key` (same node, rack, zone first), each with a
+        control token for one fetch (planner.control_token, a compile-cache grant: no weight session).
+
+        `may_lease(identity_key)`: whether the caller may have that identity's artifacts (an instance
+        token: its own identity only). Raises NoSource (404) when none is left.
+        """
+        q = (
+            select(Instance)
+            .join(CompileCache, CompileCache.instance_id == Instance.id)
+            .where(
+                CompileCache.cache_key == cache_key,
+                Instance.status == "READY",
+                Instance.last_heartbeat >= now - self.settings.heartbeat_ttl_s,
+                or_(Instance.quarantined_until.is_(None), Instance.quarantined_until <= now),
+                Instance.reverify_since.is_(None),
+                Instance.integrity_failed.is_(False),
+                Instance.control_url.is_not(None),
+                Instance.control_key.is_not(None),
+            )
+            .order_by(Instance.id)
+        )
+        with self.db.read() as s:
+            rows = [i for i in s.execute(q).scalars().all() if may_lease(i.identity_key)]
+        if not rows:
+            raise NoSource(f"no READY instance serves compile cache {cache_key[:12]}")
+        rows.sort(key=lambda i: (i.node != labels.node, i.rack != labels.rack, i.zone != labels.zone))
+        expires_at = now + self.settings.lease_ttl_s
+        sources = [
+            wire.CompileCacheSource(
+                instance_id=i.id,
+                control_url=str(i.control_url),
+                labels=wire.Labels(node=i.node, rack=i.rack, zone=i.zone),
+                control_token=control_token.issue_compile_cache(
+                    control_token.unseal(self._control_secret, i.id, str(i.control_key)),
+                    instance_id=i.id,
+                    expires_at=expires_at,
+                ),
+            )
+            for i in rows[:8]
+        ]
+        return wire.CompileCacheSources(cache_key=cache_key, sources=sources)
 
     def _busy_estimate(
         self, key: str, body: wire.AssignmentRequest, seed_ids: Sequence[str], now: float

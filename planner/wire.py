@@ -77,6 +77,8 @@ Text64 = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=N
 Text128 = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=NO_NUL)]
 Text256 = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=NO_NUL)]
 ControlKey = Annotated[str, StringConstraints(min_length=32, max_length=128, pattern=r"^[0-9a-f]+$")]
+# rfork.compile_cache.key.CompileCacheKey.digest(): sha256 of what a compiled artifact depends on
+CompileCacheKey = Annotated[str, StringConstraints(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]
 
 
 def identity_key(identity: Mapping[str, Any]) -> str:
@@ -363,6 +365,8 @@ class RegistrationRequest(Strict):
     control_key: ControlKey | None = Field(default=None, repr=False)  # hex; signs control tokens; never shown
     ranks: Annotated[list[RankEndpoint], Field(max_length=65_536)] = []
     max_concurrent_pulls: Annotated[int, Field(ge=1, le=10_000), JSON_INT] = 2
+    # compile caches its control endpoint serves (GET /v1/compile-caches/{key}); needs a control_url
+    compile_cache_keys: Annotated[list[CompileCacheKey], Field(max_length=64)] = []
 
     def conflicts(self) -> str | None:
         """What a well-formed registration contradicts in itself (409; JSON Schema cannot say it), or None."""
@@ -374,6 +378,10 @@ class RegistrationRequest(Strict):
             if r.rank in seen:
                 return f"ranks: rank {r.rank} is listed twice"
             seen.add(r.rank)
+        if self.compile_cache_keys and (self.control_url is None or self.control_key is None):
+            return "compile_cache_keys: serving compile caches needs a control_url and a control_key"
+        if len(set(self.compile_cache_keys)) != len(self.compile_cache_keys):
+            return "compile_cache_keys: a key is listed twice"
         return None
 
 
@@ -405,6 +413,7 @@ class InstanceView(BaseModel):
     reverifying: bool = False
     # its manifest differed from the anchor: offered to nobody until it republishes clean
     integrity_failed: bool = False
+    compile_cache_keys: list[str] = []
 
 
 class Registration(InstanceView):
@@ -497,6 +506,29 @@ class Assignment(BaseModel):
     expires_at: str  # ISO 8601, UTC
     expires_at_unix: float
     candidates: list[Candidate]
+
+
+class CompileCacheRequest(Strict):
+    """POST /v1/compile-caches/{key}/sources: the requester's labels (nearest sources first)."""
+
+    labels: Labels = Labels()
+
+
+class CompileCacheSource(BaseModel):
+    """A READY instance whose control endpoint serves a compile cache, with a token for one fetch."""
+
+    instance_id: str
+    control_url: str
+    labels: Labels
+    # planner.control_token for GET {control_url}/v1/compile-caches/{key}; opens no weight session
+    control_token: str = Field(repr=False)
+
+
+class CompileCacheSources(BaseModel):
+    """Answer to POST /v1/compile-caches/{key}/sources: who serves that key, nearest first."""
+
+    cache_key: str
+    sources: list[CompileCacheSource]
 
 
 class TransferReport(Strict):

@@ -10,7 +10,9 @@ import contextlib
 import json
 import logging
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +26,32 @@ log = logging.getLogger(__name__)
 
 class HarnessError(RuntimeError):
     """A child process failed or did not get ready in time; the message carries its stderr tail."""
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(low: int = 10000, high: int = 21999) -> int:
+    """A free port for a server that binds it only later (SGLang needs a number; it cannot take 0).
+
+    Below the kernel's ephemeral range: a port from bind(0) stays free only until the kernel hands
+    it to some outgoing connection (this test's /health polls, a seed's clients), and SGLang binds
+    its HTTP port some 25 s after start, so such a port was taken now and then ("address already in
+    use", exit 3). Also below 22000-29999, where SGLang picks its own nccl port the same way.
+    """
+    high = min(high, _ephemeral_low() - 1)
+    for port in random.sample(range(low, high + 1), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise HarnessError(f"no free port in {low}-{high}")
 
 
 @dataclass

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from rfork import __version__
+from rfork.bench import api_ready as bench_api_ready
 from rfork.bench import cold_start as bench_cold_start
 from rfork.bench import digest as bench_digest
 from rfork.bench import gpu as bench_gpu
@@ -48,6 +49,7 @@ COMMANDS: tuple[tuple[tuple[str, ...], ModuleType], ...] = (
     (("bench", "nccl"), bench_nccl),
     (("bench", "scale-out"), bench_scale_out),
     (("bench", "digest"), bench_digest),
+    (("bench", "api-ready"), bench_api_ready),
     (("simulate", "scale-out"), simulate_scale_out),
 )
 

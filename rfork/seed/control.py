@@ -9,6 +9,11 @@ Endpoints (JSON):
                                         (planner.control_token): 401 without one, 403 for a bad,
                                         expired, replayed or other-rank token.
   GET  /v1/nccl/sessions/{id}        -> 200 {"session_id", "rank", "state", "bytes", "error"}
+  GET  /v1/compile-caches/{key}      -> 200 the compile cache's tar (rfork.compile_cache.archive), its
+                                        digest in ``X-Rfork-Archive-Digest``; only for a planner-issued
+                                        compile-cache token (planner.control_token.issue_compile_cache),
+                                        which in turn opens no NCCL session. 404: not a key of this
+                                        seed; 409: nothing compiled yet, or still being written.
 Bad input answers 4xx with {"error": message}; a full seed answers 429 {"reason": "busy", ...}.
 Requests are parsed and bounded in `rfork.seed.control_http`; this module decides what they mean.
 
@@ -42,6 +47,8 @@ from backends.nccl import (
     send_tensors,
 )
 from planner.control_token import ControlGrant, ControlTokenError, verify
+from rfork.compile_cache.archive import CompileCacheError, PackedCache
+from rfork.compile_cache.shelf import CacheNotReady, CacheShelf
 from rfork.seed.control_http import ControlHttpServer, HttpError
 
 logger = logging.getLogger(__name__)
@@ -99,6 +106,7 @@ class ControlServer:
         instance_ids: Callable[[], Sequence[str]] | None = None,
         request_timeout_s: float = 10.0,
         http_workers: int = 4,
+        compile_caches: CacheShelf | None = None,
     ) -> None:
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
@@ -116,6 +124,7 @@ class ControlServer:
         self.instance_ids = instance_ids or (lambda: ())
         self.request_timeout_s = request_timeout_s
         self.http_workers = http_workers
+        self.compile_caches = compile_caches
         self._used_leases: dict[str, float] = {}  # lease id -> expiry: one session per lease
         self._port = port
         self._lock = threading.Lock()
@@ -221,6 +230,8 @@ class ControlServer:
         """One session per lease, for the rank its token names."""
         if grant is None:
             return
+        if grant.compile_cache:
+            raise HttpError(HTTPStatus.FORBIDDEN, "control token: a compile-cache grant opens no session")
         if grant.rank != rank:
             raise HttpError(
                 HTTPStatus.FORBIDDEN, f"control token: issued for rank {grant.rank}, not rank {rank}"
@@ -228,6 +239,21 @@ class ControlServer:
         with self._lock:
             self._check_lease_unused(grant.lease_id)
             self._used_leases[grant.lease_id] = grant.expires_at
+
+    def compile_cache(self, grant: ControlGrant | None, key: str) -> PackedCache:
+        """The archive of compile cache `key` for a compile-cache grant (may block: it may pack)."""
+        if grant is not None and not grant.compile_cache:
+            raise HttpError(HTTPStatus.FORBIDDEN, "control token: not a compile-cache grant")
+        if self.compile_caches is None:
+            raise HttpError(HTTPStatus.NOT_FOUND, "this seed serves no compile caches")
+        try:
+            return self.compile_caches.archive(key)
+        except LookupError as exc:
+            raise HttpError(HTTPStatus.NOT_FOUND, f"no compile cache {key[:12]} on this seed") from exc
+        except CacheNotReady as exc:
+            raise HttpError(HTTPStatus.CONFLICT, str(exc), reason="not_ready") from exc
+        except CompileCacheError as exc:
+            raise HttpError(HTTPStatus.INSUFFICIENT_STORAGE, str(exc)) from exc
 
     def open_session(self, grant: ControlGrant | None, rank: int, local_host: str) -> SessionInfo:
         """Spend the grant, validate the rank, reserve a slot, open a rendezvous port, start the sender."""

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import socket
 import threading
 from collections import OrderedDict
@@ -36,6 +37,8 @@ MAX_BODY = 64 << 10
 _MAX_HEAD = 16 << 10
 _READ_CHUNK = 8192
 _SESSIONS = "/v1/nccl/sessions"
+_COMPILE_CACHES = "/v1/compile-caches/"
+_CACHE_KEY = re.compile(r"[0-9a-f]{64}")
 
 
 class HttpError(Exception):
@@ -45,6 +48,24 @@ class HttpError(Exception):
         super().__init__(message)
         self.status = status
         self.body: dict[str, Any] = {"error": message, **extra}
+
+
+@dataclass(frozen=True)
+class Blob:
+    """A binary answer: a compile-cache archive and its digest (``X-Rfork-Archive-Digest``)."""
+
+    data: bytes
+    digest: str
+
+
+class Archive(Protocol):
+    """A packed compile cache as the endpoint sends it (rfork.compile_cache.archive.PackedCache)."""
+
+    @property
+    def data(self) -> bytes: ...
+
+    @property
+    def digest(self) -> str: ...
 
 
 class Session(Protocol):
@@ -74,6 +95,8 @@ class Control(Protocol, Generic[G]):
     def authorize(self, authorization: str | None) -> G: ...
 
     def open_session(self, grant: G, rank: int, local_host: str) -> Session: ...
+
+    def compile_cache(self, grant: G, key: str) -> Archive: ...
 
 
 @dataclass
@@ -217,12 +240,15 @@ class ControlHttpServer:
         await writer.drain()
 
     async def _route(self, conn: h11.Connection, reader: asyncio.StreamReader, request: h11.Request,
-                     writer: asyncio.StreamWriter) -> tuple[HTTPStatus, dict[str, Any]]:
+                     writer: asyncio.StreamWriter) -> tuple[HTTPStatus, dict[str, Any] | Blob]:
         method = request.method.decode("ascii", "replace")
         path = request.target.decode("ascii", "replace").split("?", 1)[0].rstrip("/")
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
         if method == "GET":
             if path == "/v1/health":
                 return HTTPStatus.OK, self.control.health()
+            if path.startswith(_COMPILE_CACHES):
+                return HTTPStatus.OK, await self._compile_cache(path[len(_COMPILE_CACHES) :], headers)
             prefix = _SESSIONS + "/"
             if path.startswith(prefix):
                 info = self.control.session(path[len(prefix) :])
@@ -234,7 +260,6 @@ class ControlHttpServer:
             raise HttpError(HTTPStatus.METHOD_NOT_ALLOWED, f"{method} not allowed on {path!r}")
         if path != _SESSIONS:
             raise HttpError(HTTPStatus.NOT_FOUND, f"no such path {path!r}")
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
         grant = self.control.authorize(headers.get("authorization"))  # before any byte of the body
         rank = _rank_of(await _read_body(conn, reader, headers))
         local_host = str(writer.get_extra_info("sockname")[0])
@@ -243,6 +268,15 @@ class ControlHttpServer:
         return HTTPStatus.CREATED, {
             "session_id": info.session_id, "host": local_host, "port": info.port, "backend": info.backend,
         }
+
+
+    async def _compile_cache(self, key: str, headers: dict[str, str]) -> Blob:
+        if not _CACHE_KEY.fullmatch(key):
+            raise HttpError(HTTPStatus.NOT_FOUND, f"compile cache key {key[:80]!r}: expected 64 hex digits")
+        grant = self.control.authorize(headers.get("authorization"))
+        loop = asyncio.get_running_loop()
+        archive = await loop.run_in_executor(self._executor, self.control.compile_cache, grant, key)
+        return Blob(data=archive.data, digest=archive.digest)
 
 
 async def _next_event(conn: h11.Connection, reader: asyncio.StreamReader) -> Any:
@@ -287,11 +321,16 @@ def _rank_of(raw: bytes) -> int:
     return rank
 
 
-def _response_bytes(status: HTTPStatus, body: dict[str, Any]) -> bytes:
-    data = json.dumps(body).encode()
-    extra = "Retry-After: 1\r\n" if status == HTTPStatus.TOO_MANY_REQUESTS else ""
+def _response_bytes(status: HTTPStatus, body: dict[str, Any] | Blob) -> bytes:
+    if isinstance(body, Blob):
+        data = body.data
+        extra = f"Content-Type: application/x-tar\r\nX-Rfork-Archive-Digest: {body.digest}\r\n"
+    else:
+        data, extra = json.dumps(body).encode(), "Content-Type: application/json\r\n"
+    if status == HTTPStatus.TOO_MANY_REQUESTS:
+        extra += "Retry-After: 1\r\n"
     head = (
         f"HTTP/1.1 {status.value} {status.phrase}\r\nServer: rfork-control/2\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n{extra}Connection: close\r\n\r\n"
+        f"{extra}Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
     )
     return head.encode("latin-1") + data

@@ -56,6 +56,7 @@ class Publication:
         labels: Mapping[str, str] | None = None,
         control_url: str | None = None,
         control_key: str | None = None,
+        compile_cache_keys: Sequence[str] = (),
         max_concurrent_pulls: int = 2,
         status: str = "READY",
         retry: bool = False,
@@ -71,6 +72,7 @@ class Publication:
         self._labels = dict(labels or default_labels())
         self._control_url = control_url
         self._control_key = control_key
+        self._compile_cache_keys = list(compile_cache_keys)
         self._max_pulls = max_concurrent_pulls
         self._status = status
         self._retry_interval_s = retry_interval_s
@@ -111,6 +113,7 @@ class Publication:
             control_key=self._control_key,
             ranks=self._ranks,
             max_concurrent_pulls=self._max_pulls,
+            compile_cache_keys=self._compile_cache_keys,
         )
         self.client.use_token(reg.token)
         try:

@@ -25,6 +25,7 @@ import torch
 from backends import Region, TransferEngine
 from planner.control_token import new_control_key
 from planner.wire import RankEndpoint, RankManifest
+from rfork.compile_cache.shelf import CacheShelf
 from rfork.identity import SourceIdentity, default_labels
 from rfork.seed.control import ControlServer
 from rfork.seed.publication import Publication, routable_host
@@ -96,11 +97,13 @@ def start_control_server(
     host: str,
     control_key: str,
     instance_ids: Callable[[], Sequence[str]],
+    compile_caches: CacheShelf | None = None,
 ) -> ControlServer | None:
     """The NCCL fallback's control endpoint; None when it fails to start (one-sided serving goes on).
 
     It binds `host` (the seed's routable address) and opens sessions only for loaders presenting a
-    planner-issued token signed with `control_key` for one of `instance_ids()`.
+    planner-issued token signed with `control_key` for one of `instance_ids()`; it also serves
+    `compile_caches` to compile-cache tokens.
     """
     try:
 
@@ -113,6 +116,7 @@ def start_control_server(
             tensors_for_rank=tensors_for_rank,
             control_key=control_key,
             instance_ids=instance_ids,
+            compile_caches=compile_caches,
         )
         server.start()
         return server
@@ -143,7 +147,10 @@ class Seed:
         control_host: str | None = None,
         servers: Sequence[RankServer] | None = None,
         retry_publish: bool = False,
+        compile_caches: CacheShelf | None = None,
     ) -> None:
+        """`compile_caches`: what the engine compiled, served on the control endpoint and published
+        with the instance (rfork.compile_cache); needs `control`."""
         if not weights:
             raise ValueError("a seed needs at least one rank")
         ranks = [w.rank for w in weights]
@@ -161,6 +168,7 @@ class Seed:
         self.control = control
         self.control_host = control_host
         self.retry_publish = retry_publish
+        self.compile_caches = compile_caches
         self.servers: list[RankServer] = list(servers or [])
         self.publications: list[Publication] = []
         self.control_server: ControlServer | None = None
@@ -193,6 +201,7 @@ class Seed:
                     host=self.control_host or routable_host(self.planner_url),
                     control_key=control_key,
                     instance_ids=lambda: self.instance_ids,
+                    compile_caches=self.compile_caches,
                 )
             control_url = self.control_server.url if self.control_server is not None else None
             for server in self.servers:
@@ -213,6 +222,9 @@ class Seed:
                         labels=self.labels,
                         control_url=control_url,
                         control_key=control_key if control_url else None,
+                        compile_cache_keys=self.compile_caches.keys()
+                        if control_url and self.compile_caches is not None
+                        else (),
                         max_concurrent_pulls=self.max_concurrent_pulls,
                         retry=self.retry_publish,
                         rehash=functools.partial(_rehash, server),

@@ -169,3 +169,43 @@ def write_synthetic_checkpoint(
         len(shards),
     )
     return out
+
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
+
+
+def write_servable_llama(directory: Path, *, config: LlamaConfig, name: str = "tiny-llama") -> Path:
+    """A synthetic Llama that a serving engine (SGLang, vLLM) can start from with no hub access: the
+    checkpoint, the config fields the engines read, and a local word tokenizer (`w3`..`w<vocab-1>`)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers  # the engines' dependency, not rfork's
+
+    write_synthetic_checkpoint(directory, config=config, model_name=name, seed=11)
+    cfg = json.loads((directory / "config.json").read_text())
+    cfg.update(
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        hidden_act="silu",
+        initializer_range=0.02,
+        use_cache=True,
+        head_dim=config.head_dim,
+    )
+    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab.update({f"w{i}": i for i in range(len(SPECIAL_TOKENS), config.vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "model_max_length": 512,
+            }
+        )
+    )
+    (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    return directory

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -18,6 +16,8 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Generic, Self, TypeVar
+
+from rfork.bench.processes import free_port
 
 PROMPT = [1, 17, 42, 99, 256, 7, 311, 64]  # token ids (the tiny tokenizer's words w3..w511)
 NEW_TOKENS = 12
@@ -27,30 +27,7 @@ class ServerError(RuntimeError):
     """A server exited or did not get ready; the message carries its log tail."""
 
 
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port(low: int = 10000, high: int = 21999) -> int:
-    """A free port for a server that binds it only later (SGLang needs a number; it cannot take 0).
-
-    Below the kernel's ephemeral range: a port from bind(0) stays free only until the kernel hands
-    it to some outgoing connection (this test's /health polls, a seed's clients), and SGLang binds
-    its HTTP port some 25 s after start, so such a port was taken now and then ("address already in
-    use", exit 3). Also below 22000-29999, where SGLang picks its own nccl port the same way.
-    """
-    high = min(high, _ephemeral_low() - 1)
-    for port in random.sample(range(low, high + 1), 64):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise ServerError(f"no free port in {low}-{high}")
+__all__ = ["NEW_TOKENS", "PROMPT", "Fleet", "ServerError", "ServerProcess", "free_port"]
 
 
 class ServerProcess:

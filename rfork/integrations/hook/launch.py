@@ -39,6 +39,11 @@ def add_hook_options(parser: argparse.ArgumentParser, *, framework: str) -> None
     )
     parser.add_argument("--no-serve", action="store_true", help="load by R-Fork but do not become a seed")
     parser.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="neither fetch the engine's compile cache from a seed nor serve one's own (vLLM)",
+    )
+    parser.add_argument(
         "--model-name", default=None, help="model name in the identity (default: from config.json)"
     )
     parser.add_argument("--revision", default="main", help="model revision in the identity (default main)")
@@ -112,6 +117,7 @@ def with_rfork_load_format(
         mode=args.mode,
         providers=tuple(providers),
         serve=not args.no_serve,
+        compile_cache=not args.no_compile_cache,
         model=args.model_name,
         revision=args.revision,
         transfer_timeout_s=args.timeout,

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from rfork.compile_cache.shelf import CacheShelf
     from rfork.identity import SourceIdentity
     from rfork.integrations.hook.settings import HookSettings
     from rfork.seed.seed import Seed
@@ -33,8 +34,15 @@ def keep_signal_handlers() -> Iterator[None]:
                 signal.signal(sig, handler)
 
 
-def start_seed(*, weights: Sequence[RankWeights], identity: SourceIdentity, settings: HookSettings) -> Seed:
-    """Serve `weights` read-only on the settings' one-sided providers, publish READY and heartbeat.
+def start_seed(
+    *,
+    weights: Sequence[RankWeights],
+    identity: SourceIdentity,
+    settings: HookSettings,
+    compile_caches: CacheShelf | None = None,
+) -> Seed:
+    """Serve `weights` read-only on the settings' one-sided providers (and `compile_caches` on the
+    control endpoint), publish READY and heartbeat.
 
     The caller arranges the drain (rfork.integrations.hook.drain); raises when the seed cannot start.
     """
@@ -51,6 +59,7 @@ def start_seed(*, weights: Sequence[RankWeights], identity: SourceIdentity, sett
         providers=one_sided,
         token=settings.token,
         timeout_s=settings.transfer_timeout_s,
+        compile_caches=compile_caches,
     )
     with keep_signal_handlers():
         seed.start()

@@ -30,6 +30,7 @@ ENV_FOR_KEY = {
     "model": "RFORK_MODEL_NAME",
     "revision": "RFORK_REVISION",
     "transfer_timeout_s": "RFORK_TRANSFER_TIMEOUT_S",
+    "compile_cache": "RFORK_COMPILE_CACHE",
 }
 TOKEN_ENV = "RFORK_TOKEN"
 
@@ -50,6 +51,7 @@ class HookSettings:
     model: str | None = None  # identity model name (default: config.json's name or the path's last part)
     revision: str = "main"
     transfer_timeout_s: float = 5.0
+    compile_cache: bool = True  # fetch the engine's compile cache from a seed, and serve one's own
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -92,6 +94,8 @@ class HookSettings:
             kwargs["providers"] = _providers(raw["providers"])
         if "serve" in raw:
             kwargs["serve"] = _flag(raw["serve"], "serve")
+        if "compile_cache" in raw:
+            kwargs["compile_cache"] = _flag(raw["compile_cache"], "compile_cache")
         if "model" in raw:
             kwargs["model"] = _text(raw["model"], "model")
         if "revision" in raw:
@@ -113,6 +117,7 @@ class HookSettings:
             "serve": self.serve,
             "revision": self.revision,
             "transfer_timeout_s": self.transfer_timeout_s,
+            "compile_cache": self.compile_cache,
         }
         if self.planner_url:
             out["planner_url"] = self.planner_url

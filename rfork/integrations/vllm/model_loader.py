@@ -36,6 +36,7 @@ from rfork.integrations.hook.outcome import LoadOutcome
 from rfork.integrations.hook.settings import HookSettings, default_loader_config
 
 if TYPE_CHECKING:
+    from rfork.compile_cache.shelf import CacheShelf
     from rfork.identity import SourceIdentity
     from rfork.pull.result import LoadResult
     from rfork.seed.seed import Seed
@@ -52,6 +53,7 @@ class RforkModelLoader(BaseModelLoader):
         self.settings = HookSettings.resolve(load_config.model_loader_extra_config)
         self.outcome: LoadOutcome | None = None
         self.seed: Seed | None = None
+        self.compile_caches: CacheShelf | None = None  # what this worker compiles, served as a seed
         self._pulled: LoadResult | None = None  # checkpoint mode: what load_weights feeds the model
         self._vllm_config: Any = None
         self._built = False  # vLLM registers layer names when a model is built: never build twice
@@ -87,6 +89,12 @@ class RforkModelLoader(BaseModelLoader):
             self.outcome.source,
             self.outcome.seconds,
         )
+        identity = self.outcome.identity
+        if identity is not None:  # before vLLM compiles (its profiling run, after this)
+            # imported here: vLLM imports the plugin in each of its processes (start-up time)
+            from rfork.integrations.vllm.compile_cache import prepare
+
+            self.compile_caches = prepare(vllm_config, identity, self.outcome.rank, self.settings)
         self.become_seed()
         return model
 
@@ -186,7 +194,9 @@ class RforkModelLoader(BaseModelLoader):
             if s.mode == "parameters":
                 # the post-load steps must have left the loaded parameters as they were: recheck
                 out.served.verify(dict(out.served.checksums))
-            seed = start_seed(weights=[out.served], identity=out.identity, settings=s)
+            seed = start_seed(
+                weights=[out.served], identity=out.identity, settings=s, compile_caches=self.compile_caches
+            )
         except ChecksumMismatch as exc:
             log.warning(
                 "rfork: vLLM's post-load steps changed the loaded parameters in place (%s); "

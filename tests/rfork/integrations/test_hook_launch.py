@@ -53,6 +53,7 @@ def test_the_extra_config_merges_the_launchers_settings_over_the_users_without_t
         "serve": True,
         "revision": "main",
         "transfer_timeout_s": 5.0,
+        "compile_cache": True,
     }
     assert "tok" not in " ".join(argv)
     assert env["RFORK_TOKEN"] == "tok"

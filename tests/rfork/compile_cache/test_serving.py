@@ -1,0 +1,131 @@
+"""A seed serves its compile cache on its control endpoint; a new instance fetches it through the planner.
+
+Real planner (auth on), real seed (tcp engine, control endpoint), real HTTP; only the compile-cache
+directory is hand-written instead of an engine's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from planner.client import PlannerClient
+from rfork import SourceIdentity
+from rfork.compile_cache.archive import PackedCache, pack
+from rfork.compile_cache.fetch import fetch_compile_cache
+from rfork.compile_cache.shelf import CacheShelf
+from rfork.identity import fingerprint
+from rfork.seed.seed import Seed
+from rfork.weights.rank_weights import RankWeights
+from tests.rfork.conftest import LOAD, REGISTER
+
+KEY, OTHER = "c" * 64, "d" * 64
+
+
+def _compiled(root: Path, *, age_s: float = 60.0) -> Path:
+    graph = root / "torch_compile_cache" / "0123456789" / "rank_0_0" / "backbone" / "computation_graph.py"
+    graph.parent.mkdir(parents=True)
+    graph.write_text("def forward(x): return x\n")
+    so = root / "torch_compile_cache" / "torch_aot_compile" / "ab" / "inductor_cache" / "k.so"
+    so.parent.mkdir(parents=True)
+    so.write_bytes(os.urandom(5000))
+    old = time.time() - age_s
+    for p in (graph, so):
+        os.utime(p, (old, old))
+    return root / "torch_compile_cache"
+
+
+def _seed(planner: str, shelf: CacheShelf) -> Seed:
+    tensors = {"w": torch.arange(64, dtype=torch.float32)}
+    ident = SourceIdentity(
+        model="compile-cache-test",
+        revision="r1",
+        dtype="float32",
+        fingerprint=fingerprint((n, str(t.dtype), t.shape) for n, t in tensors.items()),
+    )
+    weights = RankWeights.from_tensors(rank=0, tensors=tensors)
+    return Seed(
+        weights=[weights], identity=ident, planner_url=planner, providers=["tcp"], token=REGISTER,
+        compile_caches=shelf,
+    )
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_new_instance_fetches_verifies_and_installs_the_seeds_cache(planner: str, tmp_path: Path) -> None:
+    src = _compiled(tmp_path / "seed")
+    with _seed(planner, CacheShelf({KEY: src})) as seed:
+        (iid,) = seed.instance_ids
+        assert PlannerClient(planner, token=LOAD).get_instance(iid).compile_cache_keys == [KEY]
+        dest = tmp_path / "new" / "torch_compile_cache"
+        out = fetch_compile_cache(planner_url=planner, token=LOAD, key=KEY, dest=dest)
+        assert out.installed, out.reason
+        assert (out.source, out.files) == (iid, 2)
+        assert _files(dest) == _files(src)
+        # another key: no seed serves it, nothing installed
+        other = fetch_compile_cache(planner_url=planner, token=LOAD, key=OTHER, dest=tmp_path / "o")
+        assert not other.installed
+        assert "no READY seed" in (other.reason or "")
+        assert not (tmp_path / "o").exists()
+
+
+def test_the_endpoint_wants_a_compile_cache_token_and_a_settled_cache(planner: str, tmp_path: Path) -> None:
+    src = _compiled(tmp_path / "seed")
+    shelf = CacheShelf({KEY: src}, settle_s=3600.0)  # everything counts as "still being written"
+    with _seed(planner, shelf) as seed:
+        assert seed.control_server is not None
+        url = f"{seed.control_server.url}/v1/compile-caches/{KEY}"
+        assert httpx.get(url).status_code == 401
+        assert httpx.get(url, headers={"Authorization": "Bearer v1.x.y.0.1.z"}).status_code == 403
+        found = PlannerClient(planner, token=LOAD).compile_cache_sources(KEY)
+        assert found is not None
+        auth = {"Authorization": f"Bearer {found.sources[0].control_token}"}
+        busy = httpx.get(url, headers=auth)
+        assert (busy.status_code, busy.json()["reason"]) == (409, "not_ready")
+        assert httpx.get(url.replace(KEY, OTHER), headers=auth).status_code == 404
+        assert httpx.get(url[:-1] + "/", headers=auth).status_code == 404  # not 64 hex
+        # a compile-cache grant opens no weight session
+        session = httpx.post(f"{seed.control_server.url}/v1/nccl/sessions", json={"rank": 0}, headers=auth)
+        assert session.status_code == 403
+        assert "compile-cache grant" in session.json()["error"]
+        shelf.settle_s = 0.0
+        ok = httpx.get(url, headers=auth)
+        assert ok.status_code == 200
+        assert ok.headers["x-rfork-archive-digest"].startswith("sha256:")
+        assert ok.headers["content-type"] == "application/x-tar"
+
+
+class TamperingShelf(CacheShelf):
+    """Test double for a seed whose archive is changed on the way (one byte flipped, digest kept)."""
+
+    def archive(self, key: str) -> PackedCache:
+        good = super().archive(key)
+        data = bytearray(good.data)
+        data[-2048] ^= 0xFF
+        return PackedCache(data=bytes(data), digest=good.digest, files=good.files, file_bytes=good.file_bytes)
+
+
+class ForeignKeyShelf(CacheShelf):
+    """Test double for a seed that serves, under the asked key, an archive packed for another key."""
+
+    def archive(self, key: str) -> PackedCache:
+        return pack(self.dirs[key], key=OTHER)
+
+
+@pytest.mark.parametrize(("shelf_type", "why"), [(TamperingShelf, "digest"), (ForeignKeyShelf, "packed for")])
+def test_tampered_or_foreign_archives_are_not_installed(
+    planner: str, tmp_path: Path, shelf_type: type[CacheShelf], why: str
+) -> None:
+    with _seed(planner, shelf_type({KEY: _compiled(tmp_path / "seed")})):
+        dest = tmp_path / "new" / "torch_compile_cache"
+        out = fetch_compile_cache(planner_url=planner, token=LOAD, key=KEY, dest=dest)
+        assert not out.installed
+        assert why in (out.reason or "")
+        assert _files(tmp_path / "new") == {}
