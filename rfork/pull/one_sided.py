@@ -375,7 +375,10 @@ class _ReadPipeline:
             for vf in verify_futs:
                 vf.result(timeout=self._left())
             t_end = time.perf_counter()
-            reg_pool.shutdown(wait=True)  # the pre-fault is over (front passed the end): read its figure
+            # every read is done, so what is left to pre-fault (padding past the last read) is not needed;
+            # the thread is joined so that its figure can be read
+            stop_prefault.set()
+            reg_pool.shutdown(wait=True)
             self.phases.update(
                 register=reg_wait,
                 transfer=t_last - t_first - reg_wait,
