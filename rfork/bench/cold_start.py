@@ -9,7 +9,9 @@ Two destinations (`--dest`):
 Baselines measured in the same run, for the same bytes:
 - memcpy in the destination's memory state: into never-touched memory of a fresh process for
   `allocated` (the cost of first touch, which no loader avoids), between touched buffers for
-  `initialized`;
+  `initialized`. For `allocated`, every fresh-memory process (that memcpy and each load) starts after
+  `--settle-s` of idle, so that none of them reuses memory the previous one just freed
+  (`rfork.bench.processes.settle_memory`: on a VM that costs 10x less than memory the host took back);
 - per one-sided provider, the transport's own large-read GB/s
   (`rfork.bench.transport.large_read_gbps`): the loader's read size and depth, a working set the
   size of the model, into pre-faulted memory with the destination's page size (huge pages as in
@@ -58,6 +60,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--drop-caches",
         action="store_true",
         help="drop the page cache before each disk run (needs root; else the cache stays warm)",
+    )
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=None,
+        help="with --dest allocated, idle this long before each fresh-memory process so that every row "
+        "starts from the same memory state (a VM hands freed memory back to its host; default 3)",
     )
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
 
@@ -132,18 +141,26 @@ def _drop_caches() -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """Set up planner + seed, run `--repeat` fresh loader processes per source, print the table."""
-    if args.size_gib <= 0 or args.repeat < 1:
-        raise ValueError("--size-gib must be positive and --repeat >= 1")
+    if args.size_gib <= 0 or args.repeat < 1 or (args.settle_s is not None and args.settle_s < 0):
+        raise ValueError("--size-gib must be positive, --repeat >= 1 and --settle-s not negative")
     from rich.console import Console
     from rich.table import Table
 
     # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from planner.server import PlannerServer
-    from rfork.bench.processes import Fleet, available_providers, load_args, seed_args
+    from rfork.bench.processes import (
+        SETTLE_S,
+        Fleet,
+        available_providers,
+        load_args,
+        seed_args,
+        settle_memory,
+    )
     from rfork.bench.transport import large_read_gbps
     from rfork.weights.synthetic import write_synthetic_checkpoint
 
     console = Console()
+    settle_s = 0.0 if args.dest == "initialized" else SETTLE_S if args.settle_s is None else args.settle_s
     os.environ.setdefault("RFORK_TCP_HOST", "127.0.0.1")
     workdir = Path(tempfile.mkdtemp(prefix="rfork-coldstart-"))
     fleet = Fleet(workdir)
@@ -170,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
             for rep in range(args.repeat):
                 if args.dest == "allocated":
                     with console.status(f"memcpy into fresh memory, run {rep + 1}/{args.repeat}"):
+                        settle_memory(settle_s)
                         fresh_runs.append(fresh_memcpy_seconds(nbytes))
                 for source in sources:
                     out = workdir / f"{source}-{rep}.json"
@@ -191,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
                     else:
                         largs = load_args(out, planner_url=planner.url, checkpoint_id=model, providers=[prov])
                     with console.status(f"{source} run {rep + 1}/{args.repeat}"):
+                        settle_memory(settle_s)
                         child = fleet.spawn(f"{source}-{rep}", largs, module=module)
                         res = fleet.wait_file(child, out, timeout_s=600)
                         fleet.wait_exit(child, timeout_s=60)
@@ -270,6 +289,7 @@ def run(args: argparse.Namespace) -> int:
         f"× memcpy = load seconds / that memcpy; transport GB/s = the engine's own 8 MiB reads, "
         f"8 in flight, {working_set / 2**30:.2f} GiB working set, into pre-faulted memory, same run; "
         f"pull efficiency = GB/s / transport GB/s"
+        + (f"; {settle_s:g} s idle before each fresh-memory process" if settle_s else "")
     )
     doc = {
         "model_bytes": nbytes,
@@ -282,6 +302,7 @@ def run(args: argparse.Namespace) -> int:
         "transport_gb_per_s": {p: round(v, 3) for p, v in transport_gbps.items()},
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "page_cache": cache_state,
+        "settle_s": settle_s,
         "repeat": args.repeat,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "rows": rows,

@@ -31,16 +31,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-nccl", action="store_true", help="skip the NCCL/gloo fallback row")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs) for inspection")
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=None,
+        help="idle this long before each instance, so that every row starts from the same memory state "
+        "(a VM hands freed memory back to its host; default 3)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the whole demo; every process and file is cleaned up on exit, error or Ctrl-C."""
-    if args.size_gib <= 0:
-        raise ValueError("--size-gib must be positive")
+    if args.size_gib <= 0 or (args.settle_s is not None and args.settle_s < 0):
+        raise ValueError("--size-gib must be positive and --settle-s not negative")
     from rich.console import Console
 
     # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
-    from rfork.bench.processes import Fleet, available_providers
+    from rfork.bench.processes import SETTLE_S, Fleet, available_providers
 
     console = Console()
     workdir = Path(tempfile.mkdtemp(prefix="rfork-demo-"))
@@ -59,16 +66,19 @@ def run(args: argparse.Namespace) -> int:
         else:
             ckpt = args.checkpoint
         with_nccl = not args.no_nccl
+        settle_s = SETTLE_S if args.settle_s is None else args.settle_s
         providers, skipped = available_providers([p.strip() for p in args.providers.split(",") if p.strip()])
         for s in skipped:
             console.print(f"[yellow]skipping {s}[/yellow]")
         with PlannerServer(db_url=f"sqlite:///{workdir / 'planner.db'}", insecure=True) as planner:
             console.print(f"planner: {planner.url} (SQLite {workdir / 'planner.db'}, insecure)")
-            rows, model_bytes = _scenario(console, fleet, workdir, ckpt, planner.url, providers, with_nccl)
+            rows, model_bytes = _scenario(
+                console, fleet, workdir, ckpt, planner.url, providers, with_nccl, settle_s
+            )
             fleet.close()
         _print_table(console, rows, model_bytes)
         if args.json:
-            doc = {"model_bytes": model_bytes, "rows": rows}
+            doc = {"model_bytes": model_bytes, "settle_s": settle_s, "rows": rows}
             args.json.write_text(json.dumps(doc, indent=1, allow_nan=False))
         return 0
     finally:
@@ -87,9 +97,10 @@ def _scenario(
     planner_url: str,
     providers: list[str],
     with_nccl: bool,
+    settle_s: float,
 ) -> tuple[list[dict[str, Any]], int]:
     # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
-    from rfork.bench.processes import load_args, seed_args
+    from rfork.bench.processes import load_args, seed_args, settle_memory
 
     rows: list[dict[str, Any]] = []
     with console.status("starting the seed (loads from disk, registers, checksums, publishes)"):
@@ -104,6 +115,7 @@ def _scenario(
     def one(name: str, label: str, args: list[str], *, keep: bool = False, **extra: Any) -> dict[str, Any]:
         out = workdir / f"{name}.json"
         with console.status(f"{label}"):
+            settle_memory(settle_s)  # each instance loads into fresh memory: the same state for every row
             child = fleet.spawn(name, args)
             res = fleet.wait_file(child, out, timeout_s=300)
             if not keep:

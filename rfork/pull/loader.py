@@ -294,7 +294,8 @@ def _phases(attempts: Sequence[Attempt], planner_s: float, seconds: float) -> di
     for a in attempts:
         for k, v in a.phases.items():
             phases[k] = phases.get(k, 0.0) + v
-    overlapped = {"verify"} if "transfer" in phases else set()  # pulls verify during the transfer
+    # pulls verify and pre-fault on helper threads during the transfer, whose time includes the wait
+    overlapped = {"verify", "prefault", "prefault_wait"} if "transfer" in phases else set()
     phases["other"] = max(0.0, seconds - sum(v for k, v in phases.items() if k not in overlapped))
     return {k: round(v, 4) for k, v in phases.items()}
 

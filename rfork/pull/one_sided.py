@@ -6,7 +6,9 @@ For one rank from one seed, into `dest` (the caller's tensors, or buffers alloca
      is a seed, so becoming one costs no second registration and writes are never granted to anyone.
      The same thread then faults the host pages in (MADV_POPULATE_WRITE) a piece at a time, and reads
      wait for that front: a read into never-touched pages takes every fault inside the transport's
-     kernel copy, several times slower;
+     kernel copy, several times slower. Pieces already resident (a framework's initialised tensors)
+     are skipped after a mincore check. On a VM that hands freed memory back to its host, this
+     first touch bounds a load into fresh memory (phases `prefault` and `prefault_wait`);
   2. reads of `chunk_bytes`, up to `max_inflight` in flight, in address order; bytes that several
      destination tensors share (tied weights) are read once;
   3. a verifier thread digests each region's bytes in order as soon as they are final (xxh3-128, the
@@ -278,6 +280,7 @@ class _ReadPipeline:
         self.progress = progress
         self.phases: dict[str, float] = {}
         self._verify_s = 0.0
+        self._prefault_s = 0.0  # written by the registration thread, read after it is joined
         self._expected = {t.name: t.checksum for t in manifest.tensors}
         if dest.checksum_algorithm not in ck.HOST_ALGORITHMS:
             raise PullError(
@@ -326,6 +329,7 @@ class _ReadPipeline:
         final_at = [0] * len(plan)  # per region: bytes below this are final
         t_first = time.perf_counter()
         reg_wait = 0.0
+        fault_wait = 0.0
         inflight: deque[tuple[Future[None], _Read]] = deque()
         local_regions: list[Region] = []
         ok = False
@@ -359,7 +363,9 @@ class _ReadPipeline:
                     while len(inflight) >= self.opts.max_inflight:
                         done_bytes += retire()
                         self._report(done_bytes, total)
+                    t_fault = time.perf_counter()
                     faulted.wait(region, rd.offset + rd.nbytes, self._left())
+                    fault_wait += time.perf_counter() - t_fault
                     fut = self.engine.read(local, rd.offset, rd.nbytes, remote[rd.src_region], rd.src_offset)
                     inflight.append((fut, rd))
             while inflight:
@@ -369,19 +375,28 @@ class _ReadPipeline:
             for vf in verify_futs:
                 vf.result(timeout=self._left())
             t_end = time.perf_counter()
+            # every read is done, so what is left to pre-fault (padding past the last read) is not needed;
+            # the thread is joined so that its figure can be read
+            stop_prefault.set()
+            reg_pool.shutdown(wait=True)
             self.phases.update(
                 register=reg_wait,
                 transfer=t_last - t_first - reg_wait,
+                prefault=self._prefault_s,
+                prefault_wait=fault_wait,
                 verify=self._verify_s,
                 verify_tail=t_end - t_last,
             )
             log.info(
-                "rank %d: register wait %.3f s, transfer %.3f s (%.2f GB/s), "
-                "verify %.3f s on the verifier thread, %.3f s of it after the last read",
+                "rank %d: register wait %.3f s, transfer %.3f s (%.2f GB/s; %.3f s of it waiting for the "
+                "pre-fault, which took %.3f s), verify %.3f s on the verifier thread, %.3f s of it after "
+                "the last read",
                 dest.rank,
                 reg_wait,
                 self.phases["transfer"],
                 total / max(t_last - t_first, 1e-9) / 1e9,
+                fault_wait,
+                self._prefault_s,
                 self._verify_s,
                 t_end - t_last,
             )
@@ -450,7 +465,9 @@ class _ReadPipeline:
                 for off in range(0, int(nbytes), _PREFAULT_PIECE):
                     if stop.is_set():
                         return
+                    t = time.perf_counter()
                     prefault(int(ptr) + off, min(_PREFAULT_PIECE, int(nbytes) - off))
+                    self._prefault_s += time.perf_counter() - t
                     faulted.raise_to(region, off + _PREFAULT_PIECE)
                 faulted.raise_to(region, 1 << 62)
         finally:

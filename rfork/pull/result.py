@@ -122,7 +122,9 @@ class LoadResult:
     seed_error: str | None = None
     # Seconds per phase, summed over ranks: planner (assignment + report round trips), alloc (destination
     # buffers), register (main thread blocked on registration), transfer (first read posted -> last read
-    # done), verify (checksum work on the verifier thread, mostly overlapped with transfer), verify_tail
+    # done), prefault (faulting fresh destination pages in on the registration thread, overlapped with
+    # transfer), prefault_wait (the part of transfer that reads waited for it: first touch of fresh
+    # memory), verify (checksum work on the verifier thread, mostly overlapped with transfer), verify_tail
     # (waiting for the verifier after the last read), engine (opening the transfer engine), read (disk),
     # other (the rest of `seconds`: manifest parsing, views, ...).
     phases: dict[str, float] = field(default_factory=dict)

@@ -17,7 +17,9 @@ def test_demo_runs_and_cleans_up(tmp_path, capsys, monkeypatch):
     out = tmp_path / "demo.json"
     before = set(Path("/tmp").glob("rfork-demo-*"))
     status, stdout, stderr = run_rfork(
-        ["demo", "--size-gib", "0.03", "--providers", "tcp", "--no-nccl", "--json", str(out)], capsys
+        ["demo", "--size-gib", "0.03", "--providers", "tcp", "--no-nccl"]
+        + ["--settle-s", "0", "--json", str(out)],
+        capsys,
     )
     assert status == 0, stdout + stderr
     doc = json.loads(out.read_text())
@@ -27,5 +29,6 @@ def test_demo_runs_and_cleans_up(tmp_path, capsys, monkeypatch):
     assert doc["rows"][2].get("chain") is True
     assert [r["verified"] for r in doc["rows"]] == [False, True, True]  # disk has nothing to compare
     assert doc["model_bytes"] > 0
+    assert doc["settle_s"] == 0
     assert "speed-up" in stdout
     assert set(Path("/tmp").glob("rfork-demo-*")) == before

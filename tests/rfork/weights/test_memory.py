@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rfork.weights.memory import empty_host_buffer, pack, prefault
+from rfork.weights.memory import empty_host_buffer, pack, prefault, resident
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _CHECK = """
@@ -74,3 +74,21 @@ def test_prefault_keeps_contents_and_tolerates_odd_spans() -> None:
     prefault(buf.data_ptr() + 3, (8 << 20) - 5)  # unaligned start and end
     prefault(buf.data_ptr(), 0)
     assert torch.equal(buf, before)
+
+
+def test_prefault_faults_fresh_pages_in_once_and_skips_resident_ones() -> None:
+    buf = empty_host_buffer(8 << 20)  # a fresh mapping of its own: no page touched yet
+    ptr = buf.data_ptr()
+    assert not resident(ptr, buf.nbytes)
+    buf[: 1 << 20].fill_(7)  # the first MiB touched
+    assert resident(ptr, 1 << 20)
+    assert resident(ptr + 5, 1000)  # unaligned spans cover their pages
+    assert not resident(ptr + (6 << 20), 1 << 20)  # past any huge page the first touch brought in
+    assert not resident(ptr, buf.nbytes)
+    assert prefault(ptr, buf.nbytes)  # some pages were not in: populated
+    assert resident(ptr, buf.nbytes)
+    assert not prefault(ptr, buf.nbytes)  # all resident now: nothing to do
+    assert not prefault(ptr, 0)
+    assert not resident(ptr, 0)
+    assert bool((buf[: 1 << 20] == 7).all())
+    assert bool((buf[1 << 20 :] == 0).all())  # populating keeps the zero fill
