@@ -14,7 +14,6 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from planner.service import Planner
-from planner.wire import HeartbeatAnswer, InstanceStatus, dump_json
 
 
 class HeartbeatBatcher:
@@ -62,78 +61,3 @@ class HeartbeatBatcher:
                 self._spawn()
             else:
                 self._flushing = False
-
-
-HEARTBEAT_ROUTE = "/v1/instances/{instance_id}/heartbeat"
-_PREFIX, _SUFFIX = "/v1/instances/", "/heartbeat"
-_HEX = frozenset("0123456789abcdef")
-
-
-class HeartbeatFastPath:
-    """Pure ASGI: answers the common heartbeat (known token allowed to change that instance, instance
-    exists) without FastAPI's routing and dependency solving, about a third of its CPU per request.
-
-    Anything else (no or unknown token, another instance's token, an unknown instance, a token not
-    in the cache yet) falls through to the FastAPI route, which gives the documented 4xx answers.
-    """
-
-    def __init__(self, app: Any, batcher: HeartbeatBatcher, state: Any) -> None:
-        self.app = app
-        self.batcher = batcher
-        self.state = state
-        self.route: Any = None
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        """Serve one request."""
-        path = scope.get("path", "") if scope["type"] == "http" else ""
-        if (
-            scope.get("method") != "POST"
-            or len(path) != len(_PREFIX) + 32 + len(_SUFFIX)
-            or not path.startswith(_PREFIX)
-            or not path.endswith(_SUFFIX)
-        ):
-            await self.app(scope, receive, send)
-            return
-        instance_id = path[len(_PREFIX) : len(_PREFIX) + 32]
-        if not _HEX.issuperset(instance_id) or not self._allowed(scope, instance_id):
-            await self.app(scope, receive, send)
-            return
-        beat = await self.batcher.beat(instance_id)
-        if beat is None:
-            await self.app(scope, receive, send)  # the route answers 404
-            return
-        if self.route is None:
-            self.route = next(
-                (r for r in scope["app"].routes if getattr(r, "path", None) == HEARTBEAT_ROUTE), None
-            )
-        scope["route"] = self.route  # for the metrics' route label
-        answer = HeartbeatAnswer(
-            status=InstanceStatus(beat[0]),
-            ttl_s=self.batcher.planner.settings.heartbeat_ttl_s,
-            reverify=beat[1],
-        )
-        body = dump_json(answer)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
-
-    def _allowed(self, scope: Any, instance_id: str) -> bool:
-        auth = self.state.authenticator
-        if auth is None:
-            return True  # --insecure: every caller is admin
-        token = ""
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                if scheme.lower() != "bearer":
-                    return False
-                break
-        if not token:
-            return False
-        principal = auth.authenticate_cached(token.strip())
-        return bool(principal) and principal is not True and principal.may_change(instance_id)
