@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -42,6 +43,15 @@ _ASSIGNMENTS, _REPORT = "/v1/assignments/", "/report"
 _HEX = frozenset("0123456789abcdef")
 _JSON = b"application/json"
 
+
+@dataclass(frozen=True)
+class RouteName:
+    """What the metrics middleware reads of a matched route."""
+
+    path: str
+
+
+_ROUTES = {t: RouteName(t) for t in (HEARTBEAT_ROUTE, ASSIGNMENT_ROUTE, REPORT_ROUTE)}
 Handler = Callable[[Any, Any, Any, Principal, str, bytes], Awaitable[bool]]
 
 
@@ -54,7 +64,6 @@ class HotPath:
         self.state = state
         self.batcher = batcher
         self.body_limit = body_limit
-        self._routes: dict[str, Any] = {}
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         """Serve one request, or hand it to the app."""
@@ -103,20 +112,22 @@ class HotPath:
         principal = auth.authenticate_cached(token.strip()) if token.strip() else None
         return principal if isinstance(principal, Principal) else None
 
-    def _route(self, scope: Any, template: str) -> None:
-        """Name the route in the scope, as the router would, for the metrics' route label."""
-        route = self._routes.get(template)
-        if route is None:
-            route = next((r for r in scope["app"].routes if getattr(r, "path", None) == template), None)
-            self._routes[template] = route
-        scope["route"] = route
+    @staticmethod
+    def _route(scope: Any, template: str) -> None:
+        """Name the route in the scope, as the router would, for the metrics' route label (which reads
+        only its `path`; FastAPI's own route objects sit inside included routers)."""
+        scope["route"] = _ROUTES[template]
 
     async def _heartbeat(
         self, scope: Any, receive: Any, send: Any, who: Principal, iid: str, _: bytes
     ) -> bool:
         if not who.may_change(iid):
             return False
-        beat = await self.batcher.beat(iid)
+        try:
+            beat = await self.batcher.beat(iid)
+        except Exception:  # noqa: BLE001 - the batch rolled back; the route writes this one and answers
+            log.debug("hot path: heartbeat of %s falls through to the app", iid, exc_info=True)
+            return False
         if beat is None:
             return False  # the route answers 404
         self._route(scope, HEARTBEAT_ROUTE)
