@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, bindparam, func, insert, or_, select, update
+from sqlalchemy import and_, bindparam, insert, or_, select, update
 
 from planner.models import Anchor, Instance, InstanceRank, Lease, Manifest
 
@@ -62,13 +62,33 @@ def _candidates(*, excluding: bool, lock: bool) -> Any:
     return q
 
 
+def _recent_pulls(*, of_identity: bool) -> Any:
+    """(bytes, seconds) of the b_window newest successful pulls that started and ended after b_oldest
+    (of identity b_key and rank b_rank, or of any identity: what a new identity's estimate uses)."""
+    conds = [
+        Lease.outcome == "success",
+        Lease.created_at >= bindparam("b_oldest"),
+        Lease.ended_at >= bindparam("b_oldest"),
+    ]
+    if of_identity:
+        conds += [Lease.identity_key == bindparam("b_key"), Lease.rank == bindparam("b_rank")]
+    return (
+        select(Lease.bytes, Lease.seconds)
+        .where(*conds)
+        .order_by(Lease.ended_at.desc())
+        .limit(bindparam("b_window"))
+    )
+
+
 @dataclass(frozen=True)
 class HotStatements:
     """The statements of assign, report and the heartbeat flush; `lock`: PostgreSQL's row locks."""
 
     candidates: Any
     candidates_excluding: Any
-    live_counts: Any
+    live_leases: Any
+    recent_pulls: Any
+    recent_pulls_any: Any
     insert_lease: Any
     chosen_details: Any
     lease_seed: Any
@@ -92,14 +112,16 @@ class HotStatements:
         return cls(
             candidates=_candidates(excluding=False, lock=lock),
             candidates_excluding=_candidates(excluding=True, lock=lock),
-            live_counts=select(Lease.instance_id, func.count())
-            .where(
+            # the seeds' live leases: counted against their limits, and their starts are what the
+            # 429's estimate needs when every seed is busy
+            live_leases=select(Lease.instance_id, Lease.created_at).where(
                 Lease.instance_id.in_(bindparam("b_ids", expanding=True)),
                 Lease.rank == bindparam("b_rank"),
                 Lease.ended_at.is_(None),
                 Lease.expires_at > bindparam("b_now"),
-            )
-            .group_by(Lease.instance_id),
+            ),
+            recent_pulls=_recent_pulls(of_identity=True),
+            recent_pulls_any=_recent_pulls(of_identity=False),
             insert_lease=insert(Lease),
             # what the answer needs of the chosen few only (the ranking needs none of it)
             chosen_details=select(

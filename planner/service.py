@@ -10,6 +10,7 @@ import datetime as dt
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -497,11 +498,10 @@ class Planner:
                 now = _now(None)
             if not rows:
                 raise NoSource(f"no READY source for identity {key[:12]} rank {body.rank}")
-            counts = dict(
-                s.execute(
-                    sql.live_counts, {"b_ids": [r.id for r, _ in rows], "b_rank": body.rank, "b_now": now}
-                ).all()
-            )
+            live = s.execute(
+                sql.live_leases, {"b_ids": [r.id for r, _ in rows], "b_rank": body.rank, "b_now": now}
+            ).all()
+            counts = Counter(lease.instance_id for lease in live)
             by_id = {r.id: (r, p) for r, p in rows}
             views = [
                 SeedView(
@@ -546,7 +546,7 @@ class Planner:
                     d.id: d for d in s.execute(sql.chosen_details, {"b_ids": chosen, "b_rank": body.rank})
                 }
         if busy:  # the 429's arithmetic runs after the write: heartbeats and other writes go on meanwhile
-            est = self._busy_estimate(key, body, busy, now)
+            est = self._busy_estimate(key, body, busy, [lease.created_at for lease in live], now)
             raise AllBusy(
                 f"all {len(busy)} sources for rank {body.rank} are at their pull limit; "
                 f"a slot is expected in {est.retry_after_s:.2f} s",
@@ -595,47 +595,31 @@ class Planner:
         )
 
     def _busy_estimate(
-        self, key: str, body: wire.AssignmentRequest, seed_ids: Sequence[str], now: float
+        self,
+        key: str,
+        body: wire.AssignmentRequest,
+        seed_ids: Sequence[str],
+        starts: Sequence[float],
+        now: float,
     ) -> BusyEstimate:
-        """planner.burst's estimate from the busy seeds' live leases and this identity's recent pulls.
+        """planner.burst's estimate from the busy seeds' live leases (`starts`, read by the write that
+        found every seed busy) and this identity's recent pulls.
 
-        Its own read transaction (after the write that found every seed busy): bounded queries, the rate
-        from successful pulls that ended within `rate_history_s` only.
+        Its own read transaction: bounded queries, the rate from successful pulls that ended within
+        `rate_history_s` only.
         """
         st = self.settings
-        oldest = now - st.rate_history_s
-        with self.db.read() as s:
-            starts = (
-                s.execute(
-                    select(Lease.created_at).where(
-                        Lease.instance_id.in_(seed_ids),
-                        Lease.rank == body.rank,
-                        Lease.ended_at.is_(None),
-                        Lease.expires_at > now,
-                    )
-                )
-                .scalars()
-                .all()
-            )
-            recent = s.execute(
-                select(Lease.bytes, Lease.seconds)
-                .where(
-                    Lease.identity_key == key,
-                    Lease.rank == body.rank,
-                    Lease.outcome == "success",
-                    Lease.created_at >= oldest,
-                    Lease.ended_at >= oldest,
-                )
-                .order_by(Lease.ended_at.desc())
-                .limit(st.rate_window)
-            ).all()
+        params = {
+            "b_key": key,
+            "b_rank": body.rank,
+            "b_oldest": now - st.rate_history_s,
+            "b_window": st.rate_window,
+        }
+        with self.db.read() as session:
+            s = session.connection()
+            recent = s.execute(self._sql.recent_pulls, params).all()
             if not recent:  # a new identity: what pulls of any identity achieved here
-                recent = s.execute(
-                    select(Lease.bytes, Lease.seconds)
-                    .where(Lease.outcome == "success", Lease.created_at >= oldest, Lease.ended_at >= oldest)
-                    .order_by(Lease.ended_at.desc())
-                    .limit(st.rate_window)
-                ).all()
+                recent = s.execute(self._sql.recent_pulls_any, params).all()
             rank_bytes = self._rank_bytes(s, key, body.rank, seed_ids[0])
         rate = pull_rate_bps(((r[0], r[1]) for r in recent), default_bps=st.assumed_pull_gbps * 1e9)
         room = (key, body.rank)
