@@ -26,7 +26,13 @@ from planner.models import Instance
 
 Role = Literal["admin", "register", "anchor", "load", "reader", "instance"]
 TOKEN_PREFIX = "rfi_"
-CACHE_S = 2.0  # an instance token stays valid at most this long after its instance is deleted
+# An instance token stays valid at most this long after its instance is deleted, in planner processes
+# other than the one that deleted it (that one forgets it at once); its heartbeat, status and manifest
+# calls answer 404 at once anyway (they touch its row), so what it can still do meanwhile is request
+# assignments for its identity. Longer than a seed's heartbeat interval (ttl/3, at most 10 s): with
+# 2 s every heartbeat of a secured fleet missed the cache (a database lookup in a thread, then the
+# full FastAPI path instead of planner.hotpath).
+CACHE_S = 15.0
 NEGATIVE_CACHE_S = 2.0  # an unknown `rfi_` token is refused without a lookup this long
 CACHE_MAX = 100_000
 

@@ -23,7 +23,7 @@ except ImportError:  # not on Windows: SQLite's busy timeout alone then
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -81,16 +81,27 @@ class Database:
     @contextmanager
     def write(self) -> Iterator[Session]:
         """A session whose transaction commits on exit (rolls back on error)."""
+        with self._serialised(), self._write() as session, session.begin():
+            yield session
+
+    @contextmanager
+    def write_core(self) -> Iterator[Connection]:
+        """A Core connection in a write transaction (commits on exit, rolls back on error): the hot
+        paths' statements need no ORM session, whose set-up is a good part of a short transaction."""
+        with self._serialised(), self.engine.begin() as conn:
+            yield conn
+
+    @contextmanager
+    def _serialised(self) -> Iterator[None]:
         if self._write_lock is None:
-            with self._write() as session, session.begin():
-                yield session
+            yield
             return
         # SQLite: one writer per process at a time, so threads queue on a fair lock instead of
         # SQLite's busy handler (which sleeps in coarse steps); other processes still meet BEGIN IMMEDIATE.
         # Across processes (serve --workers N) they queue on an flock of a side file: the kernel wakes
         # the next writer at once, where SQLite's busy handler polls with sleeps of up to 100 ms.
-        with self._write_lock, _flocked(self._file_lock), self._write() as session, session.begin():
-            yield session
+        with self._write_lock, _flocked(self._file_lock):
+            yield
 
     @contextmanager
     def read(self) -> Iterator[Session]:

@@ -75,7 +75,7 @@ class RequestGuard:
                 if len(body) > limit:
                     await _answer(send, 413, f"body: exceeds this route's limit of {limit} bytes")
                     return
-            await self.app(scope, _replay(bytes(body)), send)
+            await self.app(scope, replay(bytes(body)), send)
             return
         await self.app(scope, receive, send)
 
@@ -89,7 +89,8 @@ async def _authenticate(auth: Authenticator, token: str) -> Principal | None:
     return cached
 
 
-def _replay(body: bytes) -> Any:
+def replay(body: bytes) -> Any:
+    """A `receive` that gives `body` once (a request whose body was already read), then disconnect."""
     sent = False
 
     async def receive() -> dict[str, Any]:

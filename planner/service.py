@@ -10,11 +10,12 @@ import datetime as dt
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Row, and_, bindparam, delete, func, insert, or_, select, update
+from sqlalchemy import Connection, Row, delete, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -24,6 +25,7 @@ from planner.burst import BusyEstimate, WaitingRoom, estimate_busy, pull_rate_bp
 from planner.db import Database
 from planner.errors import AllBusy, Conflict, DigestMismatch, NoSource, NotFound
 from planner.models import Anchor, CompileCache, Instance, InstanceRank, Lease, Manifest
+from planner.queries import HotStatements
 from planner.selection import Requester, SeedView, SelectionPolicy, choose_provider, make_policy
 from planner.settings import PlannerSettings
 from planner.wire import InstancePage, ModelsPage, ModelView, TransfersPage, TransferView
@@ -92,6 +94,7 @@ class Planner:
         self.policy = policy
         self._rank_bytes_cache: dict[tuple[str, int], int] = {}
         self.waiting = WaitingRoom()
+        self._sql = HotStatements.build(lock=not db.sqlite)
         self._control_secret = settings.control_secret_bytes()
 
     @classmethod
@@ -252,16 +255,9 @@ class Planner:
     def heartbeat_many(self, instance_ids: Sequence[str], now: float) -> dict[str, tuple[str, bool]]:
         """Heartbeats of many instances in one transaction; {id: (status, reverify)} for those that exist."""
         out: dict[str, tuple[str, bool]] = {}
-        with self.db.write() as session:
-            s = session.connection()
+        with self.db.write_core() as s:
             for i in range(0, len(instance_ids), 500):
-                chunk = instance_ids[i : i + 500]
-                rows = s.execute(
-                    update(Instance)
-                    .where(Instance.id.in_(chunk))
-                    .values(last_heartbeat=now)
-                    .returning(Instance.id, Instance.status, Instance.reverify_since)
-                ).all()
+                rows = s.execute(self._sql.heartbeats, {"b_ids": instance_ids[i : i + 500], "b_now": now})
                 out.update({r[0]: (r[1], r[2] is not None) for r in rows})
         return out
 
@@ -482,54 +478,21 @@ class Planner:
         excluded = set(body.exclude)
         if body.requester_id:
             excluded.add(body.requester_id)
-        st = self.settings
-        q = (
-            select(
-                Instance.id,
-                Instance.node,
-                Instance.rack,
-                Instance.zone,
-                Instance.max_concurrent_pulls,
-                Instance.control_url,
-                Instance.control_key,
-                InstanceRank.address,
-                InstanceRank.backends,
-                Anchor.checksum_algorithm,
-                Anchor.digest_set,
-                Anchor.instance_id.label("anchored_by"),
-            )
-            .join(InstanceRank, and_(InstanceRank.instance_id == Instance.id, InstanceRank.rank == body.rank))
-            .join(Manifest, and_(Manifest.instance_id == Instance.id, Manifest.rank == body.rank))
-            # only manifests matching the identity's anchored digest set are served
-            .join(
-                Anchor,
-                and_(
-                    Anchor.identity_key == Instance.identity_key,
-                    Anchor.rank == body.rank,
-                    Anchor.checksum_algorithm == Manifest.checksum_algorithm,
-                    Anchor.digest_set == Manifest.digest_set,
-                ),
-            )
-            .where(
-                Instance.identity_key == key,
-                Instance.status == "READY",
-                Instance.last_heartbeat >= bindparam("oldest_beat"),
-                or_(Instance.quarantined_until.is_(None), Instance.quarantined_until <= bindparam("now")),
-                Instance.reverify_since.is_(None),
-                Instance.integrity_failed.is_(False),
-            )
-            .order_by(Instance.id)
-        )
-        if excluded:
-            q = q.where(Instance.id.not_in(sorted(excluded)))
-        if not self.db.sqlite:
-            q = q.with_for_update(of=Instance)
-        with self.db.write() as session:
-            s = session.connection()  # Core on the hot path: no ORM compile/unit of work
+        st, sql = self.settings, self._sql
+        with self.db.write_core() as s:  # Core on the hot path: no ORM session or unit of work
             clock = now is None
             now = _now(now)
+            params: dict[str, Any] = {
+                "b_key": key,
+                "b_rank": body.rank,
+                "b_oldest_beat": now - st.heartbeat_ttl_s,
+                "b_now": now,
+            }
+            if excluded:
+                params["b_excluded"] = sorted(excluded)
+            found = s.execute(sql.candidates_excluding if excluded else sql.candidates, params).all()
             rows = []
-            for r in s.execute(q, {"oldest_beat": now - st.heartbeat_ttl_s, "now": now}).all():
+            for r in found:
                 provider = choose_provider(body.providers, body.backends, r.backends)
                 if provider is not None:
                     rows.append((r, provider))
@@ -537,18 +500,10 @@ class Planner:
                 now = _now(None)
             if not rows:
                 raise NoSource(f"no READY source for identity {key[:12]} rank {body.rank}")
-            counts = dict(
-                s.execute(
-                    select(Lease.instance_id, func.count())
-                    .where(
-                        Lease.instance_id.in_([r.id for r, _ in rows]),
-                        Lease.rank == body.rank,
-                        Lease.ended_at.is_(None),
-                        Lease.expires_at > now,
-                    )
-                    .group_by(Lease.instance_id)
-                ).all()
-            )
+            live = s.execute(
+                sql.live_leases, {"b_ids": [r.id for r, _ in rows], "b_rank": body.rank, "b_now": now}
+            ).all()
+            counts = Counter(lease.instance_id for lease in live)
             by_id = {r.id: (r, p) for r, p in rows}
             views = [
                 SeedView(
@@ -574,30 +529,26 @@ class Planner:
                 busy = []
                 lease_id = uuid.uuid4().hex
                 expires_at = now + st.lease_ttl_s
-                # a Core INSERT: no ORM unit of work on the hot path
                 s.execute(
-                    insert(Lease).values(
-                        id=lease_id,
-                        instance_id=ranked[0].instance_id,
-                        rank=body.rank,
-                        identity_key=key,
-                        requester_id=body.requester_id,
-                        holder=holder,
-                        provider=by_id[ranked[0].instance_id][1],
-                        created_at=now,
-                        expires_at=expires_at,
-                    )
+                    sql.insert_lease,
+                    {
+                        "id": lease_id,
+                        "instance_id": ranked[0].instance_id,
+                        "rank": body.rank,
+                        "identity_key": key,
+                        "requester_id": body.requester_id,
+                        "holder": holder,
+                        "provider": by_id[ranked[0].instance_id][1],
+                        "created_at": now,
+                        "expires_at": expires_at,
+                    },
                 )
                 chosen = [v.instance_id for v in ranked]
-                manifests = dict(
-                    s.execute(
-                        select(Manifest.instance_id, Manifest.body).where(
-                            Manifest.instance_id.in_(chosen), Manifest.rank == body.rank
-                        )
-                    ).all()
-                )
+                details = {
+                    d.id: d for d in s.execute(sql.chosen_details, {"b_ids": chosen, "b_rank": body.rank})
+                }
         if busy:  # the 429's arithmetic runs after the write: heartbeats and other writes go on meanwhile
-            est = self._busy_estimate(key, body, busy, now)
+            est = self._busy_estimate(key, body, busy, [lease.created_at for lease in live], now)
             raise AllBusy(
                 f"all {len(busy)} sources for rank {body.rank} are at their pull limit; "
                 f"a slot is expected in {est.retry_after_s:.2f} s",
@@ -608,15 +559,16 @@ class Planner:
         candidates = []
         for iid in chosen:
             r, provider = by_id[iid]
+            d = details[iid]
             token = (
                 control_token.issue(
-                    control_token.unseal(self._control_secret, iid, r.control_key),
+                    control_token.unseal(self._control_secret, iid, d.control_key),
                     lease_id=lease_id,
                     instance_id=iid,
                     rank=body.rank,
                     expires_at=expires_at,
                 )
-                if iid == chosen[0] and r.control_key
+                if iid == chosen[0] and d.control_key
                 else None
             )
             candidates.append(
@@ -624,9 +576,9 @@ class Planner:
                     instance_id=iid,
                     rank=body.rank,
                     provider=provider,
-                    address=base64.b64encode(r.address).decode(),
+                    address=base64.b64encode(d.address).decode(),
                     backends=r.backends,
-                    control_url=r.control_url,
+                    control_url=d.control_url,
                     labels=wire.Labels(node=r.node, rack=r.rack, zone=r.zone),
                     anchor=wire.Anchor(
                         checksum_algorithm=r.checksum_algorithm,
@@ -634,7 +586,7 @@ class Planner:
                         instance_id=r.anchored_by,
                     ),
                     control_token=token,
-                    manifest=wire.StoredManifest(manifests[iid]),  # as stored: never parsed here
+                    manifest=wire.StoredManifest(d.body),  # as stored: never parsed here
                 )
             )
         return wire.Assignment(
@@ -690,47 +642,31 @@ class Planner:
         return wire.CompileCacheSources(cache_key=cache_key, sources=sources)
 
     def _busy_estimate(
-        self, key: str, body: wire.AssignmentRequest, seed_ids: Sequence[str], now: float
+        self,
+        key: str,
+        body: wire.AssignmentRequest,
+        seed_ids: Sequence[str],
+        starts: Sequence[float],
+        now: float,
     ) -> BusyEstimate:
-        """planner.burst's estimate from the busy seeds' live leases and this identity's recent pulls.
+        """planner.burst's estimate from the busy seeds' live leases (`starts`, read by the write that
+        found every seed busy) and this identity's recent pulls.
 
-        Its own read transaction (after the write that found every seed busy): bounded queries, the rate
-        from successful pulls that ended within `rate_history_s` only.
+        Its own read transaction: bounded queries, the rate from successful pulls that ended within
+        `rate_history_s` only.
         """
         st = self.settings
-        oldest = now - st.rate_history_s
-        with self.db.read() as s:
-            starts = (
-                s.execute(
-                    select(Lease.created_at).where(
-                        Lease.instance_id.in_(seed_ids),
-                        Lease.rank == body.rank,
-                        Lease.ended_at.is_(None),
-                        Lease.expires_at > now,
-                    )
-                )
-                .scalars()
-                .all()
-            )
-            recent = s.execute(
-                select(Lease.bytes, Lease.seconds)
-                .where(
-                    Lease.identity_key == key,
-                    Lease.rank == body.rank,
-                    Lease.outcome == "success",
-                    Lease.created_at >= oldest,
-                    Lease.ended_at >= oldest,
-                )
-                .order_by(Lease.ended_at.desc())
-                .limit(st.rate_window)
-            ).all()
+        params = {
+            "b_key": key,
+            "b_rank": body.rank,
+            "b_oldest": now - st.rate_history_s,
+            "b_window": st.rate_window,
+        }
+        with self.db.read() as session:
+            s = session.connection()
+            recent = s.execute(self._sql.recent_pulls, params).all()
             if not recent:  # a new identity: what pulls of any identity achieved here
-                recent = s.execute(
-                    select(Lease.bytes, Lease.seconds)
-                    .where(Lease.outcome == "success", Lease.created_at >= oldest, Lease.ended_at >= oldest)
-                    .order_by(Lease.ended_at.desc())
-                    .limit(st.rate_window)
-                ).all()
+                recent = s.execute(self._sql.recent_pulls_any, params).all()
             rank_bytes = self._rank_bytes(s, key, body.rank, seed_ids[0])
         rate = pull_rate_bps(((r[0], r[1]) for r in recent), default_bps=st.assumed_pull_gbps * 1e9)
         room = (key, body.rank)
@@ -778,27 +714,24 @@ class Planner:
         Lock order (PostgreSQL): the seed's instance row, then the lease (as delete and assign).
         """
         quarantined = False
-        with self.db.write() as session:
-            s = session.connection()  # Core on the hot path: no ORM compile/unit of work
+        with self.db.write_core() as s:  # Core on the hot path: no ORM session or unit of work
             now = _now(now)
-            lease = self._live_lease(s, lease_id, reporter, now, "reports are refused", Lease.provider)
+            lease = self._live_lease(s, lease_id, reporter, now, "reports are refused")
             s.execute(
-                update(Lease)
-                .where(Lease.id == lease_id)
-                .values(
-                    ended_at=now,
-                    outcome=body.outcome,
-                    bytes=body.bytes,
-                    seconds=body.seconds,
-                    backend=body.backend or lease.provider,
-                    reason=body.reason,
-                    error=body.error,
-                )
+                self._sql.end_lease,
+                {
+                    "b_lease": lease_id,
+                    "b_ended_at": now,
+                    "b_outcome": body.outcome,
+                    "b_bytes": body.bytes,
+                    "b_seconds": body.seconds,
+                    "b_backend": body.backend or lease.provider,
+                    "b_reason": body.reason,
+                    "b_error": body.error,
+                },
             )
             if body.outcome == "success":
-                s.execute(
-                    update(Instance).where(Instance.id == lease.instance_id).values(consecutive_failures=0)
-                )
+                s.execute(self._sql.seed_succeeded, {"b_seed": lease.instance_id})
             elif body.reason == CHECKSUM_MISMATCH and self._flagged(s, lease.holder):
                 log.warning(
                     "seed %s: checksum mismatch reported by %s ignored: %d of its claims were disproved",
@@ -841,21 +774,18 @@ class Planner:
         return wire.ReportAnswer(id=lease_id, outcome=body.outcome, seed_quarantined=quarantined)
 
     def _live_lease(
-        self, s: Connection, lease_id: str, holder: str | None, now: float, refused: str, *extra: Any
+        self, s: Connection, lease_id: str, holder: str | None, now: float, refused: str
     ) -> Row[Any]:
         """The lease row, locked in the one lock order (PostgreSQL: the seed's instance row, then the
         lease, as assign and delete); NotFound, PermissionError (another holder; None: admin) or
-        Conflict (ended or expired: `refused` says what is refused) otherwise."""
-        seed_id = s.execute(select(Lease.instance_id).where(Lease.id == lease_id)).scalar()
-        if seed_id is None:
-            raise NotFound(f"assignment {lease_id} not found")
-        q = select(
-            Lease.instance_id, Lease.holder, Lease.outcome, Lease.ended_at, Lease.expires_at, *extra
-        ).where(Lease.id == lease_id)
+        Conflict (ended or expired: `refused` says what is refused) otherwise. SQLite serialises
+        writes, so there one read of the lease is enough."""
         if not self.db.sqlite:
-            s.execute(select(Instance.id).where(Instance.id == seed_id).with_for_update())
-            q = q.with_for_update()
-        lease = s.execute(q).first()
+            seed_id = s.execute(self._sql.lease_seed, {"b_lease": lease_id}).scalar()
+            if seed_id is None:
+                raise NotFound(f"assignment {lease_id} not found")
+            s.execute(self._sql.lock_seed, {"b_seed": seed_id})
+        lease = s.execute(self._sql.live_lease, {"b_lease": lease_id}).first()
         if lease is None:
             raise NotFound(f"assignment {lease_id} not found")
         if holder is not None and lease.holder != holder:
@@ -867,8 +797,7 @@ class Planner:
     def renew(self, lease_id: str, now: float | None, holder: str | None) -> wire.LeaseRenewal:
         """Extend a live lease by lease_ttl_s from now (a long pull keeps its slot); its holder only
         (`holder` None: admin). Conflict once it has ended."""
-        with self.db.write() as session:
-            s = session.connection()
+        with self.db.write_core() as s:
             now = _now(now)
             lease = self._live_lease(s, lease_id, holder, now, "not renewed")
             expires_at = max(lease.expires_at, now + self.settings.lease_ttl_s)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response
 
@@ -53,17 +53,36 @@ def request_assignment(
     principal: Principal = Depends(leaser),
 ) -> Response:
     """Ranked candidates for one rank, with a lease on the first (reported on only by its requester)."""
+    refused = lease_refusal(principal, body)
+    if refused is not None:
+        raise HTTPException(403, refused)
+    assignment = lease(planner, body, principal, request.app.state)
+    # encoded here, not by FastAPI: the candidates' manifests go in as stored text, unparsed
+    return Response(wire.dump_json(assignment), status_code=201, media_type="application/json")
+
+
+def lease_refusal(principal: Principal, body: wire.AssignmentRequest) -> str | None:
+    """Why `principal` may not lease what `body` asks (the 403's detail), or None; an instance token
+    acts for its own instance, so its requester_id is set to it."""
     if not principal.may_lease_identity(body.identity.key()):
-        raise HTTPException(403, "Authorization: this instance token leases its own identity only")
+        return "Authorization: this instance token leases its own identity only"
     if principal.instance_id is not None:
         if body.requester_id not in (None, principal.instance_id):
-            raise HTTPException(403, f"requester_id: this token acts for instance {principal.instance_id}")
+            return f"requester_id: this token acts for instance {principal.instance_id}"
         body.requester_id = principal.instance_id
+    return None
+
+
+def lease(
+    planner: Planner, body: wire.AssignmentRequest, principal: Principal, state: Any
+) -> wire.Assignment:
+    """Planner.assign for an allowed caller, refusals kept for the fleet page, metrics counted
+    (blocking: called in a worker thread, by this route and by planner.hotpath)."""
     try:
         # the clock is read under the write lock
         assignment = planner.assign(body, None, holder=principal.holder)
     except (AllBusy, NoSource) as exc:
-        request.app.state.refusals.record(
+        state.refusals.record(
             identity_key=body.identity.key(),
             rank=body.rank,
             reason=exc.reason or type(exc).__name__,
@@ -71,9 +90,8 @@ def request_assignment(
             now=time.time(),
         )
         raise
-    request.app.state.metrics.assignments.labels(result="leased").inc()
-    # encoded here, not by FastAPI: the candidates' manifests go in as stored text, unparsed
-    return Response(wire.dump_json(assignment), status_code=201, media_type="application/json")
+    state.metrics.assignments.labels(result="leased").inc()
+    return assignment
 
 
 @router.post(
@@ -90,14 +108,21 @@ def report(
     principal: Principal = Depends(leaser),
 ) -> wire.ReportAnswer:
     """End the lease with the pull's outcome and figures (its requester only; 409 once it has ended)."""
-    reporter = None if principal.has("admin") else principal.holder
     try:
-        out = planner.report(assignment_id, body, None, reporter=reporter)
+        return finish(planner, assignment_id, body, principal, request.app.state)
     except PermissionError as exc:
         raise HTTPException(403, f"assignment: {exc}") from exc
-    m = request.app.state.metrics
-    m.transfers.labels(outcome=body.outcome).inc()
-    m.transfer_bytes.inc(body.bytes)
+
+
+def finish(
+    planner: Planner, assignment_id: str, body: wire.TransferReport, principal: Principal, state: Any
+) -> wire.ReportAnswer:
+    """Planner.report by the lease's holder (admin: anyone), metrics counted; PermissionError for
+    another caller (blocking: called in a worker thread, by this route and by planner.hotpath)."""
+    reporter = None if principal.has("admin") else principal.holder
+    out = planner.report(assignment_id, body, None, reporter=reporter)
+    state.metrics.transfers.labels(outcome=body.outcome).inc()
+    state.metrics.transfer_bytes.inc(body.bytes)
     return out
 
 

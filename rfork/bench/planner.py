@@ -25,9 +25,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="SQLAlchemy URL; PostgreSQL gets a fresh database on that "
         "server (default: a temporary SQLite file)",
     )
-    parser.add_argument("--clients", type=int, default=32, help="concurrent assignment clients (default 32)")
     parser.add_argument(
-        "--heartbeaters", type=int, default=64, help="concurrent heartbeat senders (default 64)"
+        "--clients",
+        type=int,
+        default=32,
+        help="concurrent assignment clients (default 32; 0: heartbeats only)",
+    )
+    parser.add_argument(
+        "--heartbeaters",
+        type=int,
+        default=64,
+        help="concurrent heartbeat senders (default 64; 0: assignments only)",
     )
     parser.add_argument("--instances", type=int, default=1000, help="registered instances (default 1000)")
     parser.add_argument("--seconds", type=float, default=15.0, help="measured duration (default 15)")
@@ -348,10 +356,13 @@ def run(args: argparse.Namespace) -> int:
             f"{r['p99_ms']:.1f}" if r["p99_ms"] is not None else "-",
         )
     Console().print(table)
+    served = sum(r["count"] for r in rows if r["endpoint"] != "register")
+    per_request_ms = server_cpu / served * 1000 if served else None
     print(
         f"CPU over the {elapsed:.1f} s window: server {server_cpu:.1f} s"
-        f" ({server_cpu / elapsed:.0%} of one core),"
-        f" load generator {client_cpu:.1f} s ({client_cpu / elapsed:.0%}); {os.cpu_count()} cores in all"
+        f" ({server_cpu / elapsed:.0%} of one core"
+        + (f", {per_request_ms:.3f} ms per request" if per_request_ms is not None else "")
+        + f"), load generator {client_cpu:.1f} s ({client_cpu / elapsed:.0%}); {os.cpu_count()} cores in all"
     )
     if args.json:
         Path(args.json).write_text(
@@ -366,6 +377,9 @@ def run(args: argparse.Namespace) -> int:
                     "workers": args.workers,
                     "elapsed_s": elapsed,
                     "server_cpu_s": server_cpu,
+                    # server CPU over the window / requests answered in it (--clients 0 or --heartbeaters 0
+                    # give one endpoint's cost)
+                    "server_cpu_ms_per_request": per_request_ms,
                     "client_cpu_s": client_cpu,
                     "rows": rows,
                 },

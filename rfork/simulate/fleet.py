@@ -79,6 +79,8 @@ class SimResult:
     planner_calls: int
     busy_answers: int
     wall_s: float
+    decisions_made: int  # assignment requests answered (leases, 429s, no_source)
+    decision_s: float  # wall time inside Planner.assign, summed over them
     decisions: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -230,6 +232,7 @@ class FleetSim:
         ready: dict[int, float] = {}
         sources = {"seed": 0, "disk": 0}
         calls = busy = 0
+        decision_s = 0.0
         decisions: list[dict[str, Any]] = []
         t = 0.0
         while events or self.net.flows:
@@ -279,9 +282,12 @@ class FleetSim:
                 self.before_assign(self.db_path, body_json, calls)
             calls += 1
             decision: dict[str, Any] = {"call": calls - 1, "t": t, "loader": i}
+            request = AssignmentRequest.model_validate(body_json)
+            t_call = time.perf_counter()
             try:
-                assignment = self.planner.assign(AssignmentRequest.model_validate(body_json), now)
+                assignment = self.planner.assign(request, now)
             except AllBusy as exc:
+                decision_s += time.perf_counter() - t_call
                 busy += 1
                 decision.update(result="all_busy", retry_after_s=exc.retry_after_s, fallback=exc.fallback)
                 pause = self.wait.decide(exc, t - first_ask[i], self.rng)
@@ -291,9 +297,11 @@ class FleetSim:
                     heapq.heappush(events, (t + pause, seq, "ask", i))
                     seq += 1
             except NoSource:
+                decision_s += time.perf_counter() - t_call
                 decision.update(result="no_source")
                 self._fallback(i, parents, sources)
             else:
+                decision_s += time.perf_counter() - t_call
                 cand = assignment.candidates[0]
                 seed_id = cand.instance_id
                 decision.update(result="leased", candidates=[c.instance_id for c in assignment.candidates])
@@ -319,6 +327,8 @@ class FleetSim:
             planner_calls=calls,
             busy_answers=busy,
             wall_s=time.perf_counter() - wall0,
+            decisions_made=calls - sources["seed"],  # every other call reported a lease
+            decision_s=decision_s,
             decisions=decisions,
         )
 

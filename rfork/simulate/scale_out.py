@@ -111,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
                     "planner_calls": res.planner_calls,
                     "busy_answers": res.busy_answers,
                     "wall_s": round(res.wall_s, 2),
+                    # the real planner's own time per assignment decision (lease or 429) at this size
+                    "ms_per_decision": round(res.decision_s / max(1, res.decisions_made) * 1e3, 3),
                 }
             rows.append(row)
     finally:
@@ -129,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
             f"{last['instances']} instances: tree (load-aware) {goal['all_ready_s']:.1f} s = "
             f"{goal['vs_ideal']:.2f}x the ideal tree ({last['ideal_tree_s']:.1f} s); all from the hub "
             f"{last['all_from_hub_s']:.1f} s; goal <= 1.5x: {'met' if goal['vs_ideal'] <= 1.5 else 'NOT met'}"
+            f"; planner {goal['ms_per_decision']:.2f} ms per decision ({goal['wall_s']:.0f} s in all)"
         )
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1, allow_nan=False))

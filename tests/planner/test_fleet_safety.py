@@ -365,6 +365,35 @@ def test_unknown_instance_tokens_are_cached_negatively(planner_url):
         db.close()
 
 
+def test_instance_tokens_stay_cached_longer_than_a_heartbeat_interval_and_no_longer(planner_url, monkeypatch):
+    """A seed heartbeats every ttl/3 (at most 10 s): its token must still be cached at the next beat (the
+    hot path answers only cached tokens), and a deleted instance's token is refused within CACHE_S."""
+    from planner import auth as auth_mod
+    from planner.db import Database
+
+    svc = make_planner(planner_url)
+    db = Database(planner_url)
+    clock = [1000.0]
+    monkeypatch.setattr(auth_mod.time, "monotonic", lambda: clock[0])
+    try:
+        reg = svc.register(
+            RegistrationRequest.model_validate({"identity": identity(), "ranks": []}), time.time()
+        )
+        auth = Authenticator(db=db, admin="adm", reader=None)
+        assert auth.authenticate(reg.token) is not None  # looked up once
+        svc.delete(reg.id, time.time())  # in "another process": this cache is not told
+        clock[0] += 10.0
+        cached = auth.authenticate_cached(reg.token)
+        assert cached is not None  # the next heartbeat, 10 s later, is answered from the cache
+        assert cached is not False
+        clock[0] += auth_mod.CACHE_S
+        assert auth.authenticate_cached(reg.token) is False  # expired: looked up again ...
+        assert auth.authenticate(reg.token) is None  # ... and refused
+    finally:
+        db.close()
+        svc.close()
+
+
 def test_no_token_in_reprs_or_logs(server, caplog):
     reg = PlannerClient(server.url).register_instance(identity=identity(), ranks=ranks(0))
     assert reg.token not in repr(reg)

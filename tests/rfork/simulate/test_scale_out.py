@@ -118,6 +118,7 @@ def test_simulate_cli_writes_json_markdown_and_plot(tmp_path, capsys):
     for name in SCENARIOS:
         assert six[name]["max_pulls_per_seed"] <= doc["model"]["max_concurrent_pulls"]
         assert six[name]["from_seed"] + six[name]["from_disk"] == 6
+        assert six[name]["ms_per_decision"] > 0  # the real planner's own time per decision
     assert "| 6 |" in md.read_text()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     status, _, stderr = run_rfork(["simulate", "scale-out", "--instances", "0"], capsys)

@@ -1,0 +1,157 @@
+"""The hot paths' SQL (assignment, report, heartbeat), built once per database kind.
+
+Building a SQLAlchemy statement and computing its cache key took more CPU than running it on SQLite
+(profile in docs/planner.md): a statement object built once memoises its cache key, so the hot paths
+reuse these objects and pass every value as a bound parameter. Bound names start with `b_` (a name
+equal to a column's is reserved by UPDATE ... VALUES).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import and_, bindparam, insert, or_, select, update
+
+from planner.models import Anchor, Instance, InstanceRank, Lease, Manifest
+
+
+def _candidates(*, excluding: bool, lock: bool) -> Any:
+    """READY, fresh, unquarantined seeds of (b_key, b_rank) whose manifest matches the identity's anchor."""
+    q = (
+        select(
+            Instance.id,
+            Instance.node,
+            Instance.rack,
+            Instance.zone,
+            Instance.max_concurrent_pulls,
+            InstanceRank.backends,
+            Anchor.checksum_algorithm,
+            Anchor.digest_set,
+            Anchor.instance_id.label("anchored_by"),
+        )
+        .join(
+            InstanceRank,
+            and_(InstanceRank.instance_id == Instance.id, InstanceRank.rank == bindparam("b_rank")),
+        )
+        .join(Manifest, and_(Manifest.instance_id == Instance.id, Manifest.rank == bindparam("b_rank")))
+        # only manifests matching the identity's anchored digest set are served
+        .join(
+            Anchor,
+            and_(
+                Anchor.identity_key == Instance.identity_key,
+                Anchor.rank == bindparam("b_rank"),
+                Anchor.checksum_algorithm == Manifest.checksum_algorithm,
+                Anchor.digest_set == Manifest.digest_set,
+            ),
+        )
+        .where(
+            Instance.identity_key == bindparam("b_key"),
+            Instance.status == "READY",
+            Instance.last_heartbeat >= bindparam("b_oldest_beat"),
+            or_(Instance.quarantined_until.is_(None), Instance.quarantined_until <= bindparam("b_now")),
+            Instance.reverify_since.is_(None),
+            Instance.integrity_failed.is_(False),
+        )
+        .order_by(Instance.id)
+    )
+    if excluding:
+        q = q.where(Instance.id.not_in(bindparam("b_excluded", expanding=True)))
+    if lock:
+        q = q.with_for_update(of=Instance)
+    return q
+
+
+def _recent_pulls(*, of_identity: bool) -> Any:
+    """(bytes, seconds) of the b_window newest successful pulls that started and ended after b_oldest
+    (of identity b_key and rank b_rank, or of any identity: what a new identity's estimate uses)."""
+    conds = [
+        Lease.outcome == "success",
+        Lease.created_at >= bindparam("b_oldest"),
+        Lease.ended_at >= bindparam("b_oldest"),
+    ]
+    if of_identity:
+        conds += [Lease.identity_key == bindparam("b_key"), Lease.rank == bindparam("b_rank")]
+    return (
+        select(Lease.bytes, Lease.seconds)
+        .where(*conds)
+        .order_by(Lease.ended_at.desc())
+        .limit(bindparam("b_window"))
+    )
+
+
+@dataclass(frozen=True)
+class HotStatements:
+    """The statements of assign, report and the heartbeat flush; `lock`: PostgreSQL's row locks."""
+
+    candidates: Any
+    candidates_excluding: Any
+    live_leases: Any
+    recent_pulls: Any
+    recent_pulls_any: Any
+    insert_lease: Any
+    chosen_details: Any
+    lease_seed: Any
+    lock_seed: Any
+    live_lease: Any
+    end_lease: Any
+    seed_succeeded: Any
+    heartbeats: Any
+
+    @classmethod
+    def build(cls, *, lock: bool) -> HotStatements:
+        """The statements for SQLite (`lock` False: writes are serialised) or PostgreSQL (`lock` True)."""
+        live_lease = select(
+            Lease.instance_id,
+            Lease.holder,
+            Lease.outcome,
+            Lease.ended_at,
+            Lease.expires_at,
+            Lease.provider,
+        ).where(Lease.id == bindparam("b_lease"))
+        return cls(
+            candidates=_candidates(excluding=False, lock=lock),
+            candidates_excluding=_candidates(excluding=True, lock=lock),
+            # the seeds' live leases: counted against their limits, and their starts are what the
+            # 429's estimate needs when every seed is busy
+            live_leases=select(Lease.instance_id, Lease.created_at).where(
+                Lease.instance_id.in_(bindparam("b_ids", expanding=True)),
+                Lease.rank == bindparam("b_rank"),
+                Lease.ended_at.is_(None),
+                Lease.expires_at > bindparam("b_now"),
+            ),
+            recent_pulls=_recent_pulls(of_identity=True),
+            recent_pulls_any=_recent_pulls(of_identity=False),
+            insert_lease=insert(Lease),
+            # what the answer needs of the chosen few only (the ranking needs none of it)
+            chosen_details=select(
+                Instance.id, Instance.control_url, Instance.control_key, InstanceRank.address, Manifest.body
+            )
+            .join(
+                InstanceRank,
+                and_(InstanceRank.instance_id == Instance.id, InstanceRank.rank == bindparam("b_rank")),
+            )
+            .join(Manifest, and_(Manifest.instance_id == Instance.id, Manifest.rank == bindparam("b_rank")))
+            .where(Instance.id.in_(bindparam("b_ids", expanding=True))),
+            lease_seed=select(Lease.instance_id).where(Lease.id == bindparam("b_lease")),
+            lock_seed=select(Instance.id).where(Instance.id == bindparam("b_seed")).with_for_update(),
+            live_lease=live_lease.with_for_update() if lock else live_lease,
+            end_lease=update(Lease)
+            .where(Lease.id == bindparam("b_lease"))
+            .values(
+                ended_at=bindparam("b_ended_at"),
+                outcome=bindparam("b_outcome"),
+                bytes=bindparam("b_bytes"),
+                seconds=bindparam("b_seconds"),
+                backend=bindparam("b_backend"),
+                reason=bindparam("b_reason"),
+                error=bindparam("b_error"),
+            ),
+            seed_succeeded=update(Instance)
+            .where(Instance.id == bindparam("b_seed"), Instance.consecutive_failures != 0)
+            .values(consecutive_failures=0),
+            heartbeats=update(Instance)
+            .where(Instance.id.in_(bindparam("b_ids", expanding=True)))
+            .values(last_heartbeat=bindparam("b_now"))
+            .returning(Instance.id, Instance.status, Instance.reverify_since),
+        )
