@@ -187,7 +187,7 @@ class TransferEngine:
             self._progress = Progress(
                 self._domains, label=provider, timeout_s=self.timeout_s, chunk_bytes=self.chunk_bytes,
                 delivery_complete=provider != "shm", reorder=self.reorder_for_test,
-                on_imm=lambda imm: self.imm.arrive(imm), on_message=self._on_frame,
+                on_imm=lambda imm, n: self.imm.arrive(imm, n), on_message=self._on_frame,
             )
             self._progress.start()
         except BaseException:

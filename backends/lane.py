@@ -44,6 +44,7 @@ class _LaneOp:
     imm: int | None
     delivery_complete: bool
     ctx: int = 0
+    group: int = 0
 
 
 class Batch:

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 EAGAIN = -11  # a post that could not be queued now; poll and retry
+POST_FAILED = 1 << 63  # Completion.flags bit: the op's post itself failed (message says why)
+RECV_BASE = 1 << 48  # op contexts at or above are receive buffers (not counted as sends)
 
 
 class Completion(NamedTuple):
@@ -38,7 +40,7 @@ class LocalRegistration(NamedTuple):
 class RmaOp(Protocol):
     """What post_batch needs of one op (the engine's chunks have these attributes)."""
 
-    kind: int  # 0 = read, 1 = write
+    kind: int  # 0 = read, 1 = write, 2 = send (submit only), 3 = receive
     ptr: int
     length: int
     desc: Any
@@ -48,6 +50,7 @@ class RmaOp(Protocol):
     ctx: int
     imm: int | None
     delivery_complete: bool
+    group: int  # the user-visible op it belongs to (0: none), for cancelling what is still queued
 
 
 class Domain(abc.ABC):
@@ -117,13 +120,37 @@ class Domain(abc.ABC):
                 return i, EAGAIN, ""
         return len(ops), 0, ""
 
+    # ----- the progress core: posts and polls on its own native thread --------------------------
+    @abc.abstractmethod
+    def start_core(self) -> None:
+        """Start the domain's progress thread; from now on only it touches the endpoint."""
+
+    @abc.abstractmethod
+    def submit(self, ops: Sequence[RmaOp]) -> None:
+        """Queue ops (kind 0 read, 1 write, 2 send) for the core to post (any thread); each comes
+        back as one Completion from drain. EngineClosed once the core stopped."""
+
+    @abc.abstractmethod
+    def drain(self, timeout_s: float) -> list[Completion] | None:
+        """Completions ready now, waiting up to timeout_s for the first (without the GIL); None once
+        the core stopped and everything was drained. One drainer thread per domain."""
+
+    @abc.abstractmethod
+    def cancel(self, *, peer: int = 0, group: int = 0) -> int:
+        """Take queued, not yet posted ops out of the core's queue: those to peer, or (group != 0)
+        those of that group; they come back from drain with error ECANCELED. Returns how many."""
+
+    @abc.abstractmethod
+    def stop_core(self) -> None:
+        """Stop the progress thread and wait for it (idempotent); queued ops are not posted."""
+
     @abc.abstractmethod
     def post_send(self, ptr: int, n: int, desc: Any, peer: int, ctx: int) -> int:
         """Post a two-sided send; 0 or EAGAIN."""
 
     @abc.abstractmethod
     def post_recv(self, ptr: int, n: int, desc: Any, ctx: int) -> int:
-        """Post a receive buffer for two-sided messages; 0 or EAGAIN."""
+        """Queue a receive buffer for two-sided messages in the core (ctx >= RECV_BASE); 0."""
 
     @abc.abstractmethod
     def poll(self) -> list[Completion]:
