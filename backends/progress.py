@@ -60,6 +60,21 @@ class Route:
     remote_domains: int
 
 
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One checked piece of an op: (local_offset, remote_offset, length) spans of one kind between a
+    local region (None for an immediate alone) and one remote region, and an optional immediate that
+    arrives after the part's data."""
+
+    kind: int
+    region: LocalRegion | None
+    spans: Sequence[tuple[int, int, int]]
+    route: Route
+    base: int
+    keys: Sequence[int]
+    imm: int | None = None
+
+
 class Op:
     """One user-visible op: a future and the count of chunks still outstanding."""
 
@@ -73,8 +88,8 @@ class Op:
         self.peer = peer
         self.remaining = 0
         self.lock = threading.Lock()
-        # the zero-byte write carrying the imm of a multi-chunk write, posted after all its data landed
-        self.imm_after: tuple[ProgressThread, Chunk] | None = None
+        # the zero-byte writes carrying the immediates of a multi-chunk op, posted after all its data landed
+        self.imm_after: list[tuple[ProgressThread, Chunk]] = []
 
     def fail(self, exc: TransferError) -> bool:
         """Fail the op unless it is done already; True when this call failed it."""
@@ -92,12 +107,11 @@ class Op:
             self.remaining -= 1
             if self.remaining:
                 return
-            after, self.imm_after = self.imm_after, None
-            if after is not None:
-                self.remaining = 1
-        if after is not None:
-            after[0].submit([after[1]])
-        elif not self.future.done():
+            after, self.imm_after = self.imm_after, []
+            self.remaining = len(after)
+        for thread, chunk in after:
+            thread.submit([chunk])
+        if not after and not self.future.done():
             self.future.set_result(None)
 
     @property
@@ -168,47 +182,54 @@ class Progress:
             if t.is_alive():
                 t.join(timeout=10)
 
-    def submit(
-        self, op: Op, route: Route, kind: int, region: LocalRegion | None,
-        spans: Sequence[tuple[int, int, int]], base: int, keys: Sequence[int], imm: int | None,
-    ) -> Future[None]:
-        """Split (local_offset, remote_offset, length) spans into chunks over the domains; op's future.
+    def submit(self, op: Op, parts: Sequence[Part]) -> Op:
+        """Split the parts' spans into chunks over the domains and queue them; returns op.
 
-        region is None only for an immediate alone; base and keys are the remote region's.
+        An immediate rides on its part's data write when that is the op's only chunk and only
+        immediate; otherwise immediates go as zero-byte writes once all the op's data landed.
         """
         nw = len(self.threads)
         start = next(self._rr)
         csize = self.chunk_bytes
-        pieces = [(lo + k, ro + k, min(csize, n - k)) for lo, ro, n in spans for k in range(0, n, csize)]
+        imms = [p for p in parts if p.imm is not None]
+        pieces = [
+            (p, lo + k, ro + k, min(csize, n - k))
+            for p in parts
+            for lo, ro, n in p.spans
+            for k in range(0, n, csize)
+        ]
+        ride = len(pieces) == 1 and len(imms) == 1 and pieces[0][0] is imms[0]
+        after = bool(imms) and not ride
         per_thread: list[list[Chunk]] = [[] for _ in range(nw)]
-        multi = len(pieces) > 1
-        for j, (lo, ro, n) in enumerate(pieces):
+        for j, (p, lo, ro, n) in enumerate(pieces):
+            region = p.region
             assert region is not None  # only an immediate alone has no data and no region
             w = (start + j) % nw
-            small = multi and imm is not None and n <= SHM_INJECT_BYTES
-            dc = kind == WRITE and (self.delivery_complete or small)
-            key = keys[w % route.remote_domains]
-            chunk = Chunk(op, kind, region.ptr + lo, n, region.regs[w].desc, route.handles[w], base + ro, key,
-                          None if multi else imm, dc, region=region)
+            small = after and n <= SHM_INJECT_BYTES
+            dc = p.kind == WRITE and (self.delivery_complete or small)
+            key = p.keys[w % p.route.remote_domains]
+            chunk = Chunk(op, p.kind, region.ptr + lo, n, region.regs[w].desc, p.route.handles[w],
+                          p.base + ro, key, p.imm if ride else None, dc, region=region)
             per_thread[w].append(chunk)
-        if imm is not None and (multi or not pieces):
-            w = start % nw
-            key = keys[w % route.remote_domains]
-            last = Chunk(op, WRITE, 0, 0, None, route.handles[w], base, key, imm=imm)
-            if pieces:
-                op.imm_after = (self.threads[w], last)
-            else:
-                per_thread[w].append(last)
-        op.remaining = len(pieces) if pieces else 1
+        if after:
+            for i, p in enumerate(imms):
+                w = (start + i) % nw
+                key = p.keys[w % p.route.remote_domains]
+                last = Chunk(op, WRITE, 0, 0, None, p.route.handles[w], p.base, key, imm=p.imm)
+                if pieces:
+                    op.imm_after.append((self.threads[w], last))
+                else:
+                    per_thread[w].append(last)
+        op.remaining = len(pieces) if pieces else len(imms)
         if self.reorder:
             for chunks in per_thread:
                 random.shuffle(chunks)
         for w, chunks in enumerate(per_thread):
             if chunks:
                 self.threads[w].submit(chunks)
-        if not pieces and imm is None:
+        if not pieces and not imms:
             op.future.set_result(None)
-        return op.future
+        return op
 
     def send(self, route: Route, data: bytes) -> Future[None]:
         """Post data (<= MAX_MESSAGE bytes) as one two-sided message from domain 0."""

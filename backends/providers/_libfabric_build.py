@@ -422,12 +422,31 @@ static ssize_t rf_post_one(struct fid_ep *ep, const struct rf_op *o) {
     return k == 1 ? 0 : (ssize_t)err;
 }
 
-/* Post what the queue has room for (mu held on entry and exit). Returns ops posted; *again is set
- * when the provider said EAGAIN (queue full or still connecting). */
+/* Put ops back into the queue (mu held): at the front, in order, or at the back. */
+static void rf_requeue(struct rf_core *c, const struct rf_op *ops, long n, int front) {
+    while (c->sq_len + n > c->sq_cap)
+        if (rf_grow((void **)&c->sq, &c->sq_head, c->sq_len, &c->sq_cap, sizeof *ops) != 0)
+            return; /* out of memory: these ops are lost and time out */
+    for (long j = 0; j < n; j++) {
+        if (front) {
+            c->sq_head = (c->sq_head + c->sq_cap - 1) % c->sq_cap;
+            c->sq[c->sq_head] = ops[n - 1 - j];
+        } else {
+            c->sq[(c->sq_head + c->sq_len) % c->sq_cap] = ops[j];
+        }
+        c->sq_len++;
+    }
+}
+
+/* Post what the queue has room for (mu held on entry and exit). Returns ops posted or failed;
+ * *again is set when the provider said EAGAIN. An op refused with EAGAIN while the queue is less
+ * than half full (probably its peer is still connecting, or gone) moves to the back of the queue so
+ * that ops to other peers go on; otherwise the queue is full and the round ends. */
 static long rf_post_some(struct rf_core *c, int *again) {
     long room = c->max_inflight - c->inflight;
     long n = c->sq_len < room ? c->sq_len : room;
-    long posted = 0, failed = 0, tx = 0, i;
+    long posted = 0, failed = 0, tx = 0, parked = 0, i;
+    struct rf_op park[64];
     *again = 0;
     if (n <= 0)
         return 0;
@@ -443,24 +462,18 @@ static long rf_post_some(struct rf_core *c, int *again) {
             tx += c->batch[i].kind != RF_KIND_RECV;
         } else if (ret == -FI_EAGAIN) {
             *again = 1;
-            break;
+            if (c->inflight + tx >= c->max_inflight / 2)
+                break;
+            park[parked++] = c->batch[i];
         } else {
             rf_fail_rec(&c->fresh[failed++], &c->batch[i], (long)ret);
         }
     }
     pthread_mutex_lock(&c->mu);
     c->inflight += tx;
-    if (i < n) { /* put the rest back at the front, in order */
-        long rest = n - i;
-        while (c->sq_len + rest > c->sq_cap)
-            if (rf_grow((void **)&c->sq, &c->sq_head, c->sq_len, &c->sq_cap, sizeof(struct rf_op)) != 0)
-                break;
-        for (long j = n - 1; j >= i; j--) {
-            c->sq_head = (c->sq_head + c->sq_cap - 1) % c->sq_cap;
-            c->sq[c->sq_head] = c->batch[j];
-            c->sq_len++;
-        }
-    }
+    if (i < n)
+        rf_requeue(c, c->batch + i, n - i, 1);
+    rf_requeue(c, park, parked, 0);
     rf_emit(c, c->fresh, failed);
     return posted + failed;
 }
