@@ -1,10 +1,11 @@
 """TransferEngine: the transport's public API; docs/transport.md has the semantics.
 
 Regions are registered here, every op is checked here before anything is posted (the check
-functions below are shared with the lane, cuda_ipc and staging), and then handed to the progress
-threads (backends.progress), which alone touch the provider's endpoints. Paths share an engine
-through channels (backends.channel); extra caller-driven endpoints (backends.lane) learn of region
-releases and of close through `add_hooks`.
+functions below are shared with cuda_ipc and staging) into `Part`s, and started as one op on the
+progress cores (backends.progress: a native thread per domain alone touches its endpoint). Every op
+takes that one path: the methods below and the lane's batches (backends.lane) alike. Paths share an
+engine through channels (backends.channel); other code learns of region releases and of close
+through `add_hooks`.
 """
 
 from __future__ import annotations
@@ -260,12 +261,6 @@ class TransferEngine:
                     self._hooks.remove(hooks)
 
         return unsubscribe
-
-    def open_domain(self) -> Domain:
-        """One more endpoint of this engine's provider, which no progress thread drives: for a caller
-        that drives it itself (backends.lane). The caller closes it."""
-        self._check_open("open_domain")
-        return open_domains(self.provider, 1, host=self._host)[0]
 
     # ----- one-sided ops ------------------------------------------------------------------------
     def read(self, region: Region, offset: int, length: int, remote_desc: MemoryRegionDescriptor | bytes,

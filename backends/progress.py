@@ -1,10 +1,14 @@
-"""Progress threads: one per domain posts chunks, reaps completions and enforces deadlines.
+"""Progress: per domain, a native core posts and polls; a Python thread resolves ops in batches.
 
-An op (one engine call) is split into chunks of at most chunk_bytes, spread round-robin over the
-domains. Only a domain's own thread touches its endpoint (posts, polls, waits), so the passive side
-of a transfer keeps serving peers while its application sleeps, and any thread may submit. A
-chunk's local region is pinned (`LocalRegion.pin`) while the chunk is posted: its memory outlives every
-posted op, even one whose op already timed out. Future callbacks run on a progress thread.
+An op (one engine call or lane batch, made of checked `Part`s) is split into chunks of at most
+chunk_bytes, spread round-robin over the domains. Each domain's native core (C, one pthread, see
+backends/providers/_libfabric_build.py) alone touches its endpoint: it posts queued chunks, polls the
+completion queue and sleeps on its wait object when idle, so the passive side of a transfer keeps
+serving peers while its application sleeps, and any thread may submit. Its `ProgressThread` waits
+for completion records in C without the GIL and resolves futures, counts immediates and enforces
+deadlines, a batch at a time. A chunk's local region is pinned (`LocalRegion.pin`) from submission
+until its completion record arrives: its memory outlives every posted op, even one whose op already
+timed out. Future callbacks run on a progress thread.
 """
 
 from __future__ import annotations

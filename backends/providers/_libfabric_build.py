@@ -158,7 +158,6 @@ const char *fi_cq_strerror(struct fid_cq *cq, int prov_errno, const void *err_da
 /* Hot loops in C (cffi releases the GIL during these calls). */
 struct rf_op { uint64_t buf; size_t len; void *desc; uint64_t peer; uint64_t raddr; uint64_t key;
                uint64_t ctx; uint64_t data; int kind; int flags; uint64_t group; };
-long rf_post_ops(struct fid_ep *ep, struct rf_op *ops, long n, long *err);
 long rf_cq_drain(struct fid_cq *cq, struct fi_cq_data_entry *ents, long max, uint64_t *out);
 long rf_cq_wait(struct fid_cq *cq, struct fi_cq_data_entry *ents, long max, uint64_t *out, int timeout_ms);
 
@@ -417,7 +416,7 @@ static ssize_t rf_post_one(struct fid_ep *ep, const struct rf_op *o) {
     if (o->kind == RF_KIND_RECV)
         return fi_recv(ep, buf, o->len, o->desc, FI_ADDR_UNSPEC, ctx);
     long err = 0;
-    /* rf_post_ops posts reads and writes (with imm / delivery complete) exactly as before */
+    /* reads and writes (with an immediate, delivery complete) */
     long k = rf_post_ops(ep, (struct rf_op *)o, 1, &err);
     return k == 1 ? 0 : (ssize_t)err;
 }

@@ -23,7 +23,6 @@ from typing import Any, NamedTuple
 from backends.errors import BackendUnavailable, EngineClosed, TransferError
 from backends.providers._native import LIB_ENV, LIBRARY, VERSION, ffi, lib
 from backends.providers.domain import (
-    EAGAIN,
     POST_FAILED,
     RECV_BASE,
     Completion,
@@ -265,21 +264,10 @@ class LibfabricDomain(Domain):
         self.name = bytes(ffi.buffer(buf, size[0]))
         self._entries = ffi.new("struct fi_cq_data_entry[]", _CQ_BATCH)
         self._out = ffi.new("uint64_t[]", 4 * _CQ_BATCH)
-        self._ops = ffi.new("struct rf_op[]", _POST_BATCH)
         self._sub_ops = ffi.new("struct rf_op[]", _POST_BATCH)
         self._recs = ffi.new("struct rf_rec[]", _CQ_BATCH)
-        self._post_err = ffi.new("long *")
         self._err = ffi.new("struct fi_cq_err_entry *")
         self._peers: dict[bytes, int] = {}
-        self._msg = ffi.new("struct fi_msg_rma *")
-        self._iov = ffi.new("struct iovec *")
-        self._rma_iov = ffi.new("struct fi_rma_iov *")
-        self._descs = ffi.new("void *[1]")
-        self._msg.msg_iov = self._iov
-        self._msg.desc = self._descs
-        self._msg.iov_count = 1
-        self._msg.rma_iov = self._rma_iov
-        self._msg.rma_iov_count = 1
         log.debug(
             "opened %s domain mr_mode=%#x wait=%s inflight=%d",
             self.provider,
@@ -341,65 +329,6 @@ class LibfabricDomain(Domain):
     def deregister(self, reg: LocalRegistration) -> None:
         _check(lib.fi_close(ffi.cast("struct fid *", reg.handle)), "fi_close(mr)")
 
-    def post_read(self, ptr: int, n: int, desc: Any, peer: int, raddr: int, key: int, ctx: int) -> int:
-        desc = ffi.NULL if desc is None else desc
-        ret = lib.fi_read(
-            self._ep, ffi.cast("void *", ptr), n, desc, peer, raddr, key, ffi.cast("void *", ctx)
-        )
-        return self._posted(ret, "fi_read")
-
-    def post_write(
-        self,
-        ptr: int,
-        n: int,
-        desc: Any,
-        peer: int,
-        raddr: int,
-        key: int,
-        ctx: int,
-        imm: int | None,
-        delivery_complete: bool,
-    ) -> int:
-        cctx = ffi.cast("void *", ctx)
-        desc = ffi.NULL if desc is None else desc
-        if delivery_complete:
-            self._iov.iov_base = ffi.cast("void *", ptr)
-            self._iov.iov_len = n
-            self._descs[0] = desc
-            self._msg.addr = peer
-            self._rma_iov.addr = raddr
-            self._rma_iov.len = n
-            self._rma_iov.key = key
-            self._msg.context = cctx
-            flags = lib.FI_COMPLETION | lib.FI_DELIVERY_COMPLETE
-            if imm is not None:
-                self._msg.data = imm
-                flags |= lib.FI_REMOTE_CQ_DATA
-            return self._posted(lib.fi_writemsg(self._ep, self._msg, flags), "fi_writemsg")
-        src = ffi.cast("void *", ptr)
-        if imm is None:
-            return self._posted(lib.fi_write(self._ep, src, n, desc, peer, raddr, key, cctx), "fi_write")
-        return self._posted(
-            lib.fi_writedata(self._ep, src, n, desc, imm, peer, raddr, key, cctx), "fi_writedata"
-        )
-
-    def post_batch(self, ops: Sequence[RmaOp]) -> tuple[int, int, str]:
-        done = 0
-        total = len(ops)
-        arr = self._ops
-        while done < total:
-            n = min(total - done, _POST_BATCH)
-            _fill(arr, ops, done, n)
-            k = lib.rf_post_ops(self._ep, arr, n, self._post_err)
-            done += k
-            if k < n:
-                rc = int(self._post_err[0])
-                if rc == -lib.FI_EAGAIN:
-                    return done, EAGAIN, ""
-                what = "fi_read" if ops[done].kind == 0 else "fi_write"
-                return done, rc, f"{what} failed: {ffi.string(lib.fi_strerror(-rc)).decode()} ({rc})"
-        return done, 0, ""
-
     # ----- the native progress core (one pthread per domain; see _libfabric_build.py) -----------
     def start_core(self) -> None:
         if self._core != ffi.NULL:
@@ -443,23 +372,13 @@ class LibfabricDomain(Domain):
         if self._core != ffi.NULL:
             lib.rf_core_stop(self._core)
 
-    def post_send(self, ptr: int, n: int, desc: Any, peer: int, ctx: int) -> int:
-        desc = ffi.NULL if desc is None else desc
-        ret = lib.fi_send(self._ep, ffi.cast("void *", ptr), n, desc, peer, ffi.cast("void *", ctx))
-        return self._posted(ret, "fi_send")
-
     def post_recv(self, ptr: int, n: int, desc: Any, ctx: int) -> int:
         self.submit([_Recv(ptr, n, desc, ctx)])
         return 0
 
-    @staticmethod
-    def _posted(ret: int, what: str) -> int:
-        if ret == -lib.FI_EAGAIN:
-            return EAGAIN
-        _check(ret, what)
-        return 0
-
+    # ----- driving the endpoint directly, where no core runs (provider tests) -------------------
     def poll(self) -> list[Completion]:
+        """The completions ready now (only while the core is not started)."""
         return self._completions(lib.rf_cq_drain(self._cq, self._entries, _CQ_BATCH, self._out))
 
     def _completions(self, n: int) -> list[Completion]:
@@ -492,16 +411,13 @@ class LibfabricDomain(Domain):
         )
 
     def wait(self, timeout_s: float) -> list[Completion]:
+        """Block in fi_cq_sread up to timeout_s (only while the core is not started)."""
         if not self.can_wait:
             time.sleep(timeout_s)
             return self.poll()
         ms = max(1, int(timeout_s * 1000))
         # 0 when it timed out, was interrupted, or was woken by signal().
         return self._completions(lib.rf_cq_wait(self._cq, self._entries, _CQ_BATCH, self._out, ms))
-
-    def signal(self) -> None:
-        if self.can_wait:
-            lib.fi_cq_signal(self._cq)
 
     def close(self) -> None:
         if self._core != ffi.NULL:
