@@ -317,7 +317,8 @@ static long rf_cq_wait(struct fid_cq *cq, struct fi_cq_data_entry *ents, long ma
 #define RF_POST_FAILED (1ULL << 63) /* record flag: the post itself failed (msg says why) */
 #define RF_RECV_BASE (1ULL << 48)   /* contexts at or above are receive buffers */
 #define RF_CQ_BATCH 64
-#define RF_SPIN_NS 30000L           /* busy-poll this long after the last activity */
+#define RF_SPIN_NS 100000L          /* the core busy-polls this long after its last activity */
+#define RF_DRAIN_SPIN_NS 50000L     /* a drainer looks this long before it sleeps on the condvar */
 
 struct rf_rec { uint64_t ctx; uint64_t flags; uint64_t len; uint64_t data; int64_t err; char msg[120]; };
 
@@ -614,6 +615,12 @@ long rf_core_submit(struct rf_core *c, struct rf_op *ops, long n) {
  * once the core stopped and every record was drained. */
 long rf_core_drain(struct rf_core *c, struct rf_rec *out, long max, int timeout_us) {
     long n;
+    if (timeout_us > 0) { /* a completion due within microseconds costs less than a wake-up */
+        long until = rf_now_ns() + RF_DRAIN_SPIN_NS;
+        while (!__atomic_load_n(&c->cr_len, __ATOMIC_RELAXED) && !__atomic_load_n(&c->stop, __ATOMIC_RELAXED)
+               && rf_now_ns() < until)
+            sched_yield();
+    }
     pthread_mutex_lock(&c->mu);
     if (c->cr_len == 0 && !c->stop && timeout_us > 0) {
         struct timespec ts;
