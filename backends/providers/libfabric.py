@@ -353,8 +353,10 @@ class LibfabricDomain(Domain):
                     raise EngineClosed(f"{self.provider}: the domain's progress core has stopped")
 
     def drain(self, timeout_s: float) -> list[Completion] | None:
-        recs = self._recs
-        n = lib.rf_core_drain(self._core, recs, _CQ_BATCH, max(1, int(timeout_s * 1e6)))
+        core, recs = self._core, self._recs
+        if core == ffi.NULL:  # closed (the engine joins its drainers first; this is a late caller)
+            return None
+        n = lib.rf_core_drain(core, recs, _CQ_BATCH, max(1, int(timeout_s * 1e6)))
         if n < 0:
             return None
         out = []
