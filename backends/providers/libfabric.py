@@ -79,6 +79,52 @@ def refuses_forged_reads(provider: str, version: tuple[int, int] | None = None) 
 ALLOW_UNENFORCED_ENV = "RFORK_ALLOW_UNENFORCED_ACCESS"
 
 
+def pairs_within_process(provider: str, version: tuple[int, int] | None = None) -> bool:
+    """Whether two endpoints of one process may be peers of each other on this provider.
+
+    shm from 2.5 (2.5.1 tested) crashes inside fi_cq_read once two endpoints of one process have both
+    read from or written to each other (docs/transport.md), so rfork refuses such a peer there with
+    BackendUnavailable rather than let the process segfault. Separate processes are unaffected.
+    """
+    version = VERSION if version is None else version
+    return not (provider == "shm" and version >= (2, 5))
+
+
+def shm_address_pid(straddr: str) -> int | None:
+    """The process id a shm address names (`fi_shm://<pid>:...`), or None for any other address."""
+    prefix = "fi_shm://"
+    if not straddr.startswith(prefix):
+        return None
+    head = straddr[len(prefix):].split(":", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+_SHM_DIR = "/dev/shm"
+_swept_for_pid: int | None = None
+
+
+def _remove_stale_shm_segments() -> None:
+    """Remove shm segments a dead process with this process's id left behind (once per process).
+
+    shm names its segment `<pid>:<n>:<m>` and 1.17 fails fi_enable with EBUSY when that name exists:
+    after a SIGKILL the segment stays, and once the pid is reused the new process cannot open shm.
+    Before this process opens its first shm endpoint, no segment with its pid can be its own.
+    """
+    global _swept_for_pid
+    pid = os.getpid()
+    if _swept_for_pid == pid:
+        return
+    _swept_for_pid = pid
+    prefix = f"{pid}:"
+    with contextlib.suppress(OSError):
+        for name in os.listdir(_SHM_DIR):
+            tail = name[len(prefix):].split(":")
+            if name.startswith(prefix) and len(tail) >= 2 and all(t.isdigit() for t in tail):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(_SHM_DIR, name))
+                    log.warning("removed stale shm segment %s/%s left by a dead process", _SHM_DIR, name)
+
+
 def _check(ret: int, what: str) -> None:
     if ret < 0:
         msg = ffi.string(lib.fi_strerror(-ret)).decode()
@@ -248,6 +294,8 @@ class LibfabricDomain(Domain):
         _check(lib.fi_av_open(self._domain, aattr, av, ffi.NULL), "fi_av_open")
         self._av = av[0]
         self._fids.append(self._av)
+        if self.provider == "shm":
+            _remove_stale_shm_segments()
         ep = ffi.new("struct fid_ep **")
         _check(lib.fi_endpoint(self._domain, info, ep, ffi.NULL), "fi_endpoint")
         self._ep = ep[0]
@@ -287,6 +335,12 @@ class LibfabricDomain(Domain):
             known = self._peers.get(raw)
             if known is not None:
                 return known
+            if not pairs_within_process(self.provider) and shm_address_pid(self.straddr(raw)) == os.getpid():
+                raise BackendUnavailable(
+                    f"shm on libfabric {VERSION[0]}.{VERSION[1]} crashes when two endpoints of one process "
+                    f"are peers ({self.straddr(raw)} is in this process); put them in separate processes, "
+                    f"use tcp, or libfabric 1.17 ({LIB_ENV}=system)"
+                )
             out = ffi.new("fi_addr_t *")
             ret = lib.fi_av_insert(self._av, raw, 1, out, 0, ffi.NULL)
             if ret != 1:

@@ -61,6 +61,16 @@ def start_peer(
     return Peer(proc, parent, address, descs)
 
 
+def skip_unless_pairs_within_process(provider: str) -> None:
+    """Skip a test that makes two engines of this process peers where the provider would crash on it
+    (shm from libfabric 2.5: rfork refuses such a peer; docs/transport.md)."""
+    from backends.providers.libfabric import libfabric_version, pairs_within_process
+
+    if not pairs_within_process(provider):
+        major, minor = libfabric_version()
+        pytest.skip(f"{provider} on libfabric {major}.{minor}: two endpoints of one process cannot be peers")
+
+
 @pytest.fixture(scope="module", params=PROVIDERS)
 def provider(request: pytest.FixtureRequest) -> str:
     from backends import provider_available

@@ -45,6 +45,7 @@ def engine(provider: str) -> Iterator[TransferEngine]:
         yield eng
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_read_and_write_1gib(engine: TransferEngine, peer: Peer) -> None:
     # Every byte is checked through digests of whole GiBs: a second random GiB to compare with (or a
@@ -200,6 +201,7 @@ def test_submission_from_16_threads(engine: TransferEngine, peer: Peer) -> None:
     assert np.array_equal(buf, pattern(1, 64 * MiB))  # a prefix of the peer's source (same seed)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_peer_killed_mid_transfer(engine: TransferEngine, peer: Peer, provider: str) -> None:
     if provider == "shm" and libfabric_version() < (2, 5):

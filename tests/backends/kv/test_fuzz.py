@@ -19,6 +19,7 @@ from backends import TransferEngine
 from backends.channel import Channel
 from backends.kv import KvPool, KvReceiver, KvSender
 from backends.kv import messages as wire
+from tests.backends.conftest import skip_unless_pairs_within_process
 from tests.backends.peer import engine_kwargs
 
 LAYERS, PAGES, PAGE = 2, 16, 64
@@ -48,6 +49,7 @@ class Live:
 
 @pytest.fixture(scope="module")
 def live(provider: str) -> Iterator[Live]:
+    skip_unless_pairs_within_process(provider)
     lv = Live(provider)
     yield lv
     lv.close()

@@ -12,7 +12,7 @@ import pytest
 
 from backends import TransferEngine, TransferTimeout
 from backends.kv import IncomingRequest, KvError, KvPool, KvReceiver, KvSender
-from tests.backends.conftest import Peer, start_peer
+from tests.backends.conftest import Peer, skip_unless_pairs_within_process, start_peer
 from tests.backends.peer import engine_kwargs
 
 DONE = -1
@@ -114,6 +114,7 @@ def test_a_request_past_its_deadline_fails_its_waiters_and_frees_its_slot(
 
 @pytest.mark.timeout(120)
 def test_a_cancelled_request_stops_its_sender(provider: str) -> None:
+    skip_unless_pairs_within_process(provider)
     kw = engine_kwargs(provider)
     with (
         TransferEngine(provider, 1, timeout_s=5.0, **kw) as a,

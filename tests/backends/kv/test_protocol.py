@@ -20,12 +20,13 @@ import pytest
 
 from backends import TransferEngine, TransferTimeout
 from backends.kv import IncomingRequest, KvError, KvPool, KvReceiver, KvSender
-from tests.backends.conftest import Peer, start_peer
+from tests.backends.conftest import Peer, skip_unless_pairs_within_process, start_peer
 from tests.backends.peer import engine_kwargs
 
 
 @pytest.fixture
 def pair(provider: str) -> Iterator[tuple[TransferEngine, TransferEngine]]:
+    skip_unless_pairs_within_process(provider)
     kw = engine_kwargs(provider)
     with (
         TransferEngine(provider, 1, timeout_s=5.0, reorder_for_test=True, **kw) as a,

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from backends import TransferEngine, provider_available
 from backends.moe import ExpertParallel, MoEError, MoETimeout
+from tests.backends.conftest import skip_unless_pairs_within_process
 from tests.backends.moe.cases import Case, apply_expert, expert_tables, rank_inputs, reference
 from tests.backends.moe.test_routing import moe_cases
 from tests.backends.moe.worker import run_rank
@@ -44,6 +45,7 @@ def _skip_unless(provider: str) -> None:
 def engines(request: pytest.FixtureRequest) -> Iterator[list[TransferEngine]]:
     provider = str(request.param)
     _skip_unless(provider)
+    skip_unless_pairs_within_process(provider)
     kw: dict[str, Any] = {"host": "127.0.0.1"} if provider == "tcp" else {}
     engs = [
         TransferEngine(provider, 1, timeout_s=5.0, chunk_bytes=64 << 20, reorder_for_test=True, **kw)

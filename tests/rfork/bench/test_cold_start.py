@@ -13,6 +13,8 @@ import pytest
 
 from tests.conftest import run_rfork
 
+pytestmark = pytest.mark.slow  # spawned processes: runs in the slow part of scripts/dev.sh test
+
 
 @pytest.mark.parametrize("dest", ["allocated", "initialized"])
 def test_cold_start_rows_and_baselines(tmp_path: Path, dest: str, capsys: pytest.CaptureFixture[str]) -> None:

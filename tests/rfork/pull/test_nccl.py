@@ -22,6 +22,8 @@ from backends.nccl import NcclPeerError, NcclTimeoutError, NcclTransferError
 from rfork.pull.nccl import NcclSessionError, pull_over_nccl
 from rfork.seed.control import ControlServer
 
+pytestmark = pytest.mark.slow  # spawned processes: runs in the slow part of scripts/dev.sh test
+
 CTX = mp.get_context("spawn")
 SEED_TIMEOUT_S = 4.0
 BUCKET = 4 << 20
