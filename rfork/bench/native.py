@@ -9,19 +9,14 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import time
+
+from rfork.bench.processes import free_port
 
 log = logging.getLogger(__name__)
 
 LIBFABRIC_PROVIDERS = {"tcp": "tcp;ofi_rxm", "shm": "shm"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def parse_pingpong(output: str, size: int) -> float:
@@ -47,7 +42,7 @@ def native_round_trip_us(
     common = ["-p", LIBFABRIC_PROVIDERS[provider], "-e", "rdm", "-S", str(size), "-I", str(iterations)]
     last = ""
     for _attempt in range(3):  # the control port is picked free, then bound by the server: retry a race
-        port = str(_free_port())
+        port = str(free_port())
         server = subprocess.Popen(
             [exe, *common, "-B", port], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )

@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+from rfork.bench.processes import free_port
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -41,12 +42,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=15.0, help="measured duration (default 15)")
     parser.add_argument("--workers", type=int, default=1, help="planner server processes (default 1)")
     parser.add_argument("--json", default=None, help="write the results to this file")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _fresh_db(url: str | None) -> tuple[str, Any]:
@@ -288,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     url, cleanup = _fresh_db(args.db)
-    port = _free_port()
+    port = free_port()
     # an --insecure server of its own: tokens in the caller's environment would turn auth on for the
     # server while the load generator sends none (every request a 401)
     env = {k: v for k, v in os.environ.items() if not (k.startswith("RFORK_") and k.endswith("_TOKEN"))}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,13 +14,8 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from planner.client import PlannerClient
+from rfork.bench.processes import free_port
 from tests.planner.conftest import identity, manifest, ranks
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _serve(url: str, port: int) -> subprocess.Popen:
@@ -62,7 +56,7 @@ def _wait(base: str, proc: subprocess.Popen, http: httpx.Client) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("n_requests", [64])
 def test_two_processes_never_exceed_the_limit(planner_url, n_requests):
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     procs = [_serve(planner_url, p) for p in ports]
     bases = [f"http://127.0.0.1:{p}" for p in ports]
     http = _plain_http(n_requests)

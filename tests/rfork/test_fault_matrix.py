@@ -25,7 +25,7 @@ import pytest
 from planner.client import Conflict, PlannerClient
 from planner.server import PlannerServer
 from rfork import Loader, LoadOptions, LoadResult
-from rfork.bench.processes import load_args
+from rfork.bench.processes import free_port, load_args
 from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
@@ -153,12 +153,6 @@ def test_seed_killed_or_stalled_mid_pull(fleet, medium_ckpt, planner, sig):
 # ---- 3: the planner is killed mid-pull and restarted on the same database ---------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _planner_process(db: str, port: int, workdir: Path) -> subprocess.Popen:
     env = {
         **os.environ,
@@ -188,7 +182,7 @@ def _planner_process(db: str, port: int, workdir: Path) -> subprocess.Popen:
 
 
 def test_planner_killed_mid_pull_and_restarted_on_the_same_db(medium_ckpt, tmp_path, sqlite_url):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     planner = _planner_process(sqlite_url, port, tmp_path)
     info = read_checkpoint_info(medium_ckpt)
@@ -239,7 +233,7 @@ def private_postgres() -> Iterator[tuple[str, Callable[[], None]]]:
     if not initdb or not pg_ctl:
         pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
     root = Path(tempfile.mkdtemp(prefix="rfork-pg-"))
-    data, port = root / "data", _free_port()
+    data, port = root / "data", free_port()
     as_user: list[str] = []
     if os.geteuid() == 0:  # initdb refuses to run as root
         import pwd

@@ -4,7 +4,6 @@ an outage.
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any
 
@@ -14,6 +13,7 @@ from sqlalchemy import create_engine, text
 from planner.client import PlannerClient
 from planner.server import PlannerServer
 from rfork import load
+from rfork.bench.processes import free_port
 from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
@@ -42,12 +42,6 @@ def _until(pred, timeout_s: float, what: str):
             return got
         time.sleep(0.1)
     raise AssertionError(f"not within {timeout_s} s: {what}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_seed_reasserts_ready_after_stale_and_registers_again_after_404(small_ckpt, sqlite_url):
@@ -79,7 +73,7 @@ def test_seed_reasserts_ready_after_stale_and_registers_again_after_404(small_ck
 
 def test_planner_down_during_load_keeps_weights_and_publishes_in_background(small_ckpt, sqlite_url):
     info = read_checkpoint_info(small_ckpt)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     result = load(identity=info.identity(), planner_url=url, checkpoint=small_ckpt, **AUTH, options=opts())
