@@ -458,12 +458,32 @@ class TransferEngine:
                 log.exception("a close hook of the engine raised")
         if self._imm is not None:
             self._imm.fail_all(EngineClosed("engine closed"))
+        still_posted = [r for r in self._regions if r.posted]
+        if still_posted and not all(d.closes_with_ops_posted for d in self._domains):
+            # A stalled peer still has reads or writes of ours posted, and this provider can crash
+            # closing such an endpoint: leave the endpoints and those regions (memory included) open
+            # for the life of the process. Nothing progresses them any more, so nothing lands.
+            log.warning(
+                "%s engine closed with %d chunk(s) still posted to a stalled peer: its endpoints and %d "
+                "region(s) (%d bytes) stay open (docs/transport.md, closing with ops posted)",
+                self.provider, sum(r.posted for r in still_posted), len(still_posted),
+                sum(r.nbytes for r in still_posted),
+            )
+            _left_open.append((self._domains, still_posted, self._progress))
+            for region in [r for r in self._regions if not r.posted]:
+                region.closed = False
+                self.deregister(region)
+            self._domains = []
+            return
         for region in list(self._regions):  # progress threads are gone: nothing is posted any more
             region.posted = 0
             region.closed = False
             self.deregister(region)
-        for dom in self._domains:
-            dom.close()
+        if self._progress is not None:
+            self._progress.close_domains()
+        else:
+            for dom in self._domains:
+                dom.close()
         self._domains = []
 
     def __enter__(self) -> TransferEngine:
@@ -490,6 +510,10 @@ class TransferEngine:
         route = Route(f"{self.provider}:{self._domains[0].straddr(ea.domains[0])}", handles, n)
         with self._lock:
             return self._routes.setdefault(address, route)
+
+# Endpoints (and the regions with ops still posted on them) an engine could not safely close.
+_left_open: list[tuple[list[Domain], list[Region], Progress | None]] = []
+
 
 def _buffer_of(obj: Any) -> tuple[int, int, Any]:
     """(ptr, nbytes, object to keep alive) for a tensor, a buffer or a (ptr, nbytes) pair."""

@@ -179,12 +179,23 @@ class Progress:
         self.threads[0].setup_recvs()
 
     def stop(self) -> None:
-        """Stop every thread (outstanding ops fail with EngineClosed); nothing is posted afterwards."""
+        """Stop every thread (outstanding ops fail with EngineClosed); nothing is posted afterwards.
+
+        Waits up to 10 s for each drainer to finish (not for the one calling, if a callback closes
+        the engine); close_domains then hands a domain whose drainer is still running to it."""
         for t in self.threads:
             t.stop()
         for t in self.threads:
-            if t.is_alive():
+            if t.is_alive() and t is not threading.current_thread():
                 t.join(timeout=10)
+                if t.is_alive():
+                    log.warning("%s still running 10 s after stop; it closes its domain when it ends", t.name)
+
+    def close_domains(self) -> None:
+        """Close each domain now, or, where its drainer still runs, when the drainer ends (it may
+        still deregister its receive buffers, so its domain must outlive it)."""
+        for t in self.threads:
+            t.close_domain_when_done()
 
     def submit(self, op: Op, parts: Sequence[Part]) -> Op:
         """Split the parts' spans into chunks over the domains and queue them; returns op.
@@ -272,6 +283,9 @@ class ProgressThread(threading.Thread):
         self._zombies: dict[int, Chunk] = {}
         self._recv_bufs: dict[int, tuple[bytearray, LocalRegistration]] = {}
         self._progress_at: dict[int, float] = {}  # peer -> last completion from it
+        self._exit_lock = threading.Lock()  # orders this thread's end with close_domain_when_done
+        self._ended = False
+        self._close_domain_at_end = False
 
     def submit(self, chunks: Sequence[Chunk]) -> None:
         """Queue chunks in the native core (any thread); each pins its region until it completes."""
@@ -339,12 +353,29 @@ class ProgressThread(threading.Thread):
             self._fail_everything(TransferError(f"{self.name} crashed; see the log"))
         finally:
             self._fail_everything(EngineClosed("engine closed before the op completed"))
-            for _buf, reg in self._recv_bufs.values():
-                try:
-                    self.domain.deregister(reg)
-                except TransferError:
-                    log.debug("deregistering a receive buffer failed", exc_info=True)
-            self._recv_bufs.clear()
+            self._release_recv_bufs()
+            with self._exit_lock:
+                self._ended = True
+                close = self._close_domain_at_end
+            if close:
+                self.domain.close()
+
+    def close_domain_when_done(self) -> None:
+        """Close the domain now if this thread has ended (or never ran), else when it ends."""
+        with self._exit_lock:
+            if not self._ended and self.is_alive():
+                self._close_domain_at_end = True
+                return
+        self._release_recv_bufs()  # a thread that never ran left them registered
+        self.domain.close()
+
+    def _release_recv_bufs(self) -> None:
+        for _buf, reg in self._recv_bufs.values():
+            try:
+                self.domain.deregister(reg)
+            except TransferError:
+                log.debug("deregistering a receive buffer failed", exc_info=True)
+        self._recv_bufs.clear()
 
     def _handle(self, comps: list[Completion]) -> None:
         inflight, progress_at = self._inflight, self._progress_at

@@ -333,7 +333,7 @@ struct rf_core {
     struct rf_op *sq; long sq_head, sq_len, sq_cap;
     struct rf_rec *cr; long cr_head, cr_len, cr_cap;
     long inflight; /* posted sends, reads and writes not yet completed */
-    int stop, sleeping, drainers, started;
+    int stop, sleeping, drainers, started, joining;
     pthread_t thread;
     struct rf_op batch[64];
     struct fi_cq_data_entry ents[RF_CQ_BATCH];
@@ -668,23 +668,27 @@ long rf_core_cancel(struct rf_core *c, uint64_t peer, uint64_t group) {
     return gone;
 }
 
-/* Stop the thread and wait for it (idempotent); queued ops are not posted. Drainers wake. */
+/* Stop the thread and wait for it (idempotent, from any number of threads at once: one joins, the
+ * others wait until it has); queued ops are not posted. Drainers wake. */
 void rf_core_stop(struct rf_core *c) {
     pthread_mutex_lock(&c->mu);
     c->stop = 1;
-    if (c->can_wait)
+    if (c->can_wait && c->started)
         fi_cq_signal(c->cq);
     pthread_cond_broadcast(&c->work_cv);
     pthread_cond_broadcast(&c->done_cv);
-    int join = c->started;
-    pthread_mutex_unlock(&c->mu);
-    if (join) {
+    if (c->started && !c->joining) {
+        c->joining = 1;
+        pthread_mutex_unlock(&c->mu);
         pthread_join(c->thread, NULL);
         pthread_mutex_lock(&c->mu);
         c->started = 0;
         pthread_cond_broadcast(&c->done_cv);
-        pthread_mutex_unlock(&c->mu);
+    } else {
+        while (c->started)
+            pthread_cond_wait(&c->done_cv, &c->mu);
     }
+    pthread_mutex_unlock(&c->mu);
 }
 
 void rf_core_free(struct rf_core *c) {

@@ -70,6 +70,9 @@ class Domain(abc.ABC):
     mr_virt_addr: bool
     max_inflight: int
     can_wait: bool
+    # False where closing the endpoint while ops are still posted to a stalled peer is known to crash
+    # the provider (tcp's rxm in libfabric 1.17): the engine then leaves it, and their memory, open.
+    closes_with_ops_posted: bool = True
     remote_cq_data_flag: int
     recv_flag: int
 
