@@ -1,10 +1,11 @@
 """TransferEngine: the transport's public API; docs/transport.md has the semantics.
 
 Regions are registered here, every op is checked here before anything is posted (the check
-functions below are shared with the lane, cuda_ipc and staging), and then handed to the progress
-threads (backends.progress), which alone touch the provider's endpoints. Paths share an engine
-through channels (backends.channel); extra caller-driven endpoints (backends.lane) learn of region
-releases and of close through `add_hooks`.
+functions below are shared with cuda_ipc and staging) into `Part`s, and started as one op on the
+progress cores (backends.progress: a native thread per domain alone touches its endpoint). Every op
+takes that one path: the methods below and the lane's batches (backends.lane) alike. Paths share an
+engine through channels (backends.channel); other code learns of region releases and of close
+through `add_hooks`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from backends.channel import Channel, ChannelHub
 from backends.descriptor import ACCESS_NAMES, EngineAddress, MemoryRegionDescriptor
 from backends.errors import EngineClosed, RemoteAccessError, TransferError
 from backends.imm import ImmCounter
-from backends.progress import MAX_MESSAGE, READ, WRITE, Op, Progress, Route
+from backends.progress import MAX_MESSAGE, READ, WRITE, Op, Part, Progress, Route
 from backends.providers.domain import Domain, LocalRegistration
 from backends.providers.libfabric import AUTO_ORDER, buffer_address, open_domains, provider_available
 from backends.spans import page_spans
@@ -187,7 +188,7 @@ class TransferEngine:
             self._progress = Progress(
                 self._domains, label=provider, timeout_s=self.timeout_s, chunk_bytes=self.chunk_bytes,
                 delivery_complete=provider != "shm", reorder=self.reorder_for_test,
-                on_imm=lambda imm: self.imm.arrive(imm), on_message=self._on_frame,
+                on_imm=lambda imm, n: self.imm.arrive(imm, n), on_message=self._on_frame,
             )
             self._progress.start()
         except BaseException:
@@ -261,29 +262,18 @@ class TransferEngine:
 
         return unsubscribe
 
-    def open_domain(self) -> Domain:
-        """One more endpoint of this engine's provider, which no progress thread drives: for a caller
-        that drives it itself (backends.lane). The caller closes it."""
-        self._check_open("open_domain")
-        return open_domains(self.provider, 1, host=self._host)[0]
-
     # ----- one-sided ops ------------------------------------------------------------------------
     def read(self, region: Region, offset: int, length: int, remote_desc: MemoryRegionDescriptor | bytes,
              remote_offset: int) -> Future[None]:
         """Read remote [remote_offset, +length) into region[offset, +length)."""
-        rdesc = as_descriptor(remote_desc)
-        check_local(self, region, offset, length, "read")
-        check_remote(rdesc, remote_offset, length, "read", need="read")
-        return self._submit("read", READ, region, [(offset, remote_offset, length)], rdesc, None)
+        part = self.read_part(region, offset, length, remote_desc, remote_offset)
+        return self.start_op("read", [part]).future
 
     def write(self, region: Region, offset: int, length: int, remote_desc: MemoryRegionDescriptor | bytes,
               remote_offset: int, imm: int | None = None) -> Future[None]:
         """Write region[offset, +length) to remote [remote_offset, +length); then deliver imm if given."""
-        rdesc = as_descriptor(remote_desc)
-        check_imm(imm)
-        check_local(self, region, offset, length, "write")
-        check_remote(rdesc, remote_offset, length, "write", need="write")
-        return self._submit("write", WRITE, region, [(offset, remote_offset, length)], rdesc, imm)
+        part = self.write_part(region, [(offset, remote_offset, length)], remote_desc, imm, what="write")
+        return self.start_op("write", [part]).future
 
     def write_paged(
         self, region: Region, src_pages: Sequence[int], src_stride: int,
@@ -313,7 +303,7 @@ class TransferEngine:
             for dp in (lo_d, hi_d):
                 check_remote(rdesc, dst_offset + dp * dst_stride, page_len, "write_paged", need="write")
         spans = page_spans(src_pages, src_offset, src_stride, dst_pages, dst_offset, dst_stride, page_len)
-        return self._submit("write_paged", WRITE, region, spans, rdesc, imm)
+        return self.start_op("write_paged", [self._part(WRITE, region, spans, rdesc, imm)]).future
 
     def write_spans(
         self, region: Region, spans: Sequence[tuple[int, int, int]],
@@ -324,22 +314,64 @@ class TransferEngine:
         The batched form of write(): one call, one future for all spans; imm (if any) arrives once,
         after every span landed. Spans are not merged or reordered here (write_paged merges pages).
         """
+        return self.start_op("write_spans", [self.write_part(region, spans, remote_desc, imm)]).future
+
+    def write_imm(self, imm: int, remote_desc: MemoryRegionDescriptor | bytes) -> Future[None]:
+        """Deliver an immediate with no payload to the region's owner (needs write access)."""
+        return self.start_op("write_imm", [self.imm_part(imm, remote_desc)]).future
+
+    # ----- the one op path (the methods above and backends.lane's batches) ----------------------
+    def read_part(
+        self, region: Region, offset: int, length: int, remote_desc: MemoryRegionDescriptor | bytes,
+        remote_offset: int, *, what: str = "read",
+    ) -> Part:
+        """A checked read of remote [remote_offset, +length) into region[offset, +length), for start_op."""
+        rdesc = as_descriptor(remote_desc)
+        check_local(self, region, offset, length, what)
+        check_remote(rdesc, remote_offset, length, what, need="read")
+        return self._part(READ, region, [(int(offset), int(remote_offset), int(length))], rdesc, None)
+
+    def write_part(
+        self, region: Region, spans: Sequence[tuple[int, int, int]],
+        remote_desc: MemoryRegionDescriptor | bytes, imm: int | None = None, *, what: str = "write_spans",
+    ) -> Part:
+        """Checked writes of (local_offset, remote_offset, length) spans into one remote region, then
+        imm (if any), for start_op."""
         rdesc = as_descriptor(remote_desc)
         check_imm(imm)
         checked: list[tuple[int, int, int]] = []
         for lo, ro, n in spans:
-            check_local(self, region, lo, n, "write_spans")
-            check_remote(rdesc, ro, n, "write_spans", need="write")
+            check_local(self, region, lo, n, what)
+            check_remote(rdesc, ro, n, what, need="write")
             if n:
                 checked.append((int(lo), int(ro), int(n)))
-        return self._submit("write_spans", WRITE, region, checked, rdesc, imm)
+        return self._part(WRITE, region, checked, rdesc, imm)
 
-    def write_imm(self, imm: int, remote_desc: MemoryRegionDescriptor | bytes) -> Future[None]:
-        """Deliver an immediate with no payload to the region's owner (needs write access)."""
+    def imm_part(
+        self, imm: int, remote_desc: MemoryRegionDescriptor | bytes, *, what: str = "write_imm"
+    ) -> Part:
+        """A checked immediate with no payload for the remote region's owner, for start_op."""
         rdesc = as_descriptor(remote_desc)
         check_imm(imm)
-        check_remote(rdesc, 0, 0, "write_imm", need="write")
-        return self._submit("write_imm", WRITE, None, [], rdesc, imm)
+        check_remote(rdesc, 0, 0, what, need="write")
+        return self._part(WRITE, None, [], rdesc, imm)
+
+    def start_op(self, name: str, parts: Sequence[Part]) -> Op:
+        """Post checked parts as one op: its future resolves once every part's data (and then every
+        immediate) completed, or fails with the first error, naming `name` and the peer."""
+        self._check_open(name)
+        assert self._progress is not None
+        label = ", ".join(sorted({p.route.label for p in parts})) or "no peer"
+        return self._progress.submit(Op(name, label), parts)
+
+    def _part(
+        self, kind: int, region: Region | None, spans: Sequence[tuple[int, int, int]],
+        desc: MemoryRegionDescriptor, imm: int | None,
+    ) -> Part:
+        route = self._route(desc.address)
+        if len(desc.keys) != route.remote_domains:
+            raise TransferError(f"descriptor has {len(desc.keys)} keys for a different domain count")
+        return Part(kind, region, spans, route, desc.base, desc.keys, imm)
 
     @property
     def imm(self) -> ImmCounter:
@@ -426,12 +458,32 @@ class TransferEngine:
                 log.exception("a close hook of the engine raised")
         if self._imm is not None:
             self._imm.fail_all(EngineClosed("engine closed"))
+        still_posted = [r for r in self._regions if r.posted]
+        if still_posted and not all(d.closes_with_ops_posted for d in self._domains):
+            # A stalled peer still has reads or writes of ours posted, and this provider can crash
+            # closing such an endpoint: leave the endpoints and those regions (memory included) open
+            # for the life of the process. Nothing progresses them any more, so nothing lands.
+            log.warning(
+                "%s engine closed with %d chunk(s) still posted to a stalled peer: its endpoints and %d "
+                "region(s) (%d bytes) stay open (docs/transport.md, closing with ops posted)",
+                self.provider, sum(r.posted for r in still_posted), len(still_posted),
+                sum(r.nbytes for r in still_posted),
+            )
+            _left_open.append((self._domains, still_posted, self._progress))
+            for region in [r for r in self._regions if not r.posted]:
+                region.closed = False
+                self.deregister(region)
+            self._domains = []
+            return
         for region in list(self._regions):  # progress threads are gone: nothing is posted any more
             region.posted = 0
             region.closed = False
             self.deregister(region)
-        for dom in self._domains:
-            dom.close()
+        if self._progress is not None:
+            self._progress.close_domains()
+        else:
+            for dom in self._domains:
+                dom.close()
         self._domains = []
 
     def __enter__(self) -> TransferEngine:
@@ -459,14 +511,8 @@ class TransferEngine:
         with self._lock:
             return self._routes.setdefault(address, route)
 
-    def _submit(self, name: str, kind: int, region: Region | None, spans: Sequence[tuple[int, int, int]],
-                desc: MemoryRegionDescriptor, imm: int | None) -> Future[None]:
-        route = self._route(desc.address)
-        if len(desc.keys) != route.remote_domains:
-            raise TransferError(f"{name}: descriptor has {len(desc.keys)} keys for a different domain count")
-        assert self._progress is not None
-        op = Op(name, route.label)
-        return self._progress.submit(op, route, kind, region, spans, desc.base, desc.keys, imm)
+# Endpoints (and the regions with ops still posted on them) an engine could not safely close.
+_left_open: list[tuple[list[Domain], list[Region], Progress | None]] = []
 
 
 def _buffer_of(obj: Any) -> tuple[int, int, Any]:

@@ -1,10 +1,14 @@
-"""Progress threads: one per domain posts chunks, reaps completions and enforces deadlines.
+"""Progress: per domain, a native core posts and polls; a Python thread resolves ops in batches.
 
-An op (one engine call) is split into chunks of at most chunk_bytes, spread round-robin over the
-domains. Only a domain's own thread touches its endpoint (posts, polls, waits), so the passive side
-of a transfer keeps serving peers while its application sleeps, and any thread may submit. A
-chunk's local region is pinned (`LocalRegion.pin`) while the chunk is posted: its memory outlives every
-posted op, even one whose op already timed out. Future callbacks run on a progress thread.
+An op (one engine call or lane batch, made of checked `Part`s) is split into chunks of at most
+chunk_bytes, spread round-robin over the domains. Each domain's native core (C, one pthread, see
+backends/providers/_libfabric_build.py) alone touches its endpoint: it posts queued chunks, polls the
+completion queue and sleeps on its wait object when idle, so the passive side of a transfer keeps
+serving peers while its application sleeps, and any thread may submit. Its `ProgressThread` waits
+for completion records in C without the GIL and resolves futures, counts immediates and enforces
+deadlines, a batch at a time. A chunk's local region is pinned (`LocalRegion.pin`) from submission
+until its completion record arrives: its memory outlives every posted op, even one whose op already
+timed out. Future callbacks run on a progress thread.
 """
 
 from __future__ import annotations
@@ -16,14 +20,13 @@ import logging
 import random
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from backends.errors import EngineClosed, PeerUnreachable, RemoteAccessError, TransferError, TransferTimeout
-from backends.providers.domain import EAGAIN, Completion, Domain, LocalRegistration
+from backends.providers.domain import POST_FAILED, RECV_BASE, Completion, Domain, LocalRegistration
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +36,11 @@ MAX_MESSAGE = 64 * 1024  # bytes of one two-sided message (the receive buffers' 
 # shm 1.17 completes writes up to its inject size when they are queued, not when they land; larger
 # writes complete after the copy. Only those small ones need delivery-complete before an immediate.
 SHM_INJECT_BYTES = 4096
-_RECV_BASE = 1 << 48  # contexts of posted receive buffers
+_RECV_BASE = RECV_BASE  # contexts of posted receive buffers
 _RECV_COUNT = 16
 _ACCESS_ERRNOS = {errno.EACCES, errno.EPERM, errno.EINVAL, errno.ENOKEY, errno.EKEYREJECTED, errno.EFAULT}
 _ctx_ids = itertools.count(1)
+_op_ids = itertools.count(1)
 
 
 class LocalRegion(Protocol):
@@ -60,27 +64,45 @@ class Route:
     remote_domains: int
 
 
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One checked piece of an op: (local_offset, remote_offset, length) spans of one kind between a
+    local region (None for an immediate alone) and one remote region, and an optional immediate that
+    arrives after the part's data."""
+
+    kind: int
+    region: LocalRegion | None
+    spans: Sequence[tuple[int, int, int]]
+    route: Route
+    base: int
+    keys: Sequence[int]
+    imm: int | None = None
+
+
 class Op:
     """One user-visible op: a future and the count of chunks still outstanding."""
 
-    __slots__ = ("future", "imm_after", "lock", "name", "peer", "remaining")
+    __slots__ = ("future", "id", "imm_after", "lock", "name", "peer", "remaining")
 
     def __init__(self, name: str, peer: str) -> None:
         self.future: Future[None] = Future()
         self.future.set_running_or_notify_cancel()
+        self.id = next(_op_ids)
         self.name = name
         self.peer = peer
         self.remaining = 0
         self.lock = threading.Lock()
-        # the zero-byte write carrying the imm of a multi-chunk write, posted after all its data landed
-        self.imm_after: tuple[ProgressThread, Chunk] | None = None
+        # the zero-byte writes carrying the immediates of a multi-chunk op, posted after all its data landed
+        self.imm_after: list[tuple[ProgressThread, Chunk]] = []
 
-    def fail(self, exc: TransferError) -> None:
+    def fail(self, exc: TransferError) -> bool:
+        """Fail the op unless it is done already; True when this call failed it."""
         with self.lock:
-            if self.future.done():
-                return
+            if self.future.done() or self.remaining < 0:
+                return False
             self.remaining = -1
         self.future.set_exception(exc)
+        return True
 
     def chunk_done(self) -> None:
         with self.lock:
@@ -89,12 +111,11 @@ class Op:
             self.remaining -= 1
             if self.remaining:
                 return
-            after, self.imm_after = self.imm_after, None
-            if after is not None:
-                self.remaining = 1
-        if after is not None:
-            after[0].submit([after[1]])
-        elif not self.future.done():
+            after, self.imm_after = self.imm_after, []
+            self.remaining = len(after)
+        for thread, chunk in after:
+            thread.submit([chunk])
+        if not after and not self.future.done():
             self.future.set_result(None)
 
     @property
@@ -121,17 +142,23 @@ class Chunk:
     ctx: int = 0
     region: LocalRegion | None = None  # the local region this chunk reads into / writes from
 
+    @property
+    def group(self) -> int:
+        """The op this chunk belongs to, for the core's cancellation of what is still queued."""
+        return self.op.id
+
 
 class Progress:
     """The progress threads of one engine (one per domain) and the op splitting that feeds them.
 
-    on_imm(value) runs for every arriving immediate and on_message(bytes) for every received
-    message, both on a progress thread; they must not raise.
+    on_imm(value, count) runs for the immediates of one batch of completions (count arrivals of
+    value) and on_message(bytes) for every received message, both on a progress thread; they must
+    not raise.
     """
 
     def __init__(
         self, domains: Sequence[Domain], *, label: str, timeout_s: float, chunk_bytes: int,
-        delivery_complete: bool, reorder: bool, on_imm: Callable[[int], None],
+        delivery_complete: bool, reorder: bool, on_imm: Callable[[int, int], None],
         on_message: Callable[[bytes], None],
     ) -> None:
         self.timeout_s = timeout_s
@@ -147,59 +174,77 @@ class Progress:
         self._rr = itertools.count()
 
     def start(self) -> None:
-        self.threads[0].setup_recvs()
         for t in self.threads:
             t.start()
+        self.threads[0].setup_recvs()
 
     def stop(self) -> None:
-        """Stop every thread (outstanding ops fail with EngineClosed); nothing is posted afterwards."""
+        """Stop every thread (outstanding ops fail with EngineClosed); nothing is posted afterwards.
+
+        Waits up to 10 s for each drainer to finish (not for the one calling, if a callback closes
+        the engine); close_domains then hands a domain whose drainer is still running to it."""
         for t in self.threads:
             t.stop()
         for t in self.threads:
-            if t.is_alive():
+            if t.is_alive() and t is not threading.current_thread():
                 t.join(timeout=10)
+                if t.is_alive():
+                    log.warning("%s still running 10 s after stop; it closes its domain when it ends", t.name)
 
-    def submit(
-        self, op: Op, route: Route, kind: int, region: LocalRegion | None,
-        spans: Sequence[tuple[int, int, int]], base: int, keys: Sequence[int], imm: int | None,
-    ) -> Future[None]:
-        """Split (local_offset, remote_offset, length) spans into chunks over the domains; op's future.
+    def close_domains(self) -> None:
+        """Close each domain now, or, where its drainer still runs, when the drainer ends (it may
+        still deregister its receive buffers, so its domain must outlive it)."""
+        for t in self.threads:
+            t.close_domain_when_done()
 
-        region is None only for an immediate alone; base and keys are the remote region's.
+    def submit(self, op: Op, parts: Sequence[Part]) -> Op:
+        """Split the parts' spans into chunks over the domains and queue them; returns op.
+
+        An immediate rides on its part's data write when that is the op's only chunk and only
+        immediate; otherwise immediates go as zero-byte writes once all the op's data landed.
         """
         nw = len(self.threads)
         start = next(self._rr)
         csize = self.chunk_bytes
-        pieces = [(lo + k, ro + k, min(csize, n - k)) for lo, ro, n in spans for k in range(0, n, csize)]
+        imms = [p for p in parts if p.imm is not None]
+        pieces = [
+            (p, lo + k, ro + k, min(csize, n - k))
+            for p in parts
+            for lo, ro, n in p.spans
+            for k in range(0, n, csize)
+        ]
+        ride = len(pieces) == 1 and len(imms) == 1 and pieces[0][0] is imms[0]
+        after = bool(imms) and not ride
         per_thread: list[list[Chunk]] = [[] for _ in range(nw)]
-        multi = len(pieces) > 1
-        for j, (lo, ro, n) in enumerate(pieces):
+        for j, (p, lo, ro, n) in enumerate(pieces):
+            region = p.region
             assert region is not None  # only an immediate alone has no data and no region
             w = (start + j) % nw
-            small = multi and imm is not None and n <= SHM_INJECT_BYTES
-            dc = kind == WRITE and (self.delivery_complete or small)
-            key = keys[w % route.remote_domains]
-            chunk = Chunk(op, kind, region.ptr + lo, n, region.regs[w].desc, route.handles[w], base + ro, key,
-                          None if multi else imm, dc, region=region)
+            small = after and n <= SHM_INJECT_BYTES
+            dc = p.kind == WRITE and (self.delivery_complete or small)
+            key = p.keys[w % p.route.remote_domains]
+            chunk = Chunk(op, p.kind, region.ptr + lo, n, region.regs[w].desc, p.route.handles[w],
+                          p.base + ro, key, p.imm if ride else None, dc, region=region)
             per_thread[w].append(chunk)
-        if imm is not None and (multi or not pieces):
-            w = start % nw
-            key = keys[w % route.remote_domains]
-            last = Chunk(op, WRITE, 0, 0, None, route.handles[w], base, key, imm=imm)
-            if pieces:
-                op.imm_after = (self.threads[w], last)
-            else:
-                per_thread[w].append(last)
-        op.remaining = len(pieces) if pieces else 1
+        if after:
+            for i, p in enumerate(imms):
+                w = (start + i) % nw
+                key = p.keys[w % p.route.remote_domains]
+                last = Chunk(op, WRITE, 0, 0, None, p.route.handles[w], p.base, key, imm=p.imm)
+                if pieces:
+                    op.imm_after.append((self.threads[w], last))
+                else:
+                    per_thread[w].append(last)
+        op.remaining = len(pieces) if pieces else len(imms)
         if self.reorder:
             for chunks in per_thread:
                 random.shuffle(chunks)
         for w, chunks in enumerate(per_thread):
             if chunks:
                 self.threads[w].submit(chunks)
-        if not pieces and imm is None:
+        if not pieces and not imms:
             op.future.set_result(None)
-        return op.future
+        return op
 
     def send(self, route: Route, data: bytes) -> Future[None]:
         """Post data (<= MAX_MESSAGE bytes) as one two-sided message from domain 0."""
@@ -220,38 +265,59 @@ def _address(buf: bytearray) -> int:
 
 
 class ProgressThread(threading.Thread):
-    """Progress thread for one domain: posts queued chunks, reaps completions, enforces timeouts."""
+    """The Python side of one domain's native progress core: hands chunks to it (any thread) and, on
+    its own thread, resolves ops from the core's completion records in batches, re-posts receive
+    buffers and enforces deadlines. The core (C, backends/providers/_libfabric_build.py) alone posts
+    and polls the endpoint; this thread waits for records in C, without the GIL."""
 
     def __init__(self, progress: Progress, name: str, domain: Domain) -> None:
         super().__init__(name=name, daemon=True)
         self.progress = progress
         self.domain = domain
-        self._queue: deque[Chunk] = deque()
-        self._qlock = threading.Lock()
-        self._wake = threading.Event()
-        self._sleeping = False
         self._stop_flag = False
+        self._lock = threading.Lock()  # guards _inflight: submitters add, this thread removes
+        # submitted chunks not completed yet (queued in the core or posted), by context
         self._inflight: dict[int, Chunk] = {}
         # posted chunks whose op already failed (timeout): the provider may still complete them, so
         # they keep their region pinned until it does (or the engine closes)
         self._zombies: dict[int, Chunk] = {}
-        self._pending: deque[Chunk] = deque()
-        self._parked: list[Chunk] = []
         self._recv_bufs: dict[int, tuple[bytearray, LocalRegistration]] = {}
         self._progress_at: dict[int, float] = {}  # peer -> last completion from it
+        self._exit_lock = threading.Lock()  # orders this thread's end with close_domain_when_done
+        self._ended = False
+        self._close_domain_at_end = False
 
     def submit(self, chunks: Sequence[Chunk]) -> None:
-        with self._qlock:
-            self._queue.extend(chunks)
-        # Wake the thread only when it sleeps: it sets _sleeping before its last look at the queue.
-        if self._sleeping:
-            self._wake.set()
-            self.domain.signal()
+        """Queue chunks in the native core (any thread); each pins its region until it completes."""
+        deadline = time.monotonic() + self.progress.timeout_s
+        with self._lock:
+            for ch in chunks:
+                ch.ctx = next(_ctx_ids)
+                if ch.deadline == 0.0:
+                    ch.deadline = deadline
+                self._inflight[ch.ctx] = ch
+        for ch in chunks:
+            if ch.region is not None:
+                ch.region.pin()
+        try:
+            self.domain.submit(chunks)
+        except EngineClosed as exc:
+            with self._lock:
+                for ch in chunks:
+                    self._inflight.pop(ch.ctx, None)
+            for ch in chunks:
+                if ch.region is not None:
+                    ch.region.unpin()
+                ch.op.fail(EngineClosed(f"{ch.op.name} with peer {ch.op.peer}: {exc}"))
+
+    def start(self) -> None:
+        self.domain.start_core()
+        super().start()
 
     def stop(self) -> None:
+        """Stop the native core (it posts nothing more); this thread ends once its records are drained."""
         self._stop_flag = True
-        self._wake.set()
-        self.domain.signal()
+        self.domain.stop_core()
 
     def setup_recvs(self) -> None:
         """Post the receive pool for two-sided messages (domain 0 only)."""
@@ -263,173 +329,72 @@ class ProgressThread(threading.Thread):
 
     def _post_recv(self, ctx: int) -> None:
         buf, reg = self._recv_bufs[ctx]
-        deadline = time.monotonic() + 5
-        while self.domain.post_recv(_address(buf), MAX_MESSAGE, reg.desc, ctx) == EAGAIN:
-            self._handle(self.domain.poll())
-            if time.monotonic() > deadline:
-                log.warning("could not repost receive buffer %d", ctx)
-                return
+        try:
+            self.domain.post_recv(_address(buf), MAX_MESSAGE, reg.desc, ctx)
+        except EngineClosed:
+            log.debug("not re-posting receive buffer %d: the core stopped", ctx)
 
     def run(self) -> None:
-        idle = 0
         next_check = time.monotonic() + 0.02
         try:
-            while not self._stop_flag:
-                busy = self._handle(self.domain.poll())
-                busy |= self._post_some()
+            while True:
+                comps = self.domain.drain(0.02)
+                if comps is None:
+                    break
+                if comps:
+                    self._handle(comps)
                 now = time.monotonic()
                 if now >= next_check:
                     self._check_deadlines(now)
                     next_check = now + 0.02
-                if busy:
-                    idle = 0
-                    continue
-                idle += 1
-                self._idle_wait(idle)
         except Exception:
             log.exception("progress thread %s crashed", self.name)
+            self.domain.stop_core()
             self._fail_everything(TransferError(f"{self.name} crashed; see the log"))
         finally:
             self._fail_everything(EngineClosed("engine closed before the op completed"))
-            for _buf, reg in self._recv_bufs.values():
-                try:
-                    self.domain.deregister(reg)
-                except TransferError:
-                    log.debug("deregistering a receive buffer failed", exc_info=True)
-            self._recv_bufs.clear()
+            self._release_recv_bufs()
+            with self._exit_lock:
+                self._ended = True
+                close = self._close_domain_at_end
+            if close:
+                self.domain.close()
 
-    def _idle_wait(self, idle: int) -> None:
-        active = bool(self._inflight or self._pending or self._parked)
-        if self.domain.can_wait:
-            # Blocks on the provider's fds: wakes on traffic, a completion or signal().
-            timeout = 0.002 if self._parked else (0.05 if not active else 0.01)
-            self._sleeping = True
+    def close_domain_when_done(self) -> None:
+        """Close the domain now if this thread has ended (or never ran), else when it ends."""
+        with self._exit_lock:
+            if not self._ended and self.is_alive():
+                self._close_domain_at_end = True
+                return
+        self._release_recv_bufs()  # a thread that never ran left them registered
+        self.domain.close()
+
+    def _release_recv_bufs(self) -> None:
+        for _buf, reg in self._recv_bufs.values():
             try:
-                if not self._queue:
-                    self._handle(self.domain.wait(timeout))
-            finally:
-                self._sleeping = False
-            return
-        if active:
-            time.sleep(0 if idle < 64 else 0.00005)
-            return
-        # Passive: poll often enough to serve peers' reads, sleep enough to leave the CPU to them.
-        self._sleeping = True
-        if not self._queue:
-            self._wake.wait(min(0.0002, 0.00001 * idle))
-        self._sleeping = False
-        self._wake.clear()
+                self.domain.deregister(reg)
+            except TransferError:
+                log.debug("deregistering a receive buffer failed", exc_info=True)
+        self._recv_bufs.clear()
 
-    def _post_some(self) -> bool:
-        if self._queue:
-            with self._qlock:
-                queued = list(self._queue)
-                self._queue.clear()
-            if self.progress.reorder:
-                random.shuffle(queued)
-            self._pending.extend(queued)
-        posted = False
-        limit = self.domain.max_inflight
-        if self._parked:
-            parked, self._parked = self._parked, []
-            for ch in parked:
-                if ch.op.done:
-                    continue
-                if len(self._inflight) >= limit or self._post(ch) == EAGAIN:
-                    self._parked.append(ch)
-                else:
-                    posted = True
-        pending, inflight = self._pending, self._inflight
-        while pending and len(inflight) < limit:
-            ch = pending[0]
-            if ch.op.done:
-                pending.popleft()
-                continue
-            if ch.kind == SEND:
-                if self._post(ch) == EAGAIN:
-                    if len(inflight) >= limit // 2:
-                        break  # queue full: wait for completions
-                    # Probably still connecting to this peer: park it, keep serving other peers.
-                    self._parked.append(pending.popleft())
-                    continue
-                pending.popleft()
-                posted = True
-                continue
-            # Reads and writes go to the provider as one batch (one native call).
-            batch: list[Chunk] = []
-            deadline = time.monotonic() + self.progress.timeout_s
-            while pending and len(batch) < limit - len(inflight):
-                ch = pending[0]
-                if ch.kind == SEND:
-                    break
-                pending.popleft()
-                if ch.op.done:
-                    continue
-                if ch.deadline == 0.0:
-                    ch.deadline = deadline
-                ch.ctx = next(_ctx_ids)
-                batch.append(ch)
-            if not batch:
-                continue
-            k, rc, message = self.domain.post_batch(batch)
-            for ch in batch[:k]:
-                inflight[ch.ctx] = ch
-                if ch.region is not None:
-                    ch.region.pin()
-            posted = posted or k > 0
-            if rc == 0:
-                continue
-            first, rest = batch[k], batch[k + 1 :]
-            pending.extendleft(reversed(rest))
-            if rc == EAGAIN:
-                if len(inflight) >= limit // 2:
-                    pending.appendleft(first)
-                    break  # queue full: wait for completions
-                self._parked.append(first)  # probably still connecting to this peer
-                continue
-            first.op.fail(TransferError(f"{first.op.name} to {first.op.peer}: {message}"))
-        return posted
-
-    def _post(self, ch: Chunk) -> int:
-        if ch.deadline == 0.0:
-            ch.deadline = time.monotonic() + self.progress.timeout_s
-        ch.ctx = next(_ctx_ids)
-        dom = self.domain
-        try:
-            if ch.kind == READ:
-                rc = dom.post_read(ch.ptr, ch.length, ch.desc, ch.peer, ch.raddr, ch.key, ch.ctx)
-            elif ch.kind == WRITE:
-                rc = dom.post_write(ch.ptr, ch.length, ch.desc, ch.peer, ch.raddr, ch.key, ch.ctx, ch.imm,
-                                    ch.delivery_complete)
-            else:
-                rc = dom.post_send(ch.ptr, ch.length, ch.desc, ch.peer, ch.ctx)
-        except TransferError as exc:
-            ch.op.fail(TransferError(f"{ch.op.name} to {ch.op.peer}: {exc}"))
-            return 0
-        if rc == 0:
-            self._inflight[ch.ctx] = ch
-            if ch.region is not None:
-                ch.region.pin()
-        return rc
-
-    def _handle(self, comps: list[Completion]) -> bool:
-        if not comps:
-            return False
+    def _handle(self, comps: list[Completion]) -> None:
         inflight, progress_at = self._inflight, self._progress_at
         cq_data = self.domain.remote_cq_data_flag
         now = time.monotonic()
-        for c in comps:
-            ctx = c.context
-            ch = inflight.pop(ctx, None)
+        with self._lock:
+            chunks = [inflight.pop(c.context, None) for c in comps]
+        imms: dict[int, int] = {}
+        for c, ch in zip(comps, chunks, strict=True):
             if ch is not None:
                 if ch.region is not None:
                     ch.region.unpin()
                 if c.error:
-                    self._fail_chunk(ch, c.error, c.message)
+                    self._fail_chunk(ch, c)
                 else:
                     progress_at[ch.peer] = now
                     ch.op.chunk_done()
                 continue
+            ctx = c.context
             if ctx >= _RECV_BASE and ctx in self._recv_bufs:
                 if not c.error:
                     self.progress.on_message(bytes(self._recv_bufs[ctx][0][: c.length]))
@@ -442,47 +407,53 @@ class ProgressThread(threading.Thread):
                     zombie.region.unpin()
                 continue
             if c.flags & cq_data:
-                self.progress.on_imm(c.data & 0xFFFFFFFF)
+                imm = c.data & 0xFFFFFFFF
+                imms[imm] = imms.get(imm, 0) + 1
             elif c.error:
                 log.debug("completion error without context: %s", c.message)
             # else: already failed by a timeout; the late completion is dropped
-        return True
+        for imm, count in imms.items():  # immediates counted per batch of records
+            self.progress.on_imm(imm, count)
 
-    def _fail_chunk(self, ch: Chunk, err: int, message: str) -> None:
+    def _fail_chunk(self, ch: Chunk, c: Completion) -> None:
+        err, message = c.error, c.message
         what = f"{ch.op.name} ({_OP_NAMES[ch.kind]} of {ch.length} bytes) with peer {ch.op.peer}"
-        if err in _ACCESS_ERRNOS:
-            ch.op.fail(RemoteAccessError(f"{what} was refused: {message}"))
+        if c.flags & POST_FAILED:
+            exc = TransferError(f"{ch.op.name} to {ch.op.peer}: {message}")
+        elif err in _ACCESS_ERRNOS:
+            exc = RemoteAccessError(f"{what} was refused: {message}")
         elif err == errno.ECANCELED and self._stop_flag:
-            ch.op.fail(EngineClosed(f"{what}: engine closed"))
+            exc = EngineClosed(f"{what}: engine closed")
         else:
-            ch.op.fail(PeerUnreachable(f"{what} failed: {message}"))
+            exc = PeerUnreachable(f"{what} failed: {message}")
+        if ch.op.fail(exc):
+            # its chunks still queued in any domain's core need not go out any more
+            for t in self.progress.threads:
+                t.domain.cancel(group=ch.op.id)
 
     def _check_deadlines(self, now: float) -> None:
         timeout = self.progress.timeout_s
-        expired = [
-            ch
-            for ch in itertools.chain(
-                self._inflight.values(), self._parked, itertools.islice(self._pending, 0, 1)
-            )
-            if ch.deadline
-            and ch.deadline < now
-            and not ch.op.done
-            and self._progress_at.get(ch.peer, 0.0) + timeout < now
-        ]
-        if not expired:
+        progress_at = self._progress_at
+        with self._lock:
+            dead_peers = {
+                ch.peer
+                for ch in self._inflight.values()
+                if ch.deadline < now and not ch.op.done and progress_at.get(ch.peer, 0.0) + timeout < now
+            }
+        if not dead_peers:
             return
-        dead_peers = {ch.peer for ch in expired}
         # Everything queued for a peer that stopped answering fails now rather than one timeout each.
-        for ctx, ch in list(self._inflight.items()):
-            if ch.peer in dead_peers:
+        # Chunks still queued come back from the core as cancelled; posted ones stay posted: both
+        # keep their region pinned (as zombies) until their record arrives.
+        for peer in dead_peers:
+            self.domain.cancel(peer=peer)
+        with self._lock:
+            victims = [(ctx, ch) for ctx, ch in self._inflight.items() if ch.peer in dead_peers]
+            for ctx, ch in victims:
                 del self._inflight[ctx]
-                self._zombies[ctx] = ch  # still posted: keeps its region pinned until the provider is done
-                self._timeout(ch)
-        for ch in [*self._parked, *self._pending]:
-            if ch.peer in dead_peers:
-                self._timeout(ch)
-        self._parked = [ch for ch in self._parked if ch.peer not in dead_peers]
-        self._pending = deque(ch for ch in self._pending if ch.peer not in dead_peers)
+                self._zombies[ctx] = ch
+        for _ctx, ch in victims:
+            self._timeout(ch)
 
     def _timeout(self, ch: Chunk) -> None:
         ch.op.fail(
@@ -493,12 +464,9 @@ class ProgressThread(threading.Thread):
         )
 
     def _fail_everything(self, exc: TransferError) -> None:
-        with self._qlock:
-            rest = list(self._queue)
-            self._queue.clear()
-        for ch in itertools.chain(self._inflight.values(), self._parked, self._pending, rest):
+        with self._lock:
+            rest = list(self._inflight.values())
+            self._inflight.clear()
+        for ch in rest:
             ch.op.fail(exc)
         self._zombies.clear()  # the engine is closing: its endpoints go, so nothing lands any more
-        self._inflight.clear()
-        self._parked.clear()
-        self._pending.clear()

@@ -1,9 +1,9 @@
 """The interface every transport provider implements; the engine speaks only to this.
 
 A provider opens *domains*: one endpoint with its completion queue and its memory registrations
-(one NIC on hardware, one parallel endpoint on tcp). A domain is driven by exactly one progress
-thread (posts, polls, waits), so implementations need not be thread-safe for those calls;
-`register`, `deregister`, `insert_peer` and `signal` may be called from any thread.
+(one NIC on hardware, one parallel endpoint on tcp). Once `start_core` ran, the domain's own native
+thread alone posts and polls its endpoint: `submit`, `cancel`, `register`, `deregister` and
+`insert_peer` may be called from any thread, `drain` from one thread per domain.
 A later CUDA-IPC provider implements the same class.
 """
 
@@ -13,7 +13,8 @@ import abc
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
-EAGAIN = -11  # a post that could not be queued now; poll and retry
+POST_FAILED = 1 << 63  # Completion.flags bit: the op's post itself failed (message says why)
+RECV_BASE = 1 << 48  # op contexts at or above are receive buffers (not counted as sends)
 
 
 class Completion(NamedTuple):
@@ -36,18 +37,30 @@ class LocalRegistration(NamedTuple):
 
 
 class RmaOp(Protocol):
-    """What post_batch needs of one op (the engine's chunks have these attributes)."""
+    """What submit reads of one op (the engine's chunks have these attributes)."""
 
-    kind: int  # 0 = read, 1 = write
-    ptr: int
-    length: int
-    desc: Any
-    peer: int
-    raddr: int
-    key: int
-    ctx: int
-    imm: int | None
-    delivery_complete: bool
+    @property
+    def kind(self) -> int: ...  # 0 = read, 1 = write, 2 = send, 3 = receive
+    @property
+    def ptr(self) -> int: ...
+    @property
+    def length(self) -> int: ...
+    @property
+    def desc(self) -> Any: ...
+    @property
+    def peer(self) -> int: ...
+    @property
+    def raddr(self) -> int: ...
+    @property
+    def key(self) -> int: ...
+    @property
+    def ctx(self) -> int: ...
+    @property
+    def imm(self) -> int | None: ...
+    @property
+    def delivery_complete(self) -> bool: ...
+    @property
+    def group(self) -> int: ...  # the user-visible op it belongs to (0: none), for cancelling
 
 
 class Domain(abc.ABC):
@@ -57,6 +70,9 @@ class Domain(abc.ABC):
     mr_virt_addr: bool
     max_inflight: int
     can_wait: bool
+    # False where closing the endpoint while ops are still posted to a stalled peer is known to crash
+    # the provider (tcp's rxm in libfabric 1.17): the engine then leaves it, and their memory, open.
+    closes_with_ops_posted: bool = True
     remote_cq_data_flag: int
     recv_flag: int
 
@@ -76,66 +92,33 @@ class Domain(abc.ABC):
     def deregister(self, reg: LocalRegistration) -> None:
         """Release one registration."""
 
+    # ----- the progress core: posts and polls on its own native thread --------------------------
     @abc.abstractmethod
-    def post_read(self, ptr: int, n: int, desc: Any, peer: int, raddr: int, key: int, ctx: int) -> int:
-        """Post a one-sided read; 0 or EAGAIN."""
-
-    @abc.abstractmethod
-    def post_write(
-        self,
-        ptr: int,
-        n: int,
-        desc: Any,
-        peer: int,
-        raddr: int,
-        key: int,
-        ctx: int,
-        imm: int | None,
-        delivery_complete: bool,
-    ) -> int:
-        """Post a one-sided write (with an immediate if imm is not None); 0 or EAGAIN."""
-
-    def post_batch(self, ops: Sequence[RmaOp]) -> tuple[int, int, str]:
-        """Post reads/writes in order until one cannot be: (posted, rc, message).
-
-        rc is 0 when all were posted, EAGAIN when ops[posted] must be retried later, or another
-        negative code when ops[posted] failed (message says why). Providers override this with
-        one native call; this default posts one at a time.
-        """
-        for i, op in enumerate(ops):
-            try:
-                if op.kind == 0:
-                    rc = self.post_read(op.ptr, op.length, op.desc, op.peer, op.raddr, op.key, op.ctx)
-                else:
-                    rc = self.post_write(
-                        op.ptr, op.length, op.desc, op.peer, op.raddr, op.key, op.ctx, op.imm,
-                        op.delivery_complete,
-                    )
-            except Exception as exc:  # noqa: BLE001 - reported to the caller for this op
-                return i, -5, str(exc)
-            if rc == EAGAIN:
-                return i, EAGAIN, ""
-        return len(ops), 0, ""
+    def start_core(self) -> None:
+        """Start the domain's progress thread; from now on only it touches the endpoint."""
 
     @abc.abstractmethod
-    def post_send(self, ptr: int, n: int, desc: Any, peer: int, ctx: int) -> int:
-        """Post a two-sided send; 0 or EAGAIN."""
+    def submit(self, ops: Sequence[RmaOp]) -> None:
+        """Queue ops (kind 0 read, 1 write, 2 send) for the core to post (any thread); each comes
+        back as one Completion from drain. EngineClosed once the core stopped."""
+
+    @abc.abstractmethod
+    def drain(self, timeout_s: float) -> list[Completion] | None:
+        """Completions ready now, waiting up to timeout_s for the first (without the GIL); None once
+        the core stopped and everything was drained. One drainer thread per domain."""
+
+    @abc.abstractmethod
+    def cancel(self, *, peer: int = 0, group: int = 0) -> int:
+        """Take queued, not yet posted ops out of the core's queue: those to peer, or (group != 0)
+        those of that group; they come back from drain with error ECANCELED. Returns how many."""
+
+    @abc.abstractmethod
+    def stop_core(self) -> None:
+        """Stop the progress thread and wait for it (idempotent); queued ops are not posted."""
 
     @abc.abstractmethod
     def post_recv(self, ptr: int, n: int, desc: Any, ctx: int) -> int:
-        """Post a receive buffer for two-sided messages; 0 or EAGAIN."""
-
-    @abc.abstractmethod
-    def poll(self) -> list[Completion]:
-        """Drive progress and return the completions ready now (possibly none)."""
-
-    @abc.abstractmethod
-    def wait(self, timeout_s: float) -> list[Completion]:
-        """Block until completions arrive or timeout_s passes; returns them (maybe none)."""
-
-    @abc.abstractmethod
-    def signal(self) -> None:
-        """Wake a thread blocked in wait()."""
+        """Queue a receive buffer for two-sided messages in the core (ctx >= RECV_BASE); 0."""
 
     @abc.abstractmethod
     def close(self) -> None:

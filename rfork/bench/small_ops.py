@@ -1,6 +1,6 @@
 """Small-op part of `rfork bench transport`: FastLane latency and batched page writes, with baselines.
 
-- 64 B read latency through a FastLane (post + spin on the caller's thread) and through the
+- 64 B read latency through a FastLane (a one-op batch on the engine's op path) and through the
   future API, against the native round trip of `fi_pingpong` on the same provider, same run.
 - Batches of 16 KiB page writes (scattered pages, one batch, one handle) against 1 MiB writes
   (the engine's large-op rate), same run, same peer.
@@ -40,7 +40,7 @@ def measure(eng: Any, reg: Any, src: Any, dst: Any, provider: str, *, seconds: f
         log.warning("native baseline unavailable: %s", exc)
         out["native_round_trip_us"] = 0.0
     with FastLane(eng) as lane:
-        lane.read(reg, 0, 64, src, 0).wait(10)  # connect this lane's endpoint
+        lane.read(reg, 0, 64, src, 0).wait(10)  # warm-up
         lat = []
         for _ in range(3000):
             t0 = time.perf_counter()

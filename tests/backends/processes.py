@@ -9,6 +9,33 @@ initialises its own transport, as a spawned one would. (CUDA tests keep "spawn".
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
+import time
 
 CTX = mp.get_context("forkserver")
 CTX.set_forkserver_preload(["torch", "numpy"])
+
+
+def stop_process(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP pid and return once every one of its threads has stopped.
+
+    The signal is asynchronous: a thread busy in the kernel when it arrives (first-touch page faults
+    on this VM take tens of ms) delays the group stop, and meanwhile the process's native progress
+    thread, which needs no GIL, goes on answering peers.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue  # a thread that just exited
+            states.append(stat[stat.rindex(")") + 2])
+        if states and all(s in "tT" for s in states):
+            return
+        time.sleep(0.002)
+    raise TimeoutError(f"process {pid} did not stop within {timeout_s}s")

@@ -4,6 +4,7 @@ stays registered and alive until the provider has completed them (or the engine 
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import signal
 import time
@@ -13,7 +14,9 @@ import pytest
 import torch
 
 from backends import TransferEngine, TransferTimeout
+from backends.providers.libfabric import closes_with_ops_posted
 from tests.backends.conftest import start_peer
+from tests.backends.processes import stop_process
 
 MiB = 1 << 20
 
@@ -36,7 +39,7 @@ def test_timed_out_reads_keep_their_region_alive_until_the_provider_completes_th
         buf = torch.zeros(32 * MiB, dtype=torch.uint8)
         region = engine.register(buf, "read")
         engine.read(region, 0, MiB, victim.descs["src"], 0).result(30)  # connected
-        os.kill(victim.proc.pid or 0, signal.SIGSTOP)
+        stop_process(victim.proc.pid or 0)
         try:
             fut = engine.read(region, 0, 32 * MiB, victim.descs["src"], 0)
             with pytest.raises(TransferTimeout):
@@ -66,14 +69,14 @@ def test_timed_out_reads_keep_their_region_alive_until_the_provider_completes_th
 
 
 @pytest.mark.timeout(120)
-def test_engine_close_releases_regions_with_reads_still_posted() -> None:
+def test_engine_close_releases_regions_with_reads_still_posted(caplog: pytest.LogCaptureFixture) -> None:
     victim = start_peer("tcp", [("src", 8 * MiB, "read")], domains=1, reorder=False)
     engine = TransferEngine("tcp", 1, timeout_s=1.0, host="127.0.0.1")
     try:
         buf = torch.zeros(8 * MiB, dtype=torch.uint8)
         region = engine.register(buf, "read")
         engine.read(region, 0, MiB, victim.descs["src"], 0).result(30)
-        os.kill(victim.proc.pid or 0, signal.SIGSTOP)
+        stop_process(victim.proc.pid or 0)
         fut = engine.read(region, 0, 8 * MiB, victim.descs["src"], 0)
         with pytest.raises(TransferTimeout):
             fut.result(30)
@@ -82,10 +85,21 @@ def test_engine_close_releases_regions_with_reads_still_posted() -> None:
         del buf, region
         gc.collect()
         assert alive() is not None
-        assert engine.outstanding() > 0
-        engine.close()  # endpoints gone: nothing can land any more, so the memory may go
-        assert engine.outstanding() == 0
-        assert _wait(lambda: alive() is None, 10)
+        posted = engine.outstanding()
+        assert posted > 0
+        if closes_with_ops_posted("tcp"):
+            engine.close()  # endpoints gone: nothing can land any more, so the memory may go
+            assert engine.outstanding() == 0
+            assert _wait(lambda: alive() is None, 10)
+        else:
+            # tcp on libfabric 1.17 can crash closing such an endpoint: the engine leaves it (and the
+            # memory the stalled reads target) open instead, and says so
+            with caplog.at_level(logging.WARNING, logger="backends.engine"):
+                engine.close()
+            assert "still posted to a stalled peer" in caplog.text
+            assert engine.outstanding() == posted
+            gc.collect()
+            assert alive() is not None
     finally:
         os.kill(victim.proc.pid or 0, signal.SIGCONT)
         engine.close()

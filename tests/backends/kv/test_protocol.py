@@ -22,6 +22,7 @@ from backends import TransferEngine, TransferTimeout
 from backends.kv import IncomingRequest, KvError, KvPool, KvReceiver, KvSender
 from tests.backends.conftest import Peer, skip_unless_pairs_within_process, start_peer
 from tests.backends.peer import engine_kwargs
+from tests.backends.processes import stop_process
 
 
 @pytest.fixture
@@ -197,7 +198,7 @@ def test_silent_sender_never_holds_a_wait_past_its_bound(rx: KvReceiver, raw_sen
     desc = rx.pool.descriptor.to_bytes()
     assert raw_sender.call("write_imms", _imms(inc, 1), desc) is True
     inc.wait_layer(1, 10)
-    os.kill(_pid(raw_sender), signal.SIGSTOP)
+    stop_process(_pid(raw_sender))
     for layer in (0, 2):
         _timed_out_within(functools.partial(inc.wait_layer, layer, BOUND), BOUND)
     _timed_out_within(lambda: inc.wait(BOUND), BOUND)

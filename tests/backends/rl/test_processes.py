@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from backends.rl import TrainerRank
+from tests.backends.processes import stop_process
 from tests.backends.rl import peers as rl_peers
 from tests.backends.rl.peers import Proc
 
@@ -148,7 +149,7 @@ def test_a_trainer_dying_mid_update_leaves_receivers_on_the_old_version(sessions
     # slot) and its immediate; trainer 1 is then killed. Receivers wait for its immediate in vain.
     dead = s.trainers[1].proc
     assert dead.pid is not None
-    os.kill(dead.pid, signal.SIGSTOP)
+    stop_process(dead.pid or 0)
     try:
         (res,) = s.update(2, timeout_s=15.0, trainers=[0])
     finally:

@@ -22,6 +22,7 @@ import torch
 from rfork import Loader, LoadOptions
 from rfork.bench.processes import available_providers
 from rfork.weights.checkpoint import load_state_dict, read_checkpoint_info
+from tests.backends.processes import stop_process
 from tests.rfork.conftest import LOAD, REGISTER, assert_same, start_seed
 
 pytestmark = pytest.mark.slow
@@ -79,7 +80,7 @@ def test_a_stalled_seed_cannot_write_into_weights_verified_elsewhere(fleet, medi
 
     loader = _stalling_loader(
         provider,
-        lambda iid: os.kill(a.proc.pid, signal.SIGSTOP) if iid == a_ids[0] else None,
+        lambda iid: stop_process(a.proc.pid or 0) if iid == a_ids[0] else None,
         identity=info.identity(),
         planner_url=planner,
     )
@@ -113,7 +114,7 @@ def test_a_stalled_seed_cannot_write_into_weights_read_from_disk_after_it(fleet,
     dest = {name: torch.zeros_like(t) for name, t in expected.items()}
     loader = _stalling_loader(
         "tcp",
-        lambda _iid: os.kill(a.proc.pid, signal.SIGSTOP),
+        lambda _iid: stop_process(a.proc.pid or 0),
         identity=info.identity(),
         planner_url=planner,
         checkpoint=info,
