@@ -190,6 +190,18 @@ async def _load(
         await conn.close()
 
     await asyncio.gather(*(registrar() for _ in range(16)))
+    # Registering 10,000 instances takes minutes, longer than the heartbeat TTL: without this round
+    # (and with --heartbeaters 0) the assignments would see only the last registered as live seeds.
+    todo_beats = iter(ids)
+
+    async def refresher() -> None:
+        conn = _Conn(host, port)
+        for iid in todo_beats:
+            st, out = await conn.request("POST", f"/v1/instances/{iid}/heartbeat")
+            _check("heartbeat", st, out, 200)
+        await conn.close()
+
+    await asyncio.gather(*(refresher() for _ in range(16)))
     rng = random.Random(0)
     bodies = [
         [
