@@ -43,6 +43,7 @@ class RawStatement:
         compiled = stmt.compile(dialect=dialect)
         self.lists = tuple(name for name, bind in compiled.binds.items() if bind.expanding)
         self.sqlite = sqlite
+        self.stmt = stmt  # the SQLAlchemy statement (tests compare the two executions)
 
         def expand(m: re.Match[str]) -> str:
             neg, name = m.group(1), m.group(2)
