@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from sqlalchemy import JSON, Connection, and_, bindparam, insert, or_, select, update
+from sqlalchemy import JSON, Boolean, Connection, and_, bindparam, func, insert, or_, select, update
 from sqlalchemy.engine import Dialect
 
 from planner.models import Anchor, Instance, InstanceRank, Lease, Manifest
@@ -94,8 +94,17 @@ class RawStatement:
         return int(self.cursor(conn, params).rowcount)
 
 
-def _candidates(*, excluding: bool, lock: bool) -> Any:
-    """READY, fresh, unquarantined seeds of (b_key, b_rank) whose manifest matches the identity's anchor."""
+def _candidates(*, excluding: bool, lock: bool, sqlite: bool) -> Any:
+    """READY, fresh, unquarantined seeds of (b_key, b_rank) whose manifest matches the identity's anchor.
+
+    On SQLite `status = 'READY'` is wrapped in likely(): without statistics SQLite walked
+    ix_instances_status_updated (every READY instance of every identity: 10,000 rows per assignment at
+    10,000 instances, most of an assignment's CPU) instead of the identity's index; likely() tells its
+    planner the term is not selective, and changes nothing else.
+    """
+    ready = Instance.status == "READY"
+    if sqlite:
+        ready = func.likely(ready, type_=Boolean)
     q = (
         select(
             Instance.id,
@@ -125,7 +134,7 @@ def _candidates(*, excluding: bool, lock: bool) -> Any:
         )
         .where(
             Instance.identity_key == bindparam("b_key"),
-            Instance.status == "READY",
+            ready,
             Instance.last_heartbeat >= bindparam("b_oldest_beat"),
             or_(Instance.quarantined_until.is_(None), Instance.quarantined_until <= bindparam("b_now")),
             Instance.reverify_since.is_(None),
@@ -194,8 +203,8 @@ class HotStatements:
             Lease.provider,
         ).where(Lease.id == bindparam("b_lease"))
         return cls(
-            candidates=raw(_candidates(excluding=False, lock=lock)),
-            candidates_excluding=raw(_candidates(excluding=True, lock=lock)),
+            candidates=raw(_candidates(excluding=False, lock=lock, sqlite=not lock)),
+            candidates_excluding=raw(_candidates(excluding=True, lock=lock, sqlite=not lock)),
             # the seeds' live leases: counted against their limits, and their starts are what the
             # 429's estimate needs when every seed is busy
             live_leases=raw(

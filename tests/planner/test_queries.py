@@ -54,3 +54,17 @@ def test_raw_rows_match_sqlalchemy(svc):
         _same(svc, sql.heartbeats, {"b_ids": pick, "b_now": now})
 
     check()
+
+
+def test_sqlite_ranks_from_the_identity_index(svc):
+    """The candidates of an identity are read through its index, not every READY instance's (SQLite
+    without statistics chose ix_instances_status_updated: 10,000 rows per assignment at 10,000)."""
+    if not svc.db.sqlite:
+        return
+    for raw in (svc._sql.candidates, svc._sql.candidates_excluding):
+        params = {**raw.defaults, "b_key": "k", "b_rank": 0, "b_oldest_beat": 0.0, "b_now": 0.0}
+        params.update(dict.fromkeys(raw.lists, "[]"))
+        with svc.db.write_core() as s:
+            plan = s.connection.dbapi_connection.execute("EXPLAIN QUERY PLAN " + raw.sql, params).fetchall()
+        first = plan[0][-1]
+        assert "ix_instances_identity_key" in first, plan
