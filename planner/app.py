@@ -87,7 +87,11 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
     app.state.progress = ProgressBoard()  # the fleet page: bytes done of live pulls (this process)
     app.state.refusals = RefusalLog()  # and the latest refusals
     app.state.heartbeats = HeartbeatBatcher(planner, settings.heartbeat_batch_s)
-    app.state.writes = WriteBatcher(planner)
+    app.state.writes = (
+        WriteBatcher(planner)
+        if database.sqlite
+        else WriteBatcher(planner, max_batch=1, concurrency=settings.threadpool_size or 8)
+    )
     app.state.authenticator = (
         Authenticator(
             db=database,

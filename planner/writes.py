@@ -21,14 +21,18 @@ Step = Callable[[Connection], Callable[[], Any]]
 
 
 class WriteBatcher:
-    """Batches of one event loop, at most one in flight (so, on SQLite, one writer of this process
-    holds the lock for many requests instead of threads queueing on it one request at a time)."""
+    """Batches of one event loop. SQLite: one batch in flight, up to `max_batch` requests in one
+    transaction (one writer of this process holds the lock for many requests instead of threads
+    queueing on it one request at a time). PostgreSQL: Planner.write_batch gives each request its own
+    transaction, and a thread serving them one after another waits on the server's round trips; so
+    there up to `concurrency` batches of one run at once, as the thread pool ran them before."""
 
-    def __init__(self, planner: Planner, max_batch: int = 64) -> None:
+    def __init__(self, planner: Planner, *, max_batch: int = 64, concurrency: int = 1) -> None:
         self.planner = planner
         self.max_batch = max_batch
+        self.concurrency = concurrency
         self._pending: list[tuple[Step, asyncio.Future[Any]]] = []
-        self._flushing = False
+        self._flushers = 0
         self._tasks: set[asyncio.Task[Any]] = set()
 
     async def run(self, step: Step) -> Any:
@@ -37,8 +41,8 @@ class WriteBatcher:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         self._pending.append((step, fut))
-        if not self._flushing:
-            self._flushing = True
+        if self._flushers < self.concurrency:
+            self._flushers += 1
             task = loop.create_task(self._flush())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -50,7 +54,7 @@ class WriteBatcher:
                 batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
                 await self._write(batch)
         finally:
-            self._flushing = False
+            self._flushers -= 1
 
     async def _write(self, batch: list[tuple[Step, asyncio.Future[Any]]]) -> None:
         try:
