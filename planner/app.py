@@ -33,6 +33,7 @@ from planner.selection import make_policy
 from planner.service import Planner, reap
 from planner.settings import PlannerSettings
 from planner.wire import RankManifest
+from planner.writes import WriteBatcher
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,11 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
     app.state.progress = ProgressBoard()  # the fleet page: bytes done of live pulls (this process)
     app.state.refusals = RefusalLog()  # and the latest refusals
     app.state.heartbeats = HeartbeatBatcher(planner, settings.heartbeat_batch_s)
+    app.state.writes = (
+        WriteBatcher(planner)
+        if database.sqlite
+        else WriteBatcher(planner, max_batch=1, concurrency=settings.threadpool_size or 8)
+    )
     app.state.authenticator = (
         Authenticator(
             db=database,
@@ -115,7 +121,11 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
     )
     # heartbeat, assignment, report answered without FastAPI routing (anything else falls through)
     app.add_middleware(
-        HotPath, state=app.state, batcher=app.state.heartbeats, body_limit=settings.max_body_bytes
+        HotPath,
+        state=app.state,
+        batcher=app.state.heartbeats,
+        writes=app.state.writes,
+        body_limit=settings.max_body_bytes,
     )
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # added last: outermost, so it counts both
     return app

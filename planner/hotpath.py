@@ -15,7 +15,6 @@ app answers it (403 for another holder's lease, 422/409 for database errors).
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -23,7 +22,6 @@ from typing import Any
 
 import orjson
 from pydantic import BaseModel, ValidationError
-from starlette.concurrency import run_in_threadpool
 
 from planner import wire
 from planner.answers import planner_error_response
@@ -31,7 +29,8 @@ from planner.auth import INSECURE, Principal
 from planner.errors import PlannerError
 from planner.guard import replay
 from planner.heartbeats import HeartbeatBatcher
-from planner.routes.assignments import finish, lease, lease_refusal
+from planner.routes.assignments import finished, lease_refusal, leased, reporter
+from planner.writes import Step, WriteBatcher
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +58,13 @@ class HotPath:
     """Pure ASGI, inside the metrics middleware and outside the request guard (it does the guard's
     checks itself: a declared body within `body_limit`, a cached token)."""
 
-    def __init__(self, app: Any, *, state: Any, batcher: HeartbeatBatcher, body_limit: int) -> None:
+    def __init__(
+        self, app: Any, *, state: Any, batcher: HeartbeatBatcher, writes: WriteBatcher, body_limit: int
+    ) -> None:
         self.app = app
         self.state = state
         self.batcher = batcher
+        self.writes = writes
         self.body_limit = body_limit
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -146,8 +148,13 @@ class HotPath:
         if body is None or not who.may_lease() or lease_refusal(who, body) is not None:
             return False
         self._route(scope, ASSIGNMENT_ROUTE)
-        call = functools.partial(lease, self.state.planner, body, who, self.state)
-        return await _answer(scope, receive, send, call, 201)
+        planner, state, holder = self.state.planner, self.state, who.holder
+
+        def step(s: Any) -> Any:
+            answer = planner.assign_in(s, body, None, holder)  # the clock is read under the write lock
+            return lambda: leased(state, body, answer)
+
+        return await self._answer(scope, receive, send, step, 201)
 
     async def _report(
         self, scope: Any, receive: Any, send: Any, who: Principal, lid: str, raw: bytes
@@ -156,8 +163,29 @@ class HotPath:
         if body is None or not who.may_lease():
             return False
         self._route(scope, REPORT_ROUTE)
-        call = functools.partial(finish, self.state.planner, lid, body, who, self.state)
-        return await _answer(scope, receive, send, call, 200)
+        planner, state, by = self.state.planner, self.state, reporter(who)
+
+        def step(s: Any) -> Any:
+            out = planner.report_in(s, lid, body, None, by)
+            return lambda: finished(state, body, out)
+
+        return await self._answer(scope, receive, send, step, 200)
+
+    async def _answer(self, scope: Any, receive: Any, send: Any, step: Step, status: int) -> bool:
+        """Run a write in a batch (planner.writes) and send its answer; False: fall through (another
+        holder's lease: the app's 403; any other error rolled back and the app runs it again)."""
+        try:
+            out = await self.writes.run(step)
+        except Exception:  # noqa: BLE001 - rolled back; the app runs it again and answers as documented
+            log.debug("hot path: %s falls through to the app", scope["path"], exc_info=True)
+            return False
+        if isinstance(out, PlannerError):
+            await planner_error_response(out)(scope, receive, send)
+            return True
+        if isinstance(out, Exception):
+            return False
+        await _send_json(send, status, wire.dump_json(out))
+        return True
 
 
 def _hex_between(path: str, prefix: str, suffix: str) -> bool:
@@ -199,20 +227,6 @@ def _parse(model: type[BaseModel], raw: bytes) -> Any:
         return model.model_validate(orjson.loads(raw))
     except (orjson.JSONDecodeError, ValidationError):
         return None
-
-
-async def _answer(scope: Any, receive: Any, send: Any, call: Callable[[], BaseModel], status: int) -> bool:
-    """Run a blocking service call in the thread pool and send its answer; False: fall through."""
-    try:
-        out = await run_in_threadpool(call)
-    except PlannerError as exc:
-        await planner_error_response(exc)(scope, receive, send)
-        return True
-    except Exception:  # noqa: BLE001 - rolled back; the app runs it again and answers as documented
-        log.debug("hot path: %s falls through to the app", scope["path"], exc_info=True)
-        return False
-    await _send_json(send, status, wire.dump_json(out))
-    return True
 
 
 async def _send_json(send: Any, status: int, body: bytes) -> None:

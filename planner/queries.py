@@ -1,23 +1,110 @@
-"""The hot paths' SQL (assignment, report, heartbeat), built once per database kind.
+"""The hot paths' SQL (assignment, report, heartbeat), compiled once per database and run on the driver.
 
-Building a SQLAlchemy statement and computing its cache key took more CPU than running it on SQLite
-(profile in docs/planner.md): a statement object built once memoises its cache key, so the hot paths
-reuse these objects and pass every value as a bound parameter. Bound names start with `b_` (a name
-equal to a column's is reserved by UPDATE ... VALUES).
+Building a SQLAlchemy statement and computing its cache key took more CPU than running it on SQLite,
+and so did SQLAlchemy's per-execution work on a prebuilt one (parameter processing, execution context,
+result rows: profile in docs/planner.md). So the hot statements are written with SQLAlchemy once, compiled
+once for the database's dialect, and executed on the DBAPI cursor of the SQLAlchemy connection's
+transaction (`RawStatement`). Bound names start with `b_` (a name equal to a column's is reserved by
+UPDATE ... VALUES). The drivers are sqlite3 and psycopg 3.
 """
 
 from __future__ import annotations
 
+import re
+from collections import namedtuple
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, bindparam, insert, or_, select, update
+import orjson
+from sqlalchemy import JSON, Boolean, Connection, and_, bindparam, func, insert, or_, select, update
+from sqlalchemy.engine import Dialect
 
 from planner.models import Anchor, Instance, InstanceRank, Lease, Manifest
 
+# where SQLAlchemy leaves an expanding (list) parameter for execution time: `[NOT] IN (__[POSTCOMPILE_x])`
+_EXPANDING = re.compile(r"(NOT )?IN \(__\[POSTCOMPILE_(\w+)\]\)")
 
-def _candidates(*, excluding: bool, lock: bool) -> Any:
-    """READY, fresh, unquarantined seeds of (b_key, b_rank) whose manifest matches the identity's anchor."""
+
+class RawStatement:
+    """A statement compiled once for one dialect, executed on the DBAPI cursor with the driver's own
+    parameter handling; rows come back as named tuples.
+
+    List parameters: PostgreSQL gets `= ANY(array)` / `<> ALL(array)` (one statement text, one server-side
+    prepared plan for any list length), SQLite `IN (SELECT value FROM json_each(json))`. JSON result
+    columns are decoded on SQLite (psycopg decodes them itself). Literal values the statement carries
+    (`status = 'READY'`, an INSERT's unset columns) are bound from the compiled defaults.
+    """
+
+    def __init__(self, stmt: Any, dialect: Dialect) -> None:
+        sqlite = dialect.name == "sqlite"
+        if sqlite:  # named parameters (sqlite3 takes a dict for :name), not the engine's qmark style
+            dialect = type(dialect)(paramstyle="named")  # type: ignore[call-arg]
+        compiled = stmt.compile(dialect=dialect)
+        self.lists = tuple(name for name, bind in compiled.binds.items() if bind.expanding)
+        self.sqlite = sqlite
+        self.stmt = stmt  # the SQLAlchemy statement (tests compare the two executions)
+
+        def expand(m: re.Match[str]) -> str:
+            neg, name = m.group(1), m.group(2)
+            if sqlite:
+                return f"{neg or ''}IN (SELECT value FROM json_each(:{name}))"
+            return f"{'<> ALL' if neg else '= ANY'}(%({name})s)"
+
+        self.sql = _EXPANDING.sub(expand, compiled.string)
+        if "POSTCOMPILE" in self.sql:
+            raise ValueError(f"an expanding parameter left in {self.sql!r}")
+        # literal values (a bound `'READY'`) and an INSERT's unset columns (None)
+        self.defaults = {n: b.effective_value for b, n in compiled.bind_names.items() if not b.expanding}
+        cols = list(getattr(stmt, "selected_columns", None) or getattr(stmt, "_returning", ()) or ())
+        self.row = namedtuple("Row", [c.key for c in cols]) if cols else None
+        self.json = tuple(i for i, c in enumerate(cols) if isinstance(c.type, JSON)) if sqlite else ()
+
+    def cursor(self, conn: Connection, params: Mapping[str, Any]) -> Any:
+        """Execute in `conn`'s transaction; the driver's cursor (rowcount, fetch*)."""
+        values = {**self.defaults, **params}
+        for name in self.lists:
+            seq = list(values[name])
+            values[name] = orjson.dumps(seq).decode() if self.sqlite else seq
+        dbapi = conn.connection.dbapi_connection
+        assert dbapi is not None
+        return dbapi.execute(self.sql, values)
+
+    def rows(self, conn: Connection, params: Mapping[str, Any]) -> list[Any]:
+        """Every result row, as named tuples."""
+        raw = self.cursor(conn, params).fetchall()
+        make = self.row._make  # type: ignore[union-attr]
+        if not self.json:
+            return [make(r) for r in raw]
+        out = []
+        for r in raw:
+            r = list(r)
+            for i in self.json:
+                r[i] = orjson.loads(r[i]) if r[i] is not None else None
+            out.append(make(r))
+        return out
+
+    def first(self, conn: Connection, params: Mapping[str, Any]) -> Any:
+        """The first result row or None."""
+        rows = self.rows(conn, params)
+        return rows[0] if rows else None
+
+    def run(self, conn: Connection, params: Mapping[str, Any]) -> int:
+        """Execute a statement without rows; its rowcount."""
+        return int(self.cursor(conn, params).rowcount)
+
+
+def _candidates(*, excluding: bool, lock: bool, sqlite: bool) -> Any:
+    """READY, fresh, unquarantined seeds of (b_key, b_rank) whose manifest matches the identity's anchor.
+
+    On SQLite `status = 'READY'` is wrapped in likely(): without statistics SQLite walked
+    ix_instances_status_updated (every READY instance of every identity: 10,000 rows per assignment at
+    10,000 instances, most of an assignment's CPU) instead of the identity's index; likely() tells its
+    planner the term is not selective, and changes nothing else.
+    """
+    ready = Instance.status == "READY"
+    if sqlite:
+        ready = func.likely(ready, type_=Boolean)
     q = (
         select(
             Instance.id,
@@ -47,7 +134,7 @@ def _candidates(*, excluding: bool, lock: bool) -> Any:
         )
         .where(
             Instance.identity_key == bindparam("b_key"),
-            Instance.status == "READY",
+            ready,
             Instance.last_heartbeat >= bindparam("b_oldest_beat"),
             or_(Instance.quarantined_until.is_(None), Instance.quarantined_until <= bindparam("b_now")),
             Instance.reverify_since.is_(None),
@@ -82,25 +169,31 @@ def _recent_pulls(*, of_identity: bool) -> Any:
 
 @dataclass(frozen=True)
 class HotStatements:
-    """The statements of assign, report and the heartbeat flush; `lock`: PostgreSQL's row locks."""
+    """The statements of assign, report and the heartbeat flush (RawStatement), and the 429 estimate's
+    reads (SQLAlchemy statements, run in a read session)."""
 
-    candidates: Any
-    candidates_excluding: Any
-    live_leases: Any
+    candidates: RawStatement
+    candidates_excluding: RawStatement
+    live_leases: RawStatement
     recent_pulls: Any
     recent_pulls_any: Any
-    insert_lease: Any
-    chosen_details: Any
-    lease_seed: Any
-    lock_seed: Any
-    live_lease: Any
-    end_lease: Any
-    seed_succeeded: Any
-    heartbeats: Any
+    insert_lease: RawStatement
+    chosen_details: RawStatement
+    lease_seed: RawStatement
+    lock_seed: RawStatement
+    live_lease: RawStatement
+    end_lease: RawStatement
+    seed_succeeded: RawStatement
+    heartbeats: RawStatement
 
     @classmethod
-    def build(cls, *, lock: bool) -> HotStatements:
-        """The statements for SQLite (`lock` False: writes are serialised) or PostgreSQL (`lock` True)."""
+    def build(cls, dialect: Dialect) -> HotStatements:
+        """The statements for SQLite (writes are serialised) or PostgreSQL (row locks: FOR UPDATE)."""
+        lock = dialect.name != "sqlite"
+
+        def raw(stmt: Any) -> RawStatement:
+            return RawStatement(stmt, dialect)
+
         live_lease = select(
             Lease.instance_id,
             Lease.holder,
@@ -110,48 +203,64 @@ class HotStatements:
             Lease.provider,
         ).where(Lease.id == bindparam("b_lease"))
         return cls(
-            candidates=_candidates(excluding=False, lock=lock),
-            candidates_excluding=_candidates(excluding=True, lock=lock),
+            candidates=raw(_candidates(excluding=False, lock=lock, sqlite=not lock)),
+            candidates_excluding=raw(_candidates(excluding=True, lock=lock, sqlite=not lock)),
             # the seeds' live leases: counted against their limits, and their starts are what the
             # 429's estimate needs when every seed is busy
-            live_leases=select(Lease.instance_id, Lease.created_at).where(
-                Lease.instance_id.in_(bindparam("b_ids", expanding=True)),
-                Lease.rank == bindparam("b_rank"),
-                Lease.ended_at.is_(None),
-                Lease.expires_at > bindparam("b_now"),
+            live_leases=raw(
+                select(Lease.instance_id, Lease.created_at).where(
+                    Lease.instance_id.in_(bindparam("b_ids", expanding=True)),
+                    Lease.rank == bindparam("b_rank"),
+                    Lease.ended_at.is_(None),
+                    Lease.expires_at > bindparam("b_now"),
+                )
             ),
             recent_pulls=_recent_pulls(of_identity=True),
             recent_pulls_any=_recent_pulls(of_identity=False),
-            insert_lease=insert(Lease),
+            insert_lease=raw(insert(Lease)),
             # what the answer needs of the chosen few only (the ranking needs none of it)
-            chosen_details=select(
-                Instance.id, Instance.control_url, Instance.control_key, InstanceRank.address, Manifest.body
-            )
-            .join(
-                InstanceRank,
-                and_(InstanceRank.instance_id == Instance.id, InstanceRank.rank == bindparam("b_rank")),
-            )
-            .join(Manifest, and_(Manifest.instance_id == Instance.id, Manifest.rank == bindparam("b_rank")))
-            .where(Instance.id.in_(bindparam("b_ids", expanding=True))),
-            lease_seed=select(Lease.instance_id).where(Lease.id == bindparam("b_lease")),
-            lock_seed=select(Instance.id).where(Instance.id == bindparam("b_seed")).with_for_update(),
-            live_lease=live_lease.with_for_update() if lock else live_lease,
-            end_lease=update(Lease)
-            .where(Lease.id == bindparam("b_lease"))
-            .values(
-                ended_at=bindparam("b_ended_at"),
-                outcome=bindparam("b_outcome"),
-                bytes=bindparam("b_bytes"),
-                seconds=bindparam("b_seconds"),
-                backend=bindparam("b_backend"),
-                reason=bindparam("b_reason"),
-                error=bindparam("b_error"),
+            chosen_details=raw(
+                select(
+                    Instance.id,
+                    Instance.control_url,
+                    Instance.control_key,
+                    InstanceRank.address,
+                    Manifest.body,
+                )
+                .join(
+                    InstanceRank,
+                    and_(InstanceRank.instance_id == Instance.id, InstanceRank.rank == bindparam("b_rank")),
+                )
+                .join(
+                    Manifest, and_(Manifest.instance_id == Instance.id, Manifest.rank == bindparam("b_rank"))
+                )
+                .where(Instance.id.in_(bindparam("b_ids", expanding=True)))
             ),
-            seed_succeeded=update(Instance)
-            .where(Instance.id == bindparam("b_seed"), Instance.consecutive_failures != 0)
-            .values(consecutive_failures=0),
-            heartbeats=update(Instance)
-            .where(Instance.id.in_(bindparam("b_ids", expanding=True)))
-            .values(last_heartbeat=bindparam("b_now"))
-            .returning(Instance.id, Instance.status, Instance.reverify_since),
+            lease_seed=raw(select(Lease.instance_id).where(Lease.id == bindparam("b_lease"))),
+            lock_seed=raw(select(Instance.id).where(Instance.id == bindparam("b_seed")).with_for_update()),
+            live_lease=raw(live_lease.with_for_update() if lock else live_lease),
+            end_lease=raw(
+                update(Lease)
+                .where(Lease.id == bindparam("b_lease"))
+                .values(
+                    ended_at=bindparam("b_ended_at"),
+                    outcome=bindparam("b_outcome"),
+                    bytes=bindparam("b_bytes"),
+                    seconds=bindparam("b_seconds"),
+                    backend=bindparam("b_backend"),
+                    reason=bindparam("b_reason"),
+                    error=bindparam("b_error"),
+                )
+            ),
+            seed_succeeded=raw(
+                update(Instance)
+                .where(Instance.id == bindparam("b_seed"), Instance.consecutive_failures != 0)
+                .values(consecutive_failures=0)
+            ),
+            heartbeats=raw(
+                update(Instance)
+                .where(Instance.id.in_(bindparam("b_ids", expanding=True)))
+                .values(last_heartbeat=bindparam("b_now"))
+                .returning(Instance.id, Instance.status, Instance.reverify_since)
+            ),
         )

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import functools
 import logging
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from sqlalchemy import Connection, Row, delete, func, or_, select, update
+from sqlalchemy import Connection, delete, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -23,7 +24,7 @@ from planner import control_token, integrity, wire
 from planner.auth import new_instance_token
 from planner.burst import BusyEstimate, WaitingRoom, estimate_busy, pull_rate_bps
 from planner.db import Database
-from planner.errors import AllBusy, Conflict, DigestMismatch, NoSource, NotFound
+from planner.errors import AllBusy, Conflict, DigestMismatch, NoSource, NotFound, PlannerError
 from planner.models import Anchor, CompileCache, Instance, InstanceRank, Lease, Manifest
 from planner.queries import HotStatements
 from planner.selection import Requester, SeedView, SelectionPolicy, choose_provider, make_policy
@@ -94,7 +95,7 @@ class Planner:
         self.policy = policy
         self._rank_bytes_cache: dict[tuple[str, int], int] = {}
         self.waiting = WaitingRoom()
-        self._sql = HotStatements.build(lock=not db.sqlite)
+        self._sql = HotStatements.build(db.engine.dialect)
         self._control_secret = settings.control_secret_bytes()
 
     @classmethod
@@ -257,7 +258,7 @@ class Planner:
         out: dict[str, tuple[str, bool]] = {}
         with self.db.write_core() as s:
             for i in range(0, len(instance_ids), 500):
-                rows = s.execute(self._sql.heartbeats, {"b_ids": instance_ids[i : i + 500], "b_now": now})
+                rows = self._sql.heartbeats.rows(s, {"b_ids": instance_ids[i : i + 500], "b_now": now})
                 out.update({r[0]: (r[1], r[2] is not None) for r in rows})
         return out
 
@@ -474,88 +475,142 @@ class Planner:
         `now` None (the routes): the clock is read once the write lock is held, so recorded lease times
         follow the order of the decisions (see `_now`).
         """
+        with self.db.write_core() as s:  # Core on the hot path: no ORM session or unit of work
+            answer = self.assign_in(s, body, now, holder)
+        return answer()
+
+    def assign_in(
+        self, s: Connection, body: wire.AssignmentRequest, now: float | None, holder: str | None
+    ) -> Callable[[], wire.Assignment]:
+        """Planner.assign's write in the caller's transaction `s`; what it returns gives the answer (or
+        raises NoSource or AllBusy) once `s` has committed: the 429's estimate reads in a transaction of
+        its own, and the answer's encoding need not hold the write lock. Raises nothing itself but the
+        database's errors (so a batch, Planner.write_batch, never has to undo one assignment's writes)."""
         key = body.identity.key()
         excluded = set(body.exclude)
         if body.requester_id:
             excluded.add(body.requester_id)
         st, sql = self.settings, self._sql
-        with self.db.write_core() as s:  # Core on the hot path: no ORM session or unit of work
-            clock = now is None
-            now = _now(now)
-            params: dict[str, Any] = {
-                "b_key": key,
-                "b_rank": body.rank,
-                "b_oldest_beat": now - st.heartbeat_ttl_s,
-                "b_now": now,
-            }
-            if excluded:
-                params["b_excluded"] = sorted(excluded)
-            found = s.execute(sql.candidates_excluding if excluded else sql.candidates, params).all()
-            rows = []
-            for r in found:
-                provider = choose_provider(body.providers, body.backends, r.backends)
-                if provider is not None:
-                    rows.append((r, provider))
-            if clock:  # again, now that PostgreSQL's row locks on the seeds are held too
-                now = _now(None)
-            if not rows:
-                raise NoSource(f"no READY source for identity {key[:12]} rank {body.rank}")
-            live = s.execute(
-                sql.live_leases, {"b_ids": [r.id for r, _ in rows], "b_rank": body.rank, "b_now": now}
-            ).all()
-            counts = Counter(lease.instance_id for lease in live)
-            by_id = {r.id: (r, p) for r, p in rows}
-            views = [
-                SeedView(
-                    instance_id=r.id,
-                    node=r.node,
-                    rack=r.rack,
-                    zone=r.zone,
-                    active_leases=counts.get(r.id, 0),
-                    max_concurrent_pulls=r.max_concurrent_pulls,
-                )
-                for r, _ in rows
-            ]
-            req = Requester(
-                node=body.labels.node,
-                rack=body.labels.rack,
-                zone=body.labels.zone,
-                key=body.requester_id or body.labels.node,
+        clock = now is None
+        now = _now(now)
+        params: dict[str, Any] = {
+            "b_key": key,
+            "b_rank": body.rank,
+            "b_oldest_beat": now - st.heartbeat_ttl_s,
+            "b_now": now,
+        }
+        if excluded:
+            params["b_excluded"] = sorted(excluded)
+        found = (sql.candidates_excluding if excluded else sql.candidates).rows(s, params)
+        rows = []
+        for r in found:
+            provider = choose_provider(body.providers, body.backends, r.backends)
+            if provider is not None:
+                rows.append((r, provider))
+        if clock:  # again, now that PostgreSQL's row locks on the seeds are held too
+            now = _now(None)
+        if not rows:
+            return _raising(NoSource(f"no READY source for identity {key[:12]} rank {body.rank}"))
+        live = sql.live_leases.rows(s, {"b_ids": [r.id for r, _ in rows], "b_rank": body.rank, "b_now": now})
+        counts = Counter(lease.instance_id for lease in live)
+        by_id = {r.id: (r, p) for r, p in rows}
+        views = [
+            SeedView(
+                instance_id=r.id,
+                node=r.node,
+                rack=r.rack,
+                zone=r.zone,
+                active_leases=counts.get(r.id, 0),
+                max_concurrent_pulls=r.max_concurrent_pulls,
             )
-            ranked = self.policy.rank(req, views)[: st.max_candidates]
-            if not ranked:
-                busy = [v.instance_id for v in views]
-            else:
-                busy = []
-                lease_id = uuid.uuid4().hex
-                expires_at = now + st.lease_ttl_s
-                s.execute(
-                    sql.insert_lease,
-                    {
-                        "id": lease_id,
-                        "instance_id": ranked[0].instance_id,
-                        "rank": body.rank,
-                        "identity_key": key,
-                        "requester_id": body.requester_id,
-                        "holder": holder,
-                        "provider": by_id[ranked[0].instance_id][1],
-                        "created_at": now,
-                        "expires_at": expires_at,
-                    },
-                )
-                chosen = [v.instance_id for v in ranked]
-                details = {
-                    d.id: d for d in s.execute(sql.chosen_details, {"b_ids": chosen, "b_rank": body.rank})
-                }
-        if busy:  # the 429's arithmetic runs after the write: heartbeats and other writes go on meanwhile
-            est = self._busy_estimate(key, body, busy, [lease.created_at for lease in live], now)
-            raise AllBusy(
-                f"all {len(busy)} sources for rank {body.rank} are at their pull limit; "
-                f"a slot is expected in {est.retry_after_s:.2f} s",
-                retry_after_s=est.retry_after_s,
-                expected_pull_s=est.expected_pull_s,
-                fallback=est.fallback,
-            )
+            for r, _ in rows
+        ]
+        req = Requester(
+            node=body.labels.node,
+            rack=body.labels.rack,
+            zone=body.labels.zone,
+            key=body.requester_id or body.labels.node,
+        )
+        ranked = self.policy.rank(req, views)[: st.max_candidates]
+        if not ranked:  # the 429's arithmetic runs after the write: heartbeats and other writes go on
+            busy = [v.instance_id for v in views]
+            return functools.partial(self._all_busy, key, body, busy, [x.created_at for x in live], now)
+        lease_id = uuid.uuid4().hex
+        expires_at = now + st.lease_ttl_s
+        sql.insert_lease.run(
+            s,
+            {
+                "id": lease_id,
+                "instance_id": ranked[0].instance_id,
+                "rank": body.rank,
+                "identity_key": key,
+                "requester_id": body.requester_id,
+                "holder": holder,
+                "provider": by_id[ranked[0].instance_id][1],
+                "created_at": now,
+                "expires_at": expires_at,
+            },
+        )
+        chosen = [v.instance_id for v in ranked]
+        details = {d.id: d for d in sql.chosen_details.rows(s, {"b_ids": chosen, "b_rank": body.rank})}
+        return functools.partial(self._assignment, body, chosen, by_id, details, lease_id, expires_at)
+
+    def write_batch(
+        self, steps: Sequence[Callable[[Connection], Callable[[], T]]]
+    ) -> Sequence[T | Exception]:
+        """Run several hot writes (assign_in, report_in) in order and then each step's returned
+        continuation; per step its result, or the PlannerError / PermissionError it raised (the steps
+        raise those before writing anything, so one step's refusal undoes nothing of the others').
+
+        SQLite serialises writers, so the batch is one transaction: one BEGIN IMMEDIATE, one commit and
+        one lock hand-off for all of them, and each step's limits are counted after the steps before
+        it. PostgreSQL gives each step a transaction of its own (the row locks of several assignments
+        in one transaction could meet another worker's in the opposite order), in the same thread.
+        Any other error is raised: on SQLite the whole batch rolled back.
+        """
+        done: list[Callable[[], T] | Exception] = []
+        if self.db.sqlite:
+            with self.db.write_core() as s:
+                for step in steps:
+                    done.append(_step(step, s))
+        else:
+            for step in steps:
+                with self.db.write_core() as s:
+                    done.append(_step(step, s))
+        out: list[T | Exception] = []
+        for d in done:
+            if isinstance(d, Exception):
+                out.append(d)
+                continue
+            try:
+                out.append(d())
+            except (PlannerError, PermissionError) as exc:
+                out.append(exc)
+        return out
+
+    def _all_busy(
+        self, key: str, body: wire.AssignmentRequest, busy: Sequence[str], starts: Sequence[float], now: float
+    ) -> wire.Assignment:
+        """Raise the 429 (AllBusy) with its estimate."""
+        est = self._busy_estimate(key, body, busy, starts, now)
+        raise AllBusy(
+            f"all {len(busy)} sources for rank {body.rank} are at their pull limit; "
+            f"a slot is expected in {est.retry_after_s:.2f} s",
+            retry_after_s=est.retry_after_s,
+            expected_pull_s=est.expected_pull_s,
+            fallback=est.fallback,
+        )
+
+    def _assignment(
+        self,
+        body: wire.AssignmentRequest,
+        chosen: Sequence[str],
+        by_id: dict[str, Any],
+        details: dict[str, Any],
+        lease_id: str,
+        expires_at: float,
+    ) -> wire.Assignment:
+        """The 201's body: the chosen candidates, a control token for the first."""
         candidates = []
         for iid in chosen:
             r, provider = by_id[iid]
@@ -713,79 +768,84 @@ class Planner:
         more. Anything else (a loader's own destination, engine or algorithm) is recorded, not blamed.
         Lock order (PostgreSQL): the seed's instance row, then the lease (as delete and assign).
         """
-        quarantined = False
         with self.db.write_core() as s:  # Core on the hot path: no ORM session or unit of work
-            now = _now(now)
-            lease = self._live_lease(s, lease_id, reporter, now, "reports are refused")
-            s.execute(
-                self._sql.end_lease,
-                {
-                    "b_lease": lease_id,
-                    "b_ended_at": now,
-                    "b_outcome": body.outcome,
-                    "b_bytes": body.bytes,
-                    "b_seconds": body.seconds,
-                    "b_backend": body.backend or lease.provider,
-                    "b_reason": body.reason,
-                    "b_error": body.error,
-                },
+            return self.report_in(s, lease_id, body, now, reporter)
+
+    def report_in(
+        self, s: Connection, lease_id: str, body: wire.TransferReport, now: float | None, reporter: str | None
+    ) -> wire.ReportAnswer:
+        """Planner.report in the caller's transaction `s`; its refusals (NotFound, PermissionError,
+        Conflict) are raised before it writes anything (Planner.write_batch relies on that)."""
+        quarantined = False
+        now = _now(now)
+        lease = self._live_lease(s, lease_id, reporter, now, "reports are refused")
+        self._sql.end_lease.run(
+            s,
+            {
+                "b_lease": lease_id,
+                "b_ended_at": now,
+                "b_outcome": body.outcome,
+                "b_bytes": body.bytes,
+                "b_seconds": body.seconds,
+                "b_backend": body.backend or lease.provider,
+                "b_reason": body.reason,
+                "b_error": body.error,
+            },
+        )
+        if body.outcome == "success":
+            self._sql.seed_succeeded.run(s, {"b_seed": lease.instance_id})
+        elif body.reason == CHECKSUM_MISMATCH and self._flagged(s, lease.holder):
+            log.warning(
+                "seed %s: checksum mismatch reported by %s ignored: %d of its claims were disproved",
+                lease.instance_id,
+                lease.holder,
+                self.settings.false_report_threshold,
             )
-            if body.outcome == "success":
-                s.execute(self._sql.seed_succeeded, {"b_seed": lease.instance_id})
-            elif body.reason == CHECKSUM_MISMATCH and self._flagged(s, lease.holder):
-                log.warning(
-                    "seed %s: checksum mismatch reported by %s ignored: %d of its claims were disproved",
-                    lease.instance_id,
-                    lease.holder,
-                    self.settings.false_report_threshold,
-                )
-            elif body.reason == CHECKSUM_MISMATCH:
-                quarantined = True  # out of service until it re-verifies (not for quarantine_s)
+        elif body.reason == CHECKSUM_MISMATCH:
+            quarantined = True  # out of service until it re-verifies (not for quarantine_s)
+            s.execute(
+                update(Instance)
+                .where(Instance.id == lease.instance_id, Instance.reverify_since.is_(None))
+                .values(reverify_since=now)
+            )
+            log.warning(
+                "seed %s: a checksum mismatch reported by %s; offered to nobody until it re-verifies",
+                lease.instance_id,
+                lease.holder,
+            )
+        elif body.reason in SEED_FAULTS:
+            fails = s.execute(
+                update(Instance)
+                .where(Instance.id == lease.instance_id)
+                .values(consecutive_failures=Instance.consecutive_failures + 1)
+                .returning(Instance.consecutive_failures)
+            ).scalar()
+            if fails is not None and fails >= self.settings.failure_threshold:
+                quarantined = True
                 s.execute(
                     update(Instance)
-                    .where(Instance.id == lease.instance_id, Instance.reverify_since.is_(None))
-                    .values(reverify_since=now)
+                    .where(Instance.id == lease.instance_id)
+                    .values(consecutive_failures=0, quarantined_until=now + self.settings.quarantine_s)
                 )
                 log.warning(
-                    "seed %s: a checksum mismatch reported by %s; offered to nobody until it re-verifies",
+                    "seed %s quarantined for %.0fs after %d failed pull(s)",
                     lease.instance_id,
-                    lease.holder,
+                    self.settings.quarantine_s,
+                    fails,
                 )
-            elif body.reason in SEED_FAULTS:
-                fails = s.execute(
-                    update(Instance)
-                    .where(Instance.id == lease.instance_id)
-                    .values(consecutive_failures=Instance.consecutive_failures + 1)
-                    .returning(Instance.consecutive_failures)
-                ).scalar()
-                if fails is not None and fails >= self.settings.failure_threshold:
-                    quarantined = True
-                    s.execute(
-                        update(Instance)
-                        .where(Instance.id == lease.instance_id)
-                        .values(consecutive_failures=0, quarantined_until=now + self.settings.quarantine_s)
-                    )
-                    log.warning(
-                        "seed %s quarantined for %.0fs after %d failed pull(s)",
-                        lease.instance_id,
-                        self.settings.quarantine_s,
-                        fails,
-                    )
         return wire.ReportAnswer(id=lease_id, outcome=body.outcome, seed_quarantined=quarantined)
 
-    def _live_lease(
-        self, s: Connection, lease_id: str, holder: str | None, now: float, refused: str
-    ) -> Row[Any]:
+    def _live_lease(self, s: Connection, lease_id: str, holder: str | None, now: float, refused: str) -> Any:
         """The lease row, locked in the one lock order (PostgreSQL: the seed's instance row, then the
         lease, as assign and delete); NotFound, PermissionError (another holder; None: admin) or
         Conflict (ended or expired: `refused` says what is refused) otherwise. SQLite serialises
         writes, so there one read of the lease is enough."""
         if not self.db.sqlite:
-            seed_id = s.execute(self._sql.lease_seed, {"b_lease": lease_id}).scalar()
-            if seed_id is None:
+            seed = self._sql.lease_seed.first(s, {"b_lease": lease_id})
+            if seed is None:
                 raise NotFound(f"assignment {lease_id} not found")
-            s.execute(self._sql.lock_seed, {"b_seed": seed_id})
-        lease = s.execute(self._sql.live_lease, {"b_lease": lease_id}).first()
+            self._sql.lock_seed.run(s, {"b_seed": seed.instance_id})
+        lease = self._sql.live_lease.first(s, {"b_lease": lease_id})
         if lease is None:
             raise NotFound(f"assignment {lease_id} not found")
         if holder is not None and lease.holder != holder:
@@ -992,6 +1052,25 @@ def _anchor_view(a: Anchor) -> wire.AnchorView:
         set_by=a.set_by,
         created_at=a.created_at,
     )
+
+
+T = TypeVar("T")
+
+
+def _step(step: Callable[[Connection], Callable[[], T]], s: Connection) -> Callable[[], T] | Exception:
+    try:
+        return step(s)
+    except (PlannerError, PermissionError) as exc:
+        return exc
+
+
+def _raising(exc: Exception) -> Callable[[], Any]:
+    """A continuation that raises `exc` (a refusal decided inside the write, raised after it)."""
+
+    def answer() -> Any:
+        raise exc
+
+    return answer
 
 
 def _now(now: float | None) -> float:

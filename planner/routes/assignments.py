@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response
@@ -78,9 +80,17 @@ def lease(
 ) -> wire.Assignment:
     """Planner.assign for an allowed caller, refusals kept for the fleet page, metrics counted
     (blocking: called in a worker thread, by this route and by planner.hotpath)."""
+    # the clock is read under the write lock
+    return leased(state, body, functools.partial(planner.assign, body, None, holder=principal.holder))
+
+
+def leased(
+    state: Any, body: wire.AssignmentRequest, answer: Callable[[], wire.Assignment]
+) -> wire.Assignment:
+    """`answer()` (Planner.assign, or the continuation of Planner.assign_in) with its refusals kept for
+    the fleet page and the metrics counted."""
     try:
-        # the clock is read under the write lock
-        assignment = planner.assign(body, None, holder=principal.holder)
+        assignment = answer()
     except (AllBusy, NoSource) as exc:
         state.refusals.record(
             identity_key=body.identity.key(),
@@ -119,8 +129,16 @@ def finish(
 ) -> wire.ReportAnswer:
     """Planner.report by the lease's holder (admin: anyone), metrics counted; PermissionError for
     another caller (blocking: called in a worker thread, by this route and by planner.hotpath)."""
-    reporter = None if principal.has("admin") else principal.holder
-    out = planner.report(assignment_id, body, None, reporter=reporter)
+    return finished(state, body, planner.report(assignment_id, body, None, reporter=reporter(principal)))
+
+
+def reporter(principal: Principal) -> str | None:
+    """Whose leases `principal` may report on: its holder's (None: an admin, anyone's)."""
+    return None if principal.has("admin") else principal.holder
+
+
+def finished(state: Any, body: wire.TransferReport, out: wire.ReportAnswer) -> wire.ReportAnswer:
+    """A report's answer, its metrics counted."""
     state.metrics.transfers.labels(outcome=body.outcome).inc()
     state.metrics.transfer_bytes.inc(body.bytes)
     return out

@@ -288,6 +288,11 @@ def run(args: argparse.Namespace) -> int:
     # server while the load generator sends none (every request a 401)
     env = {k: v for k, v in os.environ.items() if not (k.startswith("RFORK_") and k.endswith("_TOKEN"))}
     env["RFORK_DB_POOL_SIZE"] = str(max(8, args.clients // 2))
+    # Registering 10,000 instances takes minutes, longer than the heartbeat TTL: with the default TTL
+    # (and --heartbeaters 0) the reaper would mark all but the last registered STALE and assignments
+    # would rank one or two live seeds per identity, or none (404). Every instance stays live instead;
+    # a heartbeat costs the same whatever the TTL.
+    env["RFORK_HEARTBEAT_TTL_S"] = "3600"
     # The server's log goes to a file: a pipe nobody reads fills up (64 KiB, ~600 "registered" lines)
     # and then every thread blocks in logging's handler lock -- the registration stall seen before.
     log_file = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from planner import AllBusy, AssignmentRequest, NoSource, RankManifest, RegistrationRequest, TransferReport
+from planner.errors import NotFound
 from planner.service import reap
 from tests.planner.conftest import identity, make_planner, manifest
 
@@ -23,9 +24,7 @@ def _ready_seed(svc, now: float, limit: int = 1) -> str:
 
 
 def _ask(**over) -> AssignmentRequest:
-    return AssignmentRequest.model_validate(
-        {"identity": identity(), "rank": 0, "providers": ["tcp"], **over}
-    )
+    return AssignmentRequest.model_validate({"identity": identity(), "rank": 0, "providers": ["tcp"], **over})
 
 
 def test_lease_expiry_and_stale_reaper(planner_url):
@@ -78,3 +77,39 @@ def test_requester_is_never_its_own_source(svc):
     seed = _ready_seed(svc, now)
     with pytest.raises(NoSource):
         svc.assign(_ask(requester_id=seed), now)
+
+
+def test_write_batch_counts_limits_in_order_and_keeps_refusals_apart(planner_url):
+    """One batch (Planner.write_batch, as planner.writes runs it): the second assignment sees the first's
+    lease (limit 1: 429), a refusal (NoSource, another holder's report) leaves the others' writes."""
+    svc = make_planner(planner_url)
+    try:
+        now = time.time()
+        seed = _ready_seed(svc, now, limit=1)
+        other = AssignmentRequest.model_validate(
+            {"identity": {**identity(), "model": "no-such-model"}, "rank": 0, "providers": ["tcp"]}
+        )
+        first, busy, missing = (
+            lambda s, body=body: svc.assign_in(s, body, None, "alice") for body in (_ask(), _ask(), other)
+        )
+        out = svc.write_batch([first, busy, missing])
+        assert out[0].candidates[0].instance_id == seed
+        assert isinstance(out[1], AllBusy)
+        assert isinstance(out[2], NoSource)
+        lease = out[0].id
+        ok = TransferReport(outcome="success", bytes=10, seconds=1.0)
+        steps = [
+            lambda s: lambda a=svc.report_in(s, lease, ok, None, "mallory"): a,  # not its lease
+            lambda s: lambda a=svc.report_in(s, lease, ok, None, "alice"): a,
+            lambda s: lambda a=svc.report_in(s, "0" * 32, ok, None, "alice"): a,  # no such lease
+            lambda s: svc.assign_in(s, _ask(), None, "bob"),  # the slot is free again
+        ]
+        refused, reported, unknown, again = svc.write_batch(steps)
+        assert isinstance(refused, PermissionError)
+        assert reported.outcome == "success"
+        assert isinstance(unknown, NotFound)
+        assert again.candidates[0].instance_id == seed
+        assert svc.transfers(limit=10, offset=0, seed_id=seed, outcome="success").total == 1
+        assert svc.live_leases(time.time()) == 1
+    finally:
+        svc.close()
