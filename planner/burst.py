@@ -53,6 +53,28 @@ def pull_rate_bps(recent: Iterable[tuple[int | None, float | None]], *, default_
     return total_bytes / total_s if total_s > 0 else default_bps
 
 
+def slot_index(*, leases: int, position: int, serves_after: int) -> tuple[int, int]:
+    """(i, g): the waiter at `position` gets the slot of the i-th earliest lease end (0-based), g pulls
+    after it, when every lease ends within one pull of the first (live leases always do).
+
+    Generation g of slots opens at each end + g pulls, (1 + serves_after) ** (g + 1) slots per end; the
+    generations never interleave. Needs only the number of leases, so the caller reads one lease's
+    start, not all of them.
+    """
+    if leases < 1:
+        raise ValueError("slot_index: no live lease to wait for")
+    fan = 1 + serves_after
+    if fan == 1:
+        generation, k = divmod(position, leases)
+        return k, generation
+    k, generation, each = position, 0, fan
+    while k >= each * leases:
+        k -= each * leases
+        generation += 1
+        each *= fan
+    return k // each, generation
+
+
 def slot_time(*, lease_ends: Sequence[float], position: int, pull_s: float, serves_after: int) -> float:
     """When the slot for the waiter at `position` (0 = next) opens, replaying the queue (see the module).
 
@@ -68,16 +90,8 @@ def slot_time(*, lease_ends: Sequence[float], position: int, pull_s: float, serv
     ends = sorted(lease_ends)
     fan = 1 + serves_after
     if ends[-1] - ends[0] <= pull_s:
-        # generation g: each end + g * pull_s, fan ** (g + 1) slots each; they never interleave
-        k, g, each = position, 0, fan
-        if fan == 1:
-            g, k = divmod(k, len(ends))
-            return ends[k] + g * pull_s
-        while k >= each * len(ends):
-            k -= each * len(ends)
-            g += 1
-            each *= fan
-        return ends[k // each] + g * pull_s
+        index, generation = slot_index(leases=len(ends), position=position, serves_after=serves_after)
+        return ends[index] + generation * pull_s
     groups: list[tuple[float, int]] = []  # (time, slots opening then), merged by time
     counts: dict[float, int] = {}
     for e in ends:
@@ -107,14 +121,27 @@ def estimate_busy(
     min_s: float,
     max_s: float,
 ) -> BusyEstimate:
-    """Retry-After for the waiter at `position`; `fallback` when waiting loses to `fallback_s`."""
+    """Retry-After for the waiter at `position`; `fallback` when waiting loses to `fallback_s`.
+
+    `lease_starts`: the live leases' start times, ascending. Only its length and three items are read
+    when no start lies ahead of `now` (then every end lies within one pull of now: `slot_index`), so it
+    may be a lazy sequence over the database (the service's is).
+    """
     if rate_bps <= 0:
         raise ValueError(f"rate_bps: must be positive, got {rate_bps}")
     pull_s = rank_bytes / rate_bps
     if not lease_starts:  # no live lease left (it ended between the count and now): ask again at once
         return BusyEstimate(retry_after_s=min_s, expected_pull_s=pull_s, fallback=False)
-    ends = [max(start + pull_s, now) for start in lease_starts]
-    wait = slot_time(lease_ends=ends, position=position, pull_s=pull_s, serves_after=serves_after) - now
+    # a lease ends at its start + one pull, or now when that is past; ends follow the starts' order
+    leases = len(lease_starts)
+    first, last = (max(lease_starts[i] + pull_s, now) for i in (0, leases - 1))
+    if last - first <= pull_s:  # always, unless a start lies ahead of now (another process's clock)
+        index, generation = slot_index(leases=leases, position=position, serves_after=serves_after)
+        slot = max(lease_starts[index] + pull_s, now) + generation * pull_s
+    else:
+        ends = [max(start + pull_s, now) for start in lease_starts]
+        slot = slot_time(lease_ends=ends, position=position, pull_s=pull_s, serves_after=serves_after)
+    wait = slot - now
     fallback = fallback_s is not None and wait + pull_s >= fallback_s
     return BusyEstimate(retry_after_s=min(max(wait, min_s), max_s), expected_pull_s=pull_s, fallback=fallback)
 

@@ -11,20 +11,73 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, bindparam, insert, or_, select, update
+from sqlalchemy import Float, String, and_, bindparam, case, cast, func, insert, literal, or_, select, update
 
 from planner.models import Anchor, Instance, InstanceRank, Lease, Manifest
 
 
-def _candidates(*, excluding: bool, lock: bool) -> Any:
-    """READY, fresh, unquarantined seeds of (b_key, b_rank) whose manifest matches the identity's anchor."""
-    q = (
+def _serves(*, excluding: bool) -> list[Any]:
+    """Conditions of a seed that may serve (b_key, b_rank): READY, fresh, unquarantined, not re-verifying."""
+    conds = [
+        Instance.identity_key == bindparam("b_key"),
+        Instance.status == "READY",
+        Instance.last_heartbeat >= bindparam("b_oldest_beat"),
+        or_(Instance.quarantined_until.is_(None), Instance.quarantined_until <= bindparam("b_now")),
+        Instance.reverify_since.is_(None),
+        Instance.integrity_failed.is_(False),
+    ]
+    if excluding:
+        conds.append(Instance.id.not_in(bindparam("b_excluded", expanding=True)))
+    return conds
+
+
+def _live_per_seed() -> Any:
+    """Live leases of (b_key, b_rank) per seed: one grouped pass over the identity's leases, joined to
+    the candidates (a correlated count would run once per seed and per use in the ORDER BY)."""
+    return (
+        select(Lease.instance_id, func.count().label("n"))
+        .where(
+            Lease.identity_key == bindparam("b_key"),
+            Lease.rank == bindparam("b_rank"),
+            Lease.ended_at.is_(None),
+            Lease.expires_at > bindparam("b_now"),
+        )
+        .group_by(Lease.instance_id)
+        .subquery("live")
+    )
+
+
+def _candidates(*, excluding: bool, tiered: bool) -> Any:
+    """The seeds of (b_key, b_rank) whose manifest matches the identity's anchor, free ones first,
+    with their live leases (`active`); at most b_limit rows.
+
+    `tiered` (the load-aware policy): the free ones nearest to the requester (b_node, b_rack, b_zone)
+    and least loaded first, the order of `LoadAwarePolicy.rank` up to its hash tie-break, so a decision
+    reads the best tier and not every seed (planner.selection.LoadAwarePolicy). Otherwise by id: the
+    policy ranks every free seed.
+    """
+    live = _live_per_seed()
+    active = func.coalesce(live.c.n, 0)
+    busy = case((active >= Instance.max_concurrent_pulls, 1), else_=0)
+    order: list[Any] = [busy]
+    if tiered:
+        # topology_distance: 0 same node, 1 same rack, 2 same zone, 3 elsewhere; empty labels never match
+        node, rack, zone = (bindparam(f"b_{label}", type_=String) for label in ("node", "rack", "zone"))
+        distance = case(
+            (and_(node != literal(""), Instance.node == node), 0),
+            (and_(rack != literal(""), Instance.rack == rack), 1),
+            (and_(zone != literal(""), Instance.zone == zone), 2),
+            else_=3,
+        )
+        order += [distance, cast(active, Float) / cast(Instance.max_concurrent_pulls, Float)]
+    return (
         select(
             Instance.id,
             Instance.node,
             Instance.rack,
             Instance.zone,
             Instance.max_concurrent_pulls,
+            active.label("active"),
             InstanceRank.backends,
             Anchor.checksum_algorithm,
             Anchor.digest_set,
@@ -45,21 +98,31 @@ def _candidates(*, excluding: bool, lock: bool) -> Any:
                 Anchor.digest_set == Manifest.digest_set,
             ),
         )
-        .where(
-            Instance.identity_key == bindparam("b_key"),
-            Instance.status == "READY",
-            Instance.last_heartbeat >= bindparam("b_oldest_beat"),
-            or_(Instance.quarantined_until.is_(None), Instance.quarantined_until <= bindparam("b_now")),
-            Instance.reverify_since.is_(None),
-            Instance.integrity_failed.is_(False),
-        )
-        .order_by(Instance.id)
+        .outerjoin(live, live.c.instance_id == Instance.id)
+        .where(*_serves(excluding=excluding))
+        .order_by(*order, Instance.id)
+        .limit(bindparam("b_limit"))
     )
-    if excluding:
-        q = q.where(Instance.id.not_in(bindparam("b_excluded", expanding=True)))
-    if lock:
-        q = q.with_for_update(of=Instance)
-    return q
+
+
+def _live_starts(*, count: bool) -> Any:
+    """The live leases of (b_key, b_rank) on seeds that may serve it: how many (`count`), else the
+    start of the b_offset-th earliest (what the 429's estimate reads instead of every lease)."""
+    q = (
+        select(func.count() if count else Lease.created_at)
+        .select_from(Lease)
+        .join(Instance, Instance.id == Lease.instance_id)
+    )
+    q = q.where(
+        Lease.identity_key == bindparam("b_key"),
+        Lease.rank == bindparam("b_rank"),
+        Lease.ended_at.is_(None),
+        Lease.expires_at > bindparam("b_now"),
+        *_serves(excluding=False),
+    )
+    if count:
+        return q
+    return q.order_by(Lease.created_at).limit(1).offset(bindparam("b_offset"))
 
 
 def _recent_pulls(*, of_identity: bool) -> Any:
@@ -86,7 +149,12 @@ class HotStatements:
 
     candidates: Any
     candidates_excluding: Any
+    ranked: Any
+    ranked_excluding: Any
+    lock_chosen: Any
     live_leases: Any
+    live_count: Any
+    live_start: Any
     recent_pulls: Any
     recent_pulls_any: Any
     insert_lease: Any
@@ -110,16 +178,25 @@ class HotStatements:
             Lease.provider,
         ).where(Lease.id == bindparam("b_lease"))
         return cls(
-            candidates=_candidates(excluding=False, lock=lock),
-            candidates_excluding=_candidates(excluding=True, lock=lock),
-            # the seeds' live leases: counted against their limits, and their starts are what the
-            # 429's estimate needs when every seed is busy
-            live_leases=select(Lease.instance_id, Lease.created_at).where(
+            candidates=_candidates(excluding=False, tiered=False),
+            candidates_excluding=_candidates(excluding=True, tiered=False),
+            ranked=_candidates(excluding=False, tiered=True),
+            ranked_excluding=_candidates(excluding=True, tiered=True),
+            # PostgreSQL: the chosen seeds' rows, locked in id order, still serving, while their live
+            # leases are counted again and the new one inserted (SQLite serialises the whole write)
+            lock_chosen=select(Instance.id)
+            .where(Instance.id.in_(bindparam("b_ids", expanding=True)), *_serves(excluding=False))
+            .order_by(Instance.id)
+            .with_for_update(),
+            # the chosen seeds' live leases, counted against their limits under those locks
+            live_leases=select(Lease.instance_id).where(
                 Lease.instance_id.in_(bindparam("b_ids", expanding=True)),
                 Lease.rank == bindparam("b_rank"),
                 Lease.ended_at.is_(None),
                 Lease.expires_at > bindparam("b_now"),
             ),
+            live_count=_live_starts(count=True),
+            live_start=_live_starts(count=False),
             recent_pulls=_recent_pulls(of_identity=True),
             recent_pulls_any=_recent_pulls(of_identity=False),
             insert_lease=insert(Lease),

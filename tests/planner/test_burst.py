@@ -53,7 +53,7 @@ def test_slot_time_with_new_seeds_grows_like_a_tree():
 )
 def test_estimate_properties(starts, rank_gb, rate_gbps, now, position, serves_after, fallback_s):
     kw = {
-        "lease_starts": starts,
+        "lease_starts": sorted(starts),
         "rank_bytes": int(rank_gb * GB),
         "rate_bps": rate_gbps * GB,
         "now": now,
