@@ -237,3 +237,34 @@ def test_recorded_leases_never_show_a_seed_over_its_limit(server):
     spans = [(t.created_at, t.ended_at) for t in items if t.ended_at is not None]
     assert len(spans) == 36  # every lease ended
     assert max_concurrent(spans) <= 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ago=st.lists(st.floats(0, 100), min_size=1, max_size=12),
+    pull=st.floats(0.01, 50),
+    position=st.integers(0, 200),
+    serves_after=st.integers(0, 4),
+)
+def test_estimate_reads_one_start_and_matches_the_replay_of_every_lease(ago, pull, position, serves_after):
+    # the 429 reads the live leases' count and one start (planner.service._LiveStarts); the answer is
+    # the replay over every lease's end, as before
+    now = 1000.0
+    starts = sorted(now - a for a in ago)
+    read: list[int] = []
+
+    class Lazy(list):
+        def __getitem__(self, i):
+            read.append(i)
+            return super().__getitem__(i)
+
+    est = estimate_busy(
+        lease_starts=Lazy(starts), rank_bytes=int(pull * GB), rate_bps=GB, now=now,
+        position=position, serves_after=serves_after, min_s=1e-9, max_s=1e9,
+    )  # fmt: skip
+    ends = [max(s + int(pull * GB) / GB, now) for s in starts]
+    want = slot_time(
+        lease_ends=ends, position=position, pull_s=int(pull * GB) / GB, serves_after=serves_after
+    )
+    assert est.retry_after_s == pytest.approx(max(want - now, 1e-9), rel=1e-12, abs=1e-9)
+    assert len(read) <= 3
