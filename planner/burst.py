@@ -6,13 +6,16 @@ computed here from the live leases on those seeds and the rates recorded in fini
 - rate: bytes / seconds summed over the last few successful pulls of this identity and rank (else of
   any identity, else the `assumed_pull_gbps` setting). A recorded pull already ran at the concurrency
   seeds really serve at, so one rate per identity is enough;
-- pull time: the rank's bytes / rate; a live lease ends at its start + pull time (one already past
-  that estimate is due now);
+- pull time: the rank's bytes / rate; a live lease ends at its start + pull time; one already past
+  that is late and expected after a grace as long as the median late lease is late, within
+  [min Retry-After, one pull] (`overdue_end`: a backoff, not "now", which sent waiters back at once);
 - the queue: each lease end frees its slot, and the loader holding it becomes a seed with
   `serves_after` slots of its own (what the waiting requester says it will serve, 0 for none: the
   planner then counts only the slots it knows of). Waiters take slots in the order they started
-  waiting; a waiter's position is the number of earlier waiters still waiting (the `WaitingRoom`,
-  per planner process; the requester says how long it has waited). Replaying the queue gives the
+  waiting, ties (waiters that started at the same instant, e.g. a whole fleet started at once) broken
+  by a hash of the requester (its id, else its node); a waiter's position is the number of earlier
+  waiters still waiting (the `WaitingRoom`, per planner process; the requester says how long it has
+  waited). Replaying the queue gives the
   time this waiter's slot opens;
 - Retry-After: that slot time - now, clamped to [min, max], so a burst of waiters comes back spread
   over the slots instead of all at once;
@@ -27,7 +30,9 @@ and the tests share them.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import heapq
+import math
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -123,27 +128,63 @@ def estimate_busy(
 ) -> BusyEstimate:
     """Retry-After for the waiter at `position`; `fallback` when waiting loses to `fallback_s`.
 
-    `lease_starts`: the live leases' start times, ascending. Only its length and three items are read
-    when no start lies ahead of `now` (then every end lies within one pull of now: `slot_index`), so it
-    may be a lazy sequence over the database (the service's is).
+    `lease_starts`: the live leases' start times, ascending. Only its length and O(log n) items are
+    read (binary searches) when no start lies ahead of `now` (then every end lies within one pull of
+    now: `slot_index`), so it may be a lazy sequence over the database (the service's is).
     """
     if rate_bps <= 0:
         raise ValueError(f"rate_bps: must be positive, got {rate_bps}")
     pull_s = rank_bytes / rate_bps
     if not lease_starts:  # no live lease left (it ended between the count and now): ask again at once
         return BusyEstimate(retry_after_s=min_s, expected_pull_s=pull_s, fallback=False)
-    # a lease ends at its start + one pull, or now when that is past; ends follow the starts' order
     leases = len(lease_starts)
-    first, last = (max(lease_starts[i] + pull_s, now) for i in (0, leases - 1))
-    if last - first <= pull_s:  # always, unless a start lies ahead of now (another process's clock)
+    late = overdue_end(lease_starts, now=now, pull_s=pull_s, min_s=min_s)
+    if lease_starts[leases - 1] <= now:  # always, unless a start lies ahead of now (another process's clock)
+        # every end lies in [now, now + pull]: the closed form, on the ends in ascending order
         index, generation = slot_index(leases=leases, position=position, serves_after=serves_after)
-        slot = max(lease_starts[index] + pull_s, now) + generation * pull_s
+        slot = _nth_end(lease_starts, index, now=now, pull_s=pull_s, late=late) + generation * pull_s
     else:
-        ends = [max(start + pull_s, now) for start in lease_starts]
+        ends = [start + pull_s if start + pull_s > now else late for start in lease_starts]
         slot = slot_time(lease_ends=ends, position=position, pull_s=pull_s, serves_after=serves_after)
     wait = slot - now
     fallback = fallback_s is not None and wait + pull_s >= fallback_s
     return BusyEstimate(retry_after_s=min(max(wait, min_s), max_s), expected_pull_s=pull_s, fallback=fallback)
+
+
+def overdue_end(lease_starts: Sequence[float], *, now: float, pull_s: float, min_s: float) -> float:
+    """When a lease already past its expected end (start + pull) is now expected to end.
+
+    Not "now": a lease that ran late is still running, and "now" sends every waiter matched to it back
+    at the minimum Retry-After, again and again (the herd that stopped the 10,000-instance simulation).
+    Instead now + how late the median late lease is, within [min_s, pull_s]: waiters come back after
+    a wait that doubles each time the lease is still running (a backoff), never more than one pull.
+    The median, so one stuck lease does not hold back the others' waiters. Reads O(log n) starts.
+    """
+    overdue = bisect.bisect_right(lease_starts, now - pull_s)  # the late ones: a prefix of the starts
+    if overdue == 0:
+        return now
+    late_by = now - (lease_starts[(overdue - 1) // 2] + pull_s)
+    if not math.isfinite(late_by):  # the lease ended since the count (a lazy read): a slot is free now
+        return now
+    return now + min(max(late_by, min_s), pull_s)
+
+
+def _nth_end(lease_starts: Sequence[float], i: int, *, now: float, pull_s: float, late: float) -> float:
+    """The i-th earliest expected end (0-based) when no start lies after now: each late lease ends at
+    `late`, the others at start + pull (ascending with the starts); found by two binary searches."""
+    overdue = bisect.bisect_right(lease_starts, now - pull_s)
+    # on-time leases ending before the late ones
+    before = bisect.bisect_left(lease_starts, late - pull_s, lo=overdue) - overdue
+    if i < before:
+        return lease_starts[overdue + i] + pull_s
+    if i < before + overdue:
+        return late
+    return lease_starts[i] + pull_s
+
+
+def _tie(requester: str) -> int:
+    """A stable order among waiters that started at the same instant (same in every planner process)."""
+    return int.from_bytes(hashlib.blake2b(requester.encode(), digest_size=8).digest(), "big")
 
 
 @dataclass
@@ -151,28 +192,32 @@ class WaitingRoom:
     """Waiters told to come back later, per (identity key, rank), first come first served.
 
     A waiter's position is the number of waiters that started waiting before it and are still
-    waiting, so one that comes back and must wait again keeps its place. A waiter leaves when its
+    waiting, so one that comes back and must wait again keeps its place. Waiters that started at the
+    same instant (a fleet started at once: every re-ask says the same `since`) are ordered by a hash
+    of `tie` (the requester's id or node), so the k-th of them is told the k-th slot, not the first.
+    A waiter leaves when its
     promised time passes (by then it has asked again or given up). In memory, per planner process:
     with several processes each sees its own waiters, so positions run short and waiters come back
     early, which costs an extra 429, never a wrong lease. Bounded: at most `max_waiters` over all keys
     (a full room forgets the newcomer, who then queues as if first: again an early 429 at worst); a
-    position is a binary search in the sorted start times, so 100,000 waiters asking cost O(log n) each
-    plus the removal of those whose time passed.
+    position is a binary search in the sorted (start, tie) pairs, so 100,000 waiters asking cost
+    O(log n) each plus the removal of those whose time passed.
     """
 
     max_waiters: int = 100_000
-    _expiries: list[tuple[float, tuple[str, int], float]] = field(default_factory=list)  # (at, key, since)
-    _starts: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # sorted, per key
+    _expiries: list[tuple[float, tuple[str, int], tuple[float, int]]] = field(default_factory=list)
+    _starts: dict[tuple[str, int], list[tuple[float, int]]] = field(default_factory=dict)  # sorted
+    _until: dict[tuple[tuple[str, int], tuple[float, int]], float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def size(self) -> int:
         """Waiters held now, over every key."""
         with self._lock:
-            return len(self._expiries)
+            return len(self._until)
 
-    def position(self, key: tuple[str, int], now: float, since: float) -> int:
-        """Waiters of `key` still waiting that started before `since` (a newcomer, `since` = now, also
-        queues behind those that started at the same instant)."""
+    def position(self, key: tuple[str, int], now: float, since: float, tie: str = "") -> int:
+        """Waiters of `key` still waiting that started before `since`, or at `since` with a smaller tie
+        (a newcomer, `since` = now, queues behind every waiter)."""
         with self._lock:
             self._expire(now)
             starts = self._starts.get(key)
@@ -180,24 +225,45 @@ class WaitingRoom:
                 return 0
             if since >= now:
                 return len(starts)
-            return bisect.bisect_left(starts, since)
+            return bisect.bisect_left(starts, (since, _tie(tie)))
 
-    def promise(self, key: tuple[str, int], at: float, since: float, now: float | None = None) -> None:
-        """Record a waiter (waiting since `since`) told to come back at `at`."""
+    def promise(
+        self, key: tuple[str, int], at: float, since: float, now: float | None = None, tie: str = ""
+    ) -> None:
+        """Record a waiter (waiting since `since`, ordered among equal starts by `tie`) told to come back
+        at `at`. It stays as long again after `at` (a loader's jitter), so that waiters told the same
+        time and coming back one by one still see each other; asking again replaces its promise."""
         with self._lock:
             if now is not None:
                 self._expire(now)
-            if len(self._expiries) >= self.max_waiters:
-                return
-            heapq.heappush(self._expiries, (at, key, since))
-            bisect.insort(self._starts.setdefault(key, []), since)
+            entry = (since, _tie(tie))
+            until = at + (at - now if now is not None else 0.0)
+            if (key, entry) not in self._until:
+                if len(self._until) >= self.max_waiters:
+                    return
+                bisect.insort(self._starts.setdefault(key, []), entry)
+            self._until[(key, entry)] = until
+            heapq.heappush(self._expiries, (until, key, entry))
+
+    def leave(self, key: tuple[str, int], since: float, tie: str = "") -> None:
+        """The waiter got its slot: it no longer holds a place."""
+        with self._lock:
+            entry = (since, _tie(tie))
+            if self._until.pop((key, entry), None) is not None:
+                self._remove(key, entry)
 
     def _expire(self, now: float) -> None:
-        """Forget the waiters whose promised time has passed, of every key (lock held)."""
+        """Forget the waiters whose time has passed, of every key (lock held)."""
         entries = self._expiries
         while entries and entries[0][0] <= now:
-            _, key, started = heapq.heappop(entries)
-            starts = self._starts[key]
-            del starts[bisect.bisect_left(starts, started)]
-            if not starts:
-                del self._starts[key]
+            until, key, entry = heapq.heappop(entries)
+            if self._until.get((key, entry)) != until:  # replaced by a later promise, or left
+                continue
+            del self._until[(key, entry)]
+            self._remove(key, entry)
+
+    def _remove(self, key: tuple[str, int], entry: tuple[float, int]) -> None:
+        starts = self._starts[key]
+        del starts[bisect.bisect_left(starts, entry)]
+        if not starts:
+            del self._starts[key]

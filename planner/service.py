@@ -599,6 +599,8 @@ class Planner:
                     manifest=wire.StoredManifest(d.body),  # as stored: never parsed here
                 )
             )
+        if body.waited_s > 0:  # it waited: its place in line is free for the others
+            self.waiting.leave((key, body.rank), now - body.waited_s, _waiter_tie(body))
         return wire.Assignment(
             id=lease_id,
             expires_at=dt.datetime.fromtimestamp(expires_at, tz=dt.timezone.utc).isoformat(),
@@ -719,6 +721,7 @@ class Planner:
         }
         room = (key, body.rank)
         since = now - body.waited_s
+        tie = _waiter_tie(body)
         with self.db.read() as session:
             s = session.connection()
             recent = s.execute(sql.recent_pulls, params).all()
@@ -731,14 +734,14 @@ class Planner:
                 rank_bytes=rank_bytes,
                 rate_bps=rate,
                 now=now,
-                position=self.waiting.position(room, now, since),
+                position=self.waiting.position(room, now, since, tie),
                 serves_after=body.serves_after,
                 fallback_s=body.fallback_s,
                 min_s=st.retry_after_min_s,
                 max_s=st.retry_after_max_s,
             )
         if not est.fallback:
-            self.waiting.promise(room, now + est.retry_after_s, since, now=now)
+            self.waiting.promise(room, now + est.retry_after_s, since, now=now, tie=tie)
         return est
 
     def _rank_bytes(self, s: Any, key: str, rank: int, instance_id: str) -> int:
@@ -1074,6 +1077,11 @@ class _LiveStarts(Sequence[float]):
         start = self._s.execute(self._sql.live_start, {**self._params, "b_offset": i}).scalar()
         # None: leases ended since the count (PostgreSQL reads each statement afresh): a slot is free now
         return -math.inf if start is None else float(start)
+
+
+def _waiter_tie(body: wire.AssignmentRequest) -> str:
+    """Orders waiters that started at the same instant (planner.burst.WaitingRoom): the requester."""
+    return body.requester_id or body.labels.node
 
 
 def _seed_view(r: Any) -> SeedView:
