@@ -160,9 +160,9 @@ def overdue_end(lease_starts: Sequence[float], *, now: float, pull_s: float, min
     a wait that doubles each time the lease is still running (a backoff), never more than one pull.
     The median, so one stuck lease does not hold back the others' waiters. Reads O(log n) starts.
     """
-    overdue = bisect.bisect_right(lease_starts, now - pull_s)  # the late ones: a prefix of the starts
-    if overdue == 0:
+    if lease_starts[0] + pull_s > now:  # none late (the usual case: one read)
         return now
+    overdue = bisect.bisect_right(lease_starts, now - pull_s)  # the late ones: a prefix of the starts
     late_by = now - (lease_starts[(overdue - 1) // 2] + pull_s)
     if not math.isfinite(late_by):  # the lease ended since the count (a lazy read): a slot is free now
         return now
@@ -172,6 +172,8 @@ def overdue_end(lease_starts: Sequence[float], *, now: float, pull_s: float, min
 def _nth_end(lease_starts: Sequence[float], i: int, *, now: float, pull_s: float, late: float) -> float:
     """The i-th earliest expected end (0-based) when no start lies after now: each late lease ends at
     `late`, the others at start + pull (ascending with the starts); found by two binary searches."""
+    if late == now:  # no late lease: the ends follow the starts
+        return lease_starts[i] + pull_s
     overdue = bisect.bisect_right(lease_starts, now - pull_s)
     # on-time leases ending before the late ones
     before = bisect.bisect_left(lease_starts, late - pull_s, lo=overdue) - overdue
