@@ -105,9 +105,10 @@ def _candidates(*, excluding: bool, tiered: bool) -> Any:
     )
 
 
-def _live_starts(*, count: bool) -> Any:
-    """The live leases of (b_key, b_rank) on seeds that may serve it: how many (`count`), else the
-    start of the b_offset-th earliest (what the 429's estimate reads instead of every lease)."""
+def _live_starts(*, count: bool, started: str = "") -> Any:
+    """The live leases of (b_key, b_rank) on seeds that may serve it: how many (`count`; `started`
+    "<=" or "<": of those that started so before b_at), else the start of the b_offset-th earliest
+    (what the 429's estimate reads instead of every lease)."""
     q = (
         select(func.count() if count else Lease.created_at)
         .select_from(Lease)
@@ -120,6 +121,9 @@ def _live_starts(*, count: bool) -> Any:
         Lease.expires_at > bindparam("b_now"),
         *_serves(excluding=False),
     )
+    if started:
+        at: Any = bindparam("b_at")
+        q = q.where(Lease.created_at <= at if started == "<=" else Lease.created_at < at)
     if count:
         return q
     return q.order_by(Lease.created_at).limit(1).offset(bindparam("b_offset"))
@@ -154,6 +158,8 @@ class HotStatements:
     lock_chosen: Any
     live_leases: Any
     live_count: Any
+    live_count_le: Any
+    live_count_lt: Any
     live_start: Any
     recent_pulls: Any
     recent_pulls_any: Any
@@ -196,6 +202,8 @@ class HotStatements:
                 Lease.expires_at > bindparam("b_now"),
             ),
             live_count=_live_starts(count=True),
+            live_count_le=_live_starts(count=True, started="<="),
+            live_count_lt=_live_starts(count=True, started="<"),
             live_start=_live_starts(count=False),
             recent_pulls=_recent_pulls(of_identity=True),
             recent_pulls_any=_recent_pulls(of_identity=False),

@@ -174,6 +174,14 @@ def test_retry_after_from_live_leases_and_recorded_rate(sqlite_url):
             svc.assign(_ask(waited_s=100.0), now + 2.5)  # waited longest: first in line
         assert busy2.value.expected_pull_s == pytest.approx(2.0)
         assert busy2.value.retry_after_s == pytest.approx(1.5)
+        # lease2 (started at 1002, due at 1004) runs late: at 1007 it is 3 s late, so the first in line
+        # is told 3 s (the live leases counted in SQL), not the minimum
+        with pytest.raises(AllBusy) as late:
+            svc.assign(_ask(waited_s=100.0), now + 7)
+        assert late.value.retry_after_s == pytest.approx(2.0)  # bounded by one pull (2 s)
+        with pytest.raises(AllBusy) as late:
+            svc.assign(_ask(waited_s=100.0), now + 5)
+        assert late.value.retry_after_s == pytest.approx(1.0)  # 1 s late: wait 1 s
         assert lease2
     finally:
         svc.close()
