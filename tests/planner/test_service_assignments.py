@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
+from sqlalchemy import Connection
 
 from planner import AllBusy, AssignmentRequest, NoSource, RankManifest, RegistrationRequest, TransferReport
 from planner.errors import NotFound
 from planner.service import reap
+from planner.wire import Assignment, ReportAnswer
 from tests.planner.conftest import identity, make_planner, manifest
 
 
@@ -89,25 +93,36 @@ def test_write_batch_counts_limits_in_order_and_keeps_refusals_apart(planner_url
         other = AssignmentRequest.model_validate(
             {"identity": {**identity(), "model": "no-such-model"}, "rank": 0, "providers": ["tcp"]}
         )
-        first, busy, missing = (
-            lambda s, body=body: svc.assign_in(s, body, None, "alice") for body in (_ask(), _ask(), other)
-        )
-        out = svc.write_batch([first, busy, missing])
+        def asking(body: AssignmentRequest, holder: str) -> Callable[[Connection], Callable[[], Any]]:
+            return lambda s: svc.assign_in(s, body, None, holder)
+
+        def reporting(lease: str, reporter: str) -> Callable[[Connection], Callable[[], Any]]:
+            def step(s: Connection) -> Callable[[], Any]:
+                answer = svc.report_in(s, lease, ok, None, reporter)
+                return lambda: answer
+
+            return step
+
+        ok = TransferReport(outcome="success", bytes=10, seconds=1.0)
+        out = svc.write_batch([asking(_ask(), "alice"), asking(_ask(), "alice"), asking(other, "alice")])
+        assert isinstance(out[0], Assignment)
         assert out[0].candidates[0].instance_id == seed
         assert isinstance(out[1], AllBusy)
         assert isinstance(out[2], NoSource)
         lease = out[0].id
-        ok = TransferReport(outcome="success", bytes=10, seconds=1.0)
-        steps = [
-            lambda s: lambda a=svc.report_in(s, lease, ok, None, "mallory"): a,  # not its lease
-            lambda s: lambda a=svc.report_in(s, lease, ok, None, "alice"): a,
-            lambda s: lambda a=svc.report_in(s, "0" * 32, ok, None, "alice"): a,  # no such lease
-            lambda s: svc.assign_in(s, _ask(), None, "bob"),  # the slot is free again
-        ]
-        refused, reported, unknown, again = svc.write_batch(steps)
+        refused, reported, unknown, again = svc.write_batch(
+            [
+                reporting(lease, "mallory"),  # not its lease
+                reporting(lease, "alice"),
+                reporting("0" * 32, "alice"),  # no such lease
+                asking(_ask(), "bob"),  # the slot is free again
+            ]
+        )
         assert isinstance(refused, PermissionError)
+        assert isinstance(reported, ReportAnswer)
         assert reported.outcome == "success"
         assert isinstance(unknown, NotFound)
+        assert isinstance(again, Assignment)
         assert again.candidates[0].instance_id == seed
         assert svc.transfers(limit=10, offset=0, seed_id=seed, outcome="success").total == 1
         assert svc.live_leases(time.time()) == 1
