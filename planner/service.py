@@ -9,12 +9,13 @@ import base64
 import datetime as dt
 import functools
 import logging
+import math
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar, overload
 
 from sqlalchemy import Connection, delete, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -27,7 +28,14 @@ from planner.db import Database
 from planner.errors import AllBusy, Conflict, DigestMismatch, NoSource, NotFound, PlannerError
 from planner.models import Anchor, CompileCache, Instance, InstanceRank, Lease, Manifest
 from planner.queries import HotStatements
-from planner.selection import Requester, SeedView, SelectionPolicy, choose_provider, make_policy
+from planner.selection import (
+    Requester,
+    SeedView,
+    SelectionPolicy,
+    choose_provider,
+    make_policy,
+    tier_key,
+)
 from planner.settings import PlannerSettings
 from planner.wire import InstancePage, ModelsPage, ModelView, TransfersPage, TransferView
 
@@ -501,40 +509,39 @@ class Planner:
         }
         if excluded:
             params["b_excluded"] = sorted(excluded)
-        found = (sql.candidates_excluding if excluded else sql.candidates).rows(s, params)
-        rows = []
-        for r in found:
-            provider = choose_provider(body.providers, body.backends, r.backends)
-            if provider is not None:
-                rows.append((r, provider))
-        if clock:  # again, now that PostgreSQL's row locks on the seeds are held too
-            now = _now(None)
-        if not rows:
-            return _raising(NoSource(f"no READY source for identity {key[:12]} rank {body.rank}"))
-        live = sql.live_leases.rows(s, {"b_ids": [r.id for r, _ in rows], "b_rank": body.rank, "b_now": now})
-        counts = Counter(lease.instance_id for lease in live)
-        by_id = {r.id: (r, p) for r, p in rows}
-        views = [
-            SeedView(
-                instance_id=r.id,
-                node=r.node,
-                rack=r.rack,
-                zone=r.zone,
-                active_leases=counts.get(r.id, 0),
-                max_concurrent_pulls=r.max_concurrent_pulls,
-            )
-            for r, _ in rows
-        ]
         req = Requester(
             node=body.labels.node,
             rack=body.labels.rack,
             zone=body.labels.zone,
             key=body.requester_id or body.labels.node,
         )
-        ranked = self.policy.rank(req, views)[: st.max_candidates]
+        ranked: Sequence[SeedView] = ()
+        busy_seed: str | None = None
+        by_id: dict[str, tuple[Any, str]] = {}
+        for _attempt in range(3):  # PostgreSQL: again if the chosen filled up before their locks
+            free, busy_seed = self._free_seeds(s, req, body, params, bool(excluded))
+            by_id = {r.id: (r, p) for r, p in free}
+            ranked = self.policy.rank(req, [_seed_view(r) for r, _ in free])[: st.max_candidates]
+            if not ranked or self.db.sqlite:  # SQLite: the write lock was held while they were counted
+                break
+            # PostgreSQL: lock the chosen rows (id order), then count their live leases again
+            ids = [v.instance_id for v in ranked]
+            locked = {r.id for r in sql.lock_chosen.rows(s, {**params, "b_ids": ids})}
+            if clock:  # again, now that the row locks are held
+                now = params["b_now"] = _now(None)
+            live = sql.live_leases.rows(s, {"b_ids": ids, "b_rank": body.rank, "b_now": now})
+            counts = Counter(r.instance_id for r in live)
+            ranked = self.policy.rank(
+                req,
+                [replace(v, active_leases=counts[v.instance_id]) for v in ranked if v.instance_id in locked],
+            )
+            if ranked:
+                break
+            busy_seed = busy_seed or next(iter(by_id))
         if not ranked:  # the 429's arithmetic runs after the write: heartbeats and other writes go on
-            busy = [v.instance_id for v in views]
-            return functools.partial(self._all_busy, key, body, busy, [x.created_at for x in live], now)
+            if busy_seed is None:
+                return _raising(NoSource(f"no READY source for identity {key[:12]} rank {body.rank}"))
+            return functools.partial(self._all_busy, key, body, busy_seed, now)
         lease_id = uuid.uuid4().hex
         expires_at = now + st.lease_ttl_s
         sql.insert_lease.run(
@@ -553,7 +560,9 @@ class Planner:
         )
         chosen = [v.instance_id for v in ranked]
         details = {d.id: d for d in sql.chosen_details.rows(s, {"b_ids": chosen, "b_rank": body.rank})}
-        return functools.partial(self._assignment, body, chosen, by_id, details, lease_id, expires_at)
+        return functools.partial(
+            self._assignment, key, now, body, chosen, by_id, details, lease_id, expires_at
+        )
 
     def write_batch(
         self, steps: Sequence[Callable[[Connection], Callable[[], T]]]
@@ -589,12 +598,12 @@ class Planner:
         return out
 
     def _all_busy(
-        self, key: str, body: wire.AssignmentRequest, busy: Sequence[str], starts: Sequence[float], now: float
+        self, key: str, body: wire.AssignmentRequest, busy_seed: str, now: float
     ) -> wire.Assignment:
-        """Raise the 429 (AllBusy) with its estimate."""
-        est = self._busy_estimate(key, body, busy, starts, now)
+        """Raise the 429 (AllBusy) with its estimate; `busy_seed`: one of the busy seeds."""
+        est = self._busy_estimate(key, body, busy_seed, now)
         raise AllBusy(
-            f"all {len(busy)} sources for rank {body.rank} are at their pull limit; "
+            f"all sources for rank {body.rank} are at their pull limit; "
             f"a slot is expected in {est.retry_after_s:.2f} s",
             retry_after_s=est.retry_after_s,
             expected_pull_s=est.expected_pull_s,
@@ -603,6 +612,8 @@ class Planner:
 
     def _assignment(
         self,
+        key: str,
+        now: float,
         body: wire.AssignmentRequest,
         chosen: Sequence[str],
         by_id: dict[str, Any],
@@ -644,12 +655,62 @@ class Planner:
                     manifest=wire.StoredManifest(d.body),  # as stored: never parsed here
                 )
             )
+        if body.waited_s > 0:  # it waited: its place in line is free for the others
+            self.waiting.leave((key, body.rank), now - body.waited_s, _waiter_tie(body))
         return wire.Assignment(
             id=lease_id,
             expires_at=dt.datetime.fromtimestamp(expires_at, tz=dt.timezone.utc).isoformat(),
             expires_at_unix=expires_at,
             candidates=candidates,
         )
+
+    def _free_seeds(
+        self,
+        s: Connection,
+        req: Requester,
+        body: wire.AssignmentRequest,
+        params: dict[str, Any],
+        excluded: bool,
+    ) -> tuple[Sequence[tuple[Any, str]], str | None]:
+        """The free seeds the policy must see, each with the transport for this requester, and a busy
+        seed it could use (None if none, or if the free ones were not all read).
+
+        The query returns free seeds first (a tiered policy's: in `tier_key` order), at most b_limit
+        rows; the limit grows until the rows read hold every free seed, or, for a tiered policy, the
+        whole tier of the `max_candidates`-th: what a decision reads grows with the free seeds near the
+        requester, not with the fleet.
+        """
+        sql, k = self._sql, self.settings.max_candidates
+        tiered = self.policy.tiered
+        if tiered:
+            stmt = sql.ranked_excluding if excluded else sql.ranked
+            params = {**params, "b_node": req.node, "b_rack": req.rack, "b_zone": req.zone}
+        else:
+            stmt = sql.candidates_excluding if excluded else sql.candidates
+        limit = max(16, 4 * k)
+        while True:
+            found = stmt.rows(s, {**params, "b_limit": limit})
+            free: list[tuple[Any, str]] = []
+            busy_seed, every_free = None, len(found) < limit
+            for r in found:
+                provider = choose_provider(body.providers, body.backends, r.backends)
+                if r.active >= r.max_concurrent_pulls:
+                    every_free = True  # free seeds sort first
+                    if provider is not None:
+                        busy_seed = r.id
+                        break
+                elif provider is not None:
+                    free.append((r, provider))
+            if every_free and (free or busy_seed is not None or len(found) < limit):
+                return free, busy_seed
+            # rows past the k-th free seed's tier cannot change the policy's first k
+            if (
+                tiered
+                and len(free) >= k
+                and tier_key(req, _seed_view(found[-1])) > tier_key(req, _seed_view(free[k - 1][0]))
+            ):
+                return free, None
+            limit *= 4
 
     def compile_cache_sources(
         self, cache_key: str, now: float, *, may_lease: Callable[[str], bool], labels: wire.Labels
@@ -697,48 +758,46 @@ class Planner:
         return wire.CompileCacheSources(cache_key=cache_key, sources=sources)
 
     def _busy_estimate(
-        self,
-        key: str,
-        body: wire.AssignmentRequest,
-        seed_ids: Sequence[str],
-        starts: Sequence[float],
-        now: float,
+        self, key: str, body: wire.AssignmentRequest, seed_id: str, now: float
     ) -> BusyEstimate:
-        """planner.burst's estimate from the busy seeds' live leases (`starts`, read by the write that
-        found every seed busy) and this identity's recent pulls.
+        """planner.burst's estimate from the live leases on the identity's seeds and its recent pulls.
 
-        Its own read transaction: bounded queries, the rate from successful pulls that ended within
-        `rate_history_s` only.
+        Its own read transaction, bounded whatever the fleet: the live leases are counted and one
+        start is read (`estimate_busy` needs no more), the rate comes from the last `rate_window`
+        successful pulls that ended within `rate_history_s`. `seed_id`: a busy seed, for the rank's bytes.
         """
-        st = self.settings
+        st, sql = self.settings, self._sql
         params = {
             "b_key": key,
             "b_rank": body.rank,
             "b_oldest": now - st.rate_history_s,
             "b_window": st.rate_window,
+            "b_now": now,
+            "b_oldest_beat": now - st.heartbeat_ttl_s,
         }
-        with self.db.read() as session:
-            s = session.connection()
-            recent = s.execute(self._sql.recent_pulls, params).all()
-            if not recent:  # a new identity: what pulls of any identity achieved here
-                recent = s.execute(self._sql.recent_pulls_any, params).all()
-            rank_bytes = self._rank_bytes(s, key, body.rank, seed_ids[0])
-        rate = pull_rate_bps(((r[0], r[1]) for r in recent), default_bps=st.assumed_pull_gbps * 1e9)
         room = (key, body.rank)
         since = now - body.waited_s
-        est = estimate_busy(
-            lease_starts=list(starts),
-            rank_bytes=rank_bytes,
-            rate_bps=rate,
-            now=now,
-            position=self.waiting.position(room, now, since),
-            serves_after=body.serves_after,
-            fallback_s=body.fallback_s,
-            min_s=st.retry_after_min_s,
-            max_s=st.retry_after_max_s,
-        )
+        tie = _waiter_tie(body)
+        with self.db.read() as session:
+            s = session.connection()
+            recent = s.execute(sql.recent_pulls, params).all()
+            if not recent:  # a new identity: what pulls of any identity achieved here
+                recent = s.execute(sql.recent_pulls_any, params).all()
+            rank_bytes = self._rank_bytes(s, key, body.rank, seed_id)
+            rate = pull_rate_bps(((r[0], r[1]) for r in recent), default_bps=st.assumed_pull_gbps * 1e9)
+            est = estimate_busy(
+                lease_starts=_LiveStarts(s, sql, params),
+                rank_bytes=rank_bytes,
+                rate_bps=rate,
+                now=now,
+                position=self.waiting.position(room, now, since, tie),
+                serves_after=body.serves_after,
+                fallback_s=body.fallback_s,
+                min_s=st.retry_after_min_s,
+                max_s=st.retry_after_max_s,
+            )
         if not est.fallback:
-            self.waiting.promise(room, now + est.retry_after_s, since, now=now)
+            self.waiting.promise(room, now + est.retry_after_s, since, now=now, tie=tie)
         return est
 
     def _rank_bytes(self, s: Any, key: str, rank: int, instance_id: str) -> int:
@@ -1071,6 +1130,56 @@ def _raising(exc: Exception) -> Callable[[], Any]:
         raise exc
 
     return answer
+
+
+class _LiveStarts(Sequence[float]):
+    """The live leases' starts of (b_key, b_rank), ascending, read lazily: its length is one COUNT and
+    an item one row (OFFSET), so the 429's estimate reads two rows, not every busy seed's leases."""
+
+    def __init__(self, s: Connection, sql: HotStatements, params: dict[str, Any]) -> None:
+        self._s, self._sql, self._params = s, sql, params
+        self._len: int | None = None
+
+    def __len__(self) -> int:
+        if self._len is None:
+            self._len = int(self._s.execute(self._sql.live_count, self._params).scalar_one())
+        return self._len
+
+    def count_started(self, at: float, *, inclusive: bool) -> int:
+        """Live leases that started before `at` (or at it, `inclusive`): one COUNT, for planner.burst's
+        binary searches."""
+        stmt = self._sql.live_count_le if inclusive else self._sql.live_count_lt
+        return int(self._s.execute(stmt, {**self._params, "b_at": at}).scalar_one())
+
+    @overload
+    def __getitem__(self, i: int) -> float: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[float]: ...
+    def __getitem__(self, i: int | slice) -> float | Sequence[float]:
+        if isinstance(i, slice):
+            raise TypeError("_LiveStarts: no slices")
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        start = self._s.execute(self._sql.live_start, {**self._params, "b_offset": i}).scalar()
+        # None: leases ended since the count (PostgreSQL reads each statement afresh): a slot is free now
+        return -math.inf if start is None else float(start)
+
+
+def _waiter_tie(body: wire.AssignmentRequest) -> str:
+    """Orders waiters that started at the same instant (planner.burst.WaitingRoom): the requester."""
+    return body.requester_id or body.labels.node
+
+
+def _seed_view(r: Any) -> SeedView:
+    """A candidate row (planner.queries' candidates) as the policy sees it."""
+    return SeedView(
+        instance_id=r.id,
+        node=r.node,
+        rack=r.rack,
+        zone=r.zone,
+        active_leases=r.active,
+        max_concurrent_pulls=r.max_concurrent_pulls,
+    )
 
 
 def _now(now: float | None) -> float:

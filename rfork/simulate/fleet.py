@@ -235,14 +235,14 @@ class FleetSim:
         decision_s = 0.0
         decisions: list[dict[str, Any]] = []
         t = 0.0
-        while events or self.net.flows:
+        while events or len(self.net):
             nxt = self.net.next_completion()
             t_flow = t + nxt[0] if nxt is not None else math.inf
             t_event = events[0][0] if events else math.inf
             if t_flow <= t_event and nxt is not None:
                 self.net.advance(t_flow - t)
                 t = t_flow
-                done = [k for k, f in self.net.flows.items() if f.remaining <= 1.0]
+                done = self.net.finished()
                 for key in done or [nxt[1]]:
                     self.net.finish(key)
                     heapq.heappush(events, (t + m.ready_overhead_s, seq, "ready", key[1]))  # type: ignore[index]
@@ -346,11 +346,11 @@ def hub_baseline(model: BandwidthModel, n: int) -> float:
         net.capacity[("rx", i)] = model.nic_bps
         net.start(("hub", i), model.nbytes, [("hub",), ("rx", i)])
     t = 0.0
-    while net.flows:
+    while len(net):
         nxt = net.next_completion()
         assert nxt is not None
         net.advance(nxt[0])
         t += nxt[0]
-        for k in [k for k, f in net.flows.items() if f.remaining <= 1.0] or [nxt[1]]:
+        for k in net.finished() or [nxt[1]]:
             net.finish(k)
     return t + model.ready_overhead_s
