@@ -186,7 +186,7 @@ def _nth_end(lease_starts: Sequence[float], i: int, *, now: float, pull_s: float
 
 def _count_started(lease_starts: Sequence[float], at: float, *, inclusive: bool) -> int:
     """How many of the ascending starts lie before `at` (or at it): a binary search, or one query when
-    the sequence can count (the service's lazy `_LiveStarts`: one COUNT instead of O(log n) reads)."""
+    the sequence can count (a lazy sequence over a database may offer `count_started`)."""
     count = getattr(lease_starts, "count_started", None)
     if count is not None:
         return int(count(at, inclusive=inclusive))

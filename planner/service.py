@@ -9,13 +9,12 @@ import base64
 import datetime as dt
 import functools
 import logging
-import math
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection, delete, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -786,7 +785,7 @@ class Planner:
             rank_bytes = self._rank_bytes(s, key, body.rank, seed_id)
             rate = pull_rate_bps(((r[0], r[1]) for r in recent), default_bps=st.assumed_pull_gbps * 1e9)
             est = estimate_busy(
-                lease_starts=_LiveStarts(s, sql, params),
+                lease_starts=[r[0] for r in sql.live_starts.cursor(s, params).fetchall()],
                 rank_bytes=rank_bytes,
                 rate_bps=rate,
                 now=now,
@@ -1130,39 +1129,6 @@ def _raising(exc: Exception) -> Callable[[], Any]:
         raise exc
 
     return answer
-
-
-class _LiveStarts(Sequence[float]):
-    """The live leases' starts of (b_key, b_rank), ascending, read lazily: its length is one COUNT and
-    an item one row (OFFSET), so the 429's estimate reads two rows, not every busy seed's leases."""
-
-    def __init__(self, s: Connection, sql: HotStatements, params: dict[str, Any]) -> None:
-        self._s, self._sql, self._params = s, sql, params
-        self._len: int | None = None
-
-    def __len__(self) -> int:
-        if self._len is None:
-            self._len = int(self._s.execute(self._sql.live_count, self._params).scalar_one())
-        return self._len
-
-    def count_started(self, at: float, *, inclusive: bool) -> int:
-        """Live leases that started before `at` (or at it, `inclusive`): one COUNT, for planner.burst's
-        binary searches."""
-        stmt = self._sql.live_count_le if inclusive else self._sql.live_count_lt
-        return int(self._s.execute(stmt, {**self._params, "b_at": at}).scalar_one())
-
-    @overload
-    def __getitem__(self, i: int) -> float: ...
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[float]: ...
-    def __getitem__(self, i: int | slice) -> float | Sequence[float]:
-        if isinstance(i, slice):
-            raise TypeError("_LiveStarts: no slices")
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        start = self._s.execute(self._sql.live_start, {**self._params, "b_offset": i}).scalar()
-        # None: leases ended since the count (PostgreSQL reads each statement afresh): a slot is free now
-        return -math.inf if start is None else float(start)
 
 
 def _waiter_tie(body: wire.AssignmentRequest) -> str:

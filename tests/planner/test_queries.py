@@ -53,6 +53,7 @@ def test_raw_rows_match_sqlalchemy(svc):
         _same(svc, sql.ranked, near)
         _same(svc, sql.ranked_excluding, {**near, "b_excluded": pick})
         _same(svc, sql.lock_chosen, {**base, "b_ids": pick})
+        _same(svc, sql.live_starts, base)
         _same(svc, sql.chosen_details, {"b_ids": pick, "b_rank": 0})
         _same(svc, sql.live_leases, {"b_ids": pick, "b_rank": 0, "b_now": now})
         _same(svc, sql.heartbeats, {"b_ids": pick, "b_now": now})
@@ -73,4 +74,5 @@ def test_sqlite_ranks_from_the_identity_index(svc):
         with svc.db.write_core() as s:
             plan = s.connection.dbapi_connection.execute("EXPLAIN QUERY PLAN " + raw.sql, params).fetchall()
         instances = [row[-1] for row in plan if " instances " in f"{row[-1]} "]
-        assert instances and all("ix_instances_identity_key" in x for x in instances), plan
+        assert instances, plan
+        assert all("ix_instances_identity_key" in x for x in instances), plan
