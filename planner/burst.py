@@ -6,16 +6,13 @@ computed here from the live leases on those seeds and the rates recorded in fini
 - rate: bytes / seconds summed over the last few successful pulls of this identity and rank (else of
   any identity, else the `assumed_pull_gbps` setting). A recorded pull already ran at the concurrency
   seeds really serve at, so one rate per identity is enough;
-- pull time: the rank's bytes / rate; a live lease ends at its start + pull time; one already past
-  that is late and expected after a grace as long as the median late lease is late, within
-  [min Retry-After, one pull] (`overdue_end`: a backoff, not "now", which sent waiters back at once);
+- pull time: the rank's bytes / rate; a live lease ends at its start + pull time (one already past
+  that estimate is due now);
 - the queue: each lease end frees its slot, and the loader holding it becomes a seed with
   `serves_after` slots of its own (what the waiting requester says it will serve, 0 for none: the
   planner then counts only the slots it knows of). Waiters take slots in the order they started
-  waiting, ties (waiters that started at the same instant, e.g. a whole fleet started at once) in
-  the order they were first told to wait (the requester: its id, else its node); a waiter's
-  position is the number of earlier waiters still waiting (the `WaitingRoom`, per planner process;
-  the requester says how long it has waited). Replaying the queue gives the
+  waiting; a waiter's position is the number of earlier waiters still waiting (the `WaitingRoom`,
+  per planner process; the requester says how long it has waited). Replaying the queue gives the
   time this waiter's slot opens;
 - Retry-After: that slot time - now, clamped to [min, max], so a burst of waiters comes back spread
   over the slots instead of all at once;
@@ -31,8 +28,6 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import itertools
-import math
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -128,69 +123,28 @@ def estimate_busy(
 ) -> BusyEstimate:
     """Retry-After for the waiter at `position`; `fallback` when waiting loses to `fallback_s`.
 
-    `lease_starts`: the live leases' start times, ascending. Only its length and O(log n) items are
-    read (binary searches) when no start lies ahead of `now` (then every end lies within one pull of
-    now: `slot_index`), so it may be a lazy sequence over the database (the service's is).
+    `lease_starts`: the live leases' start times, ascending. Only its length and three items are read
+    when no start lies ahead of `now` (then every end lies within one pull of now: `slot_index`), so it
+    may be a lazy sequence (the service reads every start in one query: cheaper than a COUNT and
+    OFFSET reads of the same rows).
     """
     if rate_bps <= 0:
         raise ValueError(f"rate_bps: must be positive, got {rate_bps}")
     pull_s = rank_bytes / rate_bps
     if not lease_starts:  # no live lease left (it ended between the count and now): ask again at once
         return BusyEstimate(retry_after_s=min_s, expected_pull_s=pull_s, fallback=False)
+    # a lease ends at its start + one pull, or now when that is past; ends follow the starts' order
     leases = len(lease_starts)
-    late = overdue_end(lease_starts, now=now, pull_s=pull_s, min_s=min_s)
-    if lease_starts[leases - 1] <= now:  # always, unless a start lies ahead of now (another process's clock)
-        # every end lies in [now, now + pull]: the closed form, on the ends in ascending order
+    first, last = (max(lease_starts[i] + pull_s, now) for i in (0, leases - 1))
+    if last - first <= pull_s:  # always, unless a start lies ahead of now (another process's clock)
         index, generation = slot_index(leases=leases, position=position, serves_after=serves_after)
-        slot = _nth_end(lease_starts, index, now=now, pull_s=pull_s, late=late) + generation * pull_s
+        slot = max(lease_starts[index] + pull_s, now) + generation * pull_s
     else:
-        ends = [start + pull_s if start + pull_s > now else late for start in lease_starts]
+        ends = [max(start + pull_s, now) for start in lease_starts]
         slot = slot_time(lease_ends=ends, position=position, pull_s=pull_s, serves_after=serves_after)
     wait = slot - now
     fallback = fallback_s is not None and wait + pull_s >= fallback_s
     return BusyEstimate(retry_after_s=min(max(wait, min_s), max_s), expected_pull_s=pull_s, fallback=fallback)
-
-
-def overdue_end(lease_starts: Sequence[float], *, now: float, pull_s: float, min_s: float) -> float:
-    """When a lease already past its expected end (start + pull) is now expected to end.
-
-    Not "now": a lease that ran late is still running, and "now" sends every waiter matched to it back
-    at the minimum Retry-After, again and again (the herd that stopped the 10,000-instance simulation).
-    Instead now + how late the median late lease is, within [min_s, pull_s]: waiters come back after
-    a wait that doubles each time the lease is still running (a backoff), never more than one pull.
-    The median, so one stuck lease does not hold back the others' waiters. One count and one start.
-    """
-    if lease_starts[0] + pull_s > now:  # none late (the usual case: one read)
-        return now
-    overdue = _count_started(lease_starts, now - pull_s, inclusive=True)  # the late ones: a prefix
-    late_by = now - (lease_starts[(overdue - 1) // 2] + pull_s)
-    if not math.isfinite(late_by):  # the lease ended since the count (a lazy read): a slot is free now
-        return now
-    return now + min(max(late_by, min_s), pull_s)
-
-
-def _nth_end(lease_starts: Sequence[float], i: int, *, now: float, pull_s: float, late: float) -> float:
-    """The i-th earliest expected end (0-based) when no start lies after now: each late lease ends at
-    `late`, the others at start + pull (ascending with the starts); found by two counts."""
-    if late == now:  # no late lease: the ends follow the starts
-        return lease_starts[i] + pull_s
-    overdue = _count_started(lease_starts, now - pull_s, inclusive=True)
-    # on-time leases ending before the late ones
-    before = _count_started(lease_starts, late - pull_s, inclusive=False) - overdue
-    if i < before:
-        return lease_starts[overdue + i] + pull_s
-    if i < before + overdue:
-        return late
-    return lease_starts[i] + pull_s
-
-
-def _count_started(lease_starts: Sequence[float], at: float, *, inclusive: bool) -> int:
-    """How many of the ascending starts lie before `at` (or at it): a binary search, or one query when
-    the sequence can count (a lazy sequence over a database may offer `count_started`)."""
-    count = getattr(lease_starts, "count_started", None)
-    if count is not None:
-        return int(count(at, inclusive=inclusive))
-    return (bisect.bisect_right if inclusive else bisect.bisect_left)(lease_starts, at)
 
 
 @dataclass
@@ -198,36 +152,28 @@ class WaitingRoom:
     """Waiters told to come back later, per (identity key, rank), first come first served.
 
     A waiter's position is the number of waiters that started waiting before it and are still
-    waiting, so one that comes back and must wait again keeps its place. Waiters that started at the
-    same instant (a fleet started at once: every re-ask says the same `since`) keep the order in which
-    they were first told to wait (`tie`, the requester's id or node, tells them apart), so the k-th
-    of them is told the k-th slot, not the first.
-    A waiter leaves when its
+    waiting, so one that comes back and must wait again keeps its place. A waiter leaves when its
     promised time passes (by then it has asked again or given up). In memory, per planner process:
     with several processes each sees its own waiters, so positions run short and waiters come back
     early, which costs an extra 429, never a wrong lease. Bounded: at most `max_waiters` over all keys
     (a full room forgets the newcomer, who then queues as if first: again an early 429 at worst); a
-    position is a binary search in the sorted (start, first promise) pairs, so 100,000 waiters asking cost
-    O(log n) each plus the removal of those whose time passed.
+    position is a binary search in the sorted start times, so 100,000 waiters asking cost O(log n) each
+    plus the removal of those whose time passed.
     """
 
     max_waiters: int = 100_000
-    # a waiter is (key, since, tie); its entry (since, n) orders it, n its first promise's number
-    _expiries: list[tuple[float, tuple[str, int], tuple[float, int]]] = field(default_factory=list)
-    _starts: dict[tuple[str, int], list[tuple[float, int]]] = field(default_factory=dict)  # sorted
-    _until: dict[tuple[tuple[str, int], tuple[float, int]], tuple[float, str]] = field(default_factory=dict)
-    _entry: dict[tuple[tuple[str, int], float, str], tuple[float, int]] = field(default_factory=dict)
-    _count: itertools.count[int] = field(default_factory=itertools.count)
+    _expiries: list[tuple[float, tuple[str, int], float]] = field(default_factory=list)  # (at, key, since)
+    _starts: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # sorted, per key
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def size(self) -> int:
         """Waiters held now, over every key."""
         with self._lock:
-            return len(self._until)
+            return len(self._expiries)
 
-    def position(self, key: tuple[str, int], now: float, since: float, tie: str = "") -> int:
-        """Waiters of `key` still waiting that started before `since`, or at `since` and were first told
-        to wait before this one (a newcomer queues behind every waiter that started when it did)."""
+    def position(self, key: tuple[str, int], now: float, since: float) -> int:
+        """Waiters of `key` still waiting that started before `since` (a newcomer, `since` = now, also
+        queues behind those that started at the same instant)."""
         with self._lock:
             self._expire(now)
             starts = self._starts.get(key)
@@ -235,49 +181,24 @@ class WaitingRoom:
                 return 0
             if since >= now:
                 return len(starts)
-            entry = self._entry.get((key, since, tie), (since, math.inf))
-            return bisect.bisect_left(starts, entry)
+            return bisect.bisect_left(starts, since)
 
-    def promise(
-        self, key: tuple[str, int], at: float, since: float, now: float | None = None, tie: str = ""
-    ) -> None:
-        """Record a waiter (waiting since `since`, told apart from others with that start by `tie`) told
-        to come back at `at`. It stays as long again after `at` (a loader's jitter), so that waiters told
-        the same time and coming back one by one still see each other; asking again keeps its place."""
+    def promise(self, key: tuple[str, int], at: float, since: float, now: float | None = None) -> None:
+        """Record a waiter (waiting since `since`) told to come back at `at`."""
         with self._lock:
             if now is not None:
                 self._expire(now)
-            until = at + (at - now if now is not None else 0.0)
-            entry = self._entry.get((key, since, tie))
-            if entry is None:
-                if len(self._until) >= self.max_waiters:
-                    return
-                entry = (since, next(self._count))
-                self._entry[(key, since, tie)] = entry
-                bisect.insort(self._starts.setdefault(key, []), entry)
-            self._until[(key, entry)] = (until, tie)
-            heapq.heappush(self._expiries, (until, key, entry))
-
-    def leave(self, key: tuple[str, int], since: float, tie: str = "") -> None:
-        """The waiter got its slot: it no longer holds a place."""
-        with self._lock:
-            entry = self._entry.get((key, since, tie))
-            if entry is not None:
-                self._remove(key, entry)
+            if len(self._expiries) >= self.max_waiters:
+                return
+            heapq.heappush(self._expiries, (at, key, since))
+            bisect.insort(self._starts.setdefault(key, []), since)
 
     def _expire(self, now: float) -> None:
-        """Forget the waiters whose time has passed, of every key (lock held)."""
+        """Forget the waiters whose promised time has passed, of every key (lock held)."""
         entries = self._expiries
         while entries and entries[0][0] <= now:
-            until, key, entry = heapq.heappop(entries)
-            held = self._until.get((key, entry))
-            if held is not None and held[0] == until:  # else replaced by a later promise, or left
-                self._remove(key, entry)
-
-    def _remove(self, key: tuple[str, int], entry: tuple[float, int]) -> None:
-        _, tie = self._until.pop((key, entry))
-        del self._entry[(key, entry[0], tie)]
-        starts = self._starts[key]
-        del starts[bisect.bisect_left(starts, entry)]
-        if not starts:
-            del self._starts[key]
+            _, key, started = heapq.heappop(entries)
+            starts = self._starts[key]
+            del starts[bisect.bisect_left(starts, started)]
+            if not starts:
+                del self._starts[key]

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner import AllBusy, AssignmentRequest, RegistrationRequest, TransferReport, migrate
-from planner.burst import WaitingRoom, estimate_busy, overdue_end, pull_rate_bps, slot_time
+from planner.burst import WaitingRoom, estimate_busy, pull_rate_bps, slot_time
 from planner.client import PlannerClient
 from rfork.bench.scale_out import max_concurrent
 from tests.planner.conftest import identity, make_planner, manifest, ranks
@@ -72,12 +72,9 @@ def test_estimate_properties(starts, rank_gb, rate_gbps, now, position, serves_a
         assert not est.fallback
     elif est.fallback:
         assert later.fallback  # whoever is behind a waiter told to fall back is told so too
-    # unclamped: the first slot opens when the earliest lease is expected to end (a late one: after
-    # its grace)
+    # unclamped: the first slot opens when the earliest lease is expected to end
     first = estimate_busy(position=0, **{**kw, "min_s": 1e-9, "max_s": 1e9})
-    late = overdue_end(sorted(starts), now=now, pull_s=pull, min_s=1e-9)
-    soonest = min(s + pull if s + pull > now else late for s in starts)
-    assert first.retry_after_s == pytest.approx(max(soonest - now, 1e-9), rel=1e-9, abs=1e-6)
+    assert first.retry_after_s == pytest.approx(max(min(starts) + pull - now, 1e-9), rel=1e-9, abs=1e-6)
 
 
 def test_fallback_exactly_when_waiting_plus_pull_is_not_sooner():
@@ -103,18 +100,14 @@ def test_waiting_room_is_first_come_first_served_and_forgets_past_promises():
     room = WaitingRoom()
     key = ("k", 0)
     assert room.position(key, now=0, since=0) == 0
-    room.promise(key, at=10, since=0, tie="a")
+    room.promise(key, at=10, since=0)
     assert room.position(key, now=0, since=0) == 1  # a newcomer at the same instant queues behind
-    room.promise(key, at=12, since=0, tie="b")
-    room.promise(key, at=14, since=1, tie="c")
+    room.promise(key, at=12, since=0)
+    room.promise(key, at=14, since=1)
     assert room.position(key, now=2, since=2) == 3
     # the first waiter comes back at 10 and must wait again: it keeps its place ahead of the others
     assert room.position(key, now=10, since=-1) == 0
     assert room.position(key, now=10, since=0.5) == 1  # one that started at 0.5: behind the one at 0
-    room.promise(key, at=13, since=0, tie="b")  # asking again replaces its promise, no second place
-    assert room.size() == 2
-    room.leave(key, since=0, tie="b")  # it got its slot
-    assert room.position(key, now=10, since=0.5) == 0
     assert room.position(key, now=20, since=20) == 0  # every promise has passed
     assert room.position(("other", 0), now=0, since=0) == 0
 
@@ -174,14 +167,6 @@ def test_retry_after_from_live_leases_and_recorded_rate(sqlite_url):
             svc.assign(_ask(waited_s=100.0), now + 2.5)  # waited longest: first in line
         assert busy2.value.expected_pull_s == pytest.approx(2.0)
         assert busy2.value.retry_after_s == pytest.approx(1.5)
-        # lease2 (started at 1002, due at 1004) runs late: at 1007 it is 3 s late, so the first in line
-        # is told 3 s (the live leases counted in SQL), not the minimum
-        with pytest.raises(AllBusy) as late:
-            svc.assign(_ask(waited_s=100.0), now + 7)
-        assert late.value.retry_after_s == pytest.approx(2.0)  # bounded by one pull (2 s)
-        with pytest.raises(AllBusy) as late:
-            svc.assign(_ask(waited_s=100.0), now + 5)
-        assert late.value.retry_after_s == pytest.approx(1.0)  # 1 s late: wait 1 s
         assert lease2
     finally:
         svc.close()
@@ -262,8 +247,8 @@ def test_recorded_leases_never_show_a_seed_over_its_limit(server):
     serves_after=st.integers(0, 4),
 )
 def test_estimate_reads_one_start_and_matches_the_replay_of_every_lease(ago, pull, position, serves_after):
-    # the 429 reads the live leases' count and O(log n) starts (planner.service._LiveStarts); the
-    # answer is the replay over every lease's end (late ones at `overdue_end`)
+    # the 429 reads the live leases' count and one start (planner.service._LiveStarts); the answer is
+    # the replay over every lease's end, as before
     now = 1000.0
     starts = sorted(now - a for a in ago)
     read: list[int] = []
@@ -277,57 +262,9 @@ def test_estimate_reads_one_start_and_matches_the_replay_of_every_lease(ago, pul
         lease_starts=Lazy(starts), rank_bytes=int(pull * GB), rate_bps=GB, now=now,
         position=position, serves_after=serves_after, min_s=1e-9, max_s=1e9,
     )  # fmt: skip
-    pull_s = int(pull * GB) / GB
-    late = overdue_end(starts, now=now, pull_s=pull_s, min_s=1e-9)
-    ends = [s + pull_s if s + pull_s > now else late for s in starts]
+    ends = [max(s + int(pull * GB) / GB, now) for s in starts]
     want = slot_time(
         lease_ends=ends, position=position, pull_s=int(pull * GB) / GB, serves_after=serves_after
     )
     assert est.retry_after_s == pytest.approx(max(want - now, 1e-9), rel=1e-12, abs=1e-9)
-    assert len(read) <= 4 + 4 * len(starts).bit_length()  # O(log n)
-
-
-# ---- the herd at 10,000: equal `since`, overdue leases ---------------------------------------
-
-
-def test_waiters_that_started_at_the_same_instant_get_distinct_places_and_spread_retry_after():
-    # every loader first asked at t = 0, so every re-ask says the same `since`; before, all of them got
-    # position 0 and the same (minimum) Retry-After: the herd that stopped the 10,000-instance simulation
-    room = WaitingRoom()
-    key = ("k", 0)
-    pull = 5.0
-    kw: dict[str, Any] = {"lease_starts": [-3.0, -2.5], "rank_bytes": int(pull * GB), "rate_bps": GB}
-    kw.update(min_s=0.05, max_s=60)  # two live leases, ending at 2 and 2.5
-
-    def ask(now: float, i: int) -> float:
-        pos = room.position(key, now, since=0.0, tie=f"node{i}")
-        est = estimate_busy(now=now, position=pos, **kw)
-        room.promise(key, now + est.retry_after_s, since=0.0, tie=f"node{i}", now=now)
-        return est.retry_after_s
-
-    first = [ask(0.0, i) for i in range(6)]
-    assert first == pytest.approx([2, 2.5, 7, 7.5, 12, 12.5])  # arrival order
-    # all six ask again at t = 1, in another order: each keeps its place (before: all were told 1.0)
-    again = {i: ask(1.0, i) for i in reversed(range(6))}
-    assert [again[i] for i in range(6)] == pytest.approx([t - 1 for t in first])
-    assert sorted(room.position(key, 1.0, since=0.0, tie=f"node{i}") for i in range(6)) == list(range(6))
-
-
-@settings(max_examples=100, deadline=None)
-@given(ties=st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=40, unique=True))
-def test_same_instant_waiters_take_every_place_once(ties):
-    room = WaitingRoom()
-    for t in ties:
-        room.promise(("k", 0), at=100, since=1.0, tie=t, now=2)
-    places = sorted(room.position(("k", 0), now=2, since=1.0, tie=t) for t in ties)
-    assert places == list(range(len(ties)))
-
-
-def test_an_overdue_lease_is_expected_after_a_grace_that_grows_with_how_late_it_is():
-    # one lease, pull 10 s, started at 0: due at 10. Before, any time after 10 gave the minimum.
-    kw: dict[str, Any] = {"lease_starts": [0.0], "rank_bytes": 10 * GB, "rate_bps": GB}
-    kw.update(min_s=0.05, max_s=60)
-    assert estimate_busy(now=10.0, **kw).retry_after_s == pytest.approx(0.05)  # just due: ask again soon
-    assert estimate_busy(now=11.0, **kw).retry_after_s == pytest.approx(1.0)  # 1 s late: wait 1 s
-    assert estimate_busy(now=14.0, **kw).retry_after_s == pytest.approx(4.0)
-    assert estimate_busy(now=40.0, **kw).retry_after_s == pytest.approx(10.0)  # bounded by one pull
+    assert len(read) <= 3
