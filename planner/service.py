@@ -559,7 +559,9 @@ class Planner:
         )
         chosen = [v.instance_id for v in ranked]
         details = {d.id: d for d in sql.chosen_details.rows(s, {"b_ids": chosen, "b_rank": body.rank})}
-        return functools.partial(self._assignment, body, chosen, by_id, details, lease_id, expires_at)
+        return functools.partial(
+            self._assignment, key, now, body, chosen, by_id, details, lease_id, expires_at
+        )
 
     def write_batch(
         self, steps: Sequence[Callable[[Connection], Callable[[], T]]]
@@ -609,6 +611,8 @@ class Planner:
 
     def _assignment(
         self,
+        key: str,
+        now: float,
         body: wire.AssignmentRequest,
         chosen: Sequence[str],
         by_id: dict[str, Any],
@@ -650,6 +654,8 @@ class Planner:
                     manifest=wire.StoredManifest(d.body),  # as stored: never parsed here
                 )
             )
+        if body.waited_s > 0:  # it waited: its place in line is free for the others
+            self.waiting.leave((key, body.rank), now - body.waited_s, _waiter_tie(body))
         return wire.Assignment(
             id=lease_id,
             expires_at=dt.datetime.fromtimestamp(expires_at, tz=dt.timezone.utc).isoformat(),
@@ -770,6 +776,7 @@ class Planner:
         }
         room = (key, body.rank)
         since = now - body.waited_s
+        tie = _waiter_tie(body)
         with self.db.read() as session:
             s = session.connection()
             recent = s.execute(sql.recent_pulls, params).all()
@@ -782,14 +789,14 @@ class Planner:
                 rank_bytes=rank_bytes,
                 rate_bps=rate,
                 now=now,
-                position=self.waiting.position(room, now, since),
+                position=self.waiting.position(room, now, since, tie),
                 serves_after=body.serves_after,
                 fallback_s=body.fallback_s,
                 min_s=st.retry_after_min_s,
                 max_s=st.retry_after_max_s,
             )
         if not est.fallback:
-            self.waiting.promise(room, now + est.retry_after_s, since, now=now)
+            self.waiting.promise(room, now + est.retry_after_s, since, now=now, tie=tie)
         return est
 
     def _rank_bytes(self, s: Any, key: str, rank: int, instance_id: str) -> int:
@@ -1122,6 +1129,11 @@ def _raising(exc: Exception) -> Callable[[], Any]:
         raise exc
 
     return answer
+
+
+def _waiter_tie(body: wire.AssignmentRequest) -> str:
+    """Orders waiters that started at the same instant (planner.burst.WaitingRoom): the requester."""
+    return body.requester_id or body.labels.node
 
 
 def _seed_view(r: Any) -> SeedView:
