@@ -101,6 +101,10 @@ class Planner:
         self.settings = settings
         self.policy = policy
         self._rank_bytes_cache: dict[tuple[str, int], int] = {}
+        # the last 429 per request shape and its estimate's reads, kept while nothing changed
+        # (`_still_busy`): (db.changes, now, busy seed) and (db.changes, now, lease starts, rate, bytes)
+        self._busy: dict[tuple[Any, ...], tuple[int, float, str]] = {}
+        self._busy_reads: dict[tuple[str, int], tuple[int, float, list[float], float, int]] = {}
         self.waiting = WaitingRoom()
         self._sql = HotStatements.build(db.engine.dialect)
         self._control_secret = settings.control_secret_bytes()
@@ -508,6 +512,11 @@ class Planner:
         }
         if excluded:
             params["b_excluded"] = sorted(excluded)
+        shape = (key, body.rank, frozenset(excluded), tuple(body.providers), tuple(body.backends))
+        changes = self.db.changes
+        busy_seed = self._still_busy(self._busy.get(shape), changes, now, s)
+        if busy_seed is not None:
+            return functools.partial(self._all_busy, key, body, busy_seed, now)
         req = Requester(
             node=body.labels.node,
             rack=body.labels.rack,
@@ -515,7 +524,6 @@ class Planner:
             key=body.requester_id or body.labels.node,
         )
         ranked: Sequence[SeedView] = ()
-        busy_seed: str | None = None
         by_id: dict[str, tuple[Any, str]] = {}
         for _attempt in range(3):  # PostgreSQL: again if the chosen filled up before their locks
             free, busy_seed = self._free_seeds(s, req, body, params, bool(excluded))
@@ -540,6 +548,9 @@ class Planner:
         if not ranked:  # the 429's arithmetic runs after the write: heartbeats and other writes go on
             if busy_seed is None:
                 return _raising(NoSource(f"no READY source for identity {key[:12]} rank {body.rank}"))
+            if len(self._busy) > 4096:
+                self._busy.clear()
+            self._busy[shape] = (changes, now, busy_seed)
             return functools.partial(self._all_busy, key, body, busy_seed, now)
         lease_id = uuid.uuid4().hex
         expires_at = now + st.lease_ttl_s
@@ -562,6 +573,19 @@ class Planner:
         return functools.partial(
             self._assignment, key, now, body, chosen, by_id, details, lease_id, expires_at
         )
+
+    def _still_busy(
+        self, last: tuple[int, float, str] | None, changes: int, now: float, s: Connection
+    ) -> str | None:
+        """The busy seed of the last 429 of this request's shape if it still holds: no write of this
+        process changed rows since (nor this transaction, in a batch) and the clock moved less than
+        `busy_cache_s`. A fleet started at once comes back as a herd whenever leases run late (they are
+        due "now"): at 10,000 instances, thousands of 429s per 50 ms, each reading every seed of the
+        identity. Only a 429 is answered this way, never a lease: a stale answer costs one more ask
+        (another process's writes are seen after at most `busy_cache_s`)."""
+        if last is None or last[0] != changes or not 0 <= now - last[1] <= self.settings.busy_cache_s:
+            return None
+        return last[2] if self.db.unchanged(s) else None
 
     def write_batch(
         self, steps: Sequence[Callable[[Connection], Callable[[], T]]]
@@ -761,9 +785,9 @@ class Planner:
     ) -> BusyEstimate:
         """planner.burst's estimate from the live leases on the identity's seeds and its recent pulls.
 
-        Its own read transaction, bounded whatever the fleet: the live leases are counted and one
-        start is read (`estimate_busy` needs no more), the rate comes from the last `rate_window`
-        successful pulls that ended within `rate_history_s`. `seed_id`: a busy seed, for the rank's bytes.
+        Its own read transaction: the live leases' starts (one column) and the rate of the last
+        `rate_window` successful pulls that ended within `rate_history_s`; reused while unchanged (as
+        `_still_busy`). `seed_id`: a busy seed, for the rank's bytes.
         """
         st, sql = self.settings, self._sql
         params = {
@@ -777,24 +801,32 @@ class Planner:
         room = (key, body.rank)
         since = now - body.waited_s
         tie = _waiter_tie(body)
-        with self.db.read() as session:
-            s = session.connection()
-            recent = s.execute(sql.recent_pulls, params).all()
-            if not recent:  # a new identity: what pulls of any identity achieved here
-                recent = s.execute(sql.recent_pulls_any, params).all()
-            rank_bytes = self._rank_bytes(s, key, body.rank, seed_id)
-            rate = pull_rate_bps(((r[0], r[1]) for r in recent), default_bps=st.assumed_pull_gbps * 1e9)
-            est = estimate_busy(
-                lease_starts=[r[0] for r in sql.live_starts.cursor(s, params).fetchall()],
-                rank_bytes=rank_bytes,
-                rate_bps=rate,
-                now=now,
-                position=self.waiting.position(room, now, since, tie),
-                serves_after=body.serves_after,
-                fallback_s=body.fallback_s,
-                min_s=st.retry_after_min_s,
-                max_s=st.retry_after_max_s,
-            )
+        changes = self.db.changes
+        reads = self._busy_reads.get(room)
+        if reads is None or reads[0] != changes or not 0 <= now - reads[1] <= st.busy_cache_s:
+            with self.db.read() as session:
+                s = session.connection()
+                recent = s.execute(sql.recent_pulls, params).all()
+                if not recent:  # a new identity: what pulls of any identity achieved here
+                    recent = s.execute(sql.recent_pulls_any, params).all()
+                rank_bytes = self._rank_bytes(s, key, body.rank, seed_id)
+                rate = pull_rate_bps(((r[0], r[1]) for r in recent), default_bps=st.assumed_pull_gbps * 1e9)
+                starts = [r[0] for r in sql.live_starts.cursor(s, params).fetchall()]
+            if len(self._busy_reads) > 4096:
+                self._busy_reads.clear()
+            reads = self._busy_reads[room] = (changes, now, starts, rate, rank_bytes)
+        _, _, starts, rate, rank_bytes = reads
+        est = estimate_busy(
+            lease_starts=starts,
+            rank_bytes=rank_bytes,
+            rate_bps=rate,
+            now=now,
+            position=self.waiting.position(room, now, since, tie),
+            serves_after=body.serves_after,
+            fallback_s=body.fallback_s,
+            min_s=st.retry_after_min_s,
+            max_s=st.retry_after_max_s,
+        )
         if not est.fallback:
             self.waiting.promise(room, now + est.retry_after_s, since, now=now, tie=tie)
         return est

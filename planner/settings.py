@@ -46,6 +46,9 @@ class PlannerSettings(BaseSettings):
     # 429 all_busy (planner.burst): Retry-After from the live leases and recorded pull rates
     retry_after_min_s: float = Field(default=0.05, gt=0)
     retry_after_max_s: float = Field(default=60.0, gt=0)
+    # a 429 is answered again from memory while no write of this process changed rows and the clock
+    # moved less than this (planner.service: the herd of a fleet started at once; SQLite only)
+    busy_cache_s: float = Field(default=0.05, ge=0, le=5)
     assumed_pull_gbps: float = Field(default=1.0, gt=0)  # until a pull of the identity is recorded
     rate_window: int = Field(default=16, ge=1, le=1024)  # recent successful pulls that give the rate
     rate_history_s: float = Field(default=86_400.0, gt=0)  # ... ended at most this long ago
