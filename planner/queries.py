@@ -253,6 +253,7 @@ class HotStatements:
     ranked: RawStatement
     ranked_excluding: RawStatement
     lock_chosen: RawStatement
+    in_rack: RawStatement
     live_leases: RawStatement
     live_starts: RawStatement
     recent_pulls: Any
@@ -287,6 +288,12 @@ class HotStatements:
             candidates_excluding=raw(_candidates(excluding=True, tiered=False, sqlite=not lock)),
             ranked=raw(_candidates(excluding=False, tiered=True, sqlite=not lock)),
             ranked_excluding=raw(_candidates(excluding=True, tiered=True, sqlite=not lock)),
+            # the seeds of (b_key, b_rank) in the requester's rack (b_req_rack), free ones first: rack_hold
+            in_rack=raw(
+                _candidates(excluding=True, tiered=False, sqlite=not lock).where(
+                    Instance.rack == bindparam("b_req_rack")
+                )
+            ),
             # PostgreSQL: the chosen seeds' rows, locked in id order, still serving, while their live
             # leases are counted again and the new one inserted (SQLite serialises the whole write)
             lock_chosen=raw(

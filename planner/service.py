@@ -34,6 +34,7 @@ from planner.selection import (
     choose_provider,
     make_policy,
     tier_key,
+    topology_distance,
 )
 from planner.settings import PlannerSettings
 from planner.wire import InstancePage, ModelsPage, ModelView, TransfersPage, TransferView
@@ -512,7 +513,16 @@ class Planner:
         }
         if excluded:
             params["b_excluded"] = sorted(excluded)
-        shape = (key, body.rank, frozenset(excluded), tuple(body.providers), tuple(body.backends))
+        hold = st.rack_hold and bool(body.labels.rack)
+        shape: tuple[Any, ...] = (
+            key,
+            body.rank,
+            frozenset(excluded),
+            tuple(body.providers),
+            tuple(body.backends),
+        )
+        if hold:
+            shape += (body.labels.rack,)
         changes = self.db.changes
         busy_seed = self._still_busy(self._busy.get(shape), changes, now, s)
         if busy_seed is not None:
@@ -545,6 +555,10 @@ class Planner:
             if ranked:
                 break
             busy_seed = busy_seed or next(iter(by_id))
+        if ranked and hold and topology_distance(req, ranked[0]) > 1:
+            held = self._seed_in_rack(s, body, params, req.rack)
+            if held is not None:  # wait for the rack's own seeds rather than cross the spine
+                ranked, busy_seed = (), held
         if not ranked:  # the 429's arithmetic runs after the write: heartbeats and other writes go on
             if busy_seed is None:
                 return _raising(NoSource(f"no READY source for identity {key[:12]} rank {body.rank}"))
@@ -573,6 +587,16 @@ class Planner:
         return functools.partial(
             self._assignment, key, now, body, chosen, by_id, details, lease_id, expires_at
         )
+
+    def _seed_in_rack(
+        self, s: Connection, body: wire.AssignmentRequest, params: dict[str, Any], rack: str
+    ) -> str | None:
+        """A seed of the identity in `rack` that could serve this requester (busy: the free ones were
+        not chosen, being farther), or None."""
+        rows = self._sql.in_rack.rows(
+            s, {**params, "b_excluded": params.get("b_excluded", []), "b_req_rack": rack, "b_limit": 16}
+        )
+        return next((r.id for r in rows if choose_provider(body.providers, body.backends, r.backends)), None)
 
     def _still_busy(
         self, last: tuple[int, float, str] | None, changes: int, now: float, s: Connection

@@ -34,6 +34,9 @@ class PlannerSettings(BaseSettings):
     lease_ttl_s: float = Field(default=120.0, gt=0)
     reaper_interval_s: float = Field(default=5.0, gt=0)
     selection_policy: PolicyName = "load_aware"
+    # load_aware: a requester whose rack already holds a seed of the identity waits (429) for one of
+    # those instead of pulling across racks, so the spine carries only each rack's first copies
+    rack_hold: bool = False
     max_candidates: int = Field(default=3, ge=1, le=64)
     failure_threshold: int = Field(default=3, ge=1)
     quarantine_s: float = Field(default=300.0, ge=0)
