@@ -34,7 +34,6 @@ from planner.selection import (
     choose_provider,
     make_policy,
     tier_key,
-    topology_distance,
 )
 from planner.settings import PlannerSettings
 from planner.wire import InstancePage, ModelsPage, ModelView, TransfersPage, TransferView
@@ -535,7 +534,11 @@ class Planner:
         )
         ranked: Sequence[SeedView] = ()
         by_id: dict[str, tuple[Any, str]] = {}
-        for _attempt in range(3):  # PostgreSQL: again if the chosen filled up before their locks
+        # rack_hold: the rack's seeds all busy -> wait for them (no read of the other racks' seeds)
+        held = self._rack_busy(s, body, params, req.rack) if hold else None
+        for _attempt in range(
+            0 if held else 3
+        ):  # PostgreSQL: again if the chosen filled up before their locks
             free, busy_seed = self._free_seeds(s, req, body, params, bool(excluded))
             by_id = {r.id: (r, p) for r, p in free}
             ranked = self.policy.rank(req, [_seed_view(r) for r, _ in free])[: st.max_candidates]
@@ -555,10 +558,8 @@ class Planner:
             if ranked:
                 break
             busy_seed = busy_seed or next(iter(by_id))
-        if ranked and hold and topology_distance(req, ranked[0]) > 1:
-            held = self._seed_in_rack(s, body, params, req.rack)
-            if held is not None:  # wait for the rack's own seeds rather than cross the spine
-                ranked, busy_seed = (), held
+        if held:
+            busy_seed = held
         if not ranked:  # the 429's arithmetic runs after the write: heartbeats and other writes go on
             if busy_seed is None:
                 return _raising(NoSource(f"no READY source for identity {key[:12]} rank {body.rank}"))
@@ -588,15 +589,18 @@ class Planner:
             self._assignment, key, now, body, chosen, by_id, details, lease_id, expires_at
         )
 
-    def _seed_in_rack(
+    def _rack_busy(
         self, s: Connection, body: wire.AssignmentRequest, params: dict[str, Any], rack: str
     ) -> str | None:
-        """A seed of the identity in `rack` that could serve this requester (busy: the free ones were
-        not chosen, being farther), or None."""
+        """rack_hold: a busy seed of the identity in `rack` to wait for when the rack has seeds that
+        could serve this requester and none is free; None when one is free or the rack has none."""
         rows = self._sql.in_rack.rows(
             s, {**params, "b_excluded": params.get("b_excluded", []), "b_req_rack": rack, "b_limit": 16}
         )
-        return next((r.id for r in rows if choose_provider(body.providers, body.backends, r.backends)), None)
+        usable = [r for r in rows if choose_provider(body.providers, body.backends, r.backends)]
+        if not usable or any(r.active < r.max_concurrent_pulls for r in usable):
+            return None
+        return str(usable[0].id)
 
     def _still_busy(
         self, last: tuple[int, float, str] | None, changes: int, now: float, s: Connection
