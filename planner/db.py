@@ -7,6 +7,7 @@ readers go on). Read-only sessions use a plain BEGIN.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -77,19 +78,45 @@ class Database:
         self._write_lock = threading.Lock() if self.sqlite else None
         self._file_lock = _file_lock_for(url) if self.sqlite else None
         self._read = sessionmaker(self.engine.execution_options(**{READONLY: True}), expire_on_commit=False)
+        # committed write transactions of this process that changed rows (SQLite: the connection's
+        # total_changes moved; PostgreSQL: every write transaction counts). Read it before a query
+        # whose answer is cached: an unchanged count means no write of this process came in between.
+        self.changes = 0
+        self._tick = itertools.count()
 
     @contextmanager
     def write(self) -> Iterator[Session]:
         """A session whose transaction commits on exit (rolls back on error)."""
-        with self._serialised(), self._write() as session, session.begin():
-            yield session
+        with self._serialised():
+            with self._write() as session, session.begin():
+                before = self._rows_changed(session.connection())
+                yield session
+                changed = self._rows_changed(session.connection()) != before
+            self.changes += changed
 
     @contextmanager
     def write_core(self) -> Iterator[Connection]:
         """A Core connection in a write transaction (commits on exit, rolls back on error): the hot
         paths' statements need no ORM session, whose set-up is a good part of a short transaction."""
-        with self._serialised(), self.engine.begin() as conn:
-            yield conn
+        with self._serialised():
+            with self.engine.begin() as conn:
+                before = conn.info["rfork_changes_at_begin"] = self._rows_changed(conn)
+                yield conn
+                changed = self._rows_changed(conn) != before
+            self.changes += changed
+
+    def unchanged(self, conn: Connection) -> bool:
+        """Whether `conn`'s write transaction (write_core) has changed no rows so far (PostgreSQL:
+        never known, so False)."""
+        return self.sqlite and self._rows_changed(conn) == conn.info.get("rfork_changes_at_begin")
+
+    def _rows_changed(self, conn: Connection) -> int:
+        """SQLite: rows this connection has changed since it opened; PostgreSQL: a new number each time
+        (no cheap equivalent, so every write transaction counts as a change)."""
+        if not self.sqlite:
+            return next(self._tick)  # never equal twice
+        dbapi = conn.connection.dbapi_connection
+        return int(dbapi.total_changes) if dbapi is not None else -1
 
     @contextmanager
     def _serialised(self) -> Iterator[None]:

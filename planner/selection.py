@@ -1,7 +1,9 @@
 """Source selection: which seeds a loader should pull a rank from, best first.
 
 A policy sees only plain data (no database), so it is cheap to test exhaustively. Seeds at their
-pull limit are never returned; the caller answers 429 when nothing is left.
+pull limit are never returned; the caller answers 429 when nothing is left. A `tiered` policy orders
+by `tier_key` first, so the caller reads the free seeds in that order (in SQL) only up to the tier of
+the last one it returns, not the whole fleet.
 """
 
 from __future__ import annotations
@@ -58,6 +60,11 @@ def topology_distance(req: Requester, seed: SeedView) -> int:
     return 3
 
 
+def tier_key(req: Requester, seed: SeedView) -> tuple[int, float]:
+    """What a tiered policy ranks by first (topology distance, load); the SQL orders free seeds alike."""
+    return topology_distance(req, seed), seed.load
+
+
 def rendezvous_score(key: str, instance_id: str) -> int:
     """Highest-random-weight hash of (requester key, seed)."""
     return int.from_bytes(hashlib.blake2b(f"{key}|{instance_id}".encode(), digest_size=8).digest(), "big")
@@ -67,6 +74,7 @@ class SelectionPolicy(Protocol):
     """Orders the non-busy seeds, best first."""
 
     name: str
+    tiered: bool  # ranks by tier_key first: a prefix of the free seeds in that order is enough
 
     def rank(self, req: Requester, seeds: Sequence[SeedView]) -> list[SeedView]:
         """Best-first list of the seeds that are not busy."""
@@ -77,6 +85,7 @@ class LoadAwarePolicy:
     """Default: nearest by topology, then least loaded, then rendezvous hash to spread ties."""
 
     name = "load_aware"
+    tiered = True
 
     def rank(self, req: Requester, seeds: Sequence[SeedView]) -> list[SeedView]:
         """Best-first list of the seeds that are not busy."""
@@ -84,8 +93,7 @@ class LoadAwarePolicy:
         return sorted(
             free,
             key=lambda s: (
-                topology_distance(req, s),
-                s.load,
+                *tier_key(req, s),
                 -rendezvous_score(req.key, s.instance_id),
                 s.instance_id,
             ),
@@ -96,6 +104,7 @@ class RandomPolicy:
     """Uniformly random among the seeds that are not busy."""
 
     name = "random"
+    tiered = False
 
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
@@ -111,6 +120,7 @@ class RendezvousPolicy:
     """Rendezvous (highest-random-weight) hashing: a requester keeps its seed while that seed lives."""
 
     name = "rendezvous"
+    tiered = False
 
     def rank(self, req: Requester, seeds: Sequence[SeedView]) -> list[SeedView]:
         """Best-first list of the seeds that are not busy."""

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, delete, func, or_, select, update
@@ -27,7 +27,14 @@ from planner.db import Database
 from planner.errors import AllBusy, Conflict, DigestMismatch, NoSource, NotFound, PlannerError
 from planner.models import Anchor, CompileCache, Instance, InstanceRank, Lease, Manifest
 from planner.queries import HotStatements
-from planner.selection import Requester, SeedView, SelectionPolicy, choose_provider, make_policy
+from planner.selection import (
+    Requester,
+    SeedView,
+    SelectionPolicy,
+    choose_provider,
+    make_policy,
+    tier_key,
+)
 from planner.settings import PlannerSettings
 from planner.wire import InstancePage, ModelsPage, ModelView, TransfersPage, TransferView
 
@@ -94,6 +101,10 @@ class Planner:
         self.settings = settings
         self.policy = policy
         self._rank_bytes_cache: dict[tuple[str, int], int] = {}
+        # the last 429 per request shape and its estimate's reads, kept while nothing changed
+        # (`_still_busy`): (db.changes, now, busy seed) and (db.changes, now, lease starts, rate, bytes)
+        self._busy: dict[tuple[Any, ...], tuple[int, float, str]] = {}
+        self._busy_reads: dict[tuple[str, int], tuple[int, float, list[float], float, int]] = {}
         self.waiting = WaitingRoom()
         self._sql = HotStatements.build(db.engine.dialect)
         self._control_secret = settings.control_secret_bytes()
@@ -501,40 +512,61 @@ class Planner:
         }
         if excluded:
             params["b_excluded"] = sorted(excluded)
-        found = (sql.candidates_excluding if excluded else sql.candidates).rows(s, params)
-        rows = []
-        for r in found:
-            provider = choose_provider(body.providers, body.backends, r.backends)
-            if provider is not None:
-                rows.append((r, provider))
-        if clock:  # again, now that PostgreSQL's row locks on the seeds are held too
-            now = _now(None)
-        if not rows:
-            return _raising(NoSource(f"no READY source for identity {key[:12]} rank {body.rank}"))
-        live = sql.live_leases.rows(s, {"b_ids": [r.id for r, _ in rows], "b_rank": body.rank, "b_now": now})
-        counts = Counter(lease.instance_id for lease in live)
-        by_id = {r.id: (r, p) for r, p in rows}
-        views = [
-            SeedView(
-                instance_id=r.id,
-                node=r.node,
-                rack=r.rack,
-                zone=r.zone,
-                active_leases=counts.get(r.id, 0),
-                max_concurrent_pulls=r.max_concurrent_pulls,
-            )
-            for r, _ in rows
-        ]
+        hold = st.rack_hold and bool(body.labels.rack)
+        shape: tuple[Any, ...] = (
+            key,
+            body.rank,
+            frozenset(excluded),
+            tuple(body.providers),
+            tuple(body.backends),
+        )
+        if hold:
+            shape += (body.labels.rack,)
+        changes = self.db.changes
+        busy_seed = self._still_busy(self._busy.get(shape), changes, now, s)
+        if busy_seed is not None:
+            return functools.partial(self._all_busy, key, body, busy_seed, now)
         req = Requester(
             node=body.labels.node,
             rack=body.labels.rack,
             zone=body.labels.zone,
             key=body.requester_id or body.labels.node,
         )
-        ranked = self.policy.rank(req, views)[: st.max_candidates]
+        ranked: Sequence[SeedView] = ()
+        by_id: dict[str, tuple[Any, str]] = {}
+        # rack_hold: the rack's seeds all busy -> wait for them (no read of the other racks' seeds)
+        held = self._rack_busy(s, body, params, req.rack) if hold else None
+        for _attempt in range(
+            0 if held else 3
+        ):  # PostgreSQL: again if the chosen filled up before their locks
+            free, busy_seed = self._free_seeds(s, req, body, params, bool(excluded))
+            by_id = {r.id: (r, p) for r, p in free}
+            ranked = self.policy.rank(req, [_seed_view(r) for r, _ in free])[: st.max_candidates]
+            if not ranked or self.db.sqlite:  # SQLite: the write lock was held while they were counted
+                break
+            # PostgreSQL: lock the chosen rows (id order), then count their live leases again
+            ids = [v.instance_id for v in ranked]
+            locked = {r.id for r in sql.lock_chosen.rows(s, {**params, "b_ids": ids})}
+            if clock:  # again, now that the row locks are held
+                now = params["b_now"] = _now(None)
+            live = sql.live_leases.rows(s, {"b_ids": ids, "b_rank": body.rank, "b_now": now})
+            counts = Counter(r.instance_id for r in live)
+            ranked = self.policy.rank(
+                req,
+                [replace(v, active_leases=counts[v.instance_id]) for v in ranked if v.instance_id in locked],
+            )
+            if ranked:
+                break
+            busy_seed = busy_seed or next(iter(by_id))
+        if held:
+            busy_seed = held
         if not ranked:  # the 429's arithmetic runs after the write: heartbeats and other writes go on
-            busy = [v.instance_id for v in views]
-            return functools.partial(self._all_busy, key, body, busy, [x.created_at for x in live], now)
+            if busy_seed is None:
+                return _raising(NoSource(f"no READY source for identity {key[:12]} rank {body.rank}"))
+            if len(self._busy) > 4096:
+                self._busy.clear()
+            self._busy[shape] = (changes, now, busy_seed)
+            return functools.partial(self._all_busy, key, body, busy_seed, now)
         lease_id = uuid.uuid4().hex
         expires_at = now + st.lease_ttl_s
         sql.insert_lease.run(
@@ -553,7 +585,35 @@ class Planner:
         )
         chosen = [v.instance_id for v in ranked]
         details = {d.id: d for d in sql.chosen_details.rows(s, {"b_ids": chosen, "b_rank": body.rank})}
-        return functools.partial(self._assignment, body, chosen, by_id, details, lease_id, expires_at)
+        return functools.partial(
+            self._assignment, key, now, body, chosen, by_id, details, lease_id, expires_at
+        )
+
+    def _rack_busy(
+        self, s: Connection, body: wire.AssignmentRequest, params: dict[str, Any], rack: str
+    ) -> str | None:
+        """rack_hold: a busy seed of the identity in `rack` to wait for when the rack has seeds that
+        could serve this requester and none is free; None when one is free or the rack has none."""
+        rows = self._sql.in_rack.rows(
+            s, {**params, "b_excluded": params.get("b_excluded", []), "b_req_rack": rack, "b_limit": 16}
+        )
+        usable = [r for r in rows if choose_provider(body.providers, body.backends, r.backends)]
+        if not usable or any(r.active < r.max_concurrent_pulls for r in usable):
+            return None
+        return str(usable[0].id)
+
+    def _still_busy(
+        self, last: tuple[int, float, str] | None, changes: int, now: float, s: Connection
+    ) -> str | None:
+        """The busy seed of the last 429 of this request's shape if it still holds: no write of this
+        process changed rows since (nor this transaction, in a batch) and the clock moved less than
+        `busy_cache_s`. A fleet started at once comes back as a herd whenever leases run late (they are
+        due "now"): at 10,000 instances, thousands of 429s per 50 ms, each reading every seed of the
+        identity. Only a 429 is answered this way, never a lease: a stale answer costs one more ask
+        (another process's writes are seen after at most `busy_cache_s`)."""
+        if last is None or last[0] != changes or not 0 <= now - last[1] <= self.settings.busy_cache_s:
+            return None
+        return last[2] if self.db.unchanged(s) else None
 
     def write_batch(
         self, steps: Sequence[Callable[[Connection], Callable[[], T]]]
@@ -589,12 +649,12 @@ class Planner:
         return out
 
     def _all_busy(
-        self, key: str, body: wire.AssignmentRequest, busy: Sequence[str], starts: Sequence[float], now: float
+        self, key: str, body: wire.AssignmentRequest, busy_seed: str, now: float
     ) -> wire.Assignment:
-        """Raise the 429 (AllBusy) with its estimate."""
-        est = self._busy_estimate(key, body, busy, starts, now)
+        """Raise the 429 (AllBusy) with its estimate; `busy_seed`: one of the busy seeds."""
+        est = self._busy_estimate(key, body, busy_seed, now)
         raise AllBusy(
-            f"all {len(busy)} sources for rank {body.rank} are at their pull limit; "
+            f"all sources for rank {body.rank} are at their pull limit; "
             f"a slot is expected in {est.retry_after_s:.2f} s",
             retry_after_s=est.retry_after_s,
             expected_pull_s=est.expected_pull_s,
@@ -603,6 +663,8 @@ class Planner:
 
     def _assignment(
         self,
+        key: str,
+        now: float,
         body: wire.AssignmentRequest,
         chosen: Sequence[str],
         by_id: dict[str, Any],
@@ -644,12 +706,62 @@ class Planner:
                     manifest=wire.StoredManifest(d.body),  # as stored: never parsed here
                 )
             )
+        if body.waited_s > 0:  # it waited: its place in line is free for the others
+            self.waiting.leave((key, body.rank), now - body.waited_s, _waiter_tie(body))
         return wire.Assignment(
             id=lease_id,
             expires_at=dt.datetime.fromtimestamp(expires_at, tz=dt.timezone.utc).isoformat(),
             expires_at_unix=expires_at,
             candidates=candidates,
         )
+
+    def _free_seeds(
+        self,
+        s: Connection,
+        req: Requester,
+        body: wire.AssignmentRequest,
+        params: dict[str, Any],
+        excluded: bool,
+    ) -> tuple[Sequence[tuple[Any, str]], str | None]:
+        """The free seeds the policy must see, each with the transport for this requester, and a busy
+        seed it could use (None if none, or if the free ones were not all read).
+
+        The query returns free seeds first (a tiered policy's: in `tier_key` order), at most b_limit
+        rows; the limit grows until the rows read hold every free seed, or, for a tiered policy, the
+        whole tier of the `max_candidates`-th: what a decision reads grows with the free seeds near the
+        requester, not with the fleet.
+        """
+        sql, k = self._sql, self.settings.max_candidates
+        tiered = self.policy.tiered
+        if tiered:
+            stmt = sql.ranked_excluding if excluded else sql.ranked
+            params = {**params, "b_node": req.node, "b_rack": req.rack, "b_zone": req.zone}
+        else:
+            stmt = sql.candidates_excluding if excluded else sql.candidates
+        limit = max(16, 4 * k)
+        while True:
+            found = stmt.rows(s, {**params, "b_limit": limit})
+            free: list[tuple[Any, str]] = []
+            busy_seed, every_free = None, len(found) < limit
+            for r in found:
+                provider = choose_provider(body.providers, body.backends, r.backends)
+                if r.active >= r.max_concurrent_pulls:
+                    every_free = True  # free seeds sort first
+                    if provider is not None:
+                        busy_seed = r.id
+                        break
+                elif provider is not None:
+                    free.append((r, provider))
+            if every_free and (free or busy_seed is not None or len(found) < limit):
+                return free, busy_seed
+            # rows past the k-th free seed's tier cannot change the policy's first k
+            if (
+                tiered
+                and len(free) >= k
+                and tier_key(req, _seed_view(found[-1])) > tier_key(req, _seed_view(free[k - 1][0]))
+            ):
+                return free, None
+            limit *= 4
 
     def compile_cache_sources(
         self, cache_key: str, now: float, *, may_lease: Callable[[str], bool], labels: wire.Labels
@@ -697,48 +809,54 @@ class Planner:
         return wire.CompileCacheSources(cache_key=cache_key, sources=sources)
 
     def _busy_estimate(
-        self,
-        key: str,
-        body: wire.AssignmentRequest,
-        seed_ids: Sequence[str],
-        starts: Sequence[float],
-        now: float,
+        self, key: str, body: wire.AssignmentRequest, seed_id: str, now: float
     ) -> BusyEstimate:
-        """planner.burst's estimate from the busy seeds' live leases (`starts`, read by the write that
-        found every seed busy) and this identity's recent pulls.
+        """planner.burst's estimate from the live leases on the identity's seeds and its recent pulls.
 
-        Its own read transaction: bounded queries, the rate from successful pulls that ended within
-        `rate_history_s` only.
+        Its own read transaction: the live leases' starts (one column) and the rate of the last
+        `rate_window` successful pulls that ended within `rate_history_s`; reused while unchanged (as
+        `_still_busy`). `seed_id`: a busy seed, for the rank's bytes.
         """
-        st = self.settings
+        st, sql = self.settings, self._sql
         params = {
             "b_key": key,
             "b_rank": body.rank,
             "b_oldest": now - st.rate_history_s,
             "b_window": st.rate_window,
+            "b_now": now,
+            "b_oldest_beat": now - st.heartbeat_ttl_s,
         }
-        with self.db.read() as session:
-            s = session.connection()
-            recent = s.execute(self._sql.recent_pulls, params).all()
-            if not recent:  # a new identity: what pulls of any identity achieved here
-                recent = s.execute(self._sql.recent_pulls_any, params).all()
-            rank_bytes = self._rank_bytes(s, key, body.rank, seed_ids[0])
-        rate = pull_rate_bps(((r[0], r[1]) for r in recent), default_bps=st.assumed_pull_gbps * 1e9)
         room = (key, body.rank)
         since = now - body.waited_s
+        tie = _waiter_tie(body)
+        changes = self.db.changes
+        reads = self._busy_reads.get(room)
+        if reads is None or reads[0] != changes or not 0 <= now - reads[1] <= st.busy_cache_s:
+            with self.db.read() as session:
+                s = session.connection()
+                recent = s.execute(sql.recent_pulls, params).all()
+                if not recent:  # a new identity: what pulls of any identity achieved here
+                    recent = s.execute(sql.recent_pulls_any, params).all()
+                rank_bytes = self._rank_bytes(s, key, body.rank, seed_id)
+                rate = pull_rate_bps(((r[0], r[1]) for r in recent), default_bps=st.assumed_pull_gbps * 1e9)
+                starts = [r[0] for r in sql.live_starts.cursor(s, params).fetchall()]
+            if len(self._busy_reads) > 4096:
+                self._busy_reads.clear()
+            reads = self._busy_reads[room] = (changes, now, starts, rate, rank_bytes)
+        _, _, starts, rate, rank_bytes = reads
         est = estimate_busy(
-            lease_starts=list(starts),
+            lease_starts=starts,
             rank_bytes=rank_bytes,
             rate_bps=rate,
             now=now,
-            position=self.waiting.position(room, now, since),
+            position=self.waiting.position(room, now, since, tie),
             serves_after=body.serves_after,
             fallback_s=body.fallback_s,
             min_s=st.retry_after_min_s,
             max_s=st.retry_after_max_s,
         )
         if not est.fallback:
-            self.waiting.promise(room, now + est.retry_after_s, since, now=now)
+            self.waiting.promise(room, now + est.retry_after_s, since, now=now, tie=tie)
         return est
 
     def _rank_bytes(self, s: Any, key: str, rank: int, instance_id: str) -> int:
@@ -1071,6 +1189,23 @@ def _raising(exc: Exception) -> Callable[[], Any]:
         raise exc
 
     return answer
+
+
+def _waiter_tie(body: wire.AssignmentRequest) -> str:
+    """Orders waiters that started at the same instant (planner.burst.WaitingRoom): the requester."""
+    return body.requester_id or body.labels.node
+
+
+def _seed_view(r: Any) -> SeedView:
+    """A candidate row (planner.queries' candidates) as the policy sees it."""
+    return SeedView(
+        instance_id=r.id,
+        node=r.node,
+        rack=r.rack,
+        zone=r.zone,
+        active_leases=r.active,
+        max_concurrent_pulls=r.max_concurrent_pulls,
+    )
 
 
 def _now(now: float | None) -> float:

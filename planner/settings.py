@@ -34,6 +34,9 @@ class PlannerSettings(BaseSettings):
     lease_ttl_s: float = Field(default=120.0, gt=0)
     reaper_interval_s: float = Field(default=5.0, gt=0)
     selection_policy: PolicyName = "load_aware"
+    # load_aware: a requester whose rack already holds a seed of the identity waits (429) for one of
+    # those instead of pulling across racks, so the spine carries only each rack's first copies
+    rack_hold: bool = False
     max_candidates: int = Field(default=3, ge=1, le=64)
     failure_threshold: int = Field(default=3, ge=1)
     quarantine_s: float = Field(default=300.0, ge=0)
@@ -46,6 +49,9 @@ class PlannerSettings(BaseSettings):
     # 429 all_busy (planner.burst): Retry-After from the live leases and recorded pull rates
     retry_after_min_s: float = Field(default=0.05, gt=0)
     retry_after_max_s: float = Field(default=60.0, gt=0)
+    # a 429 is answered again from memory while no write of this process changed rows and the clock
+    # moved less than this (planner.service: the herd of a fleet started at once; SQLite only)
+    busy_cache_s: float = Field(default=0.05, ge=0, le=5)
     assumed_pull_gbps: float = Field(default=1.0, gt=0)  # until a pull of the identity is recorded
     rate_window: int = Field(default=16, ge=1, le=1024)  # recent successful pulls that give the rate
     rate_history_s: float = Field(default=86_400.0, gt=0)  # ... ended at most this long ago

@@ -155,6 +155,8 @@ class FleetSim:
             # what an operator sets before any pull is recorded: one pull's share of a seed's NIC
             assumed_pull_gbps=model.nic_bps / 1e9 / model.max_concurrent_pulls,
             selection_policy=scenario.policy,  # type: ignore[arg-type]
+            # racked fleets: a loader whose rack has a seed waits for it rather than cross the spine
+            rack_hold=model.racks > 0 and scenario.policy == "load_aware",
             db_pool_size=2,
         )
         self.planner = Planner.open(settings, policy=make_policy(scenario.policy, rng=random.Random(seed)))
@@ -235,14 +237,14 @@ class FleetSim:
         decision_s = 0.0
         decisions: list[dict[str, Any]] = []
         t = 0.0
-        while events or self.net.flows:
+        while events or len(self.net):
             nxt = self.net.next_completion()
             t_flow = t + nxt[0] if nxt is not None else math.inf
             t_event = events[0][0] if events else math.inf
             if t_flow <= t_event and nxt is not None:
                 self.net.advance(t_flow - t)
                 t = t_flow
-                done = [k for k, f in self.net.flows.items() if f.remaining <= 1.0]
+                done = self.net.finished()
                 for key in done or [nxt[1]]:
                     self.net.finish(key)
                     heapq.heappush(events, (t + m.ready_overhead_s, seq, "ready", key[1]))  # type: ignore[index]
@@ -346,11 +348,11 @@ def hub_baseline(model: BandwidthModel, n: int) -> float:
         net.capacity[("rx", i)] = model.nic_bps
         net.start(("hub", i), model.nbytes, [("hub",), ("rx", i)])
     t = 0.0
-    while net.flows:
+    while len(net):
         nxt = net.next_completion()
         assert nxt is not None
         net.advance(nxt[0])
         t += nxt[0]
-        for k in [k for k, f in net.flows.items() if f.remaining <= 1.0] or [nxt[1]]:
+        for k in net.finished() or [nxt[1]]:
             net.finish(k)
     return t + model.ready_overhead_s

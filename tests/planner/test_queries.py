@@ -46,9 +46,14 @@ def test_raw_rows_match_sqlalchemy(svc):
     @given(pick=st.lists(st.sampled_from([*known, "0" * 32, "x'; --"]), max_size=6))
     def check(pick: list[str]) -> None:
         now = time.time()
-        base = {"b_key": key, "b_rank": 0, "b_oldest_beat": now - 60, "b_now": now}
+        base = {"b_key": key, "b_rank": 0, "b_oldest_beat": now - 60, "b_now": now, "b_limit": 3}
+        near = {**base, "b_node": "n1", "b_rack": "", "b_zone": "z"}
         _same(svc, sql.candidates, base)
         _same(svc, sql.candidates_excluding, {**base, "b_excluded": pick})
+        _same(svc, sql.ranked, near)
+        _same(svc, sql.ranked_excluding, {**near, "b_excluded": pick})
+        _same(svc, sql.lock_chosen, {**base, "b_ids": pick})
+        _same(svc, sql.live_starts, base)
         _same(svc, sql.chosen_details, {"b_ids": pick, "b_rank": 0})
         _same(svc, sql.live_leases, {"b_ids": pick, "b_rank": 0, "b_now": now})
         _same(svc, sql.heartbeats, {"b_ids": pick, "b_now": now})
@@ -61,10 +66,13 @@ def test_sqlite_ranks_from_the_identity_index(svc):
     without statistics chose ix_instances_status_updated: 10,000 rows per assignment at 10,000)."""
     if not svc.db.sqlite:
         return
-    for raw in (svc._sql.candidates, svc._sql.candidates_excluding):
-        params = {**raw.defaults, "b_key": "k", "b_rank": 0, "b_oldest_beat": 0.0, "b_now": 0.0}
+    sql = svc._sql
+    for raw in (sql.candidates, sql.candidates_excluding, sql.ranked, sql.ranked_excluding):
+        params = {**raw.defaults, "b_key": "k", "b_rank": 0, "b_oldest_beat": 0.0, "b_now": 0.0, "b_limit": 3}
+        params.update({"b_node": "n", "b_rack": "r", "b_zone": "z"})
         params.update(dict.fromkeys(raw.lists, "[]"))
         with svc.db.write_core() as s:
             plan = s.connection.dbapi_connection.execute("EXPLAIN QUERY PLAN " + raw.sql, params).fetchall()
-        first = plan[0][-1]
-        assert "ix_instances_identity_key" in first, plan
+        instances = [row[-1] for row in plan if " instances " in f"{row[-1]} "]
+        assert instances, plan
+        assert all("ix_instances_identity_key" in x for x in instances), plan

@@ -226,9 +226,7 @@ def test_serve_prints_the_page_address(sqlite_url, tmp_path):
         proc.wait(timeout=30)
 
 
-NAME = st.text(
-    st.characters(exclude_categories=["Cs"], exclude_characters="\x00"), min_size=1, max_size=40
-)
+NAME = st.text(st.characters(exclude_categories=["Cs"], exclude_characters="\x00"), min_size=1, max_size=40)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -93,6 +93,7 @@ def test_write_batch_counts_limits_in_order_and_keeps_refusals_apart(planner_url
         other = AssignmentRequest.model_validate(
             {"identity": {**identity(), "model": "no-such-model"}, "rank": 0, "providers": ["tcp"]}
         )
+
         def asking(body: AssignmentRequest, holder: str) -> Callable[[Connection], Callable[[], Any]]:
             return lambda s: svc.assign_in(s, body, None, holder)
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rfork.simulate.fleet import SCENARIOS, BandwidthModel, FleetSim, hub_baseline, migrated_template
 from rfork.simulate.flows import Network
@@ -136,3 +138,26 @@ def test_racks_with_thin_uplinks_complete_within_limits(template, tmp_path):
         assert r.sources["seed"] == 16
         assert r.max_pulls_per_seed <= 2
         assert r.all_ready_s < 16 / 2 * (m.nbytes / m.nic_bps * 2) + m.ready_overhead_s
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    caps=st.lists(st.sampled_from([1.0, 2.5, 4.0, 10.0]), min_size=1, max_size=6),
+    flows=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=4, unique=True), max_size=12),
+)
+def test_flow_rates_are_max_min_fair(caps, flows):
+    # what max-min fairness means: no resource over capacity, and every flow crosses a full resource
+    # on which no other flow gets more (else it could grow without taking from a slower one)
+    net = Network(capacity=dict(enumerate(caps)))
+    for n, res in enumerate(flows):
+        net.start(n, 100.0, list(dict.fromkeys(r % len(caps) for r in res)))
+    net.next_completion()
+    got = net.flows
+    for r, c in enumerate(caps):
+        assert sum(f.rate for f in got.values() if r in f.resources) <= c * (1 + 1e-9)
+    for f in got.values():
+        assert any(
+            sum(g.rate for g in got.values() if r in g.resources) >= caps[r] * (1 - 1e-9)
+            and all(g.rate <= f.rate * (1 + 1e-9) for g in got.values() if r in g.resources)
+            for r in f.resources
+        )
