@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from backends import kv, moe, rl
     from backends.channel import Channel, ImmRange, Message
     from backends.descriptor import EngineAddress, MemoryRegionDescriptor
+    from backends.digest_job import DigestJob, native_digests_available
     from backends.engine import MAX_MESSAGE, Region, TransferEngine
     from backends.errors import (
         BackendUnavailable,
@@ -36,6 +37,8 @@ _WHERE = {
     "Message": "backends.channel",
     "EngineAddress": "backends.descriptor",
     "MemoryRegionDescriptor": "backends.descriptor",
+    "DigestJob": "backends.digest_job",
+    "native_digests_available": "backends.digest_job",
     "MAX_MESSAGE": "backends.engine",
     "Region": "backends.engine",
     "TransferEngine": "backends.engine",
@@ -55,6 +58,7 @@ __all__ = [
     "BackendUnavailable",
     "Channel",
     "ChannelError",
+    "DigestJob",
     "EngineAddress",
     "EngineClosed",
     "ImmRange",
@@ -68,6 +72,7 @@ __all__ = [
     "TransferTimeout",
     "kv",
     "moe",
+    "native_digests_available",
     "provider_available",
     "rl",
 ]

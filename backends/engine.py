@@ -10,6 +10,7 @@ through `add_hooks`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -19,6 +20,7 @@ from typing import Any, Protocol
 
 from backends.channel import Channel, ChannelHub
 from backends.descriptor import ACCESS_NAMES, EngineAddress, MemoryRegionDescriptor
+from backends.digest_job import DigestJob
 from backends.errors import EngineClosed, RemoteAccessError, TransferError
 from backends.imm import ImmCounter
 from backends.progress import MAX_MESSAGE, READ, WRITE, Op, Part, Progress, Route
@@ -264,9 +266,10 @@ class TransferEngine:
 
     # ----- one-sided ops ------------------------------------------------------------------------
     def read(self, region: Region, offset: int, length: int, remote_desc: MemoryRegionDescriptor | bytes,
-             remote_offset: int) -> Future[None]:
-        """Read remote [remote_offset, +length) into region[offset, +length)."""
-        part = self.read_part(region, offset, length, remote_desc, remote_offset)
+             remote_offset: int, *, digest: DigestJob | None = None) -> Future[None]:
+        """Read remote [remote_offset, +length) into region[offset, +length); with `digest`, its core
+        thread feeds the landed bytes to that job (backends.digest_job) before the future resolves."""
+        part = self.read_part(region, offset, length, remote_desc, remote_offset, digest=digest)
         return self.start_op("read", [part]).future
 
     def write(self, region: Region, offset: int, length: int, remote_desc: MemoryRegionDescriptor | bytes,
@@ -323,13 +326,14 @@ class TransferEngine:
     # ----- the one op path (the methods above and backends.lane's batches) ----------------------
     def read_part(
         self, region: Region, offset: int, length: int, remote_desc: MemoryRegionDescriptor | bytes,
-        remote_offset: int, *, what: str = "read",
+        remote_offset: int, *, what: str = "read", digest: DigestJob | None = None,
     ) -> Part:
         """A checked read of remote [remote_offset, +length) into region[offset, +length), for start_op."""
         rdesc = as_descriptor(remote_desc)
         check_local(self, region, offset, length, what)
         check_remote(rdesc, remote_offset, length, what, need="read")
-        return self._part(READ, region, [(int(offset), int(remote_offset), int(length))], rdesc, None)
+        part = self._part(READ, region, [(int(offset), int(remote_offset), int(length))], rdesc, None)
+        return part if digest is None else dataclasses.replace(part, hash_job=digest.address)
 
     def write_part(
         self, region: Region, spans: Sequence[tuple[int, int, int]],

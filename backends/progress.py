@@ -77,6 +77,7 @@ class Part:
     base: int
     keys: Sequence[int]
     imm: int | None = None
+    hash_job: int = 0  # a read's backends.digest_job.DigestJob address (0: none)
 
 
 class Op:
@@ -141,6 +142,7 @@ class Chunk:
     deadline: float = 0.0
     ctx: int = 0
     region: LocalRegion | None = None  # the local region this chunk reads into / writes from
+    hash_job: int = 0  # the native digest job fed when this read lands (0: none)
 
     @property
     def group(self) -> int:
@@ -224,7 +226,7 @@ class Progress:
             dc = p.kind == WRITE and (self.delivery_complete or small)
             key = p.keys[w % p.route.remote_domains]
             chunk = Chunk(op, p.kind, region.ptr + lo, n, region.regs[w].desc, p.route.handles[w],
-                          p.base + ro, key, p.imm if ride else None, dc, region=region)
+                          p.base + ro, key, p.imm if ride else None, dc, region=region, hash_job=p.hash_job)
             per_thread[w].append(chunk)
         if after:
             for i, p in enumerate(imms):

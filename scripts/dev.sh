@@ -42,6 +42,11 @@ ensure_system_packages() {
     || need+=(libfabric1 libfabric-dev libfabric-bin)
   command -v fi_pingpong >/dev/null 2>&1 || [ -n "${RFORK_LIBFABRIC_PREFIX:-}" ] || need+=(libfabric-bin)
   command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
+  # xxHash's header and library: the binding's core hashes pulled weights as they land (without it
+  # the binding still builds and pulls hash in Python, so only apt systems get it here)
+  if command -v apt-get >/dev/null 2>&1 && ! pkg-config --exists libxxhash 2>/dev/null; then
+    need+=(libxxhash-dev)
+  fi
   command -v cc >/dev/null 2>&1 || need+=(gcc)
   "$PYTHON" -c 'import ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
   "$PYTHON" -c 'import os,sysconfig,sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"],"Python.h")))' \
@@ -53,7 +58,7 @@ ensure_system_packages() {
     DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${need[@]}" >/dev/null
   else
     log "missing: ${need[*]}. Install libfabric (>= 1.17) with its headers, pkg-config, a C compiler"
-    log "and Python headers with your package manager (Fedora: dnf install libfabric-devel gcc python3-devel),"
+    log "and Python headers with your package manager (Fedora: dnf install libfabric-devel xxhash-devel gcc python3-devel),"
     log "or point RFORK_LIBFABRIC_PREFIX at a libfabric install (AWS EFA: /opt/amazon/efa)."
     exit 1
   fi

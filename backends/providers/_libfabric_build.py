@@ -157,7 +157,7 @@ const char *fi_cq_strerror(struct fid_cq *cq, int prov_errno, const void *err_da
 
 /* Hot loops in C (cffi releases the GIL during these calls). */
 struct rf_op { uint64_t buf; size_t len; void *desc; uint64_t peer; uint64_t raddr; uint64_t key;
-               uint64_t ctx; uint64_t data; int kind; int flags; uint64_t group; };
+               uint64_t ctx; uint64_t data; int kind; int flags; uint64_t group; uint64_t hjob; };
 long rf_cq_drain(struct fid_cq *cq, struct fi_cq_data_entry *ents, long max, uint64_t *out);
 long rf_cq_wait(struct fid_cq *cq, struct fi_cq_data_entry *ents, long max, uint64_t *out, int timeout_ms);
 
@@ -177,6 +177,17 @@ void rf_core_free(struct rf_core *c);
 #define RF_KIND_RECV ...
 #define RF_POST_FAILED ...
 #define RF_RECV_BASE ...
+
+/* Digest jobs: xxh3-128 of destination spans, hashed by the core thread as reads land. */
+struct rf_hjob;
+int rf_hjob_supported(void);
+struct rf_hjob *rf_hjob_new(long nregions, const uint64_t *bases, const uint64_t *sizes, const long *nreads,
+                            const uint64_t *reads, const long *nspans, const uint64_t *spans);
+int rf_hjob_wait(struct rf_hjob *j, int timeout_ms);
+long rf_hjob_digests(struct rf_hjob *j, unsigned char *out, long nspans);
+uint64_t rf_hjob_hash_ns(struct rf_hjob *j);
+void rf_hjob_landed(struct rf_hjob *j, uint64_t addr, uint64_t len);
+void rf_hjob_release(struct rf_hjob *j);
 """
 
 SOURCE = """
@@ -199,10 +210,11 @@ static int rf_set_prov_name(struct fi_info *hints, const char *name) {
 }
 
 /* One op to post: kind 0 = read, 1 = write (2 = send, 3 = receive: the core only); flags bit 0 =
- * carries data (imm), bit 1 = delivery complete; group = the op it is part of (for cancelling).
+ * carries data (imm), bit 1 = delivery complete; group = the op it is part of (for cancelling);
+ * hjob = a digest job (struct rf_hjob *) to feed the bytes of a read to when it lands, or 0.
  * buf and ctx are integers so that Python fills the array without pointer casts. */
 struct rf_op { uint64_t buf; size_t len; void *desc; uint64_t peer; uint64_t raddr; uint64_t key;
-               uint64_t ctx; uint64_t data; int kind; int flags; uint64_t group; };
+               uint64_t ctx; uint64_t data; int kind; int flags; uint64_t group; uint64_t hjob; };
 
 /* Post ops[0..n) in order. Returns how many were posted; *err is 0 when all were, else the
  * (negative) return of ops[result] (-FI_EAGAIN: queue full or still connecting; retry later). */
@@ -310,6 +322,317 @@ static long rf_cq_wait(struct fid_cq *cq, struct fi_cq_data_entry *ents, long ma
 #include <sched.h>
 #include <time.h>
 
+/* ---- Digest jobs ----------------------------------------------------------------------------------
+ * A pull's digest plan: per destination region its reads (offset, length: sorted, disjoint) and its
+ * spans (offset, end: sorted by offset, may overlap). A core thread that reaps a read tagged with a
+ * job (rf_op.hjob) calls rf_hjob_landed; once every read below some offset has landed, the bytes
+ * there are final and are fed, in address order, to each span's streaming xxh3-128 state while the
+ * read's bytes are still in cache. One thread hashes at a time: the others record what landed and go
+ * on, and the hashing one picks it up. The job lives until Python released it and no queued or posted
+ * op refers to it any more; once released it hashes nothing (the destination may be gone). */
+#ifdef RF_HAVE_XXHASH
+#include <xxhash.h>
+/* Debian's libxxhash picks SSE2/AVX2/AVX-512 at run time here; weak, so other builds link too. */
+extern XXH_errorcode XXH3_128bits_update_dispatch(XXH3_state_t *state, const void *input, size_t len)
+    __attribute__((weak));
+#endif
+
+struct rf_hspan { uint64_t off, end, fed; int done; void *st; unsigned char digest[16]; };
+struct rf_hregion {
+    uint64_t base, size, hashed; /* bytes below hashed were fed to every span */
+    long nreads, k;              /* reads[0..k) have all landed */
+    uint64_t *reads, *landed;    /* (offset, length) pairs; bytes landed per read */
+    long nspans, first;          /* spans[0..first) are done */
+    struct rf_hspan *spans;
+};
+struct rf_hjob {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    long refs; /* Python's (until rf_hjob_release) + one per queued or posted tagged op */
+    int hashing, released, failed;
+    long nregions;
+    struct rf_hregion *r;
+    uint64_t hash_ns;
+};
+
+static long rf_now_ns(void);
+
+int rf_hjob_supported(void) {
+#ifdef RF_HAVE_XXHASH
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static void rf_hjob_free(struct rf_hjob *j) {
+    for (long q = 0; q < j->nregions; q++) {
+        struct rf_hregion *r = &j->r[q];
+        for (long s = 0; s < r->nspans; s++) {
+#ifdef RF_HAVE_XXHASH
+            if (r->spans[s].st)
+                XXH3_freeState((XXH3_state_t *)r->spans[s].st);
+#endif
+        }
+        free(r->spans);
+        free(r->reads);
+        free(r->landed);
+    }
+    free(j->r);
+    pthread_mutex_destroy(&j->mu);
+    pthread_cond_destroy(&j->cv);
+    free(j);
+}
+
+/* Bytes below this offset of region r are final: the end of the last read of the landed prefix. */
+static uint64_t rf_final_at(const struct rf_hregion *r) {
+    if (r->k == r->nreads)
+        return r->size;
+    return r->k ? r->reads[2 * (r->k - 1)] + r->reads[2 * (r->k - 1) + 1] : 0;
+}
+
+/* Feed region bytes [lo, hi) to every span that overlaps them; finish the spans that end by hi.
+ * Only the hashing thread touches the spans. */
+static void rf_hash_range(struct rf_hregion *r, uint64_t lo, uint64_t hi) {
+#ifdef RF_HAVE_XXHASH
+    for (long s = r->first; s < r->nspans; s++) {
+        struct rf_hspan *sp = &r->spans[s];
+        if (sp->off > hi || (sp->off == hi && sp->end > hi))
+            break; /* (an empty span at hi is final) */
+        if (sp->done) {
+            if (s == r->first)
+                r->first++;
+            continue;
+        }
+        uint64_t start = sp->off + sp->fed > lo ? sp->off + sp->fed : lo;
+        uint64_t end = sp->end < hi ? sp->end : hi;
+        if (end > start) {
+            const void *p = (const void *)(uintptr_t)(r->base + start);
+            if (XXH3_128bits_update_dispatch)
+                XXH3_128bits_update_dispatch((XXH3_state_t *)sp->st, p, (size_t)(end - start));
+            else
+                XXH3_128bits_update((XXH3_state_t *)sp->st, p, (size_t)(end - start));
+            sp->fed = end - sp->off;
+        }
+        if (sp->end <= hi) {
+            XXH128_hash_t h = XXH3_128bits_digest((XXH3_state_t *)sp->st);
+            XXH128_canonicalFromHash((XXH128_canonical_t *)sp->digest, h);
+            sp->done = 1;
+            if (s == r->first)
+                r->first++;
+        }
+    }
+#else
+    (void)r; (void)lo; (void)hi;
+#endif
+}
+
+/* Hash whatever became final, unless another thread is at it (it will see the new marks). mu held. */
+static void rf_hjob_run(struct rf_hjob *j) {
+    if (j->hashing)
+        return;
+    j->hashing = 1;
+    for (;;) {
+        struct rf_hregion *r = NULL;
+        for (long q = 0; q < j->nregions && !r; q++)
+            if (rf_final_at(&j->r[q]) > j->r[q].hashed)
+                r = &j->r[q];
+        if (!r || j->released)
+            break;
+        uint64_t lo = r->hashed, hi = rf_final_at(r);
+        pthread_mutex_unlock(&j->mu);
+        long t0 = rf_now_ns();
+        rf_hash_range(r, lo, hi);
+        long dt = rf_now_ns() - t0;
+        pthread_mutex_lock(&j->mu);
+        r->hashed = hi;
+        j->hash_ns += (uint64_t)dt;
+    }
+    j->hashing = 0;
+    pthread_cond_broadcast(&j->cv);
+}
+
+/* A job for nregions regions: bases/sizes per region; nreads[q] (offset, length) pairs per region in
+ * reads, concatenated; nspans[q] (offset, end) pairs per region in spans. Returns NULL without
+ * xxhash or memory. The caller holds one reference (rf_hjob_release drops it). */
+struct rf_hjob *rf_hjob_new(long nregions, const uint64_t *bases, const uint64_t *sizes, const long *nreads,
+                            const uint64_t *reads, const long *nspans, const uint64_t *spans) {
+#ifndef RF_HAVE_XXHASH
+    (void)nregions; (void)bases; (void)sizes; (void)nreads; (void)reads; (void)nspans; (void)spans;
+    return NULL;
+#else
+    struct rf_hjob *j = calloc(1, sizeof *j);
+    if (!j)
+        return NULL;
+    pthread_mutex_init(&j->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&j->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    j->refs = 1;
+    j->nregions = nregions;
+    j->r = calloc((size_t)(nregions > 0 ? nregions : 1), sizeof *j->r);
+    if (!j->r)
+        goto fail;
+    for (long q = 0; q < nregions; q++) {
+        struct rf_hregion *r = &j->r[q];
+        r->base = bases[q];
+        r->size = sizes[q];
+        r->nreads = nreads[q];
+        r->nspans = nspans[q];
+        r->reads = malloc(sizeof(uint64_t) * 2 * (size_t)(r->nreads + 1));
+        r->landed = calloc((size_t)(r->nreads + 1), sizeof(uint64_t));
+        r->spans = calloc((size_t)(r->nspans + 1), sizeof *r->spans);
+        if (!r->reads || !r->landed || !r->spans)
+            goto fail;
+        memcpy(r->reads, reads, sizeof(uint64_t) * 2 * (size_t)r->nreads);
+        reads += 2 * r->nreads;
+        for (long s = 0; s < r->nspans; s++) {
+            r->spans[s].off = spans[2 * s];
+            r->spans[s].end = spans[2 * s + 1];
+            r->spans[s].st = XXH3_createState();
+            if (!r->spans[s].st || XXH3_128bits_reset((XXH3_state_t *)r->spans[s].st) != XXH_OK)
+                goto fail;
+        }
+        spans += 2 * r->nspans;
+    }
+    pthread_mutex_lock(&j->mu);
+    rf_hjob_run(j); /* regions without reads are final already */
+    pthread_mutex_unlock(&j->mu);
+    return j;
+fail:
+    rf_hjob_free(j);
+    return NULL;
+#endif
+}
+
+static void rf_hjob_ref(struct rf_hjob *j) {
+    pthread_mutex_lock(&j->mu);
+    j->refs++;
+    pthread_mutex_unlock(&j->mu);
+}
+
+static void rf_hjob_unref(struct rf_hjob *j) {
+    pthread_mutex_lock(&j->mu);
+    long left = --j->refs;
+    pthread_mutex_unlock(&j->mu);
+    if (left == 0)
+        rf_hjob_free(j);
+}
+
+/* Mark the job as unusable (an op could not be tracked): rf_hjob_wait then says so. */
+static void rf_hjob_fail(struct rf_hjob *j) {
+    pthread_mutex_lock(&j->mu);
+    j->failed = 1;
+    pthread_cond_broadcast(&j->cv);
+    pthread_mutex_unlock(&j->mu);
+}
+
+/* Bytes [addr, +len) of one of the job's reads landed (any thread); hashes what became final. */
+void rf_hjob_landed(struct rf_hjob *j, uint64_t addr, uint64_t len) {
+    pthread_mutex_lock(&j->mu);
+    if (j->released || j->failed) {
+        pthread_mutex_unlock(&j->mu);
+        return;
+    }
+    struct rf_hregion *r = NULL;
+    for (long q = 0; q < j->nregions && !r; q++)
+        if (addr >= j->r[q].base && addr - j->r[q].base < j->r[q].size)
+            r = &j->r[q];
+    long i = -1;
+    if (r) {
+        uint64_t off = addr - r->base;
+        long lo = 0, hi = r->nreads - 1;
+        while (lo <= hi) {
+            long m = lo + (hi - lo) / 2;
+            if (r->reads[2 * m] <= off) {
+                i = m;
+                lo = m + 1;
+            } else {
+                hi = m - 1;
+            }
+        }
+        if (i >= 0 && off + len > r->reads[2 * i] + r->reads[2 * i + 1])
+            i = -1;
+    }
+    if (i < 0) { /* not a byte range of this job's reads */
+        j->failed = 1;
+        pthread_cond_broadcast(&j->cv);
+        pthread_mutex_unlock(&j->mu);
+        return;
+    }
+    r->landed[i] += len;
+    while (r->k < r->nreads && r->landed[r->k] >= r->reads[2 * r->k + 1])
+        r->k++;
+    rf_hjob_run(j);
+    pthread_mutex_unlock(&j->mu);
+}
+
+/* Wait up to timeout_ms until every region is hashed to its end: 1 when it is, 0 on timeout, -1 when
+ * the job failed (a landing outside its reads, or an op it could not track). */
+int rf_hjob_wait(struct rf_hjob *j, int timeout_ms) {
+    struct timespec ts;
+    int rc = 0;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    ts.tv_sec += timeout_ms / 1000;
+    ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    ts.tv_sec += ts.tv_nsec / 1000000000L;
+    ts.tv_nsec %= 1000000000L;
+    pthread_mutex_lock(&j->mu);
+    for (;;) {
+        if (j->failed) {
+            rc = -1;
+            break;
+        }
+        int all = !j->hashing;
+        for (long q = 0; q < j->nregions && all; q++)
+            all = j->r[q].hashed == j->r[q].size;
+        if (all) {
+            rc = 1;
+            break;
+        }
+        if (pthread_cond_timedwait(&j->cv, &j->mu, &ts) == ETIMEDOUT)
+            break;
+    }
+    pthread_mutex_unlock(&j->mu);
+    return rc;
+}
+
+/* Copy each span's 16-byte canonical digest (regions in order, spans in the order given) into out;
+ * returns how many spans are done (all of them after rf_hjob_wait returned 1). */
+long rf_hjob_digests(struct rf_hjob *j, unsigned char *out, long nspans) {
+    long done = 0, n = 0;
+    pthread_mutex_lock(&j->mu);
+    for (long q = 0; q < j->nregions; q++)
+        for (long s = 0; s < j->r[q].nspans && n < nspans; s++, n++) {
+            memcpy(out + 16 * n, j->r[q].spans[s].digest, 16);
+            done += j->r[q].spans[s].done;
+        }
+    pthread_mutex_unlock(&j->mu);
+    return done;
+}
+
+uint64_t rf_hjob_hash_ns(struct rf_hjob *j) {
+    pthread_mutex_lock(&j->mu);
+    uint64_t ns = j->hash_ns;
+    pthread_mutex_unlock(&j->mu);
+    return ns;
+}
+
+/* Python is done with the job: nothing is hashed any more (waits for a hash under way, so the caller
+ * may free the destination after this returns); freed once no op refers to it. */
+void rf_hjob_release(struct rf_hjob *j) {
+    pthread_mutex_lock(&j->mu);
+    j->released = 1;
+    while (j->hashing)
+        pthread_cond_wait(&j->cv, &j->mu);
+    long left = --j->refs;
+    pthread_mutex_unlock(&j->mu);
+    if (left == 0)
+        rf_hjob_free(j);
+}
+
 #define RF_KIND_READ 0
 #define RF_KIND_WRITE 1
 #define RF_KIND_SEND 2
@@ -319,6 +642,9 @@ static long rf_cq_wait(struct fid_cq *cq, struct fi_cq_data_entry *ents, long ma
 #define RF_CQ_BATCH 64
 #define RF_SPIN_NS 100000L          /* the core busy-polls this long after its last activity */
 #define RF_DRAIN_SPIN_NS 50000L     /* a drainer looks this long before it sleeps on the condvar */
+#define RF_HTAB 128                 /* posted ops tagged with a digest job (at most max_inflight <= 64) */
+
+struct rf_hslot { uint64_t ctx; struct rf_hjob *job; uint64_t buf, len; };
 
 struct rf_rec { uint64_t ctx; uint64_t flags; uint64_t len; uint64_t data; int64_t err; char msg[120]; };
 
@@ -338,6 +664,8 @@ struct rf_core {
     struct rf_op batch[64];
     struct fi_cq_data_entry ents[RF_CQ_BATCH];
     struct rf_rec fresh[RF_CQ_BATCH + 64];
+    struct rf_hslot htab[RF_HTAB]; /* the core thread's alone: posted tagged ops, by context */
+    long hcount;
 };
 
 static long rf_now_ns(void) {
@@ -351,6 +679,48 @@ static void rf_deadline_in(struct timespec *ts, long ns) {
     ts->tv_nsec += ns;
     ts->tv_sec += ts->tv_nsec / 1000000000L;
     ts->tv_nsec %= 1000000000L;
+}
+
+/* Remember a posted op tagged with a digest job (core thread). 0 when the table is full. */
+static int rf_htab_put(struct rf_core *c, const struct rf_op *o) {
+    for (long i = 0; i < RF_HTAB; i++)
+        if (!c->htab[i].job) {
+            c->htab[i].ctx = o->ctx;
+            c->htab[i].job = (struct rf_hjob *)(uintptr_t)o->hjob;
+            c->htab[i].buf = o->buf;
+            c->htab[i].len = o->len;
+            c->hcount++;
+            return 1;
+        }
+    return 0;
+}
+
+/* Take the tagged op with context ctx out of the table (core thread); its slot, or NULL. */
+static struct rf_hslot *rf_htab_take(struct rf_core *c, uint64_t ctx, struct rf_hslot *out) {
+    if (!c->hcount || !ctx || ctx >= RF_RECV_BASE)
+        return NULL;
+    for (long i = 0; i < RF_HTAB; i++)
+        if (c->htab[i].job && c->htab[i].ctx == ctx) {
+            *out = c->htab[i];
+            c->htab[i].job = NULL;
+            c->hcount--;
+            return out;
+        }
+    return NULL;
+}
+
+/* Feed the reads among n fresh CQ entries to their digest jobs (core thread, mu not held, before
+ * their records are emitted: a read's future resolves only after its bytes were handed over). */
+static void rf_feed_jobs(struct rf_core *c, ssize_t n) {
+    struct rf_hslot slot;
+    for (ssize_t i = 0; i < n && c->hcount; i++) {
+        if (c->ents[i].flags & (FI_REMOTE_WRITE | FI_REMOTE_READ | FI_RECV))
+            continue;
+        if (rf_htab_take(c, (uint64_t)(uintptr_t)c->ents[i].op_context, &slot)) {
+            rf_hjob_landed(slot.job, slot.buf, slot.len);
+            rf_hjob_unref(slot.job);
+        }
+    }
 }
 
 /* Double a ring's capacity, moving its items to the front (head becomes 0). */
@@ -456,7 +826,21 @@ static long rf_post_some(struct rf_core *c, int *again) {
     c->sq_len -= n;
     pthread_mutex_unlock(&c->mu);
     for (i = 0; i < n; i++) {
-        ssize_t ret = rf_post_one(c->ep, &c->batch[i]);
+        struct rf_op *o = &c->batch[i];
+        struct rf_hjob *job = (struct rf_hjob *)(uintptr_t)o->hjob;
+        if (job && !rf_htab_put(c, o)) { /* cannot happen while inflight <= 64; never hash wrongly */
+            rf_hjob_fail(job);
+            rf_hjob_unref(job);
+            o->hjob = 0;
+            job = NULL;
+        }
+        ssize_t ret = rf_post_one(c->ep, o);
+        if (ret != 0 && job) { /* not posted: forget it again (re-tracked when retried) */
+            struct rf_hslot slot;
+            rf_htab_take(c, o->ctx, &slot);
+            if (ret != -FI_EAGAIN)
+                rf_hjob_unref(job);
+        }
         if (ret == 0) {
             posted++;
             tx += c->batch[i].kind != RF_KIND_RECV;
@@ -492,7 +876,10 @@ static long rf_reap(struct rf_core *c, ssize_t n) {
             snprintf(r->msg, sizeof r->msg, "fi_cq_readerr failed");
         } else {
             const char *d = fi_cq_strerror(c->cq, err.prov_errno, err.err_data, detail, sizeof detail);
+            struct rf_hslot slot;
             r->ctx = (uint64_t)(uintptr_t)err.op_context;
+            if (!(err.flags & (FI_REMOTE_WRITE | FI_REMOTE_READ | FI_RECV)) && rf_htab_take(c, r->ctx, &slot))
+                rf_hjob_unref(slot.job); /* a failed read: nothing of it is hashed */
             r->flags = err.flags;
             r->len = err.len;
             r->data = err.data;
@@ -540,6 +927,7 @@ static void *rf_core_main(void *arg) {
         long busy = rf_post_some(c, &again);
         pthread_mutex_unlock(&c->mu);
         ssize_t n = fi_cq_read(c->cq, c->ents, RF_CQ_BATCH);
+        rf_feed_jobs(c, n);
         pthread_mutex_lock(&c->mu);
         busy += rf_reap(c, n);
         if (busy) {
@@ -560,6 +948,7 @@ static void *rf_core_main(void *arg) {
             int ms = again ? 1 : (c->inflight ? 10 : 50);
             pthread_mutex_unlock(&c->mu);
             n = fi_cq_sread(c->cq, c->ents, RF_CQ_BATCH, NULL, ms);
+            rf_feed_jobs(c, n);
             pthread_mutex_lock(&c->mu);
             c->sleeping = 0;
             if (n > 0 || n == -FI_EAVAIL) {
@@ -598,8 +987,11 @@ long rf_core_submit(struct rf_core *c, struct rf_op *ops, long n) {
             pthread_mutex_unlock(&c->mu);
             return -1;
         }
-    for (long i = 0; i < n; i++)
+    for (long i = 0; i < n; i++) {
         c->sq[(c->sq_head + c->sq_len + i) % c->sq_cap] = ops[i];
+        if (ops[i].hjob)
+            rf_hjob_ref((struct rf_hjob *)(uintptr_t)ops[i].hjob);
+    }
     c->sq_len += n;
     if (c->sleeping) {
         if (c->can_wait)
@@ -658,6 +1050,8 @@ long rf_core_cancel(struct rf_core *c, uint64_t peer, uint64_t group) {
             r.err = ECANCELED;
             snprintf(r.msg, sizeof r.msg, "cancelled before it was posted");
             rf_emit(c, &r, 1);
+            if (o.hjob)
+                rf_hjob_unref((struct rf_hjob *)(uintptr_t)o.hjob);
             gone++;
         } else {
             c->sq[(c->sq_head + kept++) % c->sq_cap] = o;
@@ -693,6 +1087,15 @@ void rf_core_stop(struct rf_core *c) {
 
 void rf_core_free(struct rf_core *c) {
     rf_core_stop(c);
+    /* ops never posted or never completed drop their hold on digest jobs */
+    for (long i = 0; i < c->sq_len; i++) {
+        struct rf_op *o = &c->sq[(c->sq_head + i) % c->sq_cap];
+        if (o->hjob)
+            rf_hjob_unref((struct rf_hjob *)(uintptr_t)o->hjob);
+    }
+    for (long i = 0; i < RF_HTAB; i++)
+        if (c->htab[i].job)
+            rf_hjob_unref(c->htab[i].job);
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->work_cv);
     pthread_cond_destroy(&c->done_cv);
@@ -702,15 +1105,30 @@ void rf_core_free(struct rf_core *c) {
 }
 """
 
+def find_xxhash() -> LibfabricPaths | None:
+    """Where xxHash's header and library live (Debian: libxxhash-dev), or None: the binding then
+    builds without native digests (rf_hjob_supported() is 0) and pulls hash in Python."""
+    try:
+        cflags = subprocess.run(["pkg-config", "--cflags-only-I", "libxxhash"], check=True,
+                                capture_output=True, text=True).stdout
+        libs = subprocess.run(["pkg-config", "--libs-only-L", "libxxhash"], check=True,
+                              capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return LibfabricPaths([f[2:] for f in shlex.split(cflags) if f.startswith("-I")],
+                          [f[2:] for f in shlex.split(libs) if f.startswith("-L")])
+
+
 ffibuilder = FFI()
 ffibuilder.cdef(CDEF)
 _paths = find_libfabric()
+_xxh = find_xxhash()
 ffibuilder.set_source(
     "backends.providers._libfabric",
-    SOURCE,
-    libraries=["fabric", "pthread"],
-    include_dirs=_paths.include_dirs if _paths else [],
-    library_dirs=_paths.library_dirs if _paths else [],
+    ("#define RF_HAVE_XXHASH 1\n" if _xxh else "") + SOURCE,
+    libraries=["fabric", "pthread"] + (["xxhash"] if _xxh else []),
+    include_dirs=(_paths.include_dirs if _paths else []) + (_xxh.include_dirs if _xxh else []),
+    library_dirs=(_paths.library_dirs if _paths else []) + (_xxh.library_dirs if _xxh else []),
     runtime_library_dirs=_paths.library_dirs if _paths else [],
 )
 

@@ -61,6 +61,8 @@ class RmaOp(Protocol):
     def delivery_complete(self) -> bool: ...
     @property
     def group(self) -> int: ...  # the user-visible op it belongs to (0: none), for cancelling
+    @property
+    def hash_job(self) -> int: ...  # a read's native digest job (backends.digest_job), 0: none
 
 
 class Domain(abc.ABC):

@@ -519,6 +519,7 @@ class _Recv(NamedTuple):
     imm: int | None = None
     delivery_complete: bool = False
     group: int = 0
+    hash_job: int = 0
 
 
 def _fill(arr: Any, ops: Sequence[RmaOp], start: int, n: int) -> None:
@@ -536,6 +537,7 @@ def _fill(arr: Any, ops: Sequence[RmaOp], start: int, n: int) -> None:
         o.ctx = op.ctx
         o.kind = op.kind
         o.group = op.group
+        o.hjob = op.hash_job
         imm = op.imm
         if imm is None:
             o.flags = 2 if op.delivery_complete else 0

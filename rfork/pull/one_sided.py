@@ -11,8 +11,11 @@ For one rank from one seed, into `dest` (the caller's tensors, or buffers alloca
      first touch bounds a load into fresh memory (phases `prefault` and `prefault_wait`);
   2. reads of `chunk_bytes`, up to `max_inflight` in flight, in address order; bytes that several
      destination tensors share (tied weights) are read once;
-  3. a verifier thread digests each region's bytes in order as soon as they are final (xxh3-128, the
-     chunk still in cache) and compares every tensor with the manifest.
+  3. each region's bytes are digested in order as soon as they are final (xxh3-128, the chunk still
+     in cache), and every tensor is compared with the manifest. With xxh3-128 and a binding built with
+     xxHash the transport's native core does it as each read lands (`backends.DigestJob`: the reads
+     carry the job; Python only compares at the end); otherwise (blake3, `native_digests=False`) a
+     verifier thread here does.
 GPU destinations go through pinned host bounce slots instead (`rfork.pull.staged`).
 
 The engine is opened early, on a helper thread, while the planner round trip runs; after the load
@@ -33,7 +36,7 @@ from typing import Any
 
 import torch
 
-from backends import MemoryRegionDescriptor, Region, TransferEngine
+from backends import DigestJob, MemoryRegionDescriptor, Region, TransferEngine, native_digests_available
 from backends.providers.libfabric import provider_available
 from planner.wire import RankManifest
 from rfork.errors import PullError
@@ -316,6 +319,7 @@ class _ReadPipeline:
         }
         plan = plan_reads(dest, self.manifest, self.opts.chunk_bytes)
         total = sum(r.nbytes for reads in plan for r in reads)
+        job = self._digest_job(plan)
         done_bytes = 0
         reg_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rfork-register")
         verify_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rfork-verify")
@@ -337,6 +341,8 @@ class _ReadPipeline:
         def retire() -> int:
             fut, rd = inflight.popleft()
             fut.result(timeout=self._left())
+            if job is not None:
+                return rd.nbytes  # its bytes were handed to the job before the future resolved
             rd.done = True
             reads, k = plan[rd.region], frontier[rd.region]
             while k < len(reads) and reads[k].done:
@@ -356,7 +362,7 @@ class _ReadPipeline:
                 local = reg_futs[region].result(timeout=self._left())
                 reg_wait += time.perf_counter() - t_reg
                 local_regions.append(local)
-                if not reads:
+                if not reads and job is None:
                     size = dest.layout.region_sizes[region]
                     verify_futs.append(verify_pool.submit(self._verify_upto, region, 0, size))
                 for rd in reads:
@@ -366,7 +372,9 @@ class _ReadPipeline:
                     t_fault = time.perf_counter()
                     faulted.wait(region, rd.offset + rd.nbytes, self._left())
                     fault_wait += time.perf_counter() - t_fault
-                    fut = self.engine.read(local, rd.offset, rd.nbytes, remote[rd.src_region], rd.src_offset)
+                    fut = self.engine.read(
+                        local, rd.offset, rd.nbytes, remote[rd.src_region], rd.src_offset, digest=job
+                    )
                     inflight.append((fut, rd))
             while inflight:
                 done_bytes += retire()
@@ -374,6 +382,8 @@ class _ReadPipeline:
             t_last = time.perf_counter()
             for vf in verify_futs:
                 vf.result(timeout=self._left())
+            if job is not None:
+                self._check_native(job)
             t_end = time.perf_counter()
             # every read is done, so what is left to pre-fault (padding past the last read) is not needed;
             # the thread is joined so that its figure can be read
@@ -389,8 +399,7 @@ class _ReadPipeline:
             )
             log.info(
                 "rank %d: register wait %.3f s, transfer %.3f s (%.2f GB/s; %.3f s of it waiting for the "
-                "pre-fault, which took %.3f s), verify %.3f s on the verifier thread, %.3f s of it after "
-                "the last read",
+                "pre-fault, which took %.3f s), verify %.3f s (%s), %.3f s of it after the last read",
                 dest.rank,
                 reg_wait,
                 self.phases["transfer"],
@@ -398,6 +407,7 @@ class _ReadPipeline:
                 fault_wait,
                 self._prefault_s,
                 self._verify_s,
+                "native, as reads landed" if job is not None else "verifier thread",
                 t_end - t_last,
             )
             ok = True
@@ -405,6 +415,8 @@ class _ReadPipeline:
         except TimeoutError as exc:
             raise PullError(f"rank {dest.rank}: deadline passed") from exc
         finally:
+            if job is not None:
+                job.release()  # nothing is hashed from here on: the destination may be reused
             stop_prefault.set()
             faulted.finish()
             for fut, _ in inflight:
@@ -419,6 +431,30 @@ class _ReadPipeline:
                         self.engine.deregister(f.result(timeout=30))
             reg_pool.shutdown(wait=True)  # its thread uses the engine, which a fence may close next
             verify_pool.shutdown(wait=True, cancel_futures=not ok)
+
+    def _digest_job(self, plan: list[list[_Read]]) -> DigestJob | None:
+        """The native digest job for this pull, or None where the verifier thread digests."""
+        if not (
+            self.opts.native_digests
+            and self.dest.checksum_algorithm == ck.XXH3_128
+            and native_digests_available()
+        ):
+            return None
+        dest = self.dest
+        return DigestJob(
+            [(dest.ranges[q].ptr, size) for q, size in enumerate(dest.layout.region_sizes)],
+            [[(rd.offset, rd.nbytes) for rd in reads] for reads in plan],
+            [[(sp.offset, sp.end) for sp in spans] for spans in self._spans],
+        )
+
+    def _check_native(self, job: DigestJob) -> None:
+        """Wait for the core threads' last hashes, then compare every span with the manifest."""
+        job.wait(self._left())
+        self._verify_s = job.hash_seconds
+        spans = [sp for region in self._spans for sp in region]
+        for span, digest in zip(spans, job.hexdigests(), strict=True):
+            span.done = True
+            self.dest.accept_digest(span.names, digest, self._expected)
 
     def _verify_upto(self, region: int, lo: int, hi: int) -> None:
         """Digest region bytes [lo, hi) (final now, fed in order) and check every span that ends by hi."""

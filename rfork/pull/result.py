@@ -74,6 +74,10 @@ class LoadOptions:
     # Read through pinned host bounce slots (backends.providers.staging). Automatic for GPU destinations,
     # as tcp and shm cannot register device memory; setting it for host destinations exercises that path.
     staged_reads: bool = False
+    # xxh3-128 digests computed by the transport's native core as each read lands
+    # (backends.digest_job), instead of a Python verifier thread; where the binding has no xxHash
+    # (or with blake3) the verifier thread is used either way
+    native_digests: bool = True
     # 429 all_busy (rfork.pull.planner_session): wait for a seed unless the planner says the checkpoint, read
     # at `fallback_gbps` GB/s, would be sooner (None: never compare, just wait)
     busy_wait: BusyWait = field(default_factory=BusyWait)

@@ -13,6 +13,7 @@ ENGINE = [
     "BackendUnavailable",
     "Channel",
     "ChannelError",
+    "DigestJob",
     "EngineAddress",
     "EngineClosed",
     "ImmRange",
@@ -24,6 +25,7 @@ ENGINE = [
     "TransferEngine",
     "TransferError",
     "TransferTimeout",
+    "native_digests_available",
     "provider_available",
 ]
 PATHS = ["kv", "moe", "rl"]
