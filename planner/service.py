@@ -611,9 +611,14 @@ class Planner:
         due "now"): at 10,000 instances, thousands of 429s per 50 ms, each reading every seed of the
         identity. Only a 429 is answered this way, never a lease: a stale answer costs one more ask
         (another process's writes are seen after at most `busy_cache_s`)."""
-        if last is None or last[0] != changes or not 0 <= now - last[1] <= self.settings.busy_cache_s:
+        if last is None or not self._unchanged_since(last[0], last[1], changes, now):
             return None
         return last[2] if self.db.unchanged(s) else None
+
+    def _unchanged_since(self, then_changes: int, then: float, changes: int, now: float) -> bool:
+        """No write of this process changed rows since `then` and the clock moved less than
+        `busy_cache_s` (the rule for reusing a 429 and its estimate's reads)."""
+        return then_changes == changes and 0 <= now - then <= self.settings.busy_cache_s
 
     def write_batch(
         self, steps: Sequence[Callable[[Connection], Callable[[], T]]]
@@ -831,7 +836,7 @@ class Planner:
         tie = _waiter_tie(body)
         changes = self.db.changes
         reads = self._busy_reads.get(room)
-        if reads is None or reads[0] != changes or not 0 <= now - reads[1] <= st.busy_cache_s:
+        if reads is None or not self._unchanged_since(reads[0], reads[1], changes, now):
             with self.db.read() as session:
                 s = session.connection()
                 recent = s.execute(sql.recent_pulls, params).all()

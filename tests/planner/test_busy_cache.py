@@ -3,6 +3,7 @@ and the clock moved less than `busy_cache_s`; never a lease, and never past a ch
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -12,6 +13,15 @@ from tests.planner.conftest import make_planner
 from tests.planner.test_burst import _ask, _seed
 
 DONE = TransferReport(outcome="success", bytes=64, seconds=0.5)
+
+
+@pytest.fixture
+def sqlite_svc(sqlite_url: str) -> Iterator[Any]:
+    """A planner on a migrated SQLite file (the remembered 429 applies on SQLite only)."""
+    migrate(sqlite_url)
+    svc = make_planner(sqlite_url, busy_cache_s=0.05)
+    yield svc
+    svc.close()
 
 
 def _now(answer: Any) -> Any:
@@ -51,59 +61,47 @@ def test_a_repeated_429_reads_nothing_until_a_write_frees_a_slot(planner_url):
         svc.close()
 
 
-def test_the_remembered_429_lasts_busy_cache_s_of_the_clock(sqlite_url):
-    migrate(sqlite_url)
-    svc = make_planner(sqlite_url, busy_cache_s=0.05)
-    try:
-        now = 1000.0
-        _seed(svc, now, limit=1)
+def test_the_remembered_429_lasts_busy_cache_s_of_the_clock(sqlite_svc):
+    svc = sqlite_svc
+    now = 1000.0
+    _seed(svc, now, limit=1)
+    svc.assign(_ask(), now)
+    calls = _counting(svc)
+    for dt in (0.0, 0.04, 0.1, 0.12, 0.05):  # 0.1 is past 0.04 + 0.05; 0.05 lies before 0.1
+        with pytest.raises(AllBusy):
+            svc.assign(_ask(), now + dt)
+    assert calls[0] == 3  # at 0.0, 0.1 and (the clock went back) 0.05
+
+
+def test_another_shape_of_request_is_not_answered_from_memory(sqlite_svc):
+    svc = sqlite_svc
+    now = 1000.0
+    seed = _seed(svc, now, limit=1)
+    svc.assign(_ask(), now)
+    calls = _counting(svc)
+    with pytest.raises(AllBusy):
         svc.assign(_ask(), now)
-        calls = _counting(svc)
-        for dt in (0.0, 0.04, 0.1, 0.12, 0.05):  # 0.1 is past 0.04 + 0.05; 0.05 lies before 0.1
-            with pytest.raises(AllBusy):
-                svc.assign(_ask(), now + dt)
-        assert calls[0] == 3  # at 0.0, 0.1 and (the clock went back) 0.05
-    finally:
-        svc.close()
+    with pytest.raises(AllBusy):
+        svc.assign(_ask(exclude=["someone"]), now)
+    assert calls[0] == 2
+    with pytest.raises(NoSource):  # excluding the only seed: 404, not the remembered 429
+        svc.assign(_ask(exclude=[seed]), now)
 
 
-def test_another_shape_of_request_is_not_answered_from_memory(sqlite_url):
-    migrate(sqlite_url)
-    svc = make_planner(sqlite_url)
-    try:
-        now = 1000.0
-        seed = _seed(svc, now, limit=1)
-        svc.assign(_ask(), now)
-        calls = _counting(svc)
-        with pytest.raises(AllBusy):
-            svc.assign(_ask(), now)
-        with pytest.raises(AllBusy):
-            svc.assign(_ask(exclude=["someone"]), now)
-        assert calls[0] == 2
-        with pytest.raises(NoSource):  # excluding the only seed: 404, not the remembered 429
-            svc.assign(_ask(exclude=[seed]), now)
-    finally:
-        svc.close()
-
-
-def test_in_a_batch_a_report_before_an_ask_frees_the_slot_for_it(sqlite_url):
-    migrate(sqlite_url)
-    svc = make_planner(sqlite_url)
-    try:
-        now = 1000.0
-        _seed(svc, now, limit=1)
-        lease = svc.assign(_ask(), now).id
-        with pytest.raises(AllBusy):
-            svc.assign(_ask(), now)  # remembered
-        got = svc.write_batch(
-            [
-                lambda s: _now(svc.report_in(s, lease, DONE, now, None)),
-                lambda s: svc.assign_in(s, _ask(), now, None),
-            ]
-        )
-        assert not isinstance(got[1], Exception), got
-    finally:
-        svc.close()
+def test_in_a_batch_a_report_before_an_ask_frees_the_slot_for_it(sqlite_svc):
+    svc = sqlite_svc
+    now = 1000.0
+    _seed(svc, now, limit=1)
+    lease = svc.assign(_ask(), now).id
+    with pytest.raises(AllBusy):
+        svc.assign(_ask(), now)  # remembered
+    got = svc.write_batch(
+        [
+            lambda s: _now(svc.report_in(s, lease, DONE, now, None)),
+            lambda s: svc.assign_in(s, _ask(), now, None),
+        ]
+    )
+    assert not isinstance(got[1], Exception), got
 
 
 def test_another_process_write_is_seen_after_busy_cache_s(sqlite_url):
