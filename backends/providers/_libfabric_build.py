@@ -325,11 +325,13 @@ static long rf_cq_wait(struct fid_cq *cq, struct fi_cq_data_entry *ents, long ma
 /* ---- Digest jobs ----------------------------------------------------------------------------------
  * A pull's digest plan: per destination region its reads (offset, length: sorted, disjoint) and its
  * spans (offset, end: sorted by offset, may overlap). A core thread that reaps a read tagged with a
- * job (rf_op.hjob) calls rf_hjob_landed; once every read below some offset has landed, the bytes
- * there are final and are fed, in address order, to each span's streaming xxh3-128 state while the
- * read's bytes are still in cache. One thread hashes at a time: the others record what landed and go
- * on, and the hashing one picks it up. The job lives until Python released it and no queued or posted
- * op refers to it any more; once released it hashes nothing (the destination may be gone). */
+ * job (rf_op.hjob) calls rf_hjob_landed, which only records it; once every read below some offset has
+ * landed, the bytes there are final and the job's own hasher thread feeds them, in address order, to
+ * each span's streaming xxh3-128 state, right after they landed. Hashing off the core thread lets the
+ * core go on posting and receiving meanwhile: on shm the core does the copy and a second core is
+ * otherwise idle (where the thread cannot be started, the landing thread hashes, one at a time). The
+ * job lives until Python released it (which joins the hasher) and no queued or posted op refers to it
+ * any more; once released it hashes nothing (the destination may be gone). */
 #ifdef RF_HAVE_XXHASH
 #include <xxhash.h>
 /* Debian's libxxhash picks SSE2/AVX2/AVX-512 at run time here; weak, so other builds link too. */
@@ -347,9 +349,11 @@ struct rf_hregion {
 };
 struct rf_hjob {
     pthread_mutex_t mu;
-    pthread_cond_t cv;
+    pthread_cond_t cv;      /* waiters and rf_hjob_release wait on it */
+    pthread_cond_t work_cv; /* the hasher thread sleeps on it */
+    pthread_t hasher;
     long refs; /* Python's (until rf_hjob_release) + one per queued or posted tagged op */
-    int hashing, released, failed;
+    int hashing, released, failed, has_hasher, hasher_idle;
     long nregions;
     struct rf_hregion *r;
     uint64_t hash_ns;
@@ -381,6 +385,7 @@ static void rf_hjob_free(struct rf_hjob *j) {
     free(j->r);
     pthread_mutex_destroy(&j->mu);
     pthread_cond_destroy(&j->cv);
+    pthread_cond_destroy(&j->work_cv);
     free(j);
 }
 
@@ -452,6 +457,31 @@ static void rf_hjob_run(struct rf_hjob *j) {
     pthread_cond_broadcast(&j->cv);
 }
 
+/* Whether bytes that landed are waiting to be hashed (mu held). */
+static int rf_hjob_pending(const struct rf_hjob *j) {
+    for (long q = 0; q < j->nregions; q++)
+        if (rf_final_at(&j->r[q]) > j->r[q].hashed)
+            return 1;
+    return 0;
+}
+
+/* The job's hasher thread: hashes what became final until the job is released. */
+static void *rf_hjob_main(void *arg) {
+    struct rf_hjob *j = arg;
+    pthread_mutex_lock(&j->mu);
+    while (!j->released) {
+        if (rf_hjob_pending(j) && !j->failed) {
+            rf_hjob_run(j);
+            continue;
+        }
+        j->hasher_idle = 1;
+        pthread_cond_wait(&j->work_cv, &j->mu);
+        j->hasher_idle = 0;
+    }
+    pthread_mutex_unlock(&j->mu);
+    return NULL;
+}
+
 /* A job for nregions regions: bases/sizes per region; nreads[q] (offset, length) pairs per region in
  * reads, concatenated; nspans[q] (offset, end) pairs per region in spans. Returns NULL without
  * xxhash or memory. The caller holds one reference (rf_hjob_release drops it). */
@@ -469,6 +499,7 @@ struct rf_hjob *rf_hjob_new(long nregions, const uint64_t *bases, const uint64_t
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&j->cv, &ca);
+    pthread_cond_init(&j->work_cv, &ca);
     pthread_condattr_destroy(&ca);
     j->refs = 1;
     j->nregions = nregions;
@@ -497,9 +528,13 @@ struct rf_hjob *rf_hjob_new(long nregions, const uint64_t *bases, const uint64_t
         }
         spans += 2 * r->nspans;
     }
-    pthread_mutex_lock(&j->mu);
-    rf_hjob_run(j); /* regions without reads are final already */
-    pthread_mutex_unlock(&j->mu);
+    /* it also hashes the regions without reads, final already */
+    j->has_hasher = pthread_create(&j->hasher, NULL, rf_hjob_main, j) == 0;
+    if (!j->has_hasher) {
+        pthread_mutex_lock(&j->mu);
+        rf_hjob_run(j);
+        pthread_mutex_unlock(&j->mu);
+    }
     return j;
 fail:
     rf_hjob_free(j);
@@ -565,7 +600,10 @@ void rf_hjob_landed(struct rf_hjob *j, uint64_t addr, uint64_t len) {
     r->landed[i] += len;
     while (r->k < r->nreads && r->landed[r->k] >= r->reads[2 * r->k + 1])
         r->k++;
-    rf_hjob_run(j);
+    if (!j->has_hasher)
+        rf_hjob_run(j);
+    else if (j->hasher_idle)
+        pthread_cond_signal(&j->work_cv);
     pthread_mutex_unlock(&j->mu);
 }
 
@@ -625,8 +663,13 @@ uint64_t rf_hjob_hash_ns(struct rf_hjob *j) {
 void rf_hjob_release(struct rf_hjob *j) {
     pthread_mutex_lock(&j->mu);
     j->released = 1;
+    pthread_cond_signal(&j->work_cv);
     while (j->hashing)
         pthread_cond_wait(&j->cv, &j->mu);
+    pthread_mutex_unlock(&j->mu);
+    if (j->has_hasher)
+        pthread_join(j->hasher, NULL); /* it stops once it sees released */
+    pthread_mutex_lock(&j->mu);
     long left = --j->refs;
     pthread_mutex_unlock(&j->mu);
     if (left == 0)
