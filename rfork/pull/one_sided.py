@@ -9,8 +9,10 @@ For one rank from one seed, into `dest` (the caller's tensors, or buffers alloca
      kernel copy, several times slower. Pieces already resident (a framework's initialised tensors)
      are skipped after a mincore check. On a VM that hands freed memory back to its host, this
      first touch bounds a load into fresh memory (phases `prefault` and `prefault_wait`);
-  2. reads of `chunk_bytes`, up to `max_inflight` in flight, in address order; bytes that several
-     destination tensors share (tied weights) are read once;
+  2. reads of `chunk_bytes` in address order, handed to the engine as ops of up to `max_inflight`/2
+     reads each, at most `max_inflight` reads queued or posted: the engine's native core keeps the
+     window of posted reads (its own chunks) full and Python wakes once per op, not per read. Bytes
+     that several destination tensors share (tied weights) are read once;
   3. each region's bytes are digested in order as soon as they are final (xxh3-128, the chunk still
      in cache), and every tensor is compared with the manifest. With xxh3-128 and a binding built with
      xxHash the transport's native core does it as each read lands (`backends.DigestJob`: the reads
@@ -255,6 +257,10 @@ class _Faulted:
             self._upto = [1 << 62] * len(self._upto)
             self._cond.notify_all()
 
+    def front(self, region: int) -> int:
+        """Bytes of the region pre-faulted so far (reads below may go out)."""
+        return self._upto[region]
+
     def wait(self, region: int, upto: int, timeout_s: float) -> None:
         if self._upto[region] >= upto:
             return
@@ -334,16 +340,23 @@ class _ReadPipeline:
         t_first = time.perf_counter()
         reg_wait = 0.0
         fault_wait = 0.0
-        inflight: deque[tuple[Future[None], _Read]] = deque()
+        inflight: deque[tuple[Future[None], list[_Read]]] = deque()  # ops: their reads, one region each
+        queued = 0  # reads in those ops
+        per_op = max(1, self.opts.max_inflight // 2)
         local_regions: list[Region] = []
         ok = False
 
         def retire() -> int:
-            fut, rd = inflight.popleft()
+            nonlocal queued
+            fut, batch = inflight.popleft()
             fut.result(timeout=self._left())
+            queued -= len(batch)
+            nbytes = sum(rd.nbytes for rd in batch)
             if job is not None:
-                return rd.nbytes  # its bytes were handed to the job before the future resolved
-            rd.done = True
+                return nbytes  # their bytes were handed to the job before the future resolved
+            for rd in batch:
+                rd.done = True
+            rd = batch[-1]
             reads, k = plan[rd.region], frontier[rd.region]
             while k < len(reads) and reads[k].done:
                 k += 1
@@ -354,7 +367,7 @@ class _ReadPipeline:
                     hi = dest.layout.region_sizes[rd.region]
                 final_at[rd.region] = hi
                 verify_futs.append(verify_pool.submit(self._verify_upto, rd.region, lo, hi))
-            return rd.nbytes
+            return nbytes
 
         try:
             for region, reads in enumerate(plan):
@@ -365,17 +378,28 @@ class _ReadPipeline:
                 if not reads and job is None:
                     size = dest.layout.region_sizes[region]
                     verify_futs.append(verify_pool.submit(self._verify_upto, region, 0, size))
-                for rd in reads:
-                    while len(inflight) >= self.opts.max_inflight:
+                k = 0
+                while k < len(reads):
+                    while queued + min(per_op, len(reads) - k) > self.opts.max_inflight:
                         done_bytes += retire()
                         self._report(done_bytes, total)
                     t_fault = time.perf_counter()
-                    faulted.wait(region, rd.offset + rd.nbytes, self._left())
+                    faulted.wait(region, reads[k].offset + reads[k].nbytes, self._left())
                     fault_wait += time.perf_counter() - t_fault
-                    fut = self.engine.read(
-                        local, rd.offset, rd.nbytes, remote[rd.src_region], rd.src_offset, digest=job
-                    )
-                    inflight.append((fut, rd))
+                    # one op: the next reads that the pre-fault front has passed
+                    front, j = faulted.front(region), k + 1
+                    while j < len(reads) and j - k < per_op and reads[j].offset + reads[j].nbytes <= front:
+                        j += 1
+                    batch = reads[k:j]
+                    parts = [
+                        self.engine.read_part(
+                            local, rd.offset, rd.nbytes, remote[rd.src_region], rd.src_offset, digest=job
+                        )
+                        for rd in batch
+                    ]
+                    inflight.append((self.engine.start_op("read", parts).future, batch))
+                    queued += len(batch)
+                    k = j
             while inflight:
                 done_bytes += retire()
                 self._report(done_bytes, total)
