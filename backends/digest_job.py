@@ -3,10 +3,11 @@
 A `DigestJob` holds a digest plan: per destination region its base address and size, the reads
 that fill it (offset, length; sorted, disjoint) and the spans to digest (offset, end; sorted by
 offset, may overlap). Reads posted with `TransferEngine.read(..., digest=job)` carry the job to the
-core thread of their domain, which, when one lands, feeds every byte below the landed prefix of
-its region to the spans' streaming xxh3-128 states in address order (the bytes still in cache), before
-the read's future resolves. The digests equal `rfork.weights.checksum.StreamingDigest("xxh3-128")`
-over each span's bytes.
+core thread of their domain, which, when one lands, records it before the read's future resolves;
+the job's own native thread then feeds every byte below the landed prefix of each region to the
+spans' streaming xxh3-128 states in address order, right after the bytes landed, while the core goes
+on reading. The digests equal `rfork.weights.checksum.StreamingDigest("xxh3-128")` over each span's
+bytes.
 
 Release the job (`release`, or use it as a context manager) before the destination memory goes:
 after release nothing is hashed any more, and a hash under way is waited for. The native job itself
@@ -104,11 +105,11 @@ class DigestJob:
 
     @property
     def hash_seconds(self) -> float:
-        """Seconds the core threads spent hashing for this job so far."""
+        """Seconds spent hashing for this job so far (on its native thread)."""
         return int(lib.rf_hjob_hash_ns(self._require())) / 1e9
 
     def release(self) -> None:
-        """Stop hashing (waits for a hash under way) and drop Python's hold; idempotent."""
+        """Stop hashing (joins the job's thread) and drop Python's hold; idempotent."""
         handle, self._handle = self._handle, ffi.NULL
         if handle != ffi.NULL:
             lib.rf_hjob_release(handle)

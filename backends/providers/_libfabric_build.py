@@ -178,7 +178,7 @@ void rf_core_free(struct rf_core *c);
 #define RF_POST_FAILED ...
 #define RF_RECV_BASE ...
 
-/* Digest jobs: xxh3-128 of destination spans, hashed by the core thread as reads land. */
+/* Digest jobs: xxh3-128 of destination spans, hashed by the job's own thread as reads land. */
 struct rf_hjob;
 int rf_hjob_supported(void);
 struct rf_hjob *rf_hjob_new(long nregions, const uint64_t *bases, const uint64_t *sizes, const long *nreads,

@@ -15,7 +15,7 @@ For one rank from one seed, into `dest` (the caller's tensors, or buffers alloca
      that several destination tensors share (tied weights) are read once;
   3. each region's bytes are digested in order as soon as they are final (xxh3-128, the chunk still
      in cache), and every tensor is compared with the manifest. With xxh3-128 and a binding built with
-     xxHash the transport's native core does it as each read lands (`backends.DigestJob`: the reads
+     xxHash a native thread of the transport does it as reads land (`backends.DigestJob`: the reads
      carry the job; Python only compares at the end); otherwise (blake3, `native_digests=False`) a
      verifier thread here does.
 GPU destinations go through pinned host bounce slots instead (`rfork.pull.staged`).
@@ -472,7 +472,7 @@ class _ReadPipeline:
         )
 
     def _check_native(self, job: DigestJob) -> None:
-        """Wait for the core threads' last hashes, then compare every span with the manifest."""
+        """Wait for the job's last hashes, then compare every span with the manifest."""
         job.wait(self._left())
         self._verify_s = job.hash_seconds
         spans = [sp for region in self._spans for sp in region]

@@ -94,6 +94,19 @@ def test_unfinished_job_times_out_and_a_landing_outside_its_reads_fails_it() -> 
             job.wait(1.0)
 
 
+def test_the_landing_thread_only_records_and_the_job_thread_hashes() -> None:
+    """A core that reaps a read must not stall on hashing it: rf_hjob_landed returns at once and the
+    job's own thread hashes (512 MiB takes tens of ms; the landing call returns in microseconds)."""
+    n = 512 << 20
+    buf = np.ones(n, dtype=np.uint8)
+    with DigestJob([(buf.ctypes.data, n)], [[(0, n)]], [[(0, n)]]) as job:
+        lib.rf_hjob_landed(job._require(), buf.ctypes.data, n)
+        assert lib.rf_hjob_wait(job._require(), 0) == 0, "the landing call hashed the bytes itself"
+        job.wait(10.0)
+        assert job.hexdigests() == [_streaming(buf, 0, n)]
+        assert job.hash_seconds > 0.0
+
+
 def test_the_plan_is_checked_before_anything_native_exists() -> None:
     with pytest.raises(ValueError, match="unsorted"):
         DigestJob([(4096, 100)], [[(50, 10), (0, 10)]], [[]])

@@ -58,7 +58,7 @@ def test_pull_from_a_seed_process_verifies_through_native_digests(
         assert result.verified
         assert [a.ok for a in result.attempts] == [True]
         assert_same(dest, expected)
-        assert result.phases["verify"] > 0.0  # the core threads' hashing time
+        assert result.phases["verify"] > 0.0  # the job thread's hashing time
     finally:
         result.close()
 
