@@ -108,7 +108,7 @@ def main() -> int:
                 result = loader.pull_into(tensors)
             finally:
                 sys.setprofile(None)
-                threading.setprofile(None)  # type: ignore[arg-type]
+                threading.setprofile(None)
             try:
                 if (
                     result.source != "rfork-tcp"
