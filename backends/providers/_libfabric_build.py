@@ -598,11 +598,12 @@ void rf_hjob_landed(struct rf_hjob *j, uint64_t addr, uint64_t len) {
         return;
     }
     r->landed[i] += len;
+    long k0 = r->k;
     while (r->k < r->nreads && r->landed[r->k] >= r->reads[2 * r->k + 1])
         r->k++;
     if (!j->has_hasher)
         rf_hjob_run(j);
-    else if (j->hasher_idle)
+    else if (j->hasher_idle && r->k != k0) /* wake it only when more bytes became final */
         pthread_cond_signal(&j->work_cv);
     pthread_mutex_unlock(&j->mu);
 }
