@@ -4,6 +4,8 @@ tensors here).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -116,3 +118,59 @@ def test_staged_pull_path_used_for_gpu_destinations_runs_with_host_tensors(plann
             b.close()
         finally:
             a.close()
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("max_inflight", [1, 3, 8])
+def test_reads_go_to_the_engine_as_ops_within_the_window(planner, monkeypatch, native, max_inflight) -> None:
+    """The pull hands the engine ops of several reads, at most max_inflight // 2 (at least 1), and
+    never has more than max_inflight reads submitted and unfinished; every byte still arrives and
+    verifies, on the native digest path and on the Python verifier's (which needs each op's reads
+    marked done)."""
+    from backends import TransferEngine
+
+    ops: list[int] = []
+    outstanding: list[tuple[Any, int]] = []
+    most = 0
+    start_op = TransferEngine.start_op
+
+    def counting_start_op(self: TransferEngine, name: str, parts: Any) -> Any:
+        nonlocal most
+        op = start_op(self, name, parts)
+        if name == "read":
+            outstanding[:] = [(f, n) for f, n in outstanding if not f.done()]
+            outstanding.append((op.future, len(parts)))
+            most = max(most, sum(n for _f, n in outstanding))
+            ops.append(len(parts))
+        return op
+
+    monkeypatch.setattr(TransferEngine, "start_op", counting_start_op)
+    model = tied_model(0)
+    ident = identity_for(model)
+    with Seed(
+        weights=[RankWeights.from_tensors(tensors=model.state_dict())],
+        identity=ident,
+        planner_url=planner,
+        token=REGISTER,
+    ):
+        target = tied_model(5)
+        result = pull_into(
+            identity=ident,
+            planner_url=planner,
+            tensors=dict(target.state_dict()),
+            options=opts(
+                native_digests=native, become_seed=False, chunk_bytes=16 << 10, max_inflight=max_inflight
+            ),
+            **AUTH,
+        )
+        try:
+            assert result.verified
+            for name, t in model.state_dict().items():
+                assert torch.equal(target.state_dict()[name], t), name
+        finally:
+            result.close()
+    assert len(ops) > 2, ops
+    assert max(ops) <= max(1, max_inflight // 2), ops
+    if max_inflight >= 4:  # several reads per op: Python wakes once per op, not once per read
+        assert max(ops) > 1, ops
+    assert most <= max_inflight, most
