@@ -1,4 +1,4 @@
-"""Digests computed where reads land: the native progress core hashes a pull's spans (xxh3-128).
+"""Digests computed where reads land: a native thread hashes a pull's spans (xxh3-128) as reads land.
 
 A `DigestJob` holds a digest plan: per destination region its base address and size, the reads
 that fill it (offset, length; sorted, disjoint) and the spans to digest (offset, end; sorted by

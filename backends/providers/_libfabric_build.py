@@ -361,6 +361,8 @@ struct rf_hjob {
 
 static long rf_now_ns(void);
 
+#define RF_HASH_STEP (16ULL << 20)
+
 int rf_hjob_supported(void) {
 #ifdef RF_HAVE_XXHASH
     return 1;
@@ -444,7 +446,10 @@ static void rf_hjob_run(struct rf_hjob *j) {
                 r = &j->r[q];
         if (!r || j->released)
             break;
+        /* at most RF_HASH_STEP at a time, so that a release waits for one step, not a backlog */
         uint64_t lo = r->hashed, hi = rf_final_at(r);
+        if (hi - lo > RF_HASH_STEP)
+            hi = lo + RF_HASH_STEP;
         pthread_mutex_unlock(&j->mu);
         long t0 = rf_now_ns();
         rf_hash_range(r, lo, hi);
@@ -564,7 +569,8 @@ static void rf_hjob_fail(struct rf_hjob *j) {
     pthread_mutex_unlock(&j->mu);
 }
 
-/* Bytes [addr, +len) of one of the job's reads landed (any thread); hashes what became final. */
+/* Bytes [addr, +len) of one of the job's reads landed (any thread): recorded, and the job's thread
+ * woken when more bytes became final (without that thread, hashed here). */
 void rf_hjob_landed(struct rf_hjob *j, uint64_t addr, uint64_t len) {
     pthread_mutex_lock(&j->mu);
     if (j->released || j->failed) {

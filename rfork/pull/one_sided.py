@@ -10,8 +10,9 @@ For one rank from one seed, into `dest` (the caller's tensors, or buffers alloca
      are skipped after a mincore check. On a VM that hands freed memory back to its host, this
      first touch bounds a load into fresh memory (phases `prefault` and `prefault_wait`);
   2. reads of `chunk_bytes` in address order, handed to the engine as ops of up to `max_inflight`/2
-     reads each, at most `max_inflight` reads queued or posted: the engine's native core keeps the
-     window of posted reads (its own chunks) full and Python wakes once per op, not per read. Bytes
+     reads each, at most `max_inflight` reads queued or posted (between max_inflight/2 and
+     max_inflight, as ops retire in order): the engine's native core posts their chunks, up to its
+     own limit, and Python wakes once per op, not per read. Bytes
      that several destination tensors share (tied weights) are read once;
   3. each region's bytes are digested in order as soon as they are final (xxh3-128, the chunk still
      in cache), and every tensor is compared with the manifest. With xxh3-128 and a binding built with
