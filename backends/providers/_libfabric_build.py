@@ -14,14 +14,14 @@ from typing import NamedTuple
 from cffi import FFI
 
 
-class LibfabricPaths(NamedTuple):
+class NativePaths(NamedTuple):
     """Compiler and linker search paths (a NamedTuple: cffi execs this file outside sys.modules)."""
 
     include_dirs: list[str]
     library_dirs: list[str]
 
 
-def find_libfabric() -> LibfabricPaths | None:
+def find_libfabric() -> NativePaths | None:
     """Where libfabric's headers and library live, or None when they cannot be found."""
     prefix = os.environ.get("RFORK_LIBFABRIC_PREFIX")
     if prefix:
@@ -29,18 +29,22 @@ def find_libfabric() -> LibfabricPaths | None:
         if os.path.exists(os.path.join(inc, "rdma", "fabric.h")):
             libdirs = [d for d in (os.path.join(prefix, "lib"), os.path.join(prefix, "lib64"))
                        if os.path.isdir(d)]
-            return LibfabricPaths([inc], libdirs)
+            return NativePaths([inc], libdirs)
         return None
+    return pkg_config_paths("libfabric")
+
+
+def pkg_config_paths(package: str) -> NativePaths | None:
+    """The include and library directories pkg-config gives for package, or None without them."""
     try:
-        cflags = subprocess.run(["pkg-config", "--cflags-only-I", "libfabric"], check=True,
+        cflags = subprocess.run(["pkg-config", "--cflags-only-I", package], check=True,
                                 capture_output=True, text=True).stdout
-        libs = subprocess.run(["pkg-config", "--libs-only-L", "libfabric"], check=True,
+        libs = subprocess.run(["pkg-config", "--libs-only-L", package], check=True,
                               capture_output=True, text=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
-    incs = [f[2:] for f in shlex.split(cflags) if f.startswith("-I")]
-    libdirs = [f[2:] for f in shlex.split(libs) if f.startswith("-L")]
-    return LibfabricPaths(incs, libdirs)
+    return NativePaths([f[2:] for f in shlex.split(cflags) if f.startswith("-I")],
+                       [f[2:] for f in shlex.split(libs) if f.startswith("-L")])
 
 
 CDEF = """
@@ -1155,18 +1159,10 @@ void rf_core_free(struct rf_core *c) {
 }
 """
 
-def find_xxhash() -> LibfabricPaths | None:
+def find_xxhash() -> NativePaths | None:
     """Where xxHash's header and library live (Debian: libxxhash-dev), or None: the binding then
     builds without native digests (rf_hjob_supported() is 0) and pulls hash in Python."""
-    try:
-        cflags = subprocess.run(["pkg-config", "--cflags-only-I", "libxxhash"], check=True,
-                                capture_output=True, text=True).stdout
-        libs = subprocess.run(["pkg-config", "--libs-only-L", "libxxhash"], check=True,
-                              capture_output=True, text=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return LibfabricPaths([f[2:] for f in shlex.split(cflags) if f.startswith("-I")],
-                          [f[2:] for f in shlex.split(libs) if f.startswith("-L")])
+    return pkg_config_paths("libxxhash")
 
 
 ffibuilder = FFI()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -15,7 +16,9 @@ os.environ.setdefault("RFORK_TCP_HOST", "127.0.0.1")  # keep tcp on loopback (ch
 from rfork import LoadOptions, SourceIdentity  # noqa: E402
 from rfork.bench.processes import Child, Fleet, seed_args  # noqa: E402
 from rfork.identity import fingerprint  # noqa: E402
+from rfork.seed.seed import Seed  # noqa: E402
 from rfork.weights.checkpoint import read_checkpoint_info
+from rfork.weights.rank_weights import RankWeights  # noqa: E402
 from rfork.weights.synthetic import LlamaConfig, write_synthetic_checkpoint  # noqa: E402
 from tests.tiny_llama import LlamaForCausalLM  # noqa: E402
 
@@ -122,6 +125,20 @@ def tied_model(seed: int) -> LlamaForCausalLM:
     model.lm_head.weight = model.model.embed_tokens.weight  # tied: one storage, two names
     model.register_buffer("empty_buf", torch.empty(0, 8))
     return model
+
+
+@contextlib.contextmanager
+def tied_seed(planner_url: str) -> Iterator[tuple[LlamaForCausalLM, SourceIdentity, Seed]]:
+    """An in-process seed serving tied_model(0): (the model, its identity, the seed)."""
+    model = tied_model(0)
+    ident = identity_for(model)
+    with Seed(
+        weights=[RankWeights.from_tensors(tensors=model.state_dict())],
+        identity=ident,
+        planner_url=planner_url,
+        token=REGISTER,
+    ) as seed:
+        yield model, ident, seed
 
 
 def identity_for(model: torch.nn.Module) -> SourceIdentity:

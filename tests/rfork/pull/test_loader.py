@@ -13,7 +13,7 @@ from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import load_state_dict, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
 from rfork.weights.synthetic import write_synthetic_checkpoint
-from tests.rfork.conftest import AUTH, REGISTER, SMALL, identity_for, opts, tied_model
+from tests.rfork.conftest import AUTH, REGISTER, SMALL, identity_for, opts, tied_model, tied_seed
 from tests.tiny_llama import LlamaForCausalLM
 
 
@@ -61,14 +61,7 @@ def test_serve_in_place_then_pull_into_a_module_then_serve_from_it(planner):
 
 @pytest.mark.slow
 def test_pull_into_mismatch_fails_before_any_byte_moves(planner):
-    model = tied_model(0)
-    ident = identity_for(model)
-    with Seed(
-        weights=[RankWeights.from_tensors(tensors=model.state_dict())],
-        identity=ident,
-        planner_url=planner,
-        token=REGISTER,
-    ):
+    with tied_seed(planner) as (model, ident, _seed):
         dest = {n: torch.full_like(t, 7) for n, t in model.state_dict().items()}
         name = "model.layers.1.mlp.up_proj.weight"
         dest[name] = torch.full((3, 3), 7, dtype=torch.bfloat16)

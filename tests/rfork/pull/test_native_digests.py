@@ -5,6 +5,7 @@ differ from its manifest is caught by the native digests, and the load falls bac
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
@@ -14,10 +15,8 @@ from backends import native_digests_available
 from rfork import Loader, LoadOptions, pull_into
 from rfork.bench.processes import available_providers
 from rfork.pull.one_sided import _ReadPipeline
-from rfork.seed.seed import Seed
-from rfork.weights.checkpoint import load_state_dict, read_checkpoint_info
-from rfork.weights.rank_weights import RankWeights
-from tests.rfork.conftest import AUTH, LOAD, REGISTER, assert_same, identity_for, opts, start_seed, tied_model
+from rfork.weights.checkpoint import CheckpointInfo, load_state_dict, read_checkpoint_info
+from tests.rfork.conftest import AUTH, LOAD, REGISTER, assert_same, opts, start_seed, tied_model, tied_seed
 
 pytestmark = pytest.mark.skipif(not native_digests_available(), reason="binding built without xxHash")
 
@@ -29,6 +28,15 @@ def _no_python_verifier(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_ReadPipeline, "_verify_upto", refuse)
 
 
+Tensors = dict[str, torch.Tensor]
+
+
+def _checkpoint_and_zeros(ckpt: Path) -> tuple[CheckpointInfo, Tensors, Tensors]:
+    """The checkpoint's info, its tensors, and a zeroed destination of the same shapes."""
+    expected = load_state_dict(ckpt)
+    return read_checkpoint_info(ckpt), expected, {name: torch.zeros_like(t) for name, t in expected.items()}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("provider", ["tcp", "shm"])
 def test_pull_from_a_seed_process_verifies_through_native_digests(
@@ -38,9 +46,7 @@ def test_pull_from_a_seed_process_verifies_through_native_digests(
         pytest.skip(f"{provider} is not available here")
     _no_python_verifier(monkeypatch)
     start_seed(fleet, medium_ckpt, planner, providers=[provider])
-    info = read_checkpoint_info(medium_ckpt)
-    expected = load_state_dict(medium_ckpt)
-    dest = {name: torch.zeros_like(t) for name, t in expected.items()}
+    info, expected, dest = _checkpoint_and_zeros(medium_ckpt)
     loader = Loader(
         identity=info.identity(),
         planner_url=planner,
@@ -73,9 +79,7 @@ def test_bytes_that_differ_from_the_manifest_fail_the_native_digests(
         "seed-changed", [str(medium_ckpt), planner, str(ready), "tcp"], module="tests.rfork.pull.changed_seed"
     )
     fleet.wait_file(a, ready, timeout_s=90)
-    info = read_checkpoint_info(medium_ckpt)
-    expected = load_state_dict(medium_ckpt)
-    dest = {name: torch.zeros_like(t) for name, t in expected.items()}
+    info, expected, dest = _checkpoint_and_zeros(medium_ckpt)
     result = pull_into(
         identity=info.identity(),
         planner_url=planner,
@@ -97,14 +101,7 @@ def test_tied_and_empty_tensors_verify_on_either_path(planner, monkeypatch, nati
     """In one process (the seed's engine a peer of the loader's): tied names, a zero-byte buffer."""
     if native:
         _no_python_verifier(monkeypatch)
-    model = tied_model(0)
-    ident = identity_for(model)
-    with Seed(
-        weights=[RankWeights.from_tensors(tensors=model.state_dict())],
-        identity=ident,
-        planner_url=planner,
-        token=REGISTER,
-    ):
+    with tied_seed(planner) as (model, ident, _seed):
         target = tied_model(3)
         result = pull_into(
             identity=ident,

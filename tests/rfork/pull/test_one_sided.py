@@ -14,10 +14,9 @@ from hypothesis import strategies as st
 from planner.wire import RankManifest, RegionEntry, TensorEntry
 from rfork import Loader, pull_into
 from rfork.pull.one_sided import plan_reads
-from rfork.seed.seed import Seed
 from rfork.weights import checksum as ck
 from rfork.weights.rank_weights import RankWeights
-from tests.rfork.conftest import AUTH, REGISTER, identity_for, opts, tied_model
+from tests.rfork.conftest import AUTH, opts, tied_model, tied_seed
 
 # A few backing buffers; tensors are byte spans carved out of them (they may overlap or repeat).
 spans_strategy = st.lists(
@@ -88,14 +87,7 @@ def test_read_plan_writes_each_destination_byte_once_from_the_right_source_byte(
 def test_staged_pull_path_used_for_gpu_destinations_runs_with_host_tensors(planner):
     """The bounce-slot path GPU destinations take (tcp/shm cannot register device memory), run here
     with host tensors standing in for device memory; then the loaded instance serves."""
-    model = tied_model(0)
-    ident = identity_for(model)
-    with Seed(
-        weights=[RankWeights.from_tensors(tensors=model.state_dict())],
-        identity=ident,
-        planner_url=planner,
-        token=REGISTER,
-    ) as seed:
+    with tied_seed(planner) as (model, ident, seed):
         target = tied_model(2)
         loader = Loader(identity=ident, planner_url=planner, options=opts(staged_reads=True), **AUTH)
         a = loader.load_into(target)
@@ -145,14 +137,7 @@ def test_reads_go_to_the_engine_as_ops_within_the_window(planner, monkeypatch, n
         return op
 
     monkeypatch.setattr(TransferEngine, "start_op", counting_start_op)
-    model = tied_model(0)
-    ident = identity_for(model)
-    with Seed(
-        weights=[RankWeights.from_tensors(tensors=model.state_dict())],
-        identity=ident,
-        planner_url=planner,
-        token=REGISTER,
-    ):
+    with tied_seed(planner) as (model, ident, _seed):
         target = tied_model(5)
         result = pull_into(
             identity=ident,
