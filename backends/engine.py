@@ -10,7 +10,6 @@ through `add_hooks`.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -332,8 +331,8 @@ class TransferEngine:
         rdesc = as_descriptor(remote_desc)
         check_local(self, region, offset, length, what)
         check_remote(rdesc, remote_offset, length, what, need="read")
-        part = self._part(READ, region, [(int(offset), int(remote_offset), int(length))], rdesc, None)
-        return part if digest is None else dataclasses.replace(part, hash_job=digest.address)
+        spans = [(int(offset), int(remote_offset), int(length))]
+        return self._part(READ, region, spans, rdesc, None, 0 if digest is None else digest.address)
 
     def write_part(
         self, region: Region, spans: Sequence[tuple[int, int, int]],
@@ -370,12 +369,12 @@ class TransferEngine:
 
     def _part(
         self, kind: int, region: Region | None, spans: Sequence[tuple[int, int, int]],
-        desc: MemoryRegionDescriptor, imm: int | None,
+        desc: MemoryRegionDescriptor, imm: int | None, hash_job: int = 0,
     ) -> Part:
         route = self._route(desc.address)
         if len(desc.keys) != route.remote_domains:
             raise TransferError(f"descriptor has {len(desc.keys)} keys for a different domain count")
-        return Part(kind, region, spans, route, desc.base, desc.keys, imm)
+        return Part(kind, region, spans, route, desc.base, desc.keys, imm, hash_job)
 
     @property
     def imm(self) -> ImmCounter:

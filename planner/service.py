@@ -536,9 +536,8 @@ class Planner:
         by_id: dict[str, tuple[Any, str]] = {}
         # rack_hold: the rack's seeds all busy -> wait for them (no read of the other racks' seeds)
         held = self._rack_busy(s, body, params, req.rack) if hold else None
-        for _attempt in range(
-            0 if held else 3
-        ):  # PostgreSQL: again if the chosen filled up before their locks
+        attempts = 0 if held else 3  # PostgreSQL: again if the chosen filled up before their locks
+        for _attempt in range(attempts):
             free, busy_seed = self._free_seeds(s, req, body, params, bool(excluded))
             by_id = {r.id: (r, p) for r, p in free}
             ranked = self.policy.rank(req, [_seed_view(r) for r, _ in free])[: st.max_candidates]

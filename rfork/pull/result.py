@@ -74,7 +74,7 @@ class LoadOptions:
     # Read through pinned host bounce slots (backends.providers.staging). Automatic for GPU destinations,
     # as tcp and shm cannot register device memory; setting it for host destinations exercises that path.
     staged_reads: bool = False
-    # xxh3-128 digests computed by the transport's native core as each read lands
+    # xxh3-128 digests computed by a native thread of the transport as reads land
     # (backends.digest_job), instead of a Python verifier thread; where the binding has no xxHash
     # (or with blake3) the verifier thread is used either way
     native_digests: bool = True
