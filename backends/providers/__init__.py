@@ -1,6 +1,7 @@
-"""Providers behind the engine: each opens *domains* (an endpoint, its queues and registrations).
+"""Providers under the engine: each opens *domains* (an endpoint, its queues and registrations).
 
-`domain.Domain` is the interface the engine speaks to; `libfabric` implements it for tcp, shm, efa
-and verbs. `cuda_ipc` (same-host GPU memory) and `staging` (GPU memory through registered host
-bounce slots) move device memory for providers that cannot register it.
+`domain.Domain` is the interface the engine speaks to; `registry` names the providers and how each
+opens its domains; `libfabric` implements them for tcp, shm, efa and verbs, over the cffi binding
+(`_native` loads it; its C sources are in `native/`). Nothing here imports the engine: GPU memory
+paths that build on it live in backends.gpu.
 """

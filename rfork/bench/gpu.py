@@ -109,8 +109,8 @@ def _seed_main(conn: Connection, nbytes: int, device_index: int, tcp: bool, doma
 
     os.environ.setdefault("FI_TCP_IFACE", "lo")
     # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
-    from backends.providers.cuda_ipc import CudaIpcEngine
-    from backends.providers.staging import host_mirror
+    from backends.gpu.cuda_ipc import CudaIpcEngine
+    from backends.gpu.staging import host_mirror
     from rfork.weights.checksum import checksum_bytes
 
     dev = torch.device("cuda", device_index)
@@ -144,7 +144,7 @@ def _rfork_runs(nbytes: int, device: torch.device, args: argparse.Namespace) -> 
     import torch
 
     # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
-    from backends.providers.cuda_ipc import CudaIpcEngine
+    from backends.gpu.cuda_ipc import CudaIpcEngine
     from rfork.weights.checksum import checksum_bytes
 
     ctx = mp.get_context("spawn")
@@ -169,7 +169,7 @@ def _rfork_runs(nbytes: int, device: torch.device, args: argparse.Namespace) -> 
             rows.append({"source": "rfork cuda-ipc", "seconds": dt, "open_seconds": t_open, "verified": ok})
         if tcp_desc:
             from backends import TransferEngine
-            from backends.providers.staging import StagedReader
+            from backends.gpu.staging import StagedReader
 
             dst.zero_()
             with (

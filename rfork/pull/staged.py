@@ -12,7 +12,7 @@ import time
 from concurrent.futures import Future
 
 from backends import MemoryRegionDescriptor, TransferEngine
-from backends.providers.staging import StagedReader
+from backends.gpu.staging import StagedReader
 from planner.wire import RankManifest
 from rfork.errors import PullError
 from rfork.pull.result import ProgressFn

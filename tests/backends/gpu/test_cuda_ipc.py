@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from backends.errors import BackendUnavailable, EngineClosed, RemoteAccessError, TransferError
-from backends.providers.cuda_ipc import (
+from backends.gpu.cuda_ipc import (
     CudaIpcDescriptor,
     CudaIpcEngine,
     IpcExport,

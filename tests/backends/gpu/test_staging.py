@@ -1,7 +1,7 @@
 """Staging pipeline: ordering and failure logic with fake steps, then real tcp loopback engines.
 
 CPU tensors stand in for device memory (pinned bounce buffers only when CUDA exists). The CUDA
-stream/event path of backends.providers.staging is not run here; see docs/gpu.md.
+stream/event path of backends.gpu.staging is not run here; see docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from backends.errors import PeerUnreachable, RemoteAccessError, TransferError
-from backends.providers.staging import (
+from backends.gpu.staging import (
     Chunk,
     StagedReader,
     StagedWriter,
