@@ -1,7 +1,8 @@
 """Build hook: compiles the cffi (API-mode) binding to libfabric as part of the package build.
 
 Without libfabric headers the package still installs; `import backends` then fails with one line
-that names what to install (see backends/providers/_libfabric_build.py for how headers are found).
+that names what to install (see backends/providers/_libfabric_build.py for how headers are found;
+the C it compiles is in backends/providers/native/).
 """
 
 import sys

@@ -2,7 +2,7 @@
 
 An op (one engine call or lane batch, made of checked `Part`s) is split into chunks of at most
 chunk_bytes, spread round-robin over the domains. Each domain's native core (C, one pthread, see
-backends/providers/_libfabric_build.py) alone touches its endpoint: it posts queued chunks, polls the
+backends/providers/native/progress_core.c) alone touches its endpoint: it posts queued chunks, polls the
 completion queue and sleeps on its wait object when idle, so the passive side of a transfer keeps
 serving peers while its application sleeps, and any thread may submit. Its `ProgressThread` waits
 for completion records in C without the GIL and resolves futures, counts immediates and enforces
@@ -269,7 +269,7 @@ def _address(buf: bytearray) -> int:
 class ProgressThread(threading.Thread):
     """The Python side of one domain's native progress core: hands chunks to it (any thread) and, on
     its own thread, resolves ops from the core's completion records in batches, re-posts receive
-    buffers and enforces deadlines. The core (C, backends/providers/_libfabric_build.py) alone posts
+    buffers and enforces deadlines. The core (C, backends/providers/native/progress_core.c) alone posts
     and polls the endpoint; this thread waits for records in C, without the GIL."""
 
     def __init__(self, progress: Progress, name: str, domain: Domain) -> None:

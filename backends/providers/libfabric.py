@@ -395,7 +395,7 @@ class LibfabricDomain(Domain):
     def deregister(self, reg: LocalRegistration) -> None:
         _check(lib.fi_close(ffi.cast("struct fid *", reg.handle)), "fi_close(mr)")
 
-    # ----- the native progress core (one pthread per domain; see _libfabric_build.py) -----------
+    # ----- the native progress core (one pthread per domain; see native/progress_core.c) --------
     def start_core(self) -> None:
         if self._core != ffi.NULL:
             return
