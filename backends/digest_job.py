@@ -20,9 +20,13 @@ import logging
 import time
 from collections.abc import Sequence
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from backends.errors import TransferError
 from backends.providers._native import ffi, lib
+
+if TYPE_CHECKING:
+    from backends.providers._libfabric import CData
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +118,7 @@ class DigestJob:
         if handle != ffi.NULL:
             lib.rf_hjob_release(handle)
 
-    def _require(self) -> object:
+    def _require(self) -> CData:
         if self._handle == ffi.NULL:
             raise TransferError("digest job already released")
         return self._handle
