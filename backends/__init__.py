@@ -26,7 +26,7 @@ if TYPE_CHECKING:
         TransferError,
         TransferTimeout,
     )
-    from backends.providers.libfabric import provider_available
+    from backends.providers.registry import provider_available
 
 # Every name resolves on first use: the pure modules (backends.layout, .sharding, .nccl) and a disk
 # load must not pay for the libfabric binding (a 0.2 s dlopen) or need it built at all, and the paths
@@ -49,7 +49,7 @@ _WHERE = {
     "RemoteAccessError": "backends.errors",
     "TransferError": "backends.errors",
     "TransferTimeout": "backends.errors",
-    "provider_available": "backends.providers.libfabric",
+    "provider_available": "backends.providers.registry",
 }
 _PATHS = ("kv", "moe", "rl")
 

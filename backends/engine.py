@@ -23,8 +23,9 @@ from backends.digest_job import DigestJob
 from backends.errors import EngineClosed, RemoteAccessError, TransferError
 from backends.imm import ImmCounter
 from backends.progress import MAX_MESSAGE, READ, WRITE, Op, Part, Progress, Route
+from backends.providers import registry
+from backends.providers._native import buffer_address
 from backends.providers.domain import Domain, LocalRegistration
-from backends.providers.libfabric import AUTO_ORDER, buffer_address, open_domains, provider_available
 from backends.spans import page_spans
 
 log = logging.getLogger(__name__)
@@ -138,9 +139,10 @@ class Region:
 
 
 class TransferEngine:
-    """One-sided transfers over a libfabric provider; see docs/transport.md for the semantics.
+    """One-sided transfers over a provider; see docs/transport.md for the semantics.
 
-    provider: "tcp" | "shm" | "efa" | "verbs" | "auto". domains: parallel endpoints (NICs).
+    provider: a name in backends.providers.registry ("tcp" | "shm" | "efa" | "verbs") or "auto"
+    (BackendUnavailable naming the known ones for any other). domains: parallel endpoints (NICs).
     timeout_s bounds how long an op may wait on an unresponsive peer. chunk_bytes sets how large
     ops are split. reorder_for_test (or RFORK_REORDER_FOR_TEST=1) shuffles posts to prove that
     nothing depends on ordering. host pins tcp's source address (e.g. "127.0.0.1").
@@ -162,17 +164,17 @@ class TransferEngine:
             raise ValueError(f"timeout_s must be positive, not {timeout_s}")
         if chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be >= 4096, not {chunk_bytes}")
-        if host is None and provider in ("tcp", "auto"):
+        if host is None:  # kept only by a provider that binds a source address (tcp)
             host = os.environ.get("RFORK_TCP_HOST") or None
-        if provider == "auto":
-            provider = next((p for p in AUTO_ORDER if provider_available(p, host)), "tcp")
+        chosen = registry.choose(provider, host)
+        provider = chosen.name
         if reorder_for_test is None:
             reorder_for_test = os.environ.get("RFORK_REORDER_FOR_TEST", "") not in ("", "0")
         self.provider = provider
         self.timeout_s = float(timeout_s)
         self.chunk_bytes = int(chunk_bytes)
         self.reorder_for_test = bool(reorder_for_test)
-        self._host = host if provider == "tcp" else None
+        self._host = host if chosen.binds_host else None
         self._lock = threading.Lock()
         self._closed = False
         self._regions: set[Region] = set()
@@ -184,11 +186,11 @@ class TransferEngine:
         self._domains: list[Domain] = []
         self._progress: Progress | None = None
         try:
-            self._domains = list(open_domains(provider, domains, host=self._host))
+            self._domains = registry.open_domains(chosen, domains, host=self._host)
             self.address = EngineAddress(provider, tuple(d.name for d in self._domains)).to_bytes()
             self._progress = Progress(
                 self._domains, label=provider, timeout_s=self.timeout_s, chunk_bytes=self.chunk_bytes,
-                delivery_complete=provider != "shm", reorder=self.reorder_for_test,
+                delivery_complete=chosen.delivery_complete, reorder=self.reorder_for_test,
                 on_imm=lambda imm, n: self.imm.arrive(imm, n), on_message=self._on_frame,
             )
             self._progress.start()

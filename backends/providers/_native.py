@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import os
 from importlib import metadata
+from typing import Any
 
 LIB_ENV = "RFORK_LIBFABRIC_LIB"
 _MPICH_SUFFIX = "mpich/libfabric.so.1"
@@ -74,6 +75,15 @@ except ImportError as exc:  # pragma: no cover - depends on the build machine
     ) from exc
 
 
+def buffer_address(obj: Any) -> tuple[int, int, Any]:
+    """(address, nbytes, object to keep alive) of anything with the buffer protocol, read-only too.
+
+    TypeError when obj has no buffer.
+    """
+    cbuf = ffi.from_buffer(obj, require_writable=False)
+    return int(ffi.cast("uintptr_t", cbuf)), len(cbuf), (obj, cbuf)
+
+
 def _version() -> tuple[int, int]:
     raw = int(lib.fi_version())
     return raw >> 16, raw & 0xFFFF
@@ -82,4 +92,4 @@ def _version() -> tuple[int, int]:
 VERSION: tuple[int, int] = _version()
 """(major, minor) of the libfabric loaded at run time (fi_version), e.g. (1, 17) or (2, 5)."""
 
-__all__ = ["LIBRARY", "VERSION", "ffi", "lib", "mpich_libfabric"]
+__all__ = ["LIBRARY", "VERSION", "buffer_address", "ffi", "lib", "mpich_libfabric"]

@@ -1,4 +1,4 @@
-"""libfabric providers (tcp;ofi_rxm, shm, efa, verbs;ofi_rxm) behind the Domain interface.
+"""libfabric providers (tcp;ofi_rxm, shm, efa, verbs;ofi_rxm: registry rows) behind the Domain interface.
 
 Opening a libfabric domain can install C-level signal handlers (the shm provider cleans up its
 shared memory on SIGINT/SIGTERM and friends), replacing the Python handlers the application set: a
@@ -30,12 +30,10 @@ from backends.providers.domain import (
     LocalRegistration,
     RmaOp,
 )
+from backends.providers.registry import lookup
 
 log = logging.getLogger(__name__)
 
-# Engine provider names -> libfabric provider strings (rxm gives RDM over connected providers).
-PROVIDERS = {"tcp": "tcp;ofi_rxm", "shm": "shm", "efa": "efa", "verbs": "verbs;ofi_rxm"}
-AUTO_ORDER = ("efa", "verbs", "tcp")
 _CQ_BATCH = 256
 _POST_BATCH = 256
 assert lib.RF_POST_FAILED == POST_FAILED, "the C core's constants drifted"
@@ -142,7 +140,7 @@ def _check(ret: int, what: str) -> None:
         raise TransferError(f"{what} failed: {msg} ({ret})")
 
 
-def _getinfo(provider: str, host: str | None, prov_key: bool) -> Any:
+def _getinfo(hint: str, host: str | None, prov_key: bool) -> Any:
     hints = lib.fi_allocinfo()
     if hints == ffi.NULL:
         raise MemoryError("fi_allocinfo")
@@ -158,7 +156,7 @@ def _getinfo(provider: str, host: str | None, prov_key: bool) -> Any:
             mode |= lib.FI_MR_PROV_KEY
         hints.domain_attr.mr_mode = mode
         hints.domain_attr.threading = lib.FI_THREAD_SAFE
-        if lib.rf_set_prov_name(hints, PROVIDERS[provider].encode()) != 0:
+        if lib.rf_set_prov_name(hints, hint.encode()) != 0:
             raise MemoryError("strdup")
         out = ffi.new("struct fi_info **")
         node = host.encode() if host else ffi.NULL
@@ -172,14 +170,12 @@ def _getinfo(provider: str, host: str | None, prov_key: bool) -> Any:
 
 
 def open_info(provider: str, host: str | None) -> Any:
-    """fi_getinfo for a provider; without FI_MR_PROV_KEY first, so that we choose random keys."""
-    if provider not in PROVIDERS:
-        raise BackendUnavailable(f"unknown provider {provider!r}; choose from {sorted(PROVIDERS)} or 'auto'")
-    info = _getinfo(provider, host, prov_key=False) or _getinfo(provider, host, prov_key=True)
+    """fi_getinfo for a provider (its registry row's hint: rxm gives RDM over connected providers);
+    without FI_MR_PROV_KEY first, so that we choose random keys."""
+    hint = lookup(provider).hint
+    info = _getinfo(hint, host, prov_key=False) or _getinfo(hint, host, prov_key=True)
     if info is None:
-        raise BackendUnavailable(
-            f"libfabric provider {PROVIDERS[provider]!r} is not available on this machine"
-        )
+        raise BackendUnavailable(f"libfabric provider {hint!r} is not available on this machine")
     return info
 
 
@@ -195,15 +191,6 @@ def open_domains(provider: str, count: int, *, host: str | None) -> list[Libfabr
             dom.close()
         raise
     return domains
-
-
-def buffer_address(obj: Any) -> tuple[int, int, Any]:
-    """(address, nbytes, object to keep alive) of anything with the buffer protocol, read-only too.
-
-    TypeError when obj has no buffer.
-    """
-    cbuf = ffi.from_buffer(obj, require_writable=False)
-    return int(ffi.cast("uintptr_t", cbuf)), len(cbuf), (obj, cbuf)
 
 
 _WATCHED_SIGNALS = tuple(
@@ -239,7 +226,7 @@ def _preserved_signal_handlers() -> Iterator[None]:
 
 
 def provider_available(provider: str, host: str | None = None) -> bool:
-    """True when fi_getinfo finds the provider (e.g. for 'auto' and test skips)."""
+    """True when fi_getinfo finds the provider (backends.providers.registry asks this module)."""
     try:
         info = open_info(provider, host)
     except BackendUnavailable:

@@ -438,8 +438,8 @@ def test_multi_iov_local_writes_land_byte_for_byte(peer: Peer, provider: str) ->
     the provider itself does, on every version CI runs, before rfork relies on it.
     """
     from backends.descriptor import EngineAddress
-    from backends.providers._native import lib
-    from backends.providers.libfabric import LibfabricDomain, buffer_address
+    from backends.providers._native import buffer_address, lib
+    from backends.providers.libfabric import LibfabricDomain
 
     # as the engine posts: delivery-complete on tcp, plain on shm (on 1.17, 15 of 20 multi-iov
     # delivery-complete writes to an engine peer never completed)
