@@ -164,7 +164,7 @@ class TransferEngine:
             raise ValueError(f"timeout_s must be positive, not {timeout_s}")
         if chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be >= 4096, not {chunk_bytes}")
-        if host is None:  # kept only by a provider that binds a source address (tcp)
+        if host is None:  # used only where the chosen row binds a source address (tcp)
             host = os.environ.get("RFORK_TCP_HOST") or None
         chosen = registry.choose(provider, host)
         provider = chosen.name

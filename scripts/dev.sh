@@ -81,7 +81,10 @@ ensure_chromium() {
 }
 
 # what the install builds from: the build script and the native sources it compiles (backends/providers/native)
-setup_hash() { cat pyproject.toml setup.py backends/providers/_libfabric_build.py backends/providers/native/* | sha256sum | cut -d' ' -f1; }
+setup_hash() {
+  cat pyproject.toml setup.py backends/providers/_libfabric_build.py backends/providers/native/*.[ch] \
+    backends/providers/native/*.cdef | sha256sum | cut -d' ' -f1
+}
 
 ensure_python_env() {
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"

@@ -84,7 +84,7 @@ ffibuilder = FFI()
 ffibuilder.cdef((NATIVE / "libfabric.cdef").read_text() + header_cdef((NATIVE / "rf_api.h").read_text()))
 _fabric = find_libfabric() or NativePaths([], [])
 _xxh = find_xxhash()
-_also = _xxh or NativePaths([], [])
+_xxh_paths = _xxh or NativePaths([], [])
 ffibuilder.set_source(
     "backends.providers._libfabric",
     '#include "rf_api.h"\n',
@@ -92,8 +92,8 @@ ffibuilder.set_source(
     depends=[_rel(NATIVE / h) for h in HEADERS],
     define_macros=[("RF_HAVE_XXHASH", "1")] if _xxh else [],
     libraries=["fabric", "pthread"] + (["xxhash"] if _xxh else []),
-    include_dirs=[_rel(NATIVE), *_fabric.include_dirs, *_also.include_dirs],
-    library_dirs=_fabric.library_dirs + _also.library_dirs,
+    include_dirs=[_rel(NATIVE), *_fabric.include_dirs, *_xxh_paths.include_dirs],
+    library_dirs=_fabric.library_dirs + _xxh_paths.library_dirs,
     runtime_library_dirs=_fabric.library_dirs,
 )
 
