@@ -1,157 +1,86 @@
 """Source selection: which seeds a loader should pull a rank from, best first.
 
-A policy sees only plain data (no database), so it is cheap to test exhaustively. Seeds at their
-pull limit are never returned; the caller answers 429 when nothing is left. A `tiered` policy orders
-by `tier_key` first, so the caller reads the free seeds in that order (in SQL) only up to the tier of
-the last one it returns, not the whole fleet.
+A policy is one module in this package and one row in POLICIES below; the setting
+(`selection_policy`, RFORK_SELECTION_POLICY), `make_policy` and `rfork planner serve --policy` all
+take their names from POLICIES. The module's class provides (the SelectionPolicy protocol,
+planner.selection.base):
+
+- `name`: the name it is registered under;
+- `tiered`: whether `rank` orders by `tier_key` (topology distance, then load) before anything
+  else; see the SQL side below;
+- `rank(req, seeds)`: the seeds that are not busy, best first (a busy seed is at its pull limit and
+  is never returned; the service answers 429 when nothing is left). Plain data in and out: no
+  database, no clock, so a policy is tested exhaustively (tests/planner/selection/).
+
+The SQL side (planner.queries, read by planner.service.assignments `_free_seeds`): the service never
+hands a policy the whole fleet. It reads the seeds that may serve the rank (READY, fresh,
+unquarantined, manifest matching the anchor), free ones first, in pages that grow until they hold
+every free seed sharing a transport with the requester. For a `tiered` policy the query orders the
+free seeds by `tier_key` itself (distance and load, written again in SQL in `queries._candidates`),
+so the service stops after the tier of the `max_candidates`-th free seed: what a decision reads grows
+with the free seeds near the requester, not with the fleet. A policy that ranks by anything else
+sets `tiered = False` and sees every free seed; one that sets it to True must rank by `tier_key`
+first, or it would be shown only a prefix of the seeds it wants. A new policy needs no SQL; a new
+SQL order (another `tiered`-like key) is a change to queries.py and `_free_seeds`.
+
+A policy that draws random numbers takes them from the `rng` its factory is given, so a seeded run
+(the simulator) is reproducible. Importing this package costs the standard library only: the
+command line lists POLICIES at start-up.
 """
 
 from __future__ import annotations
 
-import hashlib
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal, Protocol, get_args
+from collections.abc import Callable
 
-ONE_SIDED = ("tcp", "shm", "efa", "verbs")
+from planner.selection.base import (
+    Requester,
+    SeedView,
+    SelectionPolicy,
+    rendezvous_score,
+    tier_key,
+    topology_distance,
+)
+from planner.selection.load_aware import LoadAwarePolicy
+from planner.selection.random_order import RandomPolicy
+from planner.selection.rendezvous import RendezvousPolicy
+from planner.selection.transport import choose_provider
 
+# name -> how to build the policy from the run's random source (None: a fresh one)
+POLICIES: dict[str, Callable[[random.Random | None], SelectionPolicy]] = {
+    "load_aware": lambda rng: LoadAwarePolicy(),
+    "random": RandomPolicy,
+    "rendezvous": lambda rng: RendezvousPolicy(),
+}
+POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 
-@dataclass(frozen=True)
-class SeedView:
-    """One READY seed rank as a policy sees it."""
-
-    instance_id: str
-    node: str
-    rack: str
-    zone: str
-    active_leases: int
-    max_concurrent_pulls: int
-
-    @property
-    def busy(self) -> bool:
-        """At (or over) its pull limit."""
-        return self.active_leases >= self.max_concurrent_pulls
-
-    @property
-    def load(self) -> float:
-        """Fraction of its pull limit in use."""
-        return self.active_leases / self.max_concurrent_pulls
-
-
-@dataclass(frozen=True)
-class Requester:
-    """Who asks: its labels and a stable key (requester id, else node) for hashing."""
-
-    node: str = ""
-    rack: str = ""
-    zone: str = ""
-    key: str = ""
-
-
-def topology_distance(req: Requester, seed: SeedView) -> int:
-    """0 same node, 1 same rack, 2 same zone, 3 elsewhere (empty labels never match)."""
-    if req.node and req.node == seed.node:
-        return 0
-    if req.rack and req.rack == seed.rack:
-        return 1
-    if req.zone and req.zone == seed.zone:
-        return 2
-    return 3
+__all__ = [
+    "POLICIES",
+    "POLICY_NAMES",
+    "LoadAwarePolicy",
+    "RandomPolicy",
+    "RendezvousPolicy",
+    "Requester",
+    "SeedView",
+    "SelectionPolicy",
+    "choose_provider",
+    "make_policy",
+    "policy_name",
+    "rendezvous_score",
+    "tier_key",
+    "topology_distance",
+]
 
 
-def tier_key(req: Requester, seed: SeedView) -> tuple[int, float]:
-    """What a tiered policy ranks by first (topology distance, load); the SQL orders free seeds alike."""
-    return topology_distance(req, seed), seed.load
-
-
-def rendezvous_score(key: str, instance_id: str) -> int:
-    """Highest-random-weight hash of (requester key, seed)."""
-    return int.from_bytes(hashlib.blake2b(f"{key}|{instance_id}".encode(), digest_size=8).digest(), "big")
-
-
-class SelectionPolicy(Protocol):
-    """Orders the non-busy seeds, best first."""
-
-    name: str
-    tiered: bool  # ranks by tier_key first: a prefix of the free seeds in that order is enough
-
-    def rank(self, req: Requester, seeds: Sequence[SeedView]) -> list[SeedView]:
-        """Best-first list of the seeds that are not busy."""
-        ...
-
-
-class LoadAwarePolicy:
-    """Default: nearest by topology, then least loaded, then rendezvous hash to spread ties."""
-
-    name = "load_aware"
-    tiered = True
-
-    def rank(self, req: Requester, seeds: Sequence[SeedView]) -> list[SeedView]:
-        """Best-first list of the seeds that are not busy."""
-        free = [s for s in seeds if not s.busy]
-        return sorted(
-            free,
-            key=lambda s: (
-                *tier_key(req, s),
-                -rendezvous_score(req.key, s.instance_id),
-                s.instance_id,
-            ),
-        )
-
-
-class RandomPolicy:
-    """Uniformly random among the seeds that are not busy."""
-
-    name = "random"
-    tiered = False
-
-    def __init__(self, rng: random.Random | None = None) -> None:
-        self._rng = rng or random.Random()
-
-    def rank(self, req: Requester, seeds: Sequence[SeedView]) -> list[SeedView]:
-        """Best-first list of the seeds that are not busy."""
-        free = [s for s in seeds if not s.busy]
-        self._rng.shuffle(free)
-        return free
-
-
-class RendezvousPolicy:
-    """Rendezvous (highest-random-weight) hashing: a requester keeps its seed while that seed lives."""
-
-    name = "rendezvous"
-    tiered = False
-
-    def rank(self, req: Requester, seeds: Sequence[SeedView]) -> list[SeedView]:
-        """Best-first list of the seeds that are not busy."""
-        free = [s for s in seeds if not s.busy]
-        return sorted(free, key=lambda s: (-rendezvous_score(req.key, s.instance_id), s.instance_id))
-
-
-PolicyName = Literal["load_aware", "random", "rendezvous"]
-POLICY_NAMES: tuple[str, ...] = get_args(PolicyName)
+def policy_name(name: str) -> str:
+    """`name` if a policy is registered under it; ValueError naming the choices otherwise (the check of
+    the `selection_policy` setting)."""
+    if name not in POLICIES:
+        raise ValueError(f"selection_policy: unknown policy {name!r} (choose from {sorted(POLICY_NAMES)})")
+    return name
 
 
 def make_policy(name: str, *, rng: random.Random | None = None) -> SelectionPolicy:
-    """The policy called `name` (load_aware, random, rendezvous); `rng` drives the random one
-    (a seeded Random makes it reproducible; the others are deterministic and ignore it)."""
-    if name == "load_aware":
-        return LoadAwarePolicy()
-    if name == "random":
-        return RandomPolicy(rng)
-    if name == "rendezvous":
-        return RendezvousPolicy()
-    raise ValueError(f"selection_policy: unknown policy {name!r} (choose from {sorted(POLICY_NAMES)})")
-
-
-def choose_provider(
-    loader_providers: Sequence[str], loader_backends: Sequence[str], seed_backends: Sequence[str]
-) -> str | None:
-    """The transport for one pull: first one-sided provider both share, else nccl, else None."""
-    seed = set(seed_backends)
-    for p in loader_providers:
-        if p in seed and p != "nccl":
-            return p
-    if "nccl" in seed and ("nccl" in loader_backends or "nccl" in loader_providers):
-        return "nccl"
-    return None
+    """The policy called `name` (one of POLICY_NAMES); `rng` drives a random one (a seeded Random makes
+    it reproducible; the others are deterministic and ignore it)."""
+    return POLICIES[policy_name(name)](rng)
