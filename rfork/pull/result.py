@@ -18,7 +18,7 @@ ProgressFn = Callable[[int, int], None]
 
 
 class BusyAnswer(Protocol):
-    """What a 429 carries (planner.errors.AllBusy has these attributes)."""
+    """What a 429 carries (planner.contract.AllBusy has these attributes)."""
 
     retry_after_s: float
     fallback: bool
