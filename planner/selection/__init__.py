@@ -12,16 +12,17 @@ planner.selection.base):
   is never returned; the service answers 429 when nothing is left). Plain data in and out: no
   database, no clock, so a policy is tested exhaustively (tests/planner/selection/).
 
-The SQL side (planner.queries, read by planner.service.assignments `_free_seeds`): the service never
-hands a policy the whole fleet. It reads the seeds that may serve the rank (READY, fresh,
-unquarantined, manifest matching the anchor), free ones first, in pages that grow until they hold
-every free seed sharing a transport with the requester. For a `tiered` policy the query orders the
-free seeds by `tier_key` itself (distance and load, written again in SQL in `queries._candidates`),
-so the service stops after the tier of the `max_candidates`-th free seed: what a decision reads grows
-with the free seeds near the requester, not with the fleet. A policy that ranks by anything else
-sets `tiered = False` and sees every free seed; one that sets it to True must rank by `tier_key`
-first, or it would be shown only a prefix of the seeds it wants. A new policy needs no SQL; a new
-SQL order (another `tiered`-like key) is a change to queries.py and `_free_seeds`.
+The SQL side (planner.queries, read by `_free_seeds` in planner.service.assignments): a policy is
+handed the free seeds that may serve the rank (READY, fresh, unquarantined, manifest matching the
+anchor, a transport shared with the requester), read free ones first in pages that grow until they
+hold them all. For a `tiered` policy the query orders the free seeds by `tier_key` itself (distance
+and load, written again in SQL in `queries._candidates`), and reading stops after the tier of the
+`max_candidates`-th free seed: what a decision reads grows with the free seeds near the requester,
+not with the fleet. A policy that ranks by anything else sets `tiered = False` and is handed every
+free seed; one that sets it to True must rank by `tier_key` first, or it would be handed only a
+prefix of the seeds it wants (tests/planner/selection/ checks this for every registered policy). A
+new policy needs no SQL; a new SQL order (another key like `tier_key`) is a change to queries.py and
+`_free_seeds`.
 
 A policy that draws random numbers takes them from the `rng` its factory is given, so a seeded run
 (the simulator) is reproducible. Importing this package costs the standard library only: the

@@ -1,4 +1,4 @@
-"""The default policy: nearest by topology, then least loaded; tiered, so the SQL reads the nearest tier."""
+"""The default policy: nearest by topology, then least loaded (tiered: the SQL reads the nearest tiers)."""
 
 from __future__ import annotations
 

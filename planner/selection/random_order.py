@@ -1,4 +1,4 @@
-"""A uniformly random order of the free seeds (a baseline for the simulator and benchmarks)."""
+"""The random policy: a uniformly random order of the free seeds (from the rng it is built with)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rendezvous hashing: each requester keeps to the same seed while that seed lives."""
+"""The rendezvous policy: hashing keeps each requester on the same seed while that seed lives."""
 
 from __future__ import annotations
 

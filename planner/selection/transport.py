@@ -1,4 +1,4 @@
-"""Which transport one pull uses between a loader and a seed (not a policy: every policy's choice)."""
+"""Which transport one pull uses between a loader and a seed; a seed that shares none is no candidate."""
 
 from __future__ import annotations
 
