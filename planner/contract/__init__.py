@@ -1,12 +1,13 @@
 """The planner's contract: everything a client of the planner imports, and nothing of the server.
 
-rfork (loader, seed, compile-cache fetch) imports these names from here and from nowhere else in
-`planner`. The room holds the wire types (`wire`: what a loader and a seed exchange with the planner;
-`views`: what readers get back; `fields`: their bounds), the errors, `PlannerClient`, the digest set
-a manifest is anchored by (`integrity`) and the control tokens a seed checks offline
-(`control_token`). It imports nothing from the server room (SQLAlchemy, FastAPI, uvicorn, settings:
-tests/planner/contract/test_room.py), and `PlannerClient` loads httpx on first use only, so a module
-that needs a wire type pays for pydantic and no more.
+rfork (loader, seed, compile-cache fetch) imports the planner's client side from here only
+(tests/test_house.py; the in-process server comes from `planner`). The room holds the wire types
+(`wire`: what a loader and a seed exchange with the planner; `views`: what readers get back;
+`fields`: their bounds), the errors, `PlannerClient`, the digest set a manifest is anchored by
+(`integrity`) and the control tokens a seed checks offline (`control_token`). It imports nothing
+from the server room (SQLAlchemy, FastAPI, uvicorn, settings: tests/planner/contract/test_room.py),
+and `PlannerClient` loads httpx on first use only, so a module that needs a wire type pays for
+pydantic and no more.
 """
 
 from __future__ import annotations
