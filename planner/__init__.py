@@ -1,10 +1,10 @@
 """The R-Fork planner: which running instance a new instance should pull its weights from.
 
-Public surface (pinned by tests/planner/test_public_surface.py): the errors, the wire types
-(planner.wire), PlannerClient (the Python client), PlannerServer (the planner in a background
-thread, for tests and the demo) and the in-process API for embedding the real planner on a
-database: Planner (Planner.open(settings)), PlannerSettings, make_policy and migrate. Every other
-module is internal.
+Public surface (pinned by tests/planner/test_public_surface.py): the errors, the wire types and
+PlannerClient (the Python client), all from the contract room `planner.contract`; PlannerServer (the
+planner in a background thread, for tests and the demo) and the in-process API for embedding the
+real planner on a database: Planner (Planner.open(settings)), PlannerSettings, make_policy and
+migrate. Every other module is internal.
 """
 
 from __future__ import annotations
@@ -12,59 +12,56 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from planner.errors import (
-    AllBusy,
-    AuthError,
-    BadRequest,
-    Conflict,
-    DigestMismatch,
-    NoSource,
-    NotFound,
-    PlannerError,
-    PlannerUnavailable,
-)
-from planner.wire import (
-    Anchor,
-    Assignment,
-    AssignmentRequest,
-    Candidate,
-    HeartbeatAnswer,
-    InstancePage,
-    InstanceStatus,
-    InstanceView,
-    Labels,
-    ModelsPage,
-    ModelView,
-    RankEndpoint,
-    RankManifest,
-    RankView,
-    RegionEntry,
-    Registration,
-    RegistrationRequest,
-    ReportAnswer,
-    SourceIdentity,
-    StatusChange,
-    StoredManifest,
-    TensorEntry,
-    TransferReport,
-    TransfersPage,
-    TransferView,
-    identity_key,
-)
-
 if TYPE_CHECKING:
-    from planner.client import PlannerClient
+    from planner.contract import (
+        AllBusy,
+        Anchor,
+        Assignment,
+        AssignmentRequest,
+        AuthError,
+        BadRequest,
+        Candidate,
+        Conflict,
+        DigestMismatch,
+        HeartbeatAnswer,
+        InstancePage,
+        InstanceStatus,
+        InstanceView,
+        Labels,
+        ModelsPage,
+        ModelView,
+        NoSource,
+        NotFound,
+        PlannerClient,
+        PlannerError,
+        PlannerUnavailable,
+        RankEndpoint,
+        RankManifest,
+        RankView,
+        RegionEntry,
+        Registration,
+        RegistrationRequest,
+        ReportAnswer,
+        SourceIdentity,
+        StatusChange,
+        StoredManifest,
+        TensorEntry,
+        TransferReport,
+        TransfersPage,
+        TransferView,
+        identity_key,
+    )
     from planner.db import migrate
     from planner.selection import make_policy
     from planner.server import PlannerServer
     from planner.service import Planner
     from planner.settings import PlannerSettings
 
-# The server side (SQLAlchemy, FastAPI, uvicorn, pydantic-settings: about half a second of imports)
-# loads on first use of one of these names, so a loader or seed that imports planner.client or
-# planner.wire does not pay for it at start-up.
+# Every name loads on first use (PEP 562), so importing one module of the package pays for that module
+# only: `rfork --help` lists the selection policies (planner.selection, stdlib only), a loader or seed
+# imports planner.contract (pydantic, no server), and the server side (SQLAlchemy, FastAPI, uvicorn,
+# pydantic-settings: about half a second of imports) loads when one of these names is used.
 _SERVER_SIDE = {
-    "PlannerClient": "planner.client",
     "Planner": "planner.service",
     "PlannerServer": "planner.server",
     "PlannerSettings": "planner.settings",
@@ -118,11 +115,11 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """The server-side names above, imported when first used (PEP 562)."""
-    module = _SERVER_SIDE.get(name)
-    if module is None:
+    """A public name, imported when first used: the server side's from its module, the rest from
+    planner.contract."""
+    if name not in __all__:
         raise AttributeError(f"module 'planner' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module(_SERVER_SIDE.get(name, "planner.contract")), name)
     globals()[name] = value
     return value
 

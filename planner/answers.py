@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from planner.errors import AllBusy, AuthError, BadRequest, Conflict, NotFound, PlannerError
+from planner.contract.errors import AllBusy, AuthError, BadRequest, Conflict, NotFound, PlannerError
 
 _STATUS = {NotFound: 404, Conflict: 409, BadRequest: 422, AuthError: 403}
 

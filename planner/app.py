@@ -21,8 +21,9 @@ from starlette.routing import Match
 
 from planner.answers import error_response, planner_error_response
 from planner.auth import Authenticator
+from planner.contract.errors import PlannerError
+from planner.contract.wire import RankManifest
 from planner.db import Database
-from planner.errors import PlannerError
 from planner.fleet import ProgressBoard, RefusalLog
 from planner.guard import RequestGuard
 from planner.heartbeats import HeartbeatBatcher
@@ -30,9 +31,9 @@ from planner.hotpath import HotPath
 from planner.metrics import MetricsMiddleware, PlannerMetrics
 from planner.routes import anchors, assignments, compile_caches, fleet, instances, observe
 from planner.selection import make_policy
-from planner.service import Planner, reap
+from planner.service import Planner
+from planner.service.reaper import reap
 from planner.settings import PlannerSettings
-from planner.wire import RankManifest
 from planner.writes import WriteBatcher
 
 log = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ from typing import Any
 
 from sqlalchemy import func, select, update
 
-from planner import wire
+from planner.contract import views, wire
+from planner.contract.errors import Conflict, NotFound
 from planner.db import Database
-from planner.errors import Conflict, NotFound
 from planner.models import Anchor, Instance, Lease
 from planner.settings import PlannerSettings
 
@@ -91,16 +91,16 @@ class RefusalLog:
     """The latest refusals (no source, all busy, digest mismatch), newest last; thread-safe."""
 
     def __init__(self, capacity: int = MAX_REFUSALS) -> None:
-        self._items: deque[wire.Refusal] = deque(maxlen=capacity)
+        self._items: deque[views.Refusal] = deque(maxlen=capacity)
         self._lock = threading.Lock()
 
     def record(self, *, identity_key: str, rank: int, reason: str, detail: str, now: float) -> None:
         """Remember one refusal (the detail cut to 300 characters)."""
-        item = wire.Refusal(at=now, identity_key=identity_key, rank=rank, reason=reason, detail=detail[:300])
+        item = views.Refusal(at=now, identity_key=identity_key, rank=rank, reason=reason, detail=detail[:300])
         with self._lock:
             self._items.append(item)
 
-    def recent(self) -> list[wire.Refusal]:
+    def recent(self) -> list[views.Refusal]:
         """Newest first."""
         with self._lock:
             return list(reversed(self._items))
@@ -163,7 +163,7 @@ def fleet_view(
     board: ProgressBoard,
     refusals: RefusalLog,
     now: float,
-) -> wire.FleetView:
+) -> views.FleetView:
     """The page's data in one read transaction (no addresses, descriptors, keys or tokens)."""
     progress = board.snapshot(now)
     with db.read() as s:
@@ -245,7 +245,7 @@ def fleet_view(
         else:
             done, total, took = lease.bytes or 0, lease.bytes, lease.seconds or 0.0
         edge_views.append(
-            wire.FleetEdge(
+            views.FleetEdge(
                 assignment_id=lease.id,
                 seed_id=lease.instance_id,
                 loader_id=lease.requester_id,
@@ -259,12 +259,12 @@ def fleet_view(
                 outcome=lease.outcome,
             )
         )
-    idents: dict[str, wire.FleetIdentity] = {}
+    idents: dict[str, views.FleetIdentity] = {}
     for i in insts:
         if i.identity_key in idents:
             continue
         ident = i.identity
-        idents[i.identity_key] = wire.FleetIdentity(
+        idents[i.identity_key] = views.FleetIdentity(
             identity_key=i.identity_key,
             model=str(ident.get("model", "")),
             revision=str(ident.get("revision", "")),
@@ -277,18 +277,18 @@ def fleet_view(
     for a in anchors:
         if a.identity_key in idents:
             idents[a.identity_key].anchors.append(
-                wire.FleetAnchor(
+                views.FleetAnchor(
                     rank=a.rank,
                     checksum_algorithm=a.checksum_algorithm,
                     digest_set=a.digest_set[:12],
                     anchored_by=a.instance_id,
                 )
             )
-    return wire.FleetView(
+    return views.FleetView(
         now=now,
         identities=list(idents.values()),
         instances=[
-            wire.FleetInstance(
+            views.FleetInstance(
                 id=i.id,
                 identity_key=i.identity_key,
                 status=wire.InstanceStatus(i.status),
@@ -307,7 +307,7 @@ def fleet_view(
         ],
         edges=edge_views,
         transfers=[
-            wire.FleetTransfer(
+            views.FleetTransfer(
                 assignment_id=r.id,
                 seed_id=r.instance_id,
                 loader_id=r.requester_id,

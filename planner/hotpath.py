@@ -23,10 +23,10 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ValidationError
 
-from planner import wire
 from planner.answers import planner_error_response
 from planner.auth import INSECURE, Principal
-from planner.errors import PlannerError
+from planner.contract import wire
+from planner.contract.errors import PlannerError
 from planner.guard import replay
 from planner.heartbeats import HeartbeatBatcher
 from planner.routes.assignments import finished, lease_refusal, leased, reporter

@@ -47,7 +47,7 @@ class Instance(Base):
     last_heartbeat: Mapped[float] = mapped_column(Float)
     consecutive_failures: Mapped[int] = mapped_column(Integer, default=0)
     quarantined_until: Mapped[float | None] = mapped_column(Float, nullable=True)
-    # no longer written: control keys are derived from the planner's secret (planner.control_token)
+    # no longer written: control keys are derived from the planner's secret (planner.contract.control_token)
     control_key: Mapped[str | None] = mapped_column(String(128), nullable=True)
     # granted by the registering token's roles (planner.auth): set the identity's anchor from a disk
     # publication; lease (this identity only) with the instance's own token
@@ -120,7 +120,7 @@ class Manifest(Base):
     nbytes: Mapped[int] = mapped_column(Integer)
     updated_at: Mapped[float] = mapped_column(Float)
     checksum_algorithm: Mapped[str] = mapped_column(String(128), default="")
-    digest_set: Mapped[str] = mapped_column(String(64), default="")  # planner.integrity.digest_set
+    digest_set: Mapped[str] = mapped_column(String(64), default="")  # planner.contract.integrity.digest_set
 
 
 class Anchor(Base):

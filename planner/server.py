@@ -17,8 +17,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from planner.app import create_app
+from planner.contract.errors import PlannerUnavailable
 from planner.db import migrate
-from planner.errors import PlannerUnavailable
 from planner.settings import PlannerSettings
 
 log = logging.getLogger(__name__)

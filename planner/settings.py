@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+from typing import Annotated
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from planner.selection import PolicyName
+from planner.selection import policy_name
 
 DEFAULT_DB_URL = "sqlite:///rfork-planner.db"
 DEFAULT_PORT = 8470  # `rfork planner serve`; README, deploy/ and the docs use it
@@ -27,13 +28,14 @@ class PlannerSettings(BaseSettings):
     # register + set an identity's anchor from a disk publication: give it to trusted disk seeds only
     anchor_token: str | None = None
     insecure: bool = False
-    # seals the seeds' control keys in the database (planner.control_token.seal); every planner process
-    # of one database needs the same. Unset: derived from the configured tokens and the database URL
+    # seals the seeds' control keys in the database (planner.contract.control_token.seal); every planner
+    # process of one database needs the same. Unset: derived from the configured tokens and the database URL
     control_secret: str | None = Field(default=None, repr=False)
     heartbeat_ttl_s: float = Field(default=30.0, gt=0)
     lease_ttl_s: float = Field(default=120.0, gt=0)
     reaper_interval_s: float = Field(default=5.0, gt=0)
-    selection_policy: PolicyName = "load_aware"
+    # a name in planner.selection.POLICIES
+    selection_policy: Annotated[str, AfterValidator(policy_name)] = "load_aware"
     # load_aware: a requester whose rack already holds a seed of the identity waits (429) for one of
     # those instead of pulling across racks, so the spine carries only each rack's first copies
     rack_hold: bool = False

@@ -1,7 +1,7 @@
 """Who an instance is and where it runs: the source identity (what makes two instances
 interchangeable), the weights fingerprint, and the topology labels the planner's selection reads.
 
-`SourceIdentity` is the planner's wire type (planner.wire): one definition for the planner, its client
+`SourceIdentity` is the planner's wire type (planner.contract): one definition for the planner, its client
 and rfork. Constructed in Python, quantization, tp/pp/ep/dp, framework, framework_version and
 device_kind have defaults; on the wire every field is required.
 """
@@ -14,7 +14,7 @@ import os
 import socket
 from collections.abc import Iterable
 
-from planner.wire import SourceIdentity
+from planner.contract import SourceIdentity
 
 __all__ = ["SourceIdentity", "default_labels", "fingerprint", "global_rank"]
 

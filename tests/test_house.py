@@ -1,6 +1,7 @@
 """The house rules docs/architecture.md states, read from the code's own imports.
 
 - the arrows run one way: rfork -> planner, rfork -> backends; backends and planner import neither;
+- rfork imports the planner through its doors: planner.contract (the client side) and planner;
 - no import cycle between modules;
 - the project's own code is imported inside a function only where start-up time needs it (command
   modules, the SGLang plugin), with a comment saying so;
@@ -171,3 +172,28 @@ def test_every_import_of_the_projects_own_modules_resolves(package: str) -> None
                 if importlib.util.find_spec(node.module) is None:
                     missing.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.module}")
     assert not missing, missing
+
+
+def test_rfork_imports_the_planner_through_its_doors() -> None:
+    """rfork imports the planner's contract from `planner.contract` and the in-process server from
+    `planner`; only `rfork planner serve` reaches into the server room (its app, the policy names)."""
+    doors = {"planner", "planner.contract"}
+    serve = {"planner.app", "planner.selection"}
+    wrong = []
+    for name, path in MODULES.items():
+        if name.split(".")[0] != "rfork":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                modules = [node.module]
+            else:
+                continue
+            for module in modules:
+                if module.split(".")[0] != "planner" or module in doors:
+                    continue
+                if path.name == "planner_serve.py" and module in serve:
+                    continue
+                wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {module}")
+    assert not wrong, wrong

@@ -7,8 +7,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Query, Response
 
-from planner import wire
 from planner.auth import Principal
+from planner.contract import views, wire
 from planner.deps import administrator, get_planner
 from planner.service import Planner
 
@@ -19,21 +19,21 @@ RankPath = Annotated[int, Path(ge=0, le=1_000_000, description="global rank")]
 AlgoPath = Annotated[str, Path(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:+-]+$")]
 
 
-@router.get("", response_model=wire.AnchorsPage, responses=ERRORS, operation_id="list_anchors")
+@router.get("", response_model=views.AnchorsPage, responses=ERRORS, operation_id="list_anchors")
 def list_anchors(
     planner: Planner = Depends(get_planner),
     principal: Principal = Depends(administrator),
     identity_key: Annotated[str | None, Query(pattern=r"^[0-9a-f]{64}$")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
-) -> wire.AnchorsPage:
+) -> views.AnchorsPage:
     """Every anchor (optionally of one identity), oldest first, with who set it."""
     return planner.list_anchors(identity_key=identity_key, limit=limit, offset=offset)
 
 
 @router.put(
     "",
-    response_model=wire.AnchorView,
+    response_model=views.AnchorView,
     responses={
         **ERRORS,
         400: {},
@@ -46,7 +46,7 @@ def put_anchor(
     body: wire.AnchorUpload,
     planner: Planner = Depends(get_planner),
     principal: Principal = Depends(administrator),
-) -> wire.AnchorView:
+) -> views.AnchorView:
     """Set (or replace) an identity's rank anchor from digests made from the checkpoint (`rfork digest`)."""
     return planner.put_anchor(body, time.time(), set_by=principal.holder)
 

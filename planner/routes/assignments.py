@@ -9,10 +9,10 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response
 
-from planner import wire
 from planner.auth import Principal
+from planner.contract import wire
+from planner.contract.errors import AllBusy, NoSource
 from planner.deps import get_planner, leaser
-from planner.errors import AllBusy, NoSource
 from planner.service import Planner
 
 router = APIRouter(prefix="/v1/assignments", tags=["assignments"])

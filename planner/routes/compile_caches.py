@@ -7,8 +7,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path
 
-from planner import wire
 from planner.auth import Principal
+from planner.contract import wire
 from planner.deps import get_planner, leaser
 from planner.service import Planner
 

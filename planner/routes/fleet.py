@@ -10,8 +10,9 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from planner import fleet, wire
+from planner import fleet
 from planner.auth import Principal
+from planner.contract import views, wire
 from planner.deps import get_planner, get_principal, leaser
 from planner.service import Planner
 
@@ -56,10 +57,10 @@ def asset(name: str) -> Response:
     return _asset(name)
 
 
-@router.get("/v1/fleet", response_model=wire.FleetView, responses={401: {}})
+@router.get("/v1/fleet", response_model=views.FleetView, responses={401: {}})
 def fleet_view(
     request: Request, planner: Planner = Depends(get_planner), principal: Principal = Depends(get_principal)
-) -> wire.FleetView:
+) -> views.FleetView:
     """Identities, instances, the fan-out tree, recent transfers and refusals (any role, reader included)."""
     st = request.app.state
     return fleet.fleet_view(planner.db, planner.settings, st.progress, st.refusals, time.time())

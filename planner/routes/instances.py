@@ -10,12 +10,12 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Res
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from planner import wire
 from planner.auth import Principal
+from planner.contract import fields, wire
+from planner.contract.errors import DigestMismatch, NotFound
+from planner.contract.views import InstancePage
 from planner.deps import get_planner, get_principal, owner_of, registrar, writer
-from planner.errors import DigestMismatch, NotFound
 from planner.service import Planner
-from planner.wire import InstancePage
 
 router = APIRouter(prefix="/v1/instances", tags=["instances"])
 IdPath = Annotated[str, Path(pattern=r"^[0-9a-f]{32}$", description="instance id (32 hex digits)")]
@@ -70,11 +70,11 @@ def register(
 def list_instances(
     planner: Planner = Depends(get_planner),
     principal: Principal = Depends(get_principal),
-    model: Annotated[str | None, Query(max_length=512, pattern=wire.NO_NUL)] = None,
-    fingerprint: Annotated[str | None, Query(max_length=256, pattern=wire.NO_NUL)] = None,
+    model: Annotated[str | None, Query(max_length=512, pattern=fields.NO_NUL)] = None,
+    fingerprint: Annotated[str | None, Query(max_length=256, pattern=fields.NO_NUL)] = None,
     status: wire.InstanceStatus | None = None,
-    node: Annotated[str | None, Query(max_length=256, pattern=wire.NO_NUL)] = None,
-    identity_key: Annotated[str | None, Query(max_length=64, pattern=wire.NO_NUL)] = None,
+    node: Annotated[str | None, Query(max_length=256, pattern=fields.NO_NUL)] = None,
+    identity_key: Annotated[str | None, Query(max_length=64, pattern=fields.NO_NUL)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
 ) -> InstancePage:

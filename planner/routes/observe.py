@@ -11,9 +11,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
 from planner.auth import Principal
+from planner.contract.views import ModelsPage, TransfersPage
 from planner.deps import get_planner, get_principal
 from planner.service import Planner
-from planner.wire import ModelsPage, TransfersPage
 
 router = APIRouter(tags=["views"])
 

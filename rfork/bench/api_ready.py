@@ -47,7 +47,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # imported here: `rfork --help` start-up stays instant (rfork.cli)
-    from planner.server import PlannerServer
+    from planner import PlannerServer
     from rfork.weights.synthetic import config_for_size, write_servable_llama
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="rfork-api-ready-"))

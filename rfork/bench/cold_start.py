@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
-    from planner.server import PlannerServer
+    from planner import PlannerServer
     from rfork.bench.processes import (
         SETTLE_S,
         Fleet,

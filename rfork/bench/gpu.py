@@ -6,9 +6,9 @@ Measured in one run (GB/s are 10^9 bytes per second of weights landed in GPU mem
   after asking the kernel to drop the files from the page cache (posix_fadvise DONTNEED; the table
   says whether that succeeded) and once warm;
 - ``rfork cuda-ipc``: a seed process holding the weights in GPU memory exports them
-  (backends.providers.cuda_ipc); this process opens the handle and copies on its own stream;
+  (backends.gpu.cuda_ipc); this process opens the handle and copies on its own stream;
 - ``rfork tcp+staging``: the same seed serves a pinned host mirror over the tcp TransferEngine; this
-  process reads through backends.providers.staging into GPU memory.
+  process reads through backends.gpu.staging into GPU memory.
 Every R-Fork result is checked against the seed's pmix64 checksum computed on the GPU.
 
 Run: ``python -m rfork.bench.gpu --size-gib 8 [--json FILE]``. Without CUDA it exits with status 2

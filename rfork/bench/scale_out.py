@@ -78,8 +78,8 @@ def run_burst(
 ) -> dict[str, Any]:
     """One mode: planner + seed (unless disk), then `instances` loader processes at once; the outcome."""
     # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
-    from planner.client import PlannerClient
-    from planner.server import PlannerServer
+    from planner import PlannerServer
+    from planner.contract import PlannerClient
     from rfork.bench.processes import Fleet, load_args, seed_args
 
     if mode not in MODES:

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="rfork-demo-"))
     fleet = Fleet(workdir, verbose=args.verbose > 0)
     try:
-        from planner.server import PlannerServer
+        from planner import PlannerServer
 
         if args.checkpoint is None:
             from rfork.weights.synthetic import write_synthetic_checkpoint

@@ -84,7 +84,7 @@ def resolve_identity(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.planner is None:
         raise ValueError("--checkpoint-id needs --planner")
     model, _, revision = args.checkpoint_id.partition("@")
-    from planner.client import PlannerClient
+    from planner.contract import PlannerClient
 
     with PlannerClient(args.planner, token=args.token or None) as client:
         listing = client.list_instances(model=model, status="READY", limit=100)

@@ -16,8 +16,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Migrate and say where to."""
     # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
-    from planner.db import migrate
-    from planner.settings import PlannerSettings
+    from planner import PlannerSettings, migrate
 
     url = args.db or PlannerSettings().db_url
     migrate(url, args.revision)

@@ -7,6 +7,10 @@ import argparse
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Options: --db, --host, --port, --insecure, --policy, --workers."""
+    # imported here: `rfork --help` builds every parser (start-up time); planner.selection costs the
+    # standard library only, and its registry is the one list of policy names
+    from planner.selection import POLICY_NAMES
+
     parser.add_argument(
         "--db", default=None, help="SQLAlchemy URL (default: RFORK_DB_URL or sqlite:///rfork-planner.db)"
     )
@@ -17,7 +21,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--policy",
-        choices=("load_aware", "random", "rendezvous"),
+        choices=POLICY_NAMES,
         default=None,
         help="source selection policy (default: RFORK_SELECTION_POLICY or load_aware)",
     )
@@ -37,9 +41,8 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    from planner import PlannerSettings, migrate
     from planner.app import create_app
-    from planner.db import migrate
-    from planner.settings import PlannerSettings
 
     overrides: dict[str, object] = {}
     if args.db:

@@ -17,9 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from planner.client import PlannerClient
-from planner.errors import PlannerError
-from planner.wire import CompileCacheSource
+from planner.contract import CompileCacheSource, PlannerClient, PlannerError
 from rfork.compile_cache.archive import CompileCacheError, Limits, unpack
 
 log = logging.getLogger(__name__)

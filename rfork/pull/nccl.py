@@ -23,7 +23,7 @@ from backends.nccl import (
     local_address_towards,
     recv_tensors,
 )
-from planner.wire import Candidate, RankManifest
+from planner.contract import Candidate, RankManifest
 from rfork.errors import PullError
 from rfork.weights.rank_weights import RankWeights
 

@@ -41,7 +41,7 @@ import torch
 
 from backends import DigestJob, MemoryRegionDescriptor, Region, TransferEngine, native_digests_available
 from backends.providers.registry import provider_available
-from planner.wire import RankManifest
+from planner.contract import RankManifest
 from rfork.errors import PullError
 from rfork.pull.result import LoadOptions, ProgressFn
 from rfork.pull.staged import pull_staged

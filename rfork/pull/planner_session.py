@@ -7,7 +7,7 @@ seed is excluded and the planner asked again, up to `max_attempts`. A planner th
 ends the sequence: the loader falls back to its checkpoint.
 
 A candidate's manifest is trusted only when its digest set is the one the planner anchored for the
-identity (planner.integrity): a seed cannot vouch for its own corrupted bytes.
+identity (planner.contract.integrity): a seed cannot vouch for its own corrupted bytes.
 
 Busy seeds (429 `all_busy`): the loader sleeps the planner's Retry-After and falls back only when
 told. The planner (planner.burst) computes Retry-After from the busy seeds' live leases and the
@@ -29,9 +29,7 @@ from typing import TypeVar
 
 from backends.errors import BackendUnavailable, TransferError
 from backends.layout import dtype_from_name, expected_nbytes
-from planner.client import AllBusy, PlannerClient
-from planner.integrity import digest_set
-from planner.wire import Anchor, Assignment, Candidate, RankManifest
+from planner.contract import AllBusy, Anchor, Assignment, Candidate, PlannerClient, RankManifest, digest_set
 from rfork.errors import ChecksumMismatch, ManifestError, PullError
 from rfork.identity import SourceIdentity, default_labels
 from rfork.pull.result import BusyWait, LoadOptions

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from planner.client import PlannerClient
+from planner.contract import PlannerClient
 from rfork.pull.result import ProgressFn
 
 log = logging.getLogger(__name__)

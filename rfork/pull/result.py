@@ -18,7 +18,7 @@ ProgressFn = Callable[[int, int], None]
 
 
 class BusyAnswer(Protocol):
-    """What a 429 carries (planner.errors.AllBusy has these attributes)."""
+    """What a 429 carries (planner.contract.AllBusy has these attributes)."""
 
     retry_after_s: float
     fallback: bool
@@ -71,7 +71,7 @@ class LoadOptions:
     # Fault destination pages in (MADV_POPULATE_WRITE) on the registration thread, ahead of the reads,
     # instead of inside the transport's receive copy.
     prefault: bool = True
-    # Read through pinned host bounce slots (backends.providers.staging). Automatic for GPU destinations,
+    # Read through pinned host bounce slots (backends.gpu.staging). Automatic for GPU destinations,
     # as tcp and shm cannot register device memory; setting it for host destinations exercises that path.
     staged_reads: bool = False
     # xxh3-128 digests computed by a native thread of the transport as reads land

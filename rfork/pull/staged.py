@@ -13,7 +13,7 @@ from concurrent.futures import Future
 
 from backends import MemoryRegionDescriptor, TransferEngine
 from backends.gpu.staging import StagedReader
-from planner.wire import RankManifest
+from planner.contract import RankManifest
 from rfork.errors import PullError
 from rfork.pull.result import ProgressFn
 from rfork.weights import checksum as ck

@@ -18,7 +18,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from backends import TransferEngine
-from planner.wire import RankEndpoint, RankManifest
+from planner.contract import RankEndpoint, RankManifest
 from rfork.identity import SourceIdentity
 from rfork.seed.publication import Publication
 from rfork.seed.seed import RankServer, Seed

@@ -6,14 +6,15 @@ Endpoints (JSON):
                                         then sends ``tensors_for_rank(r)`` as group rank 0. With a
                                         ``control_key``, only for ``Authorization: Bearer <token>``
                                         where the token is the planner-issued per-assignment secret
-                                        (planner.control_token): 401 without one, 403 for a bad,
+                                        (planner.contract.control_token): 401 without one, 403 for a bad,
                                         expired, replayed or other-rank token.
   GET  /v1/nccl/sessions/{id}        -> 200 {"session_id", "rank", "state", "bytes", "error"}
   GET  /v1/compile-caches/{key}      -> 200 the compile cache's tar (rfork.compile_cache.archive), its
                                         digest in ``X-Rfork-Archive-Digest``; only for a planner-issued
-                                        compile-cache token (planner.control_token.issue_compile_cache),
-                                        which in turn opens no NCCL session. 404: not a key of this
-                                        seed; 409: nothing compiled yet, or still being written.
+                                        compile-cache token (issue_compile_cache in
+                                        planner.contract.control_token), which in turn opens no NCCL
+                                        session. 404: not a key of this seed; 409: nothing compiled
+                                        yet, or still being written.
 Bad input answers 4xx with {"error": message}; a full seed answers 429 {"reason": "busy", ...}.
 Requests are parsed and bounded in `rfork.seed.control_http`; this module decides what they mean.
 
@@ -46,7 +47,7 @@ from backends.nccl import (
     backend_for,
     send_tensors,
 )
-from planner.control_token import ControlGrant, ControlTokenError, verify
+from planner.contract import ControlGrant, ControlTokenError, verify_control_token
 from rfork.compile_cache.archive import CompileCacheError, PackedCache
 from rfork.compile_cache.shelf import CacheNotReady, CacheShelf
 from rfork.seed.control_http import ControlHttpServer, HttpError
@@ -209,7 +210,7 @@ class ControlServer:
         parts = token.split(".")
         claimed_rank = int(parts[3]) if len(parts) == 6 and parts[3].isdigit() else -1
         try:
-            grant = verify(
+            grant = verify_control_token(
                 token, self.control_key, instance_ids=self.instance_ids(), rank=claimed_rank, now=time.time()
             )
         except ControlTokenError as exc:

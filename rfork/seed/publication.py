@@ -16,8 +16,15 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from urllib.parse import urlsplit
 
-from planner.client import AuthError, NotFound, PlannerClient, PlannerUnavailable
-from planner.wire import InstanceStatus, RankEndpoint, RankManifest
+from planner.contract import (
+    AuthError,
+    InstanceStatus,
+    NotFound,
+    PlannerClient,
+    PlannerUnavailable,
+    RankEndpoint,
+    RankManifest,
+)
 from rfork.identity import SourceIdentity, default_labels
 
 log = logging.getLogger(__name__)

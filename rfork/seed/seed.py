@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from backends import Region, TransferEngine
-from planner.control_token import new_control_key
-from planner.wire import RankEndpoint, RankManifest
+from planner.contract import RankEndpoint, RankManifest, new_control_key
 from rfork.compile_cache.shelf import CacheShelf
 from rfork.identity import SourceIdentity, default_labels
 from rfork.seed.control import ControlServer

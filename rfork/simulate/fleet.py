@@ -154,7 +154,7 @@ class FleetSim:
             lease_ttl_s=1e6,
             # what an operator sets before any pull is recorded: one pull's share of a seed's NIC
             assumed_pull_gbps=model.nic_bps / 1e9 / model.max_concurrent_pulls,
-            selection_policy=scenario.policy,  # type: ignore[arg-type]
+            selection_policy=scenario.policy,
             # racked fleets: a loader whose rack has a seed waits for it rather than cross the spine
             rack_hold=model.racks > 0 and scenario.policy == "load_aware",
             db_pool_size=2,

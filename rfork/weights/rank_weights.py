@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 
 from backends.layout import DEFAULT_MAX_REGION_BYTES, Layout, Placement, dtype_name, views
-from planner.wire import RankManifest, RegionEntry, TensorEntry
+from planner.contract import RankManifest, RegionEntry, TensorEntry
 from rfork.errors import ChecksumMismatch, DestinationMismatch, LayoutError, ManifestError
 from rfork.weights import checksum as ck
 from rfork.weights.memory import allocate, pack

@@ -20,8 +20,8 @@ Planner = Any  # a PlannerClient with the server's `url` attached (planner impor
 
 @pytest.fixture(scope="module")
 def planner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Planner]:
-    from planner.client import PlannerClient
-    from planner.server import PlannerServer
+    from planner import PlannerServer
+    from planner.contract import PlannerClient
 
     db = tmp_path_factory.mktemp("planner") / "planner.db"
     # a long TTL keeps SIGKILLed seeds READY, so a loader really meets a dead seed

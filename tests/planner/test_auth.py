@@ -13,10 +13,9 @@ import httpx
 import pytest
 
 from planner.app import InsecureRefused, create_app
-from planner.client import AuthError, Conflict, PlannerClient
+from planner.contract import AuthError, Conflict, PlannerClient, RankManifest
 from planner.server import PlannerServer
 from planner.settings import PlannerSettings
-from planner.wire import RankManifest
 from tests.planner.conftest import identity, manifest, ranks
 
 TOKENS: dict[str, Any] = {

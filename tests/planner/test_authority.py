@@ -11,11 +11,10 @@ from typing import Any
 import httpx
 import pytest
 
-from planner.client import PlannerClient
+from planner.contract import PlannerClient, identity_key
 from planner.server import PlannerServer
 from planner.service import Planner
 from planner.settings import PlannerSettings
-from planner.wire import identity_key
 from tests.planner.conftest import identity, manifest, ranks
 
 TOKENS: dict[str, Any] = {
@@ -144,7 +143,7 @@ def test_concurrent_first_publications_on_postgres_end_with_one_anchor(postgres_
 
 
 def _registration(ident: dict[str, Any]) -> Any:
-    from planner.wire import RegistrationRequest
+    from planner.contract import RegistrationRequest
 
     rank0 = {"rank": 0, "provider": "tcp", "address": "YWRkcjA=", "backends": ["tcp"]}
     return RegistrationRequest.model_validate({"identity": ident, "ranks": [rank0]})

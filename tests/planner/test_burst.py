@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from planner import AllBusy, AssignmentRequest, RegistrationRequest, TransferReport, migrate
 from planner.burst import WaitingRoom, estimate_busy, pull_rate_bps, slot_time
-from planner.client import PlannerClient
+from planner.contract import PlannerClient
 from rfork.bench.scale_out import max_concurrent
 from tests.planner.conftest import identity, make_planner, manifest, ranks
 

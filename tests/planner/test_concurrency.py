@@ -13,7 +13,7 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, text
 
-from planner.client import PlannerClient
+from planner.contract import PlannerClient
 from rfork.bench.processes import free_port
 from tests.planner.conftest import identity, manifest, ranks
 

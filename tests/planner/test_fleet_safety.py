@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 from planner import AllBusy, AssignmentRequest, NoSource, RankManifest, RegistrationRequest, TransferReport
 from planner.auth import Authenticator
 from planner.burst import WaitingRoom, estimate_busy, slot_time
-from planner.client import AuthError, Conflict, PlannerClient
+from planner.contract import AuthError, Conflict, PlannerClient
 from planner.server import PlannerServer
-from planner.service import Planner, reap
+from planner.service import Planner
+from planner.service.reaper import reap
 from planner.settings import PlannerSettings
 from tests.planner.conftest import identity, make_planner, manifest, ranks
 
@@ -230,7 +231,7 @@ def test_waiting_room_with_100k_waiters_is_bounded_in_time_and_memory():
 
 def test_the_busy_estimate_runs_outside_the_write_lock(planner_url, monkeypatch):
     """While the 429's arithmetic runs, another write (a heartbeat) goes through."""
-    import planner.service as service
+    import planner.service.busy as busy
 
     svc = make_planner(planner_url)
     try:
@@ -238,7 +239,7 @@ def test_the_busy_estimate_runs_outside_the_write_lock(planner_url, monkeypatch)
         seed = _ready_seed(svc, now, limit=1)
         svc.assign(_ask(), now)
         beat_done: list[bool] = []
-        real = service.estimate_busy
+        real = busy.estimate_busy
 
         def slow_estimate(**kw: Any) -> Any:
             t = threading.Thread(target=lambda: beat_done.append(bool(svc.heartbeat(seed, now))))
@@ -246,7 +247,7 @@ def test_the_busy_estimate_runs_outside_the_write_lock(planner_url, monkeypatch)
             t.join(5.0)
             return real(**kw)
 
-        monkeypatch.setattr(service, "estimate_busy", slow_estimate)
+        monkeypatch.setattr(busy, "estimate_busy", slow_estimate)
         with pytest.raises(AllBusy):
             svc.assign(_ask(), now)
         assert beat_done == [True]
@@ -406,7 +407,7 @@ def test_no_token_in_reprs_or_logs(server, caplog):
 def test_the_database_holds_no_key_that_forges_control_tokens(planner_url):
     from sqlalchemy import create_engine, text
 
-    from planner import control_token
+    from planner.contract import control_token
 
     svc = make_planner(planner_url, control_secret="planner-secret-" + "z" * 32)
     try:
@@ -431,7 +432,8 @@ def test_the_database_holds_no_key_that_forges_control_tokens(planner_url):
         lease = svc.assign(_ask(), now)
         token = lease.candidates[0].control_token
         assert token is not None
-        grant = control_token.verify(token, key, instance_ids=[reg.id], rank=0, now=now)  # the seed's check
+        # the seed's check
+        grant = control_token.verify_control_token(token, key, instance_ids=[reg.id], rank=0, now=now)
         assert grant.lease_id == lease.id
     finally:
         svc.close()

@@ -8,8 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from planner.client import PlannerClient
-from planner.errors import NotFound
+from planner.contract import NotFound, PlannerClient
 from tests.planner.conftest import identity
 
 

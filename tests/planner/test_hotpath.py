@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from planner import PlannerServer, RegistrationRequest, migrate
-from planner.client import PlannerClient
+from planner.contract import PlannerClient
 from planner.heartbeats import HeartbeatBatcher
 from tests.planner.conftest import identity, manifest, ranks
 

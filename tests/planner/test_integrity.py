@@ -12,9 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from planner import control_token
-from planner.client import Conflict, PlannerClient
-from planner.integrity import digest_set
+from planner.contract import Conflict, PlannerClient, control_token, digest_set
 from planner.server import PlannerServer
 from tests.planner.conftest import identity, manifest, ranks
 

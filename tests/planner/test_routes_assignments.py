@@ -6,8 +6,7 @@ import time
 
 import pytest
 
-from planner.client import AllBusy, Conflict, NotFound, PlannerClient
-from planner.wire import RankManifest
+from planner.contract import AllBusy, Conflict, NotFound, PlannerClient, RankManifest
 from tests.planner.conftest import identity, manifest, ranks
 
 

@@ -6,8 +6,7 @@ import time
 
 import pytest
 
-from planner import control_token
-from planner.client import AuthError, BadRequest, Conflict, PlannerClient
+from planner.contract import AuthError, BadRequest, Conflict, PlannerClient, control_token
 from planner.server import PlannerServer
 from tests.planner.conftest import identity, ranks
 from tests.planner.test_auth import TOKENS
@@ -40,7 +39,7 @@ def test_ready_instances_serving_a_key_come_with_a_compile_cache_token(server):
     assert found is not None
     assert [s.instance_id for s in found.sources] == [near.id, far.id]  # same node first
     assert found.sources[0].control_url == "http://n1:9"
-    grant = control_token.verify(
+    grant = control_token.verify_control_token(
         found.sources[0].control_token, near_key, instance_ids=[near.id], rank=0, now=time.time()
     )
     assert grant.compile_cache  # never a weight lease: the seed opens no NCCL session with it

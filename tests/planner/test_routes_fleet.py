@@ -17,9 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.client import AuthError, Conflict, NotFound, PlannerClient
+from planner.contract import AuthError, Conflict, NotFound, PlannerClient, identity_key
 from planner.server import PlannerServer
-from planner.wire import identity_key
 from tests.planner.conftest import identity, manifest, ranks
 
 TOKENS: dict[str, Any] = {

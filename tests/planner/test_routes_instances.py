@@ -5,8 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from planner.client import BadRequest, Conflict, NotFound, PlannerClient
-from planner.wire import RankManifest
+from planner.contract import BadRequest, Conflict, NotFound, PlannerClient, RankManifest
 from tests.planner.conftest import identity, manifest, ranks
 
 

@@ -62,7 +62,7 @@ AUTH: dict[str, Any] = {"token": LOAD, "register_token": REGISTER}  # a loader's
 @pytest.fixture
 def planner(sqlite_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A planner with auth on; child processes get RFORK_TOKEN (load) and RFORK_REGISTER_TOKEN."""
-    from planner.server import PlannerServer
+    from planner import PlannerServer
 
     monkeypatch.setenv("RFORK_TOKEN", LOAD)
     monkeypatch.setenv("RFORK_REGISTER_TOKEN", REGISTER)

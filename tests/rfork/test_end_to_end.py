@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_seed_process_to_loaded_model_bit_identical_then_drains_on_sigterm(fleet, small_ckpt, planner):
-    from planner.client import PlannerClient
+    from planner.contract import PlannerClient
 
     ids, seed = start_seed(fleet, small_ckpt, planner)
     ident = identity_of(small_ckpt)
@@ -152,7 +152,7 @@ class KillFirstSeed(Loader):
 
 
 def test_failover_when_seed_killed_mid_transfer(fleet, medium_ckpt, planner):
-    from planner.client import PlannerClient
+    from planner.contract import PlannerClient
 
     ids1, s1 = start_seed(fleet, medium_ckpt, planner, name="seed1")
     ids2, s2 = start_seed(fleet, medium_ckpt, planner, name="seed2")
@@ -196,7 +196,7 @@ def test_disk_fallback_when_no_seed(small_ckpt, planner):
 
 
 def test_corrupted_seed_byte_caught_then_disk(small_ckpt, planner):
-    from planner.client import PlannerClient
+    from planner.contract import PlannerClient
 
     info = read_checkpoint_info(small_ckpt)
     layout, buffers, tensors = load_rank_from_disk(info)
@@ -228,7 +228,7 @@ def test_corrupted_seed_byte_caught_then_disk(small_ckpt, planner):
 def test_mismatched_identity_refused(small_ckpt, planner, tmp_path):
     from dataclasses import replace
 
-    from planner.client import PlannerClient
+    from planner.contract import PlannerClient
 
     info = read_checkpoint_info(small_ckpt)
     layout, buffers, tensors = load_rank_from_disk(info)
@@ -262,7 +262,7 @@ def test_mismatched_identity_refused(small_ckpt, planner, tmp_path):
 
 @pytest.mark.postgres
 def test_end_to_end_on_postgresql(fleet, small_ckpt, postgres_url):
-    from planner.server import PlannerServer
+    from planner import PlannerServer
 
     with PlannerServer(db_url=postgres_url, insecure=True) as srv:
         ids, seed = start_seed(fleet, small_ckpt, srv.url)

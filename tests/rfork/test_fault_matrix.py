@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from planner.client import Conflict, PlannerClient
-from planner.server import PlannerServer
+from planner import PlannerServer
+from planner.contract import Conflict, PlannerClient
 from rfork import Loader, LoadOptions, LoadResult
 from rfork.bench.processes import free_port, load_args
 from rfork.seed.seed import Seed

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from planner.client import PlannerClient
+from planner.contract import PlannerClient
 from rfork.bench.processes import load_args
 from tests.conftest import IN_CI
 from tests.rfork.conftest import ADMIN, LOAD, READER, REGISTER, identity_of, start_seed

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from planner.client import Conflict, PlannerClient
+from planner.contract import Conflict, PlannerClient
 from rfork import load
 from rfork.errors import LoadFailed
 from rfork.seed.seed import Seed
@@ -116,7 +116,7 @@ def test_a_false_checksum_report_costs_a_healthy_seed_one_reverification(small_c
     """A loader claims checksum_mismatch against a healthy seed: the seed is offered to nobody, its
     heartbeat answer says reverify, it re-hashes its memory and republishes, and it is offered again in
     seconds (not after quarantine_s); the claim counts as disproved against the reporter."""
-    from planner.server import PlannerServer
+    from planner import PlannerServer
 
     info = read_checkpoint_info(small_ckpt)
     with PlannerServer(

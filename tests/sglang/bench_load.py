@@ -80,7 +80,7 @@ def _start(fleet: ServerFleet, name: str, planner_url: str, mode: str) -> Sglang
 
 
 def run(size_mib: int, modes: list[str], workdir: Path) -> dict[str, Any]:
-    from planner.server import PlannerServer
+    from planner import PlannerServer
 
     os.environ.setdefault("RFORK_TCP_HOST", "127.0.0.1")  # loopback, as the servers use
     config = config_for_size(size_mib << 20)

@@ -116,7 +116,7 @@ def _run_row(model: Path, load_format: str, extra: dict[str, Any], log: Path, *,
 
 
 def run(size_mib: int, workdir: Path) -> dict[str, Any]:
-    from planner.server import PlannerServer
+    from planner import PlannerServer
     from rfork.seed.seed import Seed
     from rfork.weights.checkpoint import load_state_dict, read_checkpoint_info
     from rfork.weights.rank_weights import RankWeights

@@ -87,7 +87,7 @@ def record_publications(seed: Seed, *, planner_url: str) -> list[Path]:
 def drain_recorded(run_dir: str | Path | None = None, *, timeout_s: float = 3.0) -> int:
     """DRAINING + delete every recorded seed (best effort, bounded); returns how many drained."""
     # imported here: the frameworks import the plugin in each of their processes (start-up time)
-    from planner.client import PlannerClient
+    from planner.contract import PlannerClient
 
     d = Path(run_dir or os.environ.get(RUN_DIR_ENV) or "")
     if not str(d) or not d.is_dir():

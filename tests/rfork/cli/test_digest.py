@@ -6,7 +6,7 @@ import json
 
 import httpx
 
-from planner.server import PlannerServer
+from planner import PlannerServer
 from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import load_rank_from_disk, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights

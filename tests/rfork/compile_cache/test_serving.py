@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from planner.client import PlannerClient
+from planner.contract import PlannerClient
 from rfork import SourceIdentity
 from rfork.compile_cache.archive import PackedCache, pack
 from rfork.compile_cache.fetch import fetch_compile_cache

@@ -223,7 +223,7 @@ def test_parameters_identity_tracks_shapes_and_layout():
 
 @pytest.mark.slow
 def test_parameters_served_in_place_are_pulled_bit_identical_then_drained(tmp_path, planner, monkeypatch):
-    from planner.client import PlannerClient
+    from planner.contract import PlannerClient
 
     monkeypatch.setenv(drain.RUN_DIR_ENV, str(tmp_path / "run"))
     model = LlamaForCausalLM(SMALL)

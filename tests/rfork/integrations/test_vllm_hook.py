@@ -148,7 +148,7 @@ if __name__ == "__main__":
 @pytest.mark.slow
 def test_a_spawned_engine_process_drains_its_seed_on_sigterm(tmp_path: Path, planner: str):
     """vLLM's engine core is a multiprocessing child (atexit does not run there): SIGTERM drains."""
-    from planner.client import PlannerClient
+    from planner.contract import PlannerClient
 
     script = tmp_path / "engine.py"
     script.write_text(_CHILD)
@@ -173,7 +173,7 @@ def test_a_spawned_engine_process_drains_its_seed_on_sigterm(tmp_path: Path, pla
 @pytest.mark.slow
 def test_the_root_process_drains_the_seed_of_a_sigkilled_worker(tmp_path: Path, planner: str):
     """vLLM SIGKILLs its engine core and worker on shutdown: the API server drains their records."""
-    from planner.client import PlannerClient
+    from planner.contract import PlannerClient
 
     script = tmp_path / "engine.py"
     script.write_text(_CHILD)

@@ -1,4 +1,4 @@
-"""The manifest a loader accepts: the wire type (planner.wire.RankManifest) plus the loader's own
+"""The manifest a loader accepts: the wire type (planner.contract.RankManifest) plus the loader's own
 checks (rfork.pull.planner_session.check_manifest); anything else is refused with a clear error."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from backends.layout import plan_layout
-from planner.wire import RankManifest
+from planner.contract import RankManifest
 from rfork.errors import ManifestError
 from rfork.pull.planner_session import check_manifest
 from rfork.weights import checksum as ck

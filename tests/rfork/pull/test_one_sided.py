@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.wire import RankManifest, RegionEntry, TensorEntry
+from planner.contract import RankManifest, RegionEntry, TensorEntry
 from rfork import Loader, pull_into
 from rfork.pull.one_sided import plan_reads
 from rfork.weights import checksum as ck

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from planner.client import AllBusy, PlannerClient
-from planner.server import PlannerServer
+from planner import PlannerServer
+from planner.contract import AllBusy, PlannerClient
 from rfork.pull.planner_session import ask_with_wait, fallback_seconds
 from rfork.pull.result import BusyWait
 from tests.planner.conftest import identity, manifest, ranks

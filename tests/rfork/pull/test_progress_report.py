@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from planner.client import PlannerClient
-from planner.server import PlannerServer
+from planner import PlannerServer
+from planner.contract import PlannerClient
 from rfork.pull.progress_report import JOIN_TIMEOUT_S, PullProgress
 from tests.planner.conftest import empty_database, identity, manifest, ranks
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from planner.client import PlannerClient
+from planner.contract import PlannerClient
 from rfork import LoadOptions, load
 from rfork.pull.nccl import pull_over_nccl
 from rfork.seed.control import ControlServer
@@ -98,13 +98,15 @@ def test_control_endpoint_needs_the_lease_token_and_works_across_two_addresses(s
 def test_control_endpoint_bounds_slow_clients_and_bodies():
     import torch
 
-    from planner.control_token import issue, new_control_key
+    from planner.contract import issue_control_token, new_control_key
     from rfork.seed.control import ControlServer
 
     key = new_control_key()
 
     def auth(lease: str) -> bytes:
-        token = issue(key, lease_id=lease, instance_id="0" * 32, rank=0, expires_at=time.time() + 60)
+        token = issue_control_token(
+            key, lease_id=lease, instance_id="0" * 32, rank=0, expires_at=time.time() + 60
+        )
         return b"Authorization: Bearer " + token.encode() + b"\r\n"
 
     with ControlServer(

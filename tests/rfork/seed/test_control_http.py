@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.control_token import issue, new_control_key
+from planner.contract import issue_control_token, new_control_key
 
 CTX = mp.get_context("spawn")
 DEADLINE_S = 2.0
@@ -121,7 +121,9 @@ def _request(url: str, method: str = "GET", body: dict[str, Any] | None = None,
 
 
 def _token(key: str, lease: str, rank: int = 0) -> str:
-    return issue(key, lease_id=lease, instance_id=INSTANCE, rank=rank, expires_at=time.time() + 60)
+    return issue_control_token(
+        key, lease_id=lease, instance_id=INSTANCE, rank=rank, expires_at=time.time() + 60
+    )
 
 
 @pytest.mark.timeout(90)

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, text
 
-from planner.client import PlannerClient
-from planner.server import PlannerServer
+from planner import PlannerServer
+from planner.contract import PlannerClient
 from rfork import load
 from rfork.bench.processes import free_port
 from rfork.seed.seed import Seed

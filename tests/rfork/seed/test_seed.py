@@ -19,7 +19,7 @@ from tests.rfork.conftest import AUTH, opts
 RSS_CHILD = textwrap.dedent(
     """
     import json, os, sys, torch
-    from planner.client import PlannerClient  # imported before the baseline: not part of serving
+    from planner.contract import PlannerClient  # imported before the baseline: not part of serving
     from rfork.identity import SourceIdentity
     from backends import TransferEngine
     from rfork.seed.seed import RankServer, Seed

@@ -69,7 +69,7 @@ def test_simulated_tree_stays_within_limits_and_beats_one_seed(template, tmp_pat
 
 def test_simulator_decisions_match_the_real_planner_over_http(template, tmp_path):
     """Same state (a snapshot of the simulator's database), same request: the HTTP planner decides alike."""
-    from planner.server import PlannerServer
+    from planner import PlannerServer
 
     snaps: dict[int, tuple[Path, dict]] = {}
 

@@ -7,7 +7,7 @@ import base64
 
 import pytest
 
-from planner.wire import RankManifest
+from planner.contract import RankManifest
 from rfork.errors import ManifestError
 from rfork.weights.rank_weights import RankWeights
 

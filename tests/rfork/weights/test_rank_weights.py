@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.wire import RankManifest
+from planner.contract import RankManifest
 from rfork.errors import ChecksumMismatch, DestinationMismatch, LayoutError
 from rfork.weights.rank_weights import RankWeights, cover
 

@@ -17,7 +17,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 VERSION = "v1"
-# lease-id prefix of compile-cache grants (planner.service.compile_cache_sources): they fetch a
+# lease-id prefix of compile-cache grants (planner.service.compile_caches): they fetch a
 # compile cache and never open a weight session; weight leases are plain uuid hex
 COMPILE_CACHE_LEASE = "cc-"
 
@@ -46,7 +46,7 @@ def new_control_key() -> str:
     return secrets.token_hex(32)
 
 
-def issue(key: str, *, lease_id: str, instance_id: str, rank: int, expires_at: float) -> str:
+def issue_control_token(key: str, *, lease_id: str, instance_id: str, rank: int, expires_at: float) -> str:
     """The token for one lease."""
     head = f"{VERSION}.{lease_id}.{instance_id}.{int(rank)}.{int(expires_at)}"
     return f"{head}.{_mac(key, head)}"
@@ -55,10 +55,12 @@ def issue(key: str, *, lease_id: str, instance_id: str, rank: int, expires_at: f
 def issue_compile_cache(key: str, *, instance_id: str, expires_at: float) -> str:
     """A token to fetch a compile cache from one instance until `expires_at` (no weight session)."""
     lease_id = COMPILE_CACHE_LEASE + secrets.token_hex(16)
-    return issue(key, lease_id=lease_id, instance_id=instance_id, rank=0, expires_at=expires_at)
+    return issue_control_token(key, lease_id=lease_id, instance_id=instance_id, rank=0, expires_at=expires_at)
 
 
-def verify(token: str, key: str, *, instance_ids: Collection[str], rank: int, now: float) -> ControlGrant:
+def verify_control_token(
+    token: str, key: str, *, instance_ids: Collection[str], rank: int, now: float
+) -> ControlGrant:
     """The grant of a valid token; ControlTokenError naming what is wrong otherwise."""
     parts = token.split(".")
     if len(parts) != 6 or parts[0] != VERSION:

@@ -10,9 +10,8 @@ import pytest
 from sqlalchemy import Connection
 
 from planner import AllBusy, AssignmentRequest, NoSource, RankManifest, RegistrationRequest, TransferReport
-from planner.errors import NotFound
-from planner.service import reap
-from planner.wire import Assignment, ReportAnswer
+from planner.contract import Assignment, NotFound, ReportAnswer
+from planner.service.reaper import reap
 from tests.planner.conftest import identity, make_planner, manifest
 
 

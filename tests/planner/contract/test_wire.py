@@ -1,4 +1,4 @@
-"""planner.wire: the wire types round-trip through JSON, refuse what docs/contracts.md refuses, keep
+"""planner.contract.wire: the wire types round-trip through JSON, refuse what docs/contracts.md refuses, keep
 their secrets out of repr, and embed stored manifests verbatim."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
-from planner.wire import (
+from planner.contract.wire import (
     MAX_BYTES,
     Anchor,
     Assignment,

@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.selection import (
+    POLICY_NAMES,
     LoadAwarePolicy,
-    RandomPolicy,
     RendezvousPolicy,
     Requester,
     SeedView,
     SelectionPolicy,
     choose_provider,
     make_policy,
+    tier_key,
     topology_distance,
 )
 
@@ -43,7 +46,8 @@ def seeds(draw):
 
 
 requesters = st.builds(Requester, node=label, rack=label, zone=label, key=st.text(max_size=8))
-POLICIES: list[SelectionPolicy] = [LoadAwarePolicy(), RandomPolicy(random.Random(1)), RendezvousPolicy()]
+# every registered policy (planner.selection.POLICIES), so a new one is held to the same rules
+POLICIES: list[SelectionPolicy] = [make_policy(name, rng=random.Random(1)) for name in POLICY_NAMES]
 
 
 @settings(max_examples=150, deadline=None)
@@ -97,3 +101,32 @@ def test_make_policy():
     assert make_policy("random").name == "random"
     with pytest.raises(ValueError, match="selection_policy"):
         make_policy("nope")
+
+
+def test_every_registered_policy_is_built_under_its_own_name():
+    assert {"load_aware", "random", "rendezvous"} <= set(POLICY_NAMES)  # the documented ones
+    for name in POLICY_NAMES:
+        assert make_policy(name).name == name
+
+
+@settings(max_examples=150, deadline=None)
+@given(requesters, seeds())
+def test_a_tiered_policy_ranks_by_tier_key_first(req, pool):
+    """What the SQL relies on (planner.queries): it reads a tiered policy's free seeds in tier_key
+    order and stops after the tier of the last one the policy may return."""
+    for policy in POLICIES:
+        if policy.tiered:
+            keys = [tier_key(req, s) for s in policy.rank(req, pool)]
+            assert keys == sorted(keys), policy.name
+
+
+def test_importing_the_policies_costs_the_standard_library_only():
+    """`rfork --help` lists POLICY_NAMES: importing planner.selection loads no pydantic, database or
+    server module."""
+    code = (
+        "import sys, planner.selection\n"
+        "print([m for m in sys.modules if m.split('.')[0] in ('pydantic', 'sqlalchemy', 'fastapi')"
+        " or m.startswith(('planner.contract', 'planner.service', 'planner.settings'))])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -1,6 +1,6 @@
 """PlannerClient: the synchronous Python client of the planner's REST API (httpx).
 
-Requests are built from and answers parsed into the wire types of `planner.wire`, the same models the
+Requests are built from and answers parsed into the wire types of `planner.contract.wire`, the same models the
 server validates with, so a field has one definition on both sides.
 """
 
@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from planner.errors import (
+from planner.contract.errors import (
     AllBusy,
     AuthError,
     BadRequest,
@@ -23,18 +23,16 @@ from planner.errors import (
     PlannerError,
     PlannerUnavailable,
 )
-from planner.wire import (
+from planner.contract.views import FleetView, InstancePage, ModelsPage, TransfersPage
+from planner.contract.wire import (
     Assignment,
     AssignmentRequest,
     CompileCacheRequest,
     CompileCacheSources,
-    FleetView,
     HeartbeatAnswer,
-    InstancePage,
     InstanceView,
     Labels,
     LeaseRenewal,
-    ModelsPage,
     ProgressReport,
     RankEndpoint,
     RankManifest,
@@ -45,7 +43,6 @@ from planner.wire import (
     SourceIdentity,
     StatusChange,
     TransferReport,
-    TransfersPage,
 )
 
 __all__ = [
@@ -103,8 +100,8 @@ class PlannerClient:
         """Register an instance (INITIALIZING); ranks: RankEndpoint or {rank, provider, address (bytes or
         base64), backends}.
 
-        `control_key` (hex, planner.control_token.new_control_key) lets the planner sign per-assignment
-        tokens for the instance's control endpoint; it is never shown back.
+        `control_key` (hex, planner.contract.control_token.new_control_key) lets the planner sign
+        per-assignment tokens for the instance's control endpoint; it is never shown back.
         """
         with _checked("register instance"):
             body = RegistrationRequest(

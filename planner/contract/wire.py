@@ -1,8 +1,9 @@
 """The planner's wire types (docs/contracts.md), one definition for the server and its Python clients.
 
 Pydantic models only: no FastAPI, no SQLAlchemy, so a loader or seed can import them without the
-server. Every bound here is a 4xx on the server, never a 500. Requests refuse unknown fields (a typo
-is a 422 naming it); a rank manifest keeps them (it is stored verbatim).
+server. Every bound here is a 4xx on the server, never a 500 (the bounds: planner.contract.fields).
+Requests refuse unknown fields (a typo is a 422 naming it); a rank manifest keeps them (it is stored
+verbatim). What readers get back (pages, the fleet page) is in planner.contract.views.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     GetCoreSchemaHandler,
@@ -29,56 +29,26 @@ from pydantic import (
 )
 from pydantic_core import CoreSchema, core_schema
 
-
-def _json_int(value: Any) -> Any:
-    """JSON Schema's integer: a number with no fraction (5 or 5.0), never a boolean or a string."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError("must be an integer")  # noqa: TRY004 - pydantic turns only ValueError into a 422
-    if isinstance(value, float):
-        if not value.is_integer():
-            raise ValueError("must be an integer")  # noqa: TRY004 - pydantic turns only ValueError into a 422
-        return int(value)
-    return value
-
-
-def _json_number(value: Any) -> Any:
-    """JSON Schema's number: never a boolean or a string."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError("must be a number")  # noqa: TRY004 - pydantic turns only ValueError into a 422
-    return value
-
-
-# placed after a Field's bounds, so the schema keeps them as minimum/maximum
-JSON_INT = BeforeValidator(_json_int)
-JSON_NUMBER = BeforeValidator(_json_number)
-
-# Text that PostgreSQL can store (no NUL) and that fits its column.
-NO_NUL = r"^[^\x00]*$"
-Name = Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=NO_NUL)]
-Label = Annotated[str, StringConstraints(max_length=256, pattern=NO_NUL)]
-ProviderName = Annotated[str, StringConstraints(min_length=1, max_length=32, pattern=r"^[a-z0-9_+-]+$")]
-Rank = Annotated[int, Field(ge=0, le=1_000_000), JSON_INT]
-ParallelSize = Annotated[int, Field(ge=1, le=65_536), JSON_INT]
-# Byte counts, sizes and offsets: at most 2**53 (8 PiB), the largest integer a JSON number carries exactly
-# (a larger bound would let a schema-valid value round past it).
-MAX_BYTES = 2**53
-Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES), JSON_INT]
-RegionIndex = Annotated[int, Field(ge=0, le=1_000_000), JSON_INT]
-BASE64 = r"^([A-Za-z0-9+/]{4})*([A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
-# A seed's control endpoint: http(s)://host[:port][/], host a name, an IPv4 address (not 0.0.0.0) or
-# a bracketed IPv6 address; no credentials, path, query or fragment. The pattern is the whole rule,
-# so the OpenAPI schema states exactly what is accepted.
-_PORT = r"(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})"
-_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,62})"
-_HOST = rf"((?!0\.0\.0\.0(:|/|$)){_LABEL}(\.{_LABEL})*|\[[0-9A-Fa-f:.]{{2,45}}\])"
-CONTROL_URL = rf"^https?://{_HOST}(:{_PORT})?/?$"
-# non-empty text without NUL, at most N characters
-Text64 = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=NO_NUL)]
-Text128 = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=NO_NUL)]
-Text256 = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=NO_NUL)]
-ControlKey = Annotated[str, StringConstraints(min_length=32, max_length=128, pattern=r"^[0-9a-f]+$")]
-# rfork.compile_cache.key.CompileCacheKey.digest(): sha256 of what a compiled artifact depends on
-CompileCacheKey = Annotated[str, StringConstraints(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]
+from planner.contract.fields import (
+    BASE64,
+    CONTROL_URL,
+    JSON_INT,
+    JSON_NUMBER,
+    MAX_BYTES,
+    NO_NUL,
+    Bytes,
+    CompileCacheKey,
+    ControlKey,
+    Label,
+    Name,
+    ParallelSize,
+    ProviderName,
+    Rank,
+    RegionIndex,
+    Text64,
+    Text128,
+    Text256,
+)
 
 
 def identity_key(identity: Mapping[str, Any]) -> str:
@@ -228,7 +198,7 @@ class TensorEntry(BaseModel):
 
 
 class TensorDigest(Strict):
-    """One tensor of an anchor upload: what the digest set covers (planner.integrity.digest_set)."""
+    """One tensor of an anchor upload: what the digest set covers (planner.contract.integrity.digest_set)."""
 
     name: Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=NO_NUL)]
     dtype: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=NO_NUL)]
@@ -421,7 +391,7 @@ class Registration(InstanceView):
 
     token: str = Field(repr=False)
     # the key the seed's control endpoint checks per-assignment tokens with (derived from the planner's
-    # secret, planner.control_token; shown once, never stored); None without a control_url
+    # secret, planner.contract.control_token; shown once, never stored); None without a control_url
     control_key: str | None = Field(default=None, repr=False)
 
 
@@ -467,7 +437,8 @@ class AssignmentRequest(Strict):
 
 
 class Anchor(BaseModel):
-    """The identity's anchored digest set for a rank (planner.integrity.digest_set) and who anchored it."""
+    """The identity's anchored digest set for a rank (planner.contract.integrity.digest_set) and who
+    anchored it."""
 
     checksum_algorithm: str
     digest_set: str
@@ -520,7 +491,7 @@ class CompileCacheSource(BaseModel):
     instance_id: str
     control_url: str
     labels: Labels
-    # planner.control_token for GET {control_url}/v1/compile-caches/{key}; opens no weight session
+    # planner.contract.control_token for GET {control_url}/v1/compile-caches/{key}; opens no weight session
     control_token: str = Field(repr=False)
 
 
@@ -559,26 +530,6 @@ class AnchorUpload(Strict):
     tensors: Annotated[list[TensorDigest], Field(min_length=1, max_length=1_000_000)]
 
 
-class AnchorView(BaseModel):
-    """An identity's anchored digest set for one rank and algorithm, and who set it."""
-
-    identity_key: str
-    rank: int
-    checksum_algorithm: str
-    digest_set: str
-    tensors: int
-    instance_id: str
-    set_by: str
-    created_at: float
-
-
-class AnchorsPage(BaseModel):
-    """GET /v1/anchors (admin)."""
-
-    items: list[AnchorView]
-    total: int
-
-
 class ReportAnswer(BaseModel):
     """Answer to a report."""
 
@@ -587,59 +538,7 @@ class ReportAnswer(BaseModel):
     seed_quarantined: bool
 
 
-# ---- views for readers (operators, dashboards, `rfork load --checkpoint-id`) -----------------
-
-
-class InstancePage(BaseModel):
-    """One page of instances (GET /v1/instances)."""
-
-    items: list[InstanceView]
-    total: int
-
-
-class ModelView(BaseModel):
-    """One identity known to the planner, with its instance and READY counts."""
-
-    identity_key: str
-    identity: dict[str, Any]
-    instances: int
-    ready: int
-
-
-class ModelsPage(BaseModel):
-    """GET /v1/models."""
-
-    items: list[ModelView]
-
-
-class TransferView(BaseModel):
-    """One finished (or expired) assignment with its figures."""
-
-    id: str
-    seed_id: str
-    rank: int
-    requester_id: str | None
-    identity_key: str
-    provider: str
-    created_at: float
-    ended_at: float | None
-    outcome: str | None
-    bytes: int | None
-    seconds: float | None
-    gbps: float | None
-    backend: str | None
-    reason: str | None
-    error: str | None
-
-
-class TransfersPage(BaseModel):
-    """One page of finished assignments (GET /v1/transfers)."""
-
-    items: list[TransferView]
-    total: int
-
-
-# ---- the fleet page (GET /v1/fleet, /ui) and what loaders tell it during a pull --------------
+# ---- what a loader tells the fleet page during a pull (GET /v1/fleet, /ui) -------------------
 
 
 class ProgressReport(Strict):
@@ -656,92 +555,3 @@ class SeededReport(Strict):
     """
 
     instance_id: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
-
-
-class FleetAnchor(BaseModel):
-    """An identity's anchored digest set for one rank (short digest) and the instance that anchored it."""
-
-    rank: int
-    checksum_algorithm: str
-    digest_set: str
-    anchored_by: str
-
-
-class FleetIdentity(BaseModel):
-    """An identity as the page shows it: names, layout and anchor state (no fingerprint, no digests)."""
-
-    identity_key: str
-    model: str
-    revision: str
-    framework: str
-    dtype: str
-    layout: str  # e.g. "tp2 pp1 ep1 dp1"
-    ranks: int
-    anchors: list[FleetAnchor]
-
-
-class FleetInstance(BaseModel):
-    """An instance without its addresses, control endpoint or descriptors."""
-
-    id: str
-    identity_key: str
-    status: InstanceStatus
-    labels: Labels
-    pulls: int  # live leases it serves
-    max_concurrent_pulls: int
-    heartbeat_age_s: float
-    quarantined_for_s: float | None  # seconds left; None when not quarantined
-    quarantine_reason: str | None  # the reason of its latest failed pull, while quarantined
-
-
-class FleetEdge(BaseModel):
-    """One pull in the fan-out tree: seed -> loader (loader_id once the loader serves what it read)."""
-
-    assignment_id: str
-    seed_id: str
-    loader_id: str | None
-    rank: int
-    transport: str
-    started_at: float
-    live: bool
-    bytes_done: int
-    bytes_total: int | None
-    gbps: float | None
-    outcome: str | None
-
-
-class FleetTransfer(BaseModel):
-    """A finished pull: figures and the verdict (verified, or the failure reason)."""
-
-    assignment_id: str
-    seed_id: str
-    loader_id: str | None
-    rank: int
-    transport: str
-    ended_at: float
-    seconds: float | None
-    bytes: int | None
-    gbps: float | None
-    outcome: str
-    reason: str | None
-
-
-class Refusal(BaseModel):
-    """A request the planner turned down: no source, all busy (429), a digest mismatch."""
-
-    at: float
-    identity_key: str
-    rank: int
-    reason: str
-    detail: str
-
-
-class FleetView(BaseModel):
-    """GET /v1/fleet: everything the fleet page draws, for the reader role."""
-
-    now: float
-    identities: list[FleetIdentity]
-    instances: list[FleetInstance]
-    edges: list[FleetEdge]
-    transfers: list[FleetTransfer]
-    refusals: list[Refusal]

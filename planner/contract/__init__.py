@@ -1,0 +1,137 @@
+"""The planner's contract: everything a client of the planner imports, and nothing of the server.
+
+rfork (loader, seed, compile-cache fetch) imports the planner's client side from here only
+(tests/test_house.py; the in-process server comes from `planner`). The room holds the wire types
+(`wire`: what a loader and a seed exchange with the planner; `views`: what readers get back;
+`fields`: their bounds), the errors, `PlannerClient`, the digest set a manifest is anchored by
+(`integrity`) and the control tokens a seed checks offline (`control_token`). It imports nothing
+from the server room (SQLAlchemy, FastAPI, uvicorn, settings: tests/planner/contract/test_room.py),
+and `PlannerClient` loads httpx on first use only, so a module that needs a wire type pays for
+pydantic and no more.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from planner.contract.control_token import (
+    ControlGrant,
+    ControlTokenError,
+    issue_control_token,
+    new_control_key,
+    verify_control_token,
+)
+from planner.contract.errors import (
+    AllBusy,
+    AuthError,
+    BadRequest,
+    Conflict,
+    DigestMismatch,
+    NoSource,
+    NotFound,
+    PlannerError,
+    PlannerUnavailable,
+)
+from planner.contract.integrity import digest_set
+from planner.contract.views import (
+    FleetView,
+    InstancePage,
+    ModelsPage,
+    ModelView,
+    TransfersPage,
+    TransferView,
+)
+from planner.contract.wire import (
+    Anchor,
+    Assignment,
+    AssignmentRequest,
+    Candidate,
+    CompileCacheSource,
+    CompileCacheSources,
+    HeartbeatAnswer,
+    InstanceStatus,
+    InstanceView,
+    Labels,
+    LeaseRenewal,
+    RankEndpoint,
+    RankManifest,
+    RankView,
+    RegionEntry,
+    Registration,
+    RegistrationRequest,
+    ReportAnswer,
+    SourceIdentity,
+    StatusChange,
+    StoredManifest,
+    TensorDigest,
+    TensorEntry,
+    TransferReport,
+    identity_key,
+)
+
+if TYPE_CHECKING:
+    from planner.contract.client import PlannerClient
+
+__all__ = [
+    "AllBusy",
+    "Anchor",
+    "Assignment",
+    "AssignmentRequest",
+    "AuthError",
+    "BadRequest",
+    "Candidate",
+    "CompileCacheSource",
+    "CompileCacheSources",
+    "Conflict",
+    "ControlGrant",
+    "ControlTokenError",
+    "DigestMismatch",
+    "FleetView",
+    "HeartbeatAnswer",
+    "InstancePage",
+    "InstanceStatus",
+    "InstanceView",
+    "Labels",
+    "LeaseRenewal",
+    "ModelView",
+    "ModelsPage",
+    "NoSource",
+    "NotFound",
+    "PlannerClient",
+    "PlannerError",
+    "PlannerUnavailable",
+    "RankEndpoint",
+    "RankManifest",
+    "RankView",
+    "RegionEntry",
+    "Registration",
+    "RegistrationRequest",
+    "ReportAnswer",
+    "SourceIdentity",
+    "StatusChange",
+    "StoredManifest",
+    "TensorDigest",
+    "TensorEntry",
+    "TransferReport",
+    "TransferView",
+    "TransfersPage",
+    "digest_set",
+    "identity_key",
+    "issue_control_token",
+    "new_control_key",
+    "verify_control_token",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """PlannerClient, imported when first used (PEP 562): httpx costs a tenth of a second or more."""
+    if name != "PlannerClient":
+        raise AttributeError(f"module 'planner.contract' has no attribute {name!r}")
+    value = importlib.import_module("planner.contract.client").PlannerClient
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

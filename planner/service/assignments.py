@@ -1,0 +1,276 @@
+"""Assignments: lease the best free seed for one rank (routes/assignments.py, planner.hotpath).
+
+The hot path: Core statements (planner.queries) in the caller's transaction, the policy
+(planner.selection) ranking the free seeds the query returns, and the answer encoded after the write.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import functools
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from sqlalchemy import Connection
+
+from planner.contract import control_token, wire
+from planner.contract.errors import NoSource
+from planner.selection import Requester, SeedView, choose_provider, tier_key
+from planner.service.base import now_or_clock
+from planner.service.busy import BusyOps, waiter_tie
+
+
+class AssignmentOps(BusyOps):
+    """Planner's assignments (and, through BusyOps, its 429s)."""
+
+    def assign(
+        self, body: wire.AssignmentRequest, now: float | None, holder: str | None = None
+    ) -> wire.Assignment:
+        """Lease the best free seed for one rank; the candidates carry their manifests as stored text.
+
+        Raises NoSource (404) or AllBusy (429). Atomic across planner processes: the candidate seeds'
+        rows are locked (PostgreSQL) or the whole write is serialised (SQLite) while leases are counted.
+        `now` None (the routes): the clock is read once the write lock is held, so recorded lease times
+        follow the order of the decisions (see `now_or_clock`).
+        """
+        with self.db.write_core() as s:  # Core on the hot path: no ORM session or unit of work
+            answer = self.assign_in(s, body, now, holder)
+        return answer()
+
+    def assign_in(
+        self, s: Connection, body: wire.AssignmentRequest, now: float | None, holder: str | None
+    ) -> Callable[[], wire.Assignment]:
+        """Planner.assign's write in the caller's transaction `s`; what it returns gives the answer (or
+        raises NoSource or AllBusy) once `s` has committed: the 429's estimate reads in a transaction of
+        its own, and the answer's encoding need not hold the write lock. Raises nothing itself but the
+        database's errors (so a batch, Planner.write_batch, never has to undo one assignment's writes)."""
+        key = body.identity.key()
+        excluded = set(body.exclude)
+        if body.requester_id:
+            excluded.add(body.requester_id)
+        st, sql = self.settings, self._sql
+        clock = now is None
+        now = now_or_clock(now)
+        params: dict[str, Any] = {
+            "b_key": key,
+            "b_rank": body.rank,
+            "b_oldest_beat": now - st.heartbeat_ttl_s,
+            "b_now": now,
+        }
+        if excluded:
+            params["b_excluded"] = sorted(excluded)
+        hold = st.rack_hold and bool(body.labels.rack)
+        shape: tuple[Any, ...] = (
+            key,
+            body.rank,
+            frozenset(excluded),
+            tuple(body.providers),
+            tuple(body.backends),
+        )
+        if hold:
+            shape += (body.labels.rack,)
+        changes = self.db.changes
+        busy_seed = self._still_busy(self._busy.get(shape), changes, now, s)
+        if busy_seed is not None:
+            return functools.partial(self._all_busy, key, body, busy_seed, now)
+        req = Requester(
+            node=body.labels.node,
+            rack=body.labels.rack,
+            zone=body.labels.zone,
+            key=body.requester_id or body.labels.node,
+        )
+        ranked: Sequence[SeedView] = ()
+        by_id: dict[str, tuple[Any, str]] = {}
+        # rack_hold: the rack's seeds all busy -> wait for them (no read of the other racks' seeds)
+        held = self._rack_busy(s, body, params, req.rack) if hold else None
+        attempts = 0 if held else 3  # PostgreSQL: again if the chosen filled up before their locks
+        for _attempt in range(attempts):
+            free, busy_seed = self._free_seeds(s, req, body, params, bool(excluded))
+            by_id = {r.id: (r, p) for r, p in free}
+            ranked = self.policy.rank(req, [_seed_view(r) for r, _ in free])[: st.max_candidates]
+            if not ranked or self.db.sqlite:  # SQLite: the write lock was held while they were counted
+                break
+            # PostgreSQL: lock the chosen rows (id order), then count their live leases again
+            ids = [v.instance_id for v in ranked]
+            locked = {r.id for r in sql.lock_chosen.rows(s, {**params, "b_ids": ids})}
+            if clock:  # again, now that the row locks are held
+                now = params["b_now"] = now_or_clock(None)
+            live = sql.live_leases.rows(s, {"b_ids": ids, "b_rank": body.rank, "b_now": now})
+            counts = Counter(r.instance_id for r in live)
+            ranked = self.policy.rank(
+                req,
+                [replace(v, active_leases=counts[v.instance_id]) for v in ranked if v.instance_id in locked],
+            )
+            if ranked:
+                break
+            busy_seed = busy_seed or next(iter(by_id))
+        if held:
+            busy_seed = held
+        if not ranked:  # the 429's arithmetic runs after the write: heartbeats and other writes go on
+            if busy_seed is None:
+                return _raising(NoSource(f"no READY source for identity {key[:12]} rank {body.rank}"))
+            if len(self._busy) > 4096:
+                self._busy.clear()
+            self._busy[shape] = (changes, now, busy_seed)
+            return functools.partial(self._all_busy, key, body, busy_seed, now)
+        lease_id = uuid.uuid4().hex
+        expires_at = now + st.lease_ttl_s
+        sql.insert_lease.run(
+            s,
+            {
+                "id": lease_id,
+                "instance_id": ranked[0].instance_id,
+                "rank": body.rank,
+                "identity_key": key,
+                "requester_id": body.requester_id,
+                "holder": holder,
+                "provider": by_id[ranked[0].instance_id][1],
+                "created_at": now,
+                "expires_at": expires_at,
+            },
+        )
+        chosen = [v.instance_id for v in ranked]
+        details = {d.id: d for d in sql.chosen_details.rows(s, {"b_ids": chosen, "b_rank": body.rank})}
+        return functools.partial(
+            self._assignment, key, now, body, chosen, by_id, details, lease_id, expires_at
+        )
+
+    def _rack_busy(
+        self, s: Connection, body: wire.AssignmentRequest, params: dict[str, Any], rack: str
+    ) -> str | None:
+        """rack_hold: a busy seed of the identity in `rack` to wait for when the rack has seeds that
+        could serve this requester and none is free; None when one is free or the rack has none."""
+        rows = self._sql.in_rack.rows(
+            s, {**params, "b_excluded": params.get("b_excluded", []), "b_req_rack": rack, "b_limit": 16}
+        )
+        usable = [r for r in rows if choose_provider(body.providers, body.backends, r.backends)]
+        if not usable or any(r.active < r.max_concurrent_pulls for r in usable):
+            return None
+        return str(usable[0].id)
+
+    def _assignment(
+        self,
+        key: str,
+        now: float,
+        body: wire.AssignmentRequest,
+        chosen: Sequence[str],
+        by_id: dict[str, Any],
+        details: dict[str, Any],
+        lease_id: str,
+        expires_at: float,
+    ) -> wire.Assignment:
+        """The 201's body: the chosen candidates, a control token for the first."""
+        candidates = []
+        for iid in chosen:
+            r, provider = by_id[iid]
+            d = details[iid]
+            token = (
+                control_token.issue_control_token(
+                    control_token.unseal(self._control_secret, iid, d.control_key),
+                    lease_id=lease_id,
+                    instance_id=iid,
+                    rank=body.rank,
+                    expires_at=expires_at,
+                )
+                if iid == chosen[0] and d.control_key
+                else None
+            )
+            candidates.append(
+                wire.Candidate(
+                    instance_id=iid,
+                    rank=body.rank,
+                    provider=provider,
+                    address=base64.b64encode(d.address).decode(),
+                    backends=r.backends,
+                    control_url=d.control_url,
+                    labels=wire.Labels(node=r.node, rack=r.rack, zone=r.zone),
+                    anchor=wire.Anchor(
+                        checksum_algorithm=r.checksum_algorithm,
+                        digest_set=r.digest_set,
+                        instance_id=r.anchored_by,
+                    ),
+                    control_token=token,
+                    manifest=wire.StoredManifest(d.body),  # as stored: never parsed here
+                )
+            )
+        if body.waited_s > 0:  # it waited: its place in line is free for the others
+            self.waiting.leave((key, body.rank), now - body.waited_s, waiter_tie(body))
+        return wire.Assignment(
+            id=lease_id,
+            expires_at=dt.datetime.fromtimestamp(expires_at, tz=dt.timezone.utc).isoformat(),
+            expires_at_unix=expires_at,
+            candidates=candidates,
+        )
+
+    def _free_seeds(
+        self,
+        s: Connection,
+        req: Requester,
+        body: wire.AssignmentRequest,
+        params: dict[str, Any],
+        excluded: bool,
+    ) -> tuple[Sequence[tuple[Any, str]], str | None]:
+        """The free seeds the policy must see, each with the transport for this requester, and a busy
+        seed it could use (None if none, or if the free ones were not all read).
+
+        The query returns free seeds first (a tiered policy's: in `tier_key` order), at most b_limit
+        rows; the limit grows until the rows read hold every free seed, or, for a tiered policy, the
+        whole tier of the `max_candidates`-th: what a decision reads grows with the free seeds near the
+        requester, not with the fleet.
+        """
+        sql, k = self._sql, self.settings.max_candidates
+        tiered = self.policy.tiered
+        if tiered:
+            stmt = sql.ranked_excluding if excluded else sql.ranked
+            params = {**params, "b_node": req.node, "b_rack": req.rack, "b_zone": req.zone}
+        else:
+            stmt = sql.candidates_excluding if excluded else sql.candidates
+        limit = max(16, 4 * k)
+        while True:
+            found = stmt.rows(s, {**params, "b_limit": limit})
+            free: list[tuple[Any, str]] = []
+            busy_seed, every_free = None, len(found) < limit
+            for r in found:
+                provider = choose_provider(body.providers, body.backends, r.backends)
+                if r.active >= r.max_concurrent_pulls:
+                    every_free = True  # free seeds sort first
+                    if provider is not None:
+                        busy_seed = r.id
+                        break
+                elif provider is not None:
+                    free.append((r, provider))
+            if every_free and (free or busy_seed is not None or len(found) < limit):
+                return free, busy_seed
+            # rows past the k-th free seed's tier cannot change the policy's first k
+            if (
+                tiered
+                and len(free) >= k
+                and tier_key(req, _seed_view(found[-1])) > tier_key(req, _seed_view(free[k - 1][0]))
+            ):
+                return free, None
+            limit *= 4
+
+
+def _raising(exc: Exception) -> Callable[[], Any]:
+    """A continuation that raises `exc` (a refusal decided inside the write, raised after it)."""
+
+    def answer() -> Any:
+        raise exc
+
+    return answer
+
+
+def _seed_view(r: Any) -> SeedView:
+    """A candidate row (planner.queries' candidates) as the policy sees it."""
+    return SeedView(
+        instance_id=r.id,
+        node=r.node,
+        rack=r.rack,
+        zone=r.zone,
+        active_leases=r.active,
+        max_concurrent_pulls=r.max_concurrent_pulls,
+    )

@@ -1,0 +1,127 @@
+"""The 429: answering an assignment that finds every seed busy, and when to ask again (planner.burst).
+
+A repeated 429 of the same request shape is answered from memory while nothing changed; its estimate
+reads the live leases and recent pulls in a transaction of its own, after the write.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Connection, select
+
+from planner.burst import BusyEstimate, estimate_busy, pull_rate_bps
+from planner.contract import wire
+from planner.contract.errors import AllBusy
+from planner.models import Manifest
+from planner.service.base import ServiceState
+
+
+class BusyOps(ServiceState):
+    """Planner's busy answers: the last 429 per request shape and its estimate's reads, kept while
+    nothing changed (set by Planner.__init__)."""
+
+    _busy: dict[tuple[Any, ...], tuple[int, float, str]]
+    _busy_reads: dict[tuple[str, int], tuple[int, float, list[float], float, int]]
+    _rank_bytes_cache: dict[tuple[str, int], int]
+
+    def _still_busy(
+        self, last: tuple[int, float, str] | None, changes: int, now: float, s: Connection
+    ) -> str | None:
+        """The busy seed of the last 429 of this request's shape if it still holds: no write of this
+        process changed rows since (nor this transaction, in a batch) and the clock moved less than
+        `busy_cache_s`. A fleet started at once comes back as a herd whenever leases run late (they are
+        due "now"): at 10,000 instances, thousands of 429s per 50 ms, each reading every seed of the
+        identity. Only a 429 is answered this way, never a lease: a stale answer costs one more ask
+        (another process's writes are seen after at most `busy_cache_s`)."""
+        if last is None or not self._unchanged_since(last[0], last[1], changes, now):
+            return None
+        return last[2] if self.db.unchanged(s) else None
+
+    def _unchanged_since(self, then_changes: int, then: float, changes: int, now: float) -> bool:
+        """No write of this process changed rows since `then` and the clock moved less than
+        `busy_cache_s` (the rule for reusing a 429 and its estimate's reads)."""
+        return then_changes == changes and 0 <= now - then <= self.settings.busy_cache_s
+
+    def _all_busy(
+        self, key: str, body: wire.AssignmentRequest, busy_seed: str, now: float
+    ) -> wire.Assignment:
+        """Raise the 429 (AllBusy) with its estimate; `busy_seed`: one of the busy seeds."""
+        est = self._busy_estimate(key, body, busy_seed, now)
+        raise AllBusy(
+            f"all sources for rank {body.rank} are at their pull limit; "
+            f"a slot is expected in {est.retry_after_s:.2f} s",
+            retry_after_s=est.retry_after_s,
+            expected_pull_s=est.expected_pull_s,
+            fallback=est.fallback,
+        )
+
+    def _busy_estimate(
+        self, key: str, body: wire.AssignmentRequest, seed_id: str, now: float
+    ) -> BusyEstimate:
+        """planner.burst's estimate from the live leases on the identity's seeds and its recent pulls.
+
+        Its own read transaction: the live leases' starts (one column) and the rate of the last
+        `rate_window` successful pulls that ended within `rate_history_s`; reused while unchanged (as
+        `_still_busy`). `seed_id`: a busy seed, for the rank's bytes.
+        """
+        st, sql = self.settings, self._sql
+        params = {
+            "b_key": key,
+            "b_rank": body.rank,
+            "b_oldest": now - st.rate_history_s,
+            "b_window": st.rate_window,
+            "b_now": now,
+            "b_oldest_beat": now - st.heartbeat_ttl_s,
+        }
+        room = (key, body.rank)
+        since = now - body.waited_s
+        tie = waiter_tie(body)
+        changes = self.db.changes
+        reads = self._busy_reads.get(room)
+        if reads is None or not self._unchanged_since(reads[0], reads[1], changes, now):
+            with self.db.read() as session:
+                s = session.connection()
+                recent = s.execute(sql.recent_pulls, params).all()
+                if not recent:  # a new identity: what pulls of any identity achieved here
+                    recent = s.execute(sql.recent_pulls_any, params).all()
+                rank_bytes = self._rank_bytes(s, key, body.rank, seed_id)
+                rate = pull_rate_bps(((r[0], r[1]) for r in recent), default_bps=st.assumed_pull_gbps * 1e9)
+                starts = [r[0] for r in sql.live_starts.cursor(s, params).fetchall()]
+            if len(self._busy_reads) > 4096:
+                self._busy_reads.clear()
+            reads = self._busy_reads[room] = (changes, now, starts, rate, rank_bytes)
+        _, _, starts, rate, rank_bytes = reads
+        est = estimate_busy(
+            lease_starts=starts,
+            rank_bytes=rank_bytes,
+            rate_bps=rate,
+            now=now,
+            position=self.waiting.position(room, now, since, tie),
+            serves_after=body.serves_after,
+            fallback_s=body.fallback_s,
+            min_s=st.retry_after_min_s,
+            max_s=st.retry_after_max_s,
+        )
+        if not est.fallback:
+            self.waiting.promise(room, now + est.retry_after_s, since, now=now, tie=tie)
+        return est
+
+    def _rank_bytes(self, s: Any, key: str, rank: int, instance_id: str) -> int:
+        """Bytes of one rank of an identity (from a seed's manifest; fixed by the identity, so cached)."""
+        cached = self._rank_bytes_cache.get((key, rank))
+        if cached is not None:
+            return cached
+        raw = s.execute(
+            select(Manifest.body).where(Manifest.instance_id == instance_id, Manifest.rank == rank)
+        ).scalar()
+        nbytes = wire.RankManifest.model_validate_json(raw).region_bytes if raw else 0
+        if len(self._rank_bytes_cache) > 4096:
+            self._rank_bytes_cache.clear()
+        self._rank_bytes_cache[(key, rank)] = nbytes
+        return nbytes
+
+
+def waiter_tie(body: wire.AssignmentRequest) -> str:
+    """Orders waiters that started at the same instant (planner.burst.WaitingRoom): the requester."""
+    return body.requester_id or body.labels.node
