@@ -30,7 +30,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from rfork.bench.processes import Fleet, HarnessError, free_port
+from bench.processes import Fleet, HarnessError, free_port
 from rfork.compile_cache.vllm_log import CompileEvidence, kernels_built_since
 
 ROWS = ("cold", "weights", "weights+caches")
@@ -46,7 +46,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # imported here: `rfork --help` start-up stays instant (rfork.cli)
+    # imported here: `rfork bench --help` start-up stays instant (bench.commands)
     from planner.server import PlannerServer
     from rfork.weights.synthetic import config_for_size, write_servable_llama
 

@@ -3,7 +3,7 @@
 Two destinations (`--dest`):
 - allocated: `rfork load`, the loader allocating its buffers per the seed's manifest. They are fresh
   memory: every page is first touched during the load.
-- initialized: a framework's startup (`rfork.bench.framework_child`): the model's tensors built and
+- initialized: a framework's startup (`bench.framework_child`): the model's tensors built and
   initialised first, then filled in place by `pull_into` (or `read_rank_into` for disk).
 
 Baselines measured in the same run, for the same bytes:
@@ -11,9 +11,9 @@ Baselines measured in the same run, for the same bytes:
   `allocated` (the cost of first touch, which no loader avoids), between touched buffers for
   `initialized`. For `allocated`, every fresh-memory process (that memcpy and each load) starts after
   `--settle-s` of idle, so that none of them reuses memory the previous one just freed
-  (`rfork.bench.processes.settle_memory`: on a VM that costs 10x less than memory the host took back);
+  (`bench.processes.settle_memory`: on a VM that costs 10x less than memory the host took back);
 - per one-sided provider, the transport's own large-read GB/s
-  (`rfork.bench.transport.large_read_gbps`): the loader's read size and depth, a working set the
+  (`bench.transport.large_read_gbps`): the loader's read size and depth, a working set the
   size of the model, into pre-faulted memory with the destination's page size (huge pages as in
   rfork's own buffers for `allocated`, 4 KiB as in torch's for `initialized`), median of 3 passes.
   Pull efficiency = load GB/s / that transport GB/s.
@@ -90,7 +90,7 @@ def memcpy_seconds(nbytes: int, repeat: int = 3) -> float:
 def _fresh_memcpy_child(nbytes: int, conn: Any) -> None:
     import torch
 
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from rfork.weights.memory import empty_host_buffer
 
     src = torch.empty(nbytes, dtype=torch.uint8)
@@ -146,9 +146,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
-    from planner.server import PlannerServer
-    from rfork.bench.processes import (
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
+    from bench.processes import (
         SETTLE_S,
         Fleet,
         available_providers,
@@ -156,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
         seed_args,
         settle_memory,
     )
-    from rfork.bench.transport import large_read_gbps
+    from bench.transport import large_read_gbps
+    from planner.server import PlannerServer
     from rfork.weights.synthetic import write_synthetic_checkpoint
 
     console = Console()
@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
                     prov = "nccl" if source == "nccl" else source.removeprefix("rfork-")
                     module: str | None = None
                     if args.dest == "initialized":
-                        module = "rfork.bench.framework_child"
+                        module = "bench.framework_child"
                         largs = ["--checkpoint", str(ckpt), "--source", prov, "--json", str(out)]
                         if source != "disk":
                             largs += ["--planner", planner.url]

@@ -46,8 +46,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--size-gib must be positive and --settle-s not negative")
     from rich.console import Console
 
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
-    from rfork.bench.processes import SETTLE_S, Fleet, available_providers
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
+    from bench.processes import SETTLE_S, Fleet, available_providers
 
     console = Console()
     workdir = Path(tempfile.mkdtemp(prefix="rfork-demo-"))
@@ -99,8 +99,8 @@ def _scenario(
     with_nccl: bool,
     settle_s: float,
 ) -> tuple[list[dict[str, Any]], int]:
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
-    from rfork.bench.processes import load_args, seed_args, settle_memory
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
+    from bench.processes import load_args, seed_args, settle_memory
 
     rows: list[dict[str, Any]] = []
     with console.status("starting the seed (loads from disk, registers, checksums, publishes)"):

@@ -27,7 +27,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Measure and print one row per size."""
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     import torch
 
     from rfork.weights import checksum as ck

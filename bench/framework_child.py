@@ -20,7 +20,7 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     started = time.time()
-    parser = argparse.ArgumentParser(prog="python -m rfork.bench.framework_child")
+    parser = argparse.ArgumentParser(prog="python -m bench.framework_child")
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--source", required=True, help="disk, or a one-sided provider (tcp, shm)")
     parser.add_argument("--planner", default=None)
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time);
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time);
     # the disk row imports only what a disk load needs (process start is part of what it measures)
     from backends.layout import dtype_from_name
     from rfork.weights.checkpoint import read_checkpoint_info, read_rank_into

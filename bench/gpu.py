@@ -11,7 +11,7 @@ Measured in one run (GB/s are 10^9 bytes per second of weights landed in GPU mem
   process reads through backends.providers.staging into GPU memory.
 Every R-Fork result is checked against the seed's pmix64 checksum computed on the GPU.
 
-Run: ``python -m rfork.bench.gpu --size-gib 8 [--json FILE]``. Without CUDA it exits with status 2
+Run: ``python -m bench.gpu --size-gib 8 [--json FILE]``. Without CUDA it exits with status 2
 and one line of error. Written without a GPU at hand: not run on a GPU yet (see docs/gpu.md).
 """
 
@@ -108,7 +108,7 @@ def _seed_main(conn: Connection, nbytes: int, device_index: int, tcp: bool, doma
     import torch
 
     os.environ.setdefault("FI_TCP_IFACE", "lo")
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from backends.providers.cuda_ipc import CudaIpcEngine
     from backends.providers.staging import host_mirror
     from rfork.weights.checksum import checksum_bytes
@@ -143,7 +143,7 @@ def _seed_main(conn: Connection, nbytes: int, device_index: int, tcp: bool, doma
 def _rfork_runs(nbytes: int, device: torch.device, args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from backends.providers.cuda_ipc import CudaIpcEngine
     from rfork.weights.checksum import checksum_bytes
 
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         print(
-            "error: rfork.bench.gpu needs a CUDA GPU (torch.cuda.is_available() is false here)",
+            "error: bench.gpu needs a CUDA GPU (torch.cuda.is_available() is false here)",
             file=sys.stderr,
         )
         return 2
@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from rfork.weights.checkpoint import read_checkpoint_info
     from rfork.weights.synthetic import write_synthetic_checkpoint
 
@@ -277,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry: parse argv and run."""
-    parser = argparse.ArgumentParser(prog="python -m rfork.bench.gpu", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.splitlines()[0])
     configure(parser)
     return run(parser.parse_args(argv))
 

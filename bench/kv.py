@@ -57,7 +57,7 @@ def _decode_main(
     os.environ.setdefault("FI_TCP_IFACE", "lo")
     import numpy as np
 
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from backends import TransferEngine, TransferError
     from backends.kv import KvPool, KvReceiver
 
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from backends import MemoryRegionDescriptor, TransferEngine
     from backends.kv import KvPool, KvSender
 

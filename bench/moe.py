@@ -71,7 +71,7 @@ def _rank_main(
     import torch
     import torch.distributed as dist
 
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from backends import TransferEngine
     from backends.moe import ExpertParallel
     from backends.moe.routing import combine_reduce, plan_dispatch, plan_receive
@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from backends import provider_available
 
     os.environ.setdefault("FI_TCP_IFACE", "lo")

@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import time
 
-from rfork.bench.processes import free_port
+from bench.processes import free_port
 
 log = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ class LoopbackBench:
 
 
 def _bench_sender(port: int, nbytes: int, bucket_bytes: int, max_in_flight: int, repeats: int) -> None:
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     import torch
 
     from backends.nccl import connect_rendezvous, send_tensors
@@ -115,7 +115,7 @@ def bench_loopback(
     ``gloo_seconds`` is the stream phase (header to completion ack); ``setup_seconds`` the group setup,
     both medians over ``repeats``. The raw-socket figure is the baseline measured in the same run.
     """
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     import torch
 
     from backends.nccl import Rendezvous, recv_tensors

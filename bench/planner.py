@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from rfork.bench.processes import free_port
+from bench.processes import free_port
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

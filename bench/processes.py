@@ -1,4 +1,4 @@
-"""Run seeds and loaders as real processes (for `rfork demo`, `rfork bench cold-start` and the tests).
+"""Run seeds and loaders as real processes (for `rfork demo`, `rfork bench cold-start` and rfork's tests).
 
 Every process started here is tracked by the `Fleet` and ended by `Fleet.close()` (SIGTERM, then
 SIGKILL after a grace period), which callers put in a `finally` so Ctrl-C and errors clean up too.
@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+CHECKOUT = Path(__file__).resolve().parents[1]  # the repository root: bench/ is not installed
 
 
 class HarnessError(RuntimeError):
@@ -94,6 +96,10 @@ class Fleet:
         else:
             cmd = [sys.executable, "-m", module, *args]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        if module is not None and module.split(".")[0] == "bench":
+            # a module of bench/ is found through the checkout, whatever directory the caller ran in
+            paths = [str(CHECKOUT), full_env.get("PYTHONPATH", "")]
+            full_env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         with log_path.open("wb") as out:
             started = time.time()
             proc = subprocess.Popen(
@@ -244,7 +250,7 @@ def available_providers(wanted: Sequence[str]) -> tuple[list[str], list[str]]:
     for p in wanted:
         if p == "shm":
             try:
-                # imported here: `rfork --help` imports this module (start-up time)
+                # imported here: `rfork bench --help` imports this module (start-up time)
                 from backends.providers.libfabric import cma_permitted, provider_available
 
                 ok = cma_permitted() and provider_available("shm")

@@ -47,7 +47,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _specs(size_bytes: int) -> Any:  # noqa: ANN401
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from backends.rl import model_specs
     from rfork.weights.synthetic import config_for_size
 
@@ -61,7 +61,7 @@ def _worker(
     import torch
     import torch.distributed as dist
 
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from backends import TransferEngine
     from backends.rl import RLReceiver, RLTrainer, shard_layout
     from rfork.weights.memory import allocate
@@ -142,7 +142,7 @@ def _measure(
 ) -> dict[str, Any]:
     import torch.distributed as dist
 
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from backends.rl import TrainerRank
 
     ctx = mp.get_context("spawn")
@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from backends.rl import shard_layout
 
     os.environ.setdefault("FI_TCP_IFACE", "lo")

@@ -77,10 +77,10 @@ def run_burst(
     planner_port: int = 0,
 ) -> dict[str, Any]:
     """One mode: planner + seed (unless disk), then `instances` loader processes at once; the outcome."""
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
+    from bench.processes import Fleet, load_args, seed_args
     from planner.client import PlannerClient
     from planner.server import PlannerServer
-    from rfork.bench.processes import Fleet, load_args, seed_args
 
     if mode not in MODES:
         raise ValueError(f"mode: {mode!r} is not one of {MODES}")
@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from rfork.weights.synthetic import write_synthetic_checkpoint
 
     console = Console(width=max(Console().width, 120))

@@ -29,9 +29,9 @@ def measure(eng: Any, reg: Any, src: Any, dst: Any, provider: str, *, seconds: f
     """Latency (us) and page-batch GB/s; eng/reg are the bench's engine and 64 MiB local region."""
     import numpy as np
 
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from backends.lane import FastLane
-    from rfork.bench.native import native_round_trip_us
+    from bench.native import native_round_trip_us
 
     out: dict[str, Any] = {}
     try:

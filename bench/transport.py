@@ -23,7 +23,7 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any
 
-from rfork.bench import small_ops
+from bench import small_ops
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def _peer_main(conn: Connection, provider: str, domains: int, region: int = REGI
     """Passive peer: a readable and a writable region of `region` bytes; serves until told to exit."""
     import numpy as np
 
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from backends import TransferEngine
 
     os.environ.setdefault("FI_TCP_IFACE", "lo")
@@ -245,7 +245,7 @@ def large_read_gbps(
     framework's own parameters). With passes > 1, the median pass."""
     import numpy as np
 
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from backends import MemoryRegionDescriptor, TransferEngine
 
     if working_set < op_bytes or working_set % op_bytes:
@@ -298,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from backends import MemoryRegionDescriptor, TransferEngine
 
     os.environ.setdefault("FI_TCP_IFACE", "lo")

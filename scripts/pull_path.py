@@ -67,7 +67,7 @@ def main() -> int:
     import torch
 
     import rfork
-    from rfork.bench.processes import Fleet, seed_args
+    from bench.processes import Fleet, seed_args
     from rfork.weights.synthetic import LlamaConfig, write_synthetic_checkpoint
 
     cfg = LlamaConfig(

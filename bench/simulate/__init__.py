@@ -1,1 +1,1 @@
-"""Simulations that drive the real planner on simulated time (see rfork.simulate.fleet)."""
+"""Simulations that drive the real planner on simulated time (see bench.simulate.fleet)."""

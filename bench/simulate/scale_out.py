@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from rfork.simulate.model import SCENARIOS, BandwidthModel
+from bench.simulate.model import SCENARIOS, BandwidthModel
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -67,9 +67,9 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    # imported here: `rfork --help` imports every command module, which must stay light (start-up time);
+    # imported here: `rfork simulate --help` imports this module, which must stay light (start-up time);
     # the simulator imports the planner (SQLAlchemy)
-    from rfork.simulate.fleet import FleetSim, hub_baseline, migrated_template
+    from bench.simulate.fleet import FleetSim, hub_baseline, migrated_template
 
     if args.instances < 1:
         raise ValueError("--instances must be >= 1")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from rfork.bench import api_ready
+from bench import api_ready
 
 LOG = """\
 (Worker pid=2) INFO 11-24 01:05:04 [cpu_model_runner.py:68] Starting to load model /m...

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_rfork
+from tests.rfork_cli import run_rfork
 
 pytestmark = pytest.mark.slow  # spawned processes: runs in the slow part of scripts/dev.sh test
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_rfork
+from tests.rfork_cli import run_rfork
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from rfork.bench.native import native_round_trip_us, parse_pingpong
+from bench.native import native_round_trip_us, parse_pingpong
 from rfork.cli import main
 
 
@@ -62,8 +62,8 @@ def test_small_ops_measure(provider: str) -> None:
     import numpy as np
 
     from backends import MemoryRegionDescriptor, TransferEngine
-    from rfork.bench import small_ops
-    from rfork.bench.transport import REGION, start_peer, stop_peer
+    from bench import small_ops
+    from bench.transport import REGION, start_peer, stop_peer
 
     peer, conn, src_b, dst_b = start_peer(provider, 1)
     try:

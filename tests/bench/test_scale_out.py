@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from rfork.bench.scale_out import max_concurrent
-from tests.conftest import run_rfork
+from bench.scale_out import max_concurrent
+from tests.rfork_cli import run_rfork
 
 
 def test_max_concurrent_counts_overlaps_only():

@@ -1,4 +1,4 @@
-"""rfork.simulate: the flow model and the real planner on simulated time."""
+"""bench.simulate: the flow model and the real planner on simulated time."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rfork.simulate.fleet import SCENARIOS, BandwidthModel, FleetSim, hub_baseline, migrated_template
-from rfork.simulate.flows import Network
-from tests.conftest import run_rfork
+from bench.simulate.fleet import SCENARIOS, BandwidthModel, FleetSim, hub_baseline, migrated_template
+from bench.simulate.flows import Network
+from tests.rfork_cli import run_rfork
 
 
 @pytest.fixture(scope="module")
