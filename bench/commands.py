@@ -1,6 +1,6 @@
 """The commands `rfork` runs from this checkout: `rfork demo`, `rfork bench ...`, `rfork simulate ...`.
 
-rfork/cli/harness.py imports this module by name only when one of them runs (the wheel does not ship
+rfork/cli/checkout_commands.py imports this module by name only when one of them runs (the wheel does not ship
 bench/). Each module has `configure(parser)` and `run(args) -> int`, like rfork/cli's command modules,
 and keeps its top-level imports light: `rfork bench --help` imports every one of them.
 """

@@ -2,7 +2,7 @@
 
 - the arrows run one way: rfork -> planner, rfork -> backends; backends and planner import neither;
 - the installed packages never import the harness (bench/: benchmarks, simulator, process harness),
-  which the wheel does not ship; rfork/cli/harness.py alone loads it by name, from a source checkout;
+  which the wheel does not ship; rfork/cli/checkout_commands.py alone loads it by name, in a checkout;
 - the planner's and the transport's tests run without rfork and without the harness;
 - no import cycle between modules;
 - the project's own code is imported inside a function only where start-up time needs it (command
@@ -38,7 +38,7 @@ ALLOWED_ARROWS = {
     HARNESS: {HARNESS, "rfork", "planner", "backends"},
 }
 # where the installed code may name the harness: the door `rfork demo|bench|simulate` opens in a checkout
-HARNESS_DOOR = "rfork/cli/harness.py"
+HARNESS_DOOR = "rfork/cli/checkout_commands.py"
 # test packages that must run without rfork, and the test helpers they import (followed through tests.*)
 WITHOUT_RFORK = ("tests/planner", "tests/backends")
 

@@ -3,7 +3,7 @@
 Each command module has `configure(parser)` and `run(args) -> int` and keeps its top-level imports
 light (no torch, no FastAPI, no transport): every one of them is imported here, so `rfork --help`
 stays instant. They import what they need inside `run`, with a comment saying so. `rfork demo`,
-`rfork bench ...` and `rfork simulate ...` run from a source checkout (rfork/cli/harness.py).
+`rfork bench ...` and `rfork simulate ...` run from a source checkout (rfork/cli/checkout_commands.py).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from rfork import __version__
-from rfork.cli import digest, harness, load, planner_migrate, planner_serve, seed, sglang, vllm
+from rfork.cli import checkout_commands, digest, load, planner_migrate, planner_serve, seed, sglang, vllm
 
 # (command path, implementing module). Groups ("planner") are created on the way. `rfork demo`,
-# `rfork bench ...` and `rfork simulate ...` come from the source checkout's bench/ (rfork/cli/harness.py).
-COMMANDS: harness.Commands = (
+# `rfork bench ...` and `rfork simulate ...` come from the checkout's bench/ (checkout_commands.py).
+COMMANDS: checkout_commands.Commands = (
     (("planner", "serve"), planner_serve),
     (("planner", "migrate"), planner_migrate),
     (("seed",), seed),
@@ -30,7 +30,7 @@ COMMANDS: harness.Commands = (
     (("vllm",), vllm),
 )
 
-GROUP_HELP = {"planner": "run or migrate the planner service", **harness.WORDS}
+GROUP_HELP = {"planner": "run or migrate the planner service", **checkout_commands.WORDS}
 
 log = logging.getLogger("rfork")
 
@@ -40,10 +40,10 @@ def _summary(module: ModuleType) -> str:
     return doc.splitlines()[0] if doc else ""
 
 
-def build_parser(checkout_commands: harness.Commands = ()) -> argparse.ArgumentParser:
+def build_parser(from_checkout: checkout_commands.Commands = ()) -> argparse.ArgumentParser:
     """The whole command tree; each leaf parser carries its module in `_module`.
 
-    Without `checkout_commands` (harness.commands()), `demo`, `bench` and `simulate` are listed with
+    Without `from_checkout` (checkout_commands.load()), `demo`, `bench` and `simulate` are listed with
     their help only: `rfork --help` does not import bench/.
     """
     parser = argparse.ArgumentParser(prog="rfork", description=__doc__.splitlines()[0] if __doc__ else None)
@@ -52,7 +52,7 @@ def build_parser(checkout_commands: harness.Commands = ()) -> argparse.ArgumentP
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     top = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     groups: dict[str, argparse._SubParsersAction[argparse.ArgumentParser]] = {}
-    for path, module in (*COMMANDS, *checkout_commands):
+    for path, module in (*COMMANDS, *from_checkout):
         subs = top
         for i, word in enumerate(path[:-1]):
             key = " ".join(path[: i + 1])
@@ -65,8 +65,8 @@ def build_parser(checkout_commands: harness.Commands = ()) -> argparse.ArgumentP
         leaf = subs.add_parser(path[-1], help=summary, description=summary, allow_abbrev=False)
         module.configure(leaf)
         leaf.set_defaults(_module=module)
-    loaded = {path[0] for path, _ in checkout_commands}
-    for word, text in harness.WORDS.items():
+    loaded = {path[0] for path, _ in from_checkout}
+    for word, text in checkout_commands.WORDS.items():
         if word not in loaded:
             top.add_parser(word, help=text, description=text)
     return parser
@@ -76,14 +76,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (non-zero with a one-line error on failure)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     word = next((a for a in argv if not a.startswith("-")), None)  # the global options take no value
-    checkout_commands: harness.Commands = ()
-    if word in harness.WORDS:
+    from_checkout: checkout_commands.Commands = ()
+    if word in checkout_commands.WORDS:
         try:
-            checkout_commands = harness.commands(word)
-        except harness.HarnessMissing as exc:
+            from_checkout = checkout_commands.load(word)
+        except checkout_commands.NoCheckout as exc:
             print(f"rfork: error: {exc}", file=sys.stderr)
             return 1
-    parser = build_parser(checkout_commands)
+    parser = build_parser(from_checkout)
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

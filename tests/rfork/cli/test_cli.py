@@ -96,9 +96,9 @@ def test_help_lists_the_checkout_commands_without_importing_the_harness() -> Non
 def test_checkout_commands_from_a_wheel_say_where_they_run_in_one_line(
     argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from rfork.cli import harness, main
+    from rfork.cli import checkout_commands, main
 
-    monkeypatch.setattr(harness, "checkout_root", lambda: None)  # as installed from the wheel: no bench/
+    monkeypatch.setattr(checkout_commands, "checkout_root", lambda: None)  # a wheel install: no bench/
     assert main(argv) == 1
     out, err = capsys.readouterr()
     assert out == ""

@@ -23,7 +23,7 @@ WORDS = {
 Commands = tuple[tuple[tuple[str, ...], ModuleType], ...]
 
 
-class HarnessMissing(RuntimeError):
+class NoCheckout(RuntimeError):
     """rfork runs from an installed wheel, which holds the product only: bench/ is not there."""
 
 
@@ -35,11 +35,11 @@ def checkout_root() -> Path | None:
     return None
 
 
-def commands(word: str) -> Commands:
-    """The checkout's (command path, module) table for `rfork WORD ...`; HarnessMissing without a checkout."""
+def load(word: str) -> Commands:
+    """The checkout's (command path, module) table for `rfork WORD ...`; NoCheckout from a wheel install."""
     root = checkout_root()
     if root is None:
-        raise HarnessMissing(
+        raise NoCheckout(
             f"`rfork {word}` runs from a source checkout of rfork (bench/ is not in the wheel): clone the "
             f"repository, run `bash scripts/dev.sh setup` in it, then `rfork {word} ...` there"
         )
