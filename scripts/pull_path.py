@@ -63,6 +63,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     os.environ.setdefault("RFORK_TCP_HOST", "127.0.0.1")
+    sys.path.insert(0, str(ROOT))  # bench/ (the process harness) is not installed: it is the checkout's
 
     import torch
 
