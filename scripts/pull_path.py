@@ -63,11 +63,12 @@ def main() -> int:
     )
     args = parser.parse_args()
     os.environ.setdefault("RFORK_TCP_HOST", "127.0.0.1")
+    sys.path.insert(0, str(ROOT))  # bench/ (the process harness) is not installed: it is the checkout's
 
     import torch
 
     import rfork
-    from rfork.bench.processes import Fleet, seed_args
+    from bench.processes import Fleet, seed_args
     from rfork.weights.synthetic import LlamaConfig, write_synthetic_checkpoint
 
     cfg = LlamaConfig(

@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from rfork.cli import main as rfork_main
-
 # The suite runs shm on libfabric 1.17 too (RFORK_LIBFABRIC_LIB=system), whose shm does not enforce
 # remote access: allow read-only regions there (peers are this suite's own processes); the refusal
 # itself is tested in tests/backends/test_conformance.py with this unset.
@@ -67,11 +65,3 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'planner.db'}"
     return str(request.getfixturevalue("postgres_url"))
-
-
-def run_rfork(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """`rfork ARGS` in this process (the CLI's own code path, without a fresh interpreter's start-up):
-    (exit status, stdout, stderr)."""
-    status = rfork_main(args)
-    out, err = capsys.readouterr()
-    return status, out, err

@@ -2,6 +2,9 @@
 
 - the arrows run one way: rfork -> planner, rfork -> backends; backends and planner import neither;
 - rfork imports the planner through its doors: planner.contract (the client side) and planner;
+- the installed packages never import the harness (bench/: benchmarks, simulator, process harness),
+  which the wheel does not ship; rfork/cli/checkout_commands.py alone loads it by name, in a checkout;
+- the planner's and the transport's tests run without rfork and without the harness;
 - no import cycle between modules;
 - the project's own code is imported inside a function only where start-up time needs it (command
   modules, the SGLang plugin), with a comment saying so;
@@ -17,12 +20,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("rfork", "backends", "planner", "migrations")
+INSTALLED = ("rfork", "backends", "planner", "migrations")  # what the wheel ships
+HARNESS = "bench"
+PACKAGES = (*INSTALLED, HARNESS)
 # may import project code inside functions: `rfork --help` and SGLang's processes import them at start-up
 EDGES = (
     "rfork/cli/",
-    "rfork/bench/",
-    "rfork/simulate/scale_out.py",
+    "bench/",
     "rfork/integrations/hook/",
     "rfork/integrations/sglang/",
     "rfork/integrations/vllm/",
@@ -32,7 +36,12 @@ ALLOWED_ARROWS = {
     "backends": {"backends"},
     "planner": {"planner"},
     "migrations": {"migrations", "planner"},
+    HARNESS: {HARNESS, "rfork", "planner", "backends"},
 }
+# where the installed code may name the harness: the door `rfork demo|bench|simulate` opens in a checkout
+HARNESS_DOOR = "rfork/cli/checkout_commands.py"
+# test packages that must run without rfork, and the test helpers they import (followed through tests.*)
+WITHOUT_RFORK = ("tests/planner", "tests/backends")
 
 
 def _modules() -> dict[str, Path]:
@@ -157,7 +166,7 @@ def test_project_code_is_imported_inside_functions_only_at_the_edges_with_a_reas
     assert not wrong, wrong
 
 
-@pytest.mark.parametrize("package", ["rfork", "backends", "planner", "tests"])
+@pytest.mark.parametrize("package", ["rfork", "backends", "planner", HARNESS, "tests"])
 def test_every_import_of_the_projects_own_modules_resolves(package: str) -> None:
     missing = []
     for path in (ROOT / package).rglob("*.py"):
@@ -197,3 +206,75 @@ def test_rfork_imports_the_planner_through_its_doors() -> None:
                     continue
                 wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {module}")
     assert not wrong, wrong
+
+
+def _all_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in the file: top level, in functions, under TYPE_CHECKING."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return out
+
+
+def _names_harness_by_string(path: Path) -> list[int]:
+    """Lines where the file imports by name (importlib.import_module, __import__) a module of bench/."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, (ast.Attribute, ast.Name))
+            and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id)
+            in ("import_module", "__import__")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and str(node.args[0].value).split(".")[0] == HARNESS
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_installed_packages_never_import_the_harness() -> None:
+    wrong = []
+    for pkg in INSTALLED:
+        for path in (ROOT / pkg).rglob("*.py"):
+            rel = str(path.relative_to(ROOT))
+            wrong += [f"{rel}:{n} {m}" for n, m in _all_imports(path) if m.split(".")[0] == HARNESS]
+            if rel != HARNESS_DOOR:
+                wrong += [f"{rel}:{n} (by name)" for n in _names_harness_by_string(path)]
+    assert not wrong, wrong
+    assert _names_harness_by_string(ROOT / HARNESS_DOOR), "the door moved: update HARNESS_DOOR"
+
+
+def _test_helper(module: str) -> Path | None:
+    """The file of a `tests.*` module, if there is one."""
+    base = ROOT.joinpath(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def test_planner_and_transport_tests_import_neither_rfork_nor_the_harness() -> None:
+    """Their files, the conftest.py above them and every tests.* helper they reach, followed transitively."""
+    todo = [p for d in WITHOUT_RFORK for p in (ROOT / d).rglob("*.py")]
+    todo += [ROOT / "tests" / "conftest.py", ROOT / "tests" / "__init__.py"]
+    seen: set[Path] = set()
+    wrong = []
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for line, module in _all_imports(path):
+            top = module.split(".")[0]
+            if top in ("rfork", HARNESS):
+                wrong.append(f"{path.relative_to(ROOT)}:{line} {module}")
+            elif top == "tests":
+                helper = _test_helper(module) or _test_helper(module.rpartition(".")[0])
+                if helper is not None:
+                    todo.append(helper)
+    assert not wrong, wrong
+    assert ROOT / "tests" / "tiny_llama.py" in seen  # the KV tests' model: helpers outside are followed

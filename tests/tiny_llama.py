@@ -7,12 +7,34 @@ Used by the end-to-end tests: identical weights must give bit-identical logits.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 from torch import nn
 
-from rfork.weights.synthetic import LlamaConfig
+
+class LlamaConfig(Protocol):
+    """The config fields the model reads: rfork.weights.synthetic.LlamaConfig has them, and so has
+    tests.backends.models.LlamaConfig, for the transport's tests that run without rfork."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def num_hidden_layers(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def num_key_value_heads(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def rms_norm_eps(self) -> float: ...
+    @property
+    def rope_theta(self) -> float: ...
+    @property
+    def head_dim(self) -> int: ...
 
 
 class RMSNorm(nn.Module):

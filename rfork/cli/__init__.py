@@ -2,7 +2,8 @@
 
 Each command module has `configure(parser)` and `run(args) -> int` and keeps its top-level imports
 light (no torch, no FastAPI, no transport): every one of them is imported here, so `rfork --help`
-stays instant. They import what they need inside `run`, with a comment saying so.
+stays instant. They import what they need inside `run`, with a comment saying so. `rfork demo`,
+`rfork bench ...` and `rfork simulate ...` run from a source checkout (rfork/cli/checkout_commands.py).
 """
 
 from __future__ import annotations
@@ -15,49 +16,21 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from rfork import __version__
-from rfork.bench import api_ready as bench_api_ready
-from rfork.bench import cold_start as bench_cold_start
-from rfork.bench import digest as bench_digest
-from rfork.bench import gpu as bench_gpu
-from rfork.bench import kv as bench_kv
-from rfork.bench import moe as bench_moe
-from rfork.bench import nccl as bench_nccl
-from rfork.bench import planner as bench_planner
-from rfork.bench import rl as bench_rl
-from rfork.bench import scale_out as bench_scale_out
-from rfork.bench import transport as bench_transport
-from rfork.cli import demo, digest, load, planner_migrate, planner_serve, seed, sglang, vllm
-from rfork.simulate import scale_out as simulate_scale_out
+from rfork.cli import checkout_commands, digest, load, planner_migrate, planner_serve, seed, sglang, vllm
 
-# (command path, implementing module). Groups ("planner", "bench") are created on the way.
-COMMANDS: tuple[tuple[tuple[str, ...], ModuleType], ...] = (
+# (command path, implementing module). Groups ("planner") are created on the way. `rfork demo`,
+# `rfork bench ...` and `rfork simulate ...` come from the checkout's bench/ (checkout_commands.py).
+COMMANDS: checkout_commands.Commands = (
     (("planner", "serve"), planner_serve),
     (("planner", "migrate"), planner_migrate),
     (("seed",), seed),
     (("load",), load),
-    (("demo",), demo),
     (("digest",), digest),
     (("sglang",), sglang),
     (("vllm",), vllm),
-    (("bench", "transport"), bench_transport),
-    (("bench", "cold-start"), bench_cold_start),
-    (("bench", "planner"), bench_planner),
-    (("bench", "gpu"), bench_gpu),
-    (("bench", "rl"), bench_rl),
-    (("bench", "moe"), bench_moe),
-    (("bench", "kv"), bench_kv),
-    (("bench", "nccl"), bench_nccl),
-    (("bench", "scale-out"), bench_scale_out),
-    (("bench", "digest"), bench_digest),
-    (("bench", "api-ready"), bench_api_ready),
-    (("simulate", "scale-out"), simulate_scale_out),
 )
 
-GROUP_HELP = {
-    "planner": "run or migrate the planner service",
-    "bench": "benchmarks; each measures its baseline in the same run and prints the ratio",
-    "simulate": "simulations that drive the real planner on a bandwidth model",
-}
+GROUP_HELP = {"planner": "run or migrate the planner service", **checkout_commands.WORDS}
 
 log = logging.getLogger("rfork")
 
@@ -67,15 +40,19 @@ def _summary(module: ModuleType) -> str:
     return doc.splitlines()[0] if doc else ""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The whole command tree; each leaf parser carries its module in `_module`."""
+def build_parser(from_checkout: checkout_commands.Commands = ()) -> argparse.ArgumentParser:
+    """The whole command tree; each leaf parser carries its module in `_module`.
+
+    Without `from_checkout` (checkout_commands.load()), `demo`, `bench` and `simulate` are listed with
+    their help only: `rfork --help` does not import bench/.
+    """
     parser = argparse.ArgumentParser(prog="rfork", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--version", action="version", version=f"rfork {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     top = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     groups: dict[str, argparse._SubParsersAction[argparse.ArgumentParser]] = {}
-    for path, module in COMMANDS:
+    for path, module in (*COMMANDS, *from_checkout):
         subs = top
         for i, word in enumerate(path[:-1]):
             key = " ".join(path[: i + 1])
@@ -88,12 +65,25 @@ def build_parser() -> argparse.ArgumentParser:
         leaf = subs.add_parser(path[-1], help=summary, description=summary, allow_abbrev=False)
         module.configure(leaf)
         leaf.set_defaults(_module=module)
+    loaded = {path[0] for path, _ in from_checkout}
+    for word, text in checkout_commands.WORDS.items():
+        if word not in loaded:
+            top.add_parser(word, help=text, description=text)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (non-zero with a one-line error on failure)."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    word = next((a for a in argv if not a.startswith("-")), None)  # the global options take no value
+    from_checkout: checkout_commands.Commands = ()
+    if word in checkout_commands.WORDS:
+        try:
+            from_checkout = checkout_commands.load(word)
+        except checkout_commands.NoCheckout as exc:
+            print(f"rfork: error: {exc}", file=sys.stderr)
+            return 1
+    parser = build_parser(from_checkout)
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

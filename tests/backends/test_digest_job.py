@@ -1,5 +1,5 @@
 """backends.DigestJob: digests the job's native thread computes as reads land equal xxh3-128 over each span
-(what rfork.weights.checksum.StreamingDigest computes), whatever the layout and the landing order;
+(what the loader's host digest computes), whatever the layout and the landing order;
 and through a real engine reading from a peer process, chunks split over two domains and completing
 out of order."""
 
@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 from backends import DigestJob, TransferEngine, TransferError, native_digests_available
 from backends.providers._native import lib
-from rfork.weights import checksum as ck
 from tests.backends.conftest import Peer
 from tests.backends.peer import digest, engine_kwargs, host_buffer, pattern
 
@@ -51,9 +50,7 @@ def layouts(draw: st.DrawFn) -> Layout:
 
 
 def _streaming(buf: np.ndarray, lo: int, hi: int) -> str:
-    d = ck.StreamingDigest(ck.XXH3_128)
-    d.update(buf.ctypes.data + lo, hi - lo)
-    return d.hexdigest()
+    return digest(buf[lo:hi])
 
 
 @given(layouts(), st.randoms(use_true_random=False), st.integers(1, 64))

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Generic, Self, TypeVar
 
-from rfork.bench.processes import free_port
+from bench.processes import free_port
 
 PROMPT = [1, 17, 42, 99, 256, 7, 311, 64]  # token ids (the tiny tokenizer's words w3..w511)
 NEW_TOKENS = 12

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import threading
@@ -15,10 +16,15 @@ from hypothesis import strategies as st
 from planner import AllBusy, AssignmentRequest, RegistrationRequest, TransferReport, migrate
 from planner.burst import WaitingRoom, estimate_busy, pull_rate_bps, slot_time
 from planner.contract import PlannerClient
-from rfork.bench.scale_out import max_concurrent
 from tests.planner.conftest import identity, make_planner, manifest, ranks
 
 GB = 10**9
+
+
+def max_concurrent(intervals: list[tuple[Any, Any]]) -> int:
+    """Most intervals open at one instant (an interval ending when another starts does not overlap it)."""
+    points = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    return max(itertools.accumulate(step for _, step in points), default=0)
 
 
 # ---- the arithmetic ---------------------------------------------------------------------------

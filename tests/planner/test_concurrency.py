@@ -3,19 +3,38 @@
 from __future__ import annotations
 
 import os
+import random
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 from sqlalchemy import create_engine, text
 
 from planner.contract import PlannerClient
-from rfork.bench.processes import free_port
 from tests.planner.conftest import identity, manifest, ranks
+
+
+def free_port() -> int:
+    """A port nothing listens on, for a server that binds it a moment later: below the kernel's
+    ephemeral range, since a port from bind(0) may meanwhile go to an outgoing connection."""
+    try:
+        high = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) - 1
+    except (OSError, ValueError, IndexError):
+        high = 32767
+    for port in random.sample(range(10000, min(high, 21999) + 1), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 10000-21999")
 
 
 def _serve(url: str, port: int) -> subprocess.Popen:

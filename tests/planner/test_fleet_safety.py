@@ -437,12 +437,3 @@ def test_the_database_holds_no_key_that_forges_control_tokens(planner_url):
         assert grant.lease_id == lease.id
     finally:
         svc.close()
-
-
-def test_token_flags_are_gone_from_the_cli():
-    from rfork.cli import main
-
-    for cmd in (["load"], ["seed"]):  # argv is readable by every user of the host (ps, /proc)
-        with pytest.raises(SystemExit) as exc:
-            main([*cmd, "--token", "sekrit"])
-        assert exc.value.code == 2

@@ -13,8 +13,8 @@ import torch
 
 os.environ.setdefault("RFORK_TCP_HOST", "127.0.0.1")  # keep tcp on loopback (children inherit it)
 
+from bench.processes import Child, Fleet, seed_args  # noqa: E402
 from rfork import LoadOptions, SourceIdentity  # noqa: E402
-from rfork.bench.processes import Child, Fleet, seed_args  # noqa: E402
 from rfork.identity import fingerprint  # noqa: E402
 from rfork.seed.seed import Seed  # noqa: E402
 from rfork.weights.checkpoint import read_checkpoint_info

@@ -8,8 +8,8 @@ import signal
 import pytest
 import torch
 
+from bench.processes import load_args
 from rfork import Loader, load
-from rfork.bench.processes import load_args
 from rfork.errors import LoadFailed
 from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info

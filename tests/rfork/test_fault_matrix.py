@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 
+from bench.processes import free_port, load_args
 from planner import PlannerServer
 from planner.contract import Conflict, PlannerClient
 from rfork import Loader, LoadOptions, LoadResult
-from rfork.bench.processes import free_port, load_args
 from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from bench.processes import load_args
 from planner.contract import PlannerClient
-from rfork.bench.processes import load_args
 from tests.conftest import IN_CI
 from tests.rfork.conftest import ADMIN, LOAD, READER, REGISTER, identity_of, start_seed
 

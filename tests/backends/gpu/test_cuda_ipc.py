@@ -23,6 +23,7 @@ from backends.gpu.cuda_ipc import (
     PeerGone,
     host_id,
 )
+from tests.backends.peer import digest
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is false)")
@@ -272,15 +273,13 @@ def _fill(t: torch.Tensor, seed: int) -> None:
 
 
 def _gpu_seed(conn: Connection, nbytes: int) -> None:
-    from rfork.weights.checksum import checksum_bytes
-
     eng = CudaIpcEngine()
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     _fill(src, 11)
     torch.cuda.synchronize()
     region = eng.register(src, "read")
     windows = [(o, src[o:o + 4096].cpu()) for o in (0, nbytes // 3, nbytes - 4096)]
-    conn.send((region.descriptor.to_bytes(), checksum_bytes(src), windows))
+    conn.send((region.descriptor.to_bytes(), digest(src.cpu().numpy()), windows))
     conn.recv()  # the loader is done: only now may the seed's memory go away
     eng.close()
 
@@ -289,8 +288,6 @@ def _gpu_seed(conn: Connection, nbytes: int) -> None:
 @needs_cuda
 @pytest.mark.timeout(300)
 def test_gpu_conformance_two_processes_1gib() -> None:
-    from rfork.weights.checksum import checksum_bytes
-
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_gpu_seed, args=(child, GIB), daemon=True)
@@ -306,7 +303,7 @@ def test_gpu_conformance_two_processes_1gib() -> None:
             eng.read(reg, 0, GIB // 2, blob, 0).result(120)
             eng.read(reg, GIB // 2, GIB // 2, blob, GIB // 2).result(120)  # two ops, one open
             torch.cuda.synchronize()
-            assert checksum_bytes(dst) == want
+            assert digest(dst.cpu().numpy()) == want
             for off, cpu in windows:
                 assert torch.equal(dst[off:off + 4096].cpu(), cpu)
             with pytest.raises(RemoteAccessError):
@@ -335,12 +332,3 @@ def test_gpu_same_process_read_and_registration_checks() -> None:
         assert torch.equal(dst, src[(1 << 20) + 5:(1 << 20) + 5 + (16 << 20)])
         with pytest.raises(TransferError, match="not a CUDA device"):
             seed.register(torch.zeros(8), "read")
-
-
-@pytest.mark.skipif(HAS_CUDA, reason="checks the error raised where CUDA is absent")
-def test_gpu_bench_one_line_error_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
-    from rfork.bench.gpu import main
-
-    assert main(["--size-gib", "8"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err == "error: rfork.bench.gpu needs a CUDA GPU (torch.cuda.is_available() is false here)"

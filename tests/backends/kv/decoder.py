@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rfork.weights.synthetic import LlamaConfig, synthetic_tensor
+from tests.backends.models import LlamaConfig, synthetic_tensor
 from tests.tiny_llama import LlamaForCausalLM, PagedKvCache, greedy_decode
 
 TINY = LlamaConfig(

@@ -22,7 +22,7 @@ import torch
 
 from backends.rl import TensorSpec, model_specs
 from backends.sharding import shard_range
-from rfork.weights.synthetic import LlamaConfig
+from tests.backends.models import LlamaConfig
 from tests.backends.processes import CTX
 
 CONFIG = LlamaConfig(
@@ -64,7 +64,7 @@ def _engine() -> Any:  # noqa: ANN401
 
 def trainer_main(conn: Connection, index: int, tp: int, rank: int) -> None:
     from backends.rl import RLTrainer, shard_layout
-    from rfork.weights.memory import allocate
+    from tests.backends.models import allocate
 
     eng = _engine()
     conn.send(eng.address)

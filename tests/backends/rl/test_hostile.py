@@ -15,8 +15,8 @@ import pytest
 from backends import TransferEngine, TransferError
 from backends.rl import RLError, RLReceiver, RLTrainer, TrainerRank, shard_layout
 from backends.rl import messages as protocol
-from rfork.weights.memory import allocate
 from tests.backends.conftest import Peer, start_peer
+from tests.backends.models import allocate
 from tests.backends.rl.test_session import SPECS, fill, make_trainer
 
 

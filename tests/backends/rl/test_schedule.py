@@ -132,7 +132,7 @@ def test_schedule_writes_every_destination_byte_once_with_the_right_bytes(
 
 
 def llama_specs() -> tuple[TensorSpec, ...]:
-    from rfork.weights.synthetic import LlamaConfig
+    from tests.backends.models import LlamaConfig
 
     cfg = LlamaConfig(
         hidden_size=256,

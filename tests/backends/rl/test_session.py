@@ -12,7 +12,7 @@ import torch
 from backends import Message, TransferEngine
 from backends.rl import RLError, RLReceiver, RLTrainer, TensorSpec, TrainerRank, shard_layout
 from backends.rl.messages import decode
-from rfork.weights.memory import allocate
+from tests.backends.models import allocate
 
 SPECS = (
     TensorSpec("w", "float32", (64, 32), 0),

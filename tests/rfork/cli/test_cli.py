@@ -64,3 +64,44 @@ def test_demo_allows_read_only_regions_on_unenforcing_shm(monkeypatch: pytest.Mo
     monkeypatch.delenv("RFORK_ALLOW_UNENFORCED_ACCESS", raising=False)
     assert main(["demo", "--size-gib", "0"]) == 1  # refused at once, before any process starts
     assert os.environ.get("RFORK_ALLOW_UNENFORCED_ACCESS") == "1"
+
+
+def test_token_flags_are_gone_from_the_cli():
+    from rfork.cli import main
+
+    for cmd in (["load"], ["seed"]):  # argv is readable by every user of the host (ps, /proc)
+        with pytest.raises(SystemExit) as exc:
+            main([*cmd, "--token", "sekrit"])
+        assert exc.value.code == 2
+
+
+def test_help_lists_the_checkout_commands_without_importing_the_harness() -> None:
+    probe = (
+        "import contextlib, io, sys\n"
+        "from rfork.cli import main\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n"
+        "    main(['--help'])\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'bench'))\n"
+        "print(all(w in out.getvalue() for w in ('demo', 'bench', 'simulate')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["[]", "True"]
+
+
+@pytest.mark.parametrize(
+    "argv", [["bench", "transport"], ["-v", "demo"], ["simulate", "scale-out", "--help"]]
+)
+def test_checkout_commands_from_a_wheel_say_where_they_run_in_one_line(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rfork.cli import checkout_commands, main
+
+    monkeypatch.setattr(checkout_commands, "checkout_root", lambda: None)  # a wheel install: no bench/
+    assert main(argv) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1
+    assert "runs from a source checkout" in err
+    assert "scripts/dev.sh setup" in err

@@ -10,8 +10,8 @@ from planner import PlannerServer
 from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import load_rank_from_disk, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
-from tests.conftest import run_rfork
 from tests.rfork.conftest import ADMIN, LOAD, REGISTER
+from tests.rfork_cli import run_rfork
 
 
 def test_uploaded_digests_anchor_the_identity_a_seed_then_serves(small_ckpt, sqlite_url, tmp_path, capsys):

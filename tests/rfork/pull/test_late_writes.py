@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 
+from bench.processes import available_providers
 from rfork import Loader, LoadOptions
-from rfork.bench.processes import available_providers
 from rfork.weights.checkpoint import load_state_dict, read_checkpoint_info
 from tests.backends.processes import stop_process
 from tests.rfork.conftest import LOAD, REGISTER, assert_same, start_seed

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from backends import native_digests_available
+from bench.processes import available_providers
 from rfork import Loader, LoadOptions, pull_into
-from rfork.bench.processes import available_providers
 from rfork.pull.one_sided import _ReadPipeline
 from rfork.weights.checkpoint import CheckpointInfo, load_state_dict, read_checkpoint_info
 from tests.rfork.conftest import AUTH, LOAD, REGISTER, assert_same, opts, start_seed, tied_model, tied_seed

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, text
 
+from bench.processes import free_port
 from planner import PlannerServer
 from planner.contract import PlannerClient
 from rfork import load
-from rfork.bench.processes import free_port
 from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
