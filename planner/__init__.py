@@ -1,6 +1,6 @@
 """The R-Fork planner: which running instance a new instance should pull its weights from.
 
-Public surface (pinned by tests/planner/test_public_surface.py): the errors, the wire types
+Public surface (checked by tests/planner/test_public_surface.py): the errors, the wire types
 (planner.wire), PlannerClient (the Python client), PlannerServer (the planner in a background
 thread, for tests and the demo) and the in-process API for embedding the real planner on a
 database: Planner (Planner.open(settings)), PlannerSettings, make_policy and migrate. Every other
@@ -9,7 +9,9 @@ module is internal.
 
 from __future__ import annotations
 
+import ast
 import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from planner.errors import (
@@ -52,6 +54,9 @@ from planner.wire import (
     identity_key,
 )
 
+# The server side (SQLAlchemy, FastAPI, uvicorn, pydantic-settings: about half a second of imports)
+# loads on first use of one of these names, so a loader or seed that imports planner.client or
+# planner.wire does not pay for it at start-up.
 if TYPE_CHECKING:
     from planner.client import PlannerClient
     from planner.db import migrate
@@ -60,66 +65,32 @@ if TYPE_CHECKING:
     from planner.service import Planner
     from planner.settings import PlannerSettings
 
-# The server side (SQLAlchemy, FastAPI, uvicorn, pydantic-settings: about half a second of imports)
-# loads on first use of one of these names, so a loader or seed that imports planner.client or
-# planner.wire does not pay for it at start-up.
-_SERVER_SIDE = {
-    "PlannerClient": "planner.client",
-    "Planner": "planner.service",
-    "PlannerServer": "planner.server",
-    "PlannerSettings": "planner.settings",
-    "make_policy": "planner.selection",
-    "migrate": "planner.db",
-}
 
-__all__ = [
-    "AllBusy",
-    "Anchor",
-    "Assignment",
-    "AssignmentRequest",
-    "AuthError",
-    "BadRequest",
-    "Candidate",
-    "Conflict",
-    "DigestMismatch",
-    "HeartbeatAnswer",
-    "InstancePage",
-    "InstanceStatus",
-    "InstanceView",
-    "Labels",
-    "ModelView",
-    "ModelsPage",
-    "NoSource",
-    "NotFound",
-    "Planner",
-    "PlannerClient",
-    "PlannerError",
-    "PlannerServer",
-    "PlannerSettings",
-    "PlannerUnavailable",
-    "RankEndpoint",
-    "RankManifest",
-    "RankView",
-    "RegionEntry",
-    "Registration",
-    "RegistrationRequest",
-    "ReportAnswer",
-    "SourceIdentity",
-    "StatusChange",
-    "StoredManifest",
-    "TensorEntry",
-    "TransferReport",
-    "TransferView",
-    "TransfersPage",
-    "identity_key",
-    "make_policy",
-    "migrate",
-]
+def _surface() -> dict[str, str]:
+    """Each public name -> the module it comes from, read from this file's own import lines.
+
+    The `from planner... import` lines above (those under `if TYPE_CHECKING:` load lazily) are the
+    one list of the surface: type checkers read them as imports, and `__getattr__`, `__all__` and
+    `__dir__` read them here, once, from the source.
+    """
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    lazy = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
+    lines = tree.body + [node for block in lazy for node in block.body]
+    return {
+        alias.asname or alias.name: node.module
+        for node in lines
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == __name__
+        for alias in node.names
+    }
+
+
+_WHERE = _surface()
+__all__ = list(_WHERE)
 
 
 def __getattr__(name: str) -> Any:
     """The server-side names above, imported when first used (PEP 562)."""
-    module = _SERVER_SIDE.get(name)
+    module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'planner' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
