@@ -1,6 +1,6 @@
 """Tensor R-Fork: start LLM instances by pulling weights memory-to-memory from a running seed.
 
-The public surface, what a framework hook and a user call (pinned by tests/rfork/test_public_surface.py):
+The public surface, what a framework hook and a user call (checked by tests/rfork/test_public_surface.py):
 
     from rfork import Loader, LoadOptions, SourceIdentity, read_checkpoint_info
     ckpt = read_checkpoint_info("/models/llama")
@@ -12,8 +12,10 @@ import this package, and must not pay for torch and the transport until they nee
 
 from __future__ import annotations
 
+import ast
 import importlib
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 try:
@@ -21,54 +23,7 @@ try:
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
-_WHERE = {
-    "Loader": "rfork.pull.loader",
-    "load": "rfork.pull.loader",
-    "pull_into": "rfork.pull.loader",
-    "LoadOptions": "rfork.pull.result",
-    "LoadResult": "rfork.pull.result",
-    "Attempt": "rfork.pull.result",
-    "warm_transport": "rfork.pull.one_sided",
-    "Seed": "rfork.seed.seed",
-    "RankWeights": "rfork.weights.rank_weights",
-    "CheckpointInfo": "rfork.weights.checkpoint",
-    "read_checkpoint_info": "rfork.weights.checkpoint",
-    "SourceIdentity": "rfork.identity",
-    "RforkError": "rfork.errors",
-    "PullError": "rfork.errors",
-    "LoadFailed": "rfork.errors",
-    "ChecksumMismatch": "rfork.errors",
-    "DestinationMismatch": "rfork.errors",
-    "CheckpointError": "rfork.errors",
-    "ManifestError": "rfork.errors",
-    "LayoutError": "rfork.errors",
-}
-
-__all__ = [
-    "Attempt",
-    "CheckpointError",
-    "CheckpointInfo",
-    "ChecksumMismatch",
-    "DestinationMismatch",
-    "LayoutError",
-    "LoadFailed",
-    "LoadOptions",
-    "LoadResult",
-    "Loader",
-    "ManifestError",
-    "PullError",
-    "RankWeights",
-    "RforkError",
-    "Seed",
-    "SourceIdentity",
-    "__version__",
-    "load",
-    "pull_into",
-    "read_checkpoint_info",
-    "warm_transport",
-]
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the public surface, written once (see _surface)
     from rfork.errors import (
         CheckpointError,
         ChecksumMismatch,
@@ -88,6 +43,28 @@ if TYPE_CHECKING:
     from rfork.weights.rank_weights import RankWeights
 
 
+def _surface() -> dict[str, str]:
+    """Each public name -> the module it comes from, read from this file's own import lines.
+
+    The `from rfork... import` lines above (under `if TYPE_CHECKING:`) are the one list of the
+    surface: type checkers read them as imports, and `__getattr__`, `__all__` and `__dir__` read
+    them here, once, from the source.
+    """
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    lazy = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
+    lines = tree.body + [node for block in lazy for node in block.body]
+    return {
+        alias.asname or alias.name: node.module
+        for node in lines
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == __name__
+        for alias in node.names
+    }
+
+
+_WHERE = _surface()
+__all__ = ["__version__", *_WHERE]
+
+
 def __getattr__(name: str) -> Any:
     """Import a public name's module on first use (see the module docstring for why)."""
     module = _WHERE.get(name)
@@ -96,3 +73,7 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -39,20 +39,3 @@ def test_every_import_the_readme_shows_works_in_a_fresh_process() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
 
-
-def test_the_module_paths_rfork_01_taught_still_import_with_a_warning() -> None:
-    code = (
-        "import warnings\n"
-        "with warnings.catch_warnings(record=True) as caught:\n"
-        "    warnings.simplefilter('always')\n"
-        "    from rfork.checkpoint import read_checkpoint_info\n"
-        "    from rfork.loader import Loader, LoadOptions, load\n"
-        "import rfork\n"
-        "assert Loader is rfork.Loader and read_checkpoint_info is rfork.read_checkpoint_info\n"
-        "print(sorted({str(w.message) for w in caught if w.category is DeprecationWarning}))\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    )
-    assert "rfork.loader is deprecated" in proc.stdout
-    assert "rfork.checkpoint is deprecated" in proc.stdout

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from backends import DigestJob, TransferEngine, TransferError, native_digests_available
 from backends.providers._native import lib
-from tests.backends.conftest import Peer
+from tests.backends.conftest import Peer, start_peer
 from tests.backends.peer import digest, engine_kwargs, host_buffer, pattern
 
 pytestmark = pytest.mark.skipif(not native_digests_available(), reason="binding built without xxHash")
@@ -120,6 +120,15 @@ def test_a_released_job_hashes_nothing_more_and_can_be_released_twice() -> None:
     job.release()
     with pytest.raises(TransferError, match="released"):
         job.wait(1.0)
+
+
+@pytest.fixture(scope="module")
+def peer(provider: str) -> Iterator[Peer]:
+    """A peer whose source holds the largest read here (64 MiB), not the conformance suite's GiBs: a
+    1 GiB pattern costs seconds to draw."""
+    p = start_peer(provider, [("src", 64 << 20, "read")])
+    yield p
+    p.stop()
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,17 @@
 """The steps tests/sglang/test_servers.py and tests/vllm/test_servers.py share, with their fixtures.
 
-Both files run one flow against real servers; the steps that do not depend on the framework live
-here, and each file adds its framework's checks. The fixtures (`planner`, `flow`) are imported by the
-framework directories' conftest.py.
+Both files run one flow against real servers: numbered steps, each needing the state the steps
+before it left (servers started, seeds killed, transfers recorded). Test n runs the steps through n
+(`Flow.run_through`), each step once per module, so the file runs as one flow with no server started
+twice, and any test runs alone too (`pytest tests/vllm/test_servers.py::test_3_...`): it runs the
+steps before its own first. The steps that do not depend on the framework live here; each file adds
+its framework's steps and checks. The fixtures (`planner`, `flow`) are imported by the framework
+directories' conftest.py, beside their `server_fleet` and `tiny_model`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Generic
 
@@ -34,20 +38,43 @@ def planner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Planner]:
 
 
 class Flow(Generic[S]):
-    """What the steps hand each other."""
+    """One module's flow: where it runs (planner, fleet, model, a work directory), what the steps
+    hand each other, and which steps have run."""
 
     reference: list[int]
     servers: dict[str, S]
     seed_ids: dict[str, list[str]]
 
-    def __init__(self) -> None:
+    def __init__(self, planner: Planner, fleet: Any, model: Path, workdir: Path) -> None:
+        self.planner = planner
+        self.fleet = fleet
+        self.model = model
+        self.workdir = workdir
         self.servers = {}
         self.seed_ids = {}
+        self._done = 0
+        self._failed: int | None = None
+
+    def run_through(self, steps: Sequence[Callable[[Flow[S]], object]], n: int) -> None:
+        """Run steps 1..n (`steps[0]` is step 1) that have not run yet in this module, in order. A
+        step that failed is not run again: a later test that needs it fails at once, naming it."""
+        if self._failed is not None and self._failed <= n:
+            pytest.fail(f"step {self._failed}, which this test needs, failed earlier in this module")
+        while self._done < n:
+            step = self._done + 1
+            try:
+                steps[step - 1](self)
+            except BaseException:
+                self._failed = step
+                raise
+            self._done = step
 
 
 @pytest.fixture(scope="module")
-def flow() -> Flow[Any]:
-    return Flow()
+def flow(
+    planner: Planner, server_fleet: Any, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Flow[Any]:
+    return Flow(planner, server_fleet, tiny_model, tmp_path_factory.mktemp("flow"))
 
 
 def instances(planner: Planner, **filters: Any) -> list[dict[str, Any]]:
@@ -62,15 +89,14 @@ def transfers(planner: Planner) -> list[dict[str, Any]]:
     return [t.model_dump() for t in planner.transfers(limit=100).items]
 
 
-def pull_from_an_rfork_seed_and_match_auto(
-    planner: Planner, fleet: Any, flow: Flow[Any], tiny_model: Path
-) -> None:
+def pull_from_an_rfork_seed_and_match_auto(flow: Flow[Any]) -> None:
     """Step 1: `--load-format auto` gives the reference tokens; beside it A pulls from an `rfork seed`
     over tcp and generates the same; A became the only checkpoint seed once the rfork seed drained."""
     from rfork.seed.seed import Seed
     from rfork.weights.checkpoint import load_state_dict, read_checkpoint_info
     from rfork.weights.rank_weights import RankWeights
 
+    planner, fleet, tiny_model = flow.planner, flow.fleet, flow.model
     info = read_checkpoint_info(tiny_model)
     seed0 = Seed(
         weights=[RankWeights.from_tensors(rank=0, tensors=load_state_dict(tiny_model))],
@@ -97,11 +123,10 @@ def pull_from_an_rfork_seed_and_match_auto(
     assert set(flow.seed_ids["A"]) == ids_by_framework(planner, "rfork")
 
 
-def chain_and_parameters_mode_without_a_seed(
-    planner: Planner, fleet: Any, flow: Flow[Any], *, framework: str, fallback_line: str
-) -> Any:
+def chain_and_parameters_mode_without_a_seed(flow: Flow[Any], *, framework: str, fallback_line: str) -> Any:
     """Step 2: B pulls from A (checkpoint mode, a chain); P1 (parameters mode) finds no parameters
     seed, logs `fallback_line`, and becomes the only `framework` seed. Returns P1."""
+    planner, fleet = flow.planner, flow.fleet
     b = fleet.start_rfork("B", planner_url=planner.url)
     p1 = fleet.start_rfork("P1", planner_url=planner.url, mode="parameters")
     flow.servers.update(B=b.wait_ready(), P1=p1.wait_ready())
@@ -118,11 +143,10 @@ def chain_and_parameters_mode_without_a_seed(
     return p1
 
 
-def parameters_pull_and_failover_past_sigkilled_seeds(
-    planner: Planner, fleet: Any, flow: Flow[Any]
-) -> tuple[Any, Any]:
+def parameters_pull_and_failover_past_sigkilled_seeds(flow: Flow[Any]) -> tuple[Any, Any]:
     """Step 3: A and B die without draining (still READY); P2 pulls its parameters from P1, C fails
     over across both dead seeds and loads from disk. Returns (P2, C) for the framework's own checks."""
+    planner, fleet = flow.planner, flow.fleet
     flow.servers["A"].kill()
     flow.servers["B"].kill()
     ready = ids_by_framework(planner, "rfork")

@@ -69,7 +69,7 @@ class ServerProcess:
                 if resp.status == 200:
                     self.ready_s = time.monotonic() - self.started
                     return self
-            time.sleep(1.0)
+            time.sleep(0.25)  # a probe is one local connection: polling often costs nothing, waits less
         raise ServerError(f"{self.name} not ready after {timeout_s:.0f} s:\n{self.tail()}")
 
     def terminate(self) -> None:

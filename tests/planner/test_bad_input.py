@@ -82,8 +82,8 @@ def test_named_fields(server):
         "http://",
     ],
 )
-def test_control_url_is_validated(server, url):
-    r = httpx.post(server.url + "/v1/instances", json={"identity": identity(), "control_url": url})
+def test_control_url_is_validated(peer, url):
+    r = peer.http.post("/v1/instances", json={"identity": identity(), "control_url": url})
     assert r.status_code == 422
     assert "control_url" in r.text
 
@@ -206,7 +206,8 @@ class Peer(NamedTuple):
 
 @pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def peer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Peer]:
-    """One planner shared by the property tests of this module (SQLite, PostgreSQL)."""
+    """One planner shared by the property tests and the control URL checks of this module (SQLite,
+    PostgreSQL): each request is answered on its own, so none needs a planner of its own."""
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path_factory.mktemp('db') / 'planner.db'}"
     else:

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from planner import AssignmentRequest, RankManifest, RegistrationRequest, TransferReport
 from planner.contract import Conflict, PlannerClient, control_token, digest_set
-from planner.server import PlannerServer
-from tests.planner.conftest import identity, manifest, ranks
+from tests.planner.conftest import identity, make_planner, manifest, ranks
 
 
 def _instance(c: PlannerClient, man: dict | None, *, control: bool = False) -> str:
@@ -93,16 +93,20 @@ def test_checksum_mismatch_report_takes_the_seed_out_until_it_reverifies(server)
 
 
 def test_reports_on_expired_leases_are_refused(planner_url):
-    with PlannerServer(
-        db_url=planner_url, port=0, insecure=True, lease_ttl_s=0.5, reaper_interval_s=3600
-    ) as s:
-        c = PlannerClient(s.url)
-        _instance(c, manifest(0))
-        lease = c.request_assignment(identity=identity(), rank=0)
-        assert lease is not None
-        time.sleep(0.8)
-        with pytest.raises(Conflict, match="ended"):
-            c.report_transfer(lease.id, outcome="failure", reason="checksum_mismatch")
+    svc = make_planner(planner_url, lease_ttl_s=0.5)
+    try:
+        now = time.time()
+        rank0 = {"rank": 0, "provider": "tcp", "address": "YWRkcjA=", "backends": ["tcp"]}
+        registration = RegistrationRequest.model_validate({"identity": identity(), "ranks": [rank0]})
+        seed = svc.register(registration, now)
+        svc.put_manifest(seed.id, 0, RankManifest.model_validate(manifest(0)).model_dump_json(), now)
+        svc.set_status(seed.id, "READY", now)
+        ask = AssignmentRequest.model_validate({"identity": identity(), "rank": 0, "providers": ["tcp"]})
+        lease = svc.assign(ask, now)
+        with pytest.raises(Conflict, match="ended"):  # 0.8 s later: past lease_ttl_s
+            svc.report(lease.id, TransferReport(outcome="failure", reason="checksum_mismatch"), now + 0.8)
+    finally:
+        svc.close()
 
 
 @given(

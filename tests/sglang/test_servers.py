@@ -1,6 +1,7 @@
 """Real SGLang servers on CPU loading a tiny Llama with `rfork sglang` (one flow, servers shared).
 
-Order (each step needs the ones before; servers start in pairs where independent, to save time):
+Steps (each needs the ones before; servers start in pairs where independent, to save time; test n
+runs the steps through n that have not run yet, so it runs alone too: tests/integrations/server_flow.py):
   1. `--load-format auto` (the reference tokens) beside A, which pulls from an `rfork seed` over tcp;
   2. A became a seed: the rfork seed drains, and B pulls from A (checkpoint mode, chain);
      beside it P1 in parameters mode finds no parameters seed and loads with SGLang's own loader;
@@ -34,22 +35,23 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(1500)]
 RESULTS_ENV = "RFORK_SGLANG_RESULTS"  # optional: write the measured load times here as JSON
 
 
-def test_1_pull_from_an_rfork_seed_and_tokens_equal_auto(planner, server_fleet, flow, tiny_model):
-    pull_from_an_rfork_seed_and_match_auto(planner, server_fleet, flow, tiny_model)
+def _step_1(flow: Flow[SglangServer]) -> None:
+    pull_from_an_rfork_seed_and_match_auto(flow)
 
 
-def test_2_chain_from_the_sglang_seed_and_parameters_mode_without_a_seed(server_fleet, planner, flow):
+def _step_2(flow: Flow[SglangServer]) -> None:
     chain_and_parameters_mode_without_a_seed(
-        planner, server_fleet, flow, framework="sglang", fallback_line="loading with SGLang's default loader"
+        flow, framework="sglang", fallback_line="loading with SGLang's default loader"
     )
 
 
-def test_3_parameters_pull_and_failover_past_sigkilled_seeds(server_fleet, planner, flow):
-    p2, _ = parameters_pull_and_failover_past_sigkilled_seeds(planner, server_fleet, flow)
+def _step_3(flow: Flow[SglangServer]) -> None:
+    p2, _ = parameters_pull_and_failover_past_sigkilled_seeds(flow)
     assert "rfork: parameters mode" in p2.log()
 
 
-def test_4_sigterm_drains_and_transfers_tell_the_story(server_fleet, planner, flow):
+def _step_4(flow: Flow[SglangServer]) -> None:
+    planner = flow.planner
     before = ids_by_framework(planner, "sglang")
     assert len(before) == 2  # P1 and P2
     p1 = flow.servers["P1"]
@@ -72,3 +74,22 @@ def _record_load_times(flow: Flow[SglangServer]) -> None:
         Path(path).write_text(json.dumps({"weight_load_s": figures, "ready_s": ready}, indent=1))
     print("SGLang weight load seconds:", figures)
     print("seconds to ready:", ready)
+
+
+STEPS = [_step_1, _step_2, _step_3, _step_4]
+
+
+def test_1_pull_from_an_rfork_seed_and_tokens_equal_auto(flow):
+    flow.run_through(STEPS, 1)
+
+
+def test_2_chain_from_the_sglang_seed_and_parameters_mode_without_a_seed(flow):
+    flow.run_through(STEPS, 2)
+
+
+def test_3_parameters_pull_and_failover_past_sigkilled_seeds(flow):
+    flow.run_through(STEPS, 3)
+
+
+def test_4_sigterm_drains_and_transfers_tell_the_story(flow):
+    flow.run_through(STEPS, 4)

@@ -12,6 +12,7 @@ A tampered or foreign-key archive is refused in tests/rfork/compile_cache (real 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -27,6 +28,15 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 def compiling_args(model: Path, port: int, *extra: str) -> list[str]:
     """cpu_server_args with torch.compile on (no --enforce-eager)."""
     return [a for a in cpu_server_args(model, port) if a != "--enforce-eager"] + list(extra)
+
+
+def _settled(root: Path, quiet_s: float) -> bool:
+    """No file under `root` written for `quiet_s` (what the seed's CacheShelf waits for before packing)."""
+    mtimes = []
+    for entry in root.rglob("*"):
+        with contextlib.suppress(FileNotFoundError):  # a temporary file renamed meanwhile
+            mtimes.append(entry.lstat().st_mtime)
+    return bool(mtimes) and time.time() - max(mtimes) >= quiet_s
 
 
 def start(fleet: ServerFleet, name: str, planner_url: str, cache_root: Path, *extra: str) -> VllmServer:
@@ -48,7 +58,10 @@ def test_a_second_server_uses_the_first_ones_compile_cache(planner, server_fleet
     assert "not installed (vLLM compiles)" in s1.log()
     assert kernels_built_since(tmp_path / "s1", t1) > 0
     reference = s1.generate()
-    time.sleep(2.5)  # the seed packs its cache once nothing was written for 2 s
+    deadline = time.monotonic() + 120
+    while not _settled(tmp_path / "s1", 2.0):  # the seed packs its cache once nothing was written for 2 s
+        assert time.monotonic() < deadline, "S1's compile cache is still being written after 120 s"
+        time.sleep(0.1)
 
     t2 = time.time()
     s2 = start(server_fleet, "S2", planner.url, tmp_path / "s2")

@@ -1,6 +1,7 @@
 """Real vLLM servers on CPU loading a tiny Llama with `rfork vllm` (one flow, servers shared).
 
-Order (each step needs the ones before; servers start in pairs where independent, to save time):
+Steps (each needs the ones before; servers start in pairs where independent, to save time; test n
+runs the steps through n that have not run yet, so it runs alone too: tests/integrations/server_flow.py):
   1. `--load-format auto` (the reference tokens) beside A, which pulls from an `rfork seed` over tcp;
   2. A became a seed: the rfork seed drains, and B pulls from A (checkpoint mode, chain);
      beside it P1 in parameters mode finds no parameters seed and fills its parameters from disk;
@@ -41,28 +42,29 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
 RESULTS_ENV = "RFORK_VLLM_RESULTS"  # optional: write the measured load times here as JSON
 
 
-def test_1_pull_from_an_rfork_seed_and_tokens_equal_auto(planner, server_fleet, flow, tiny_model):
-    pull_from_an_rfork_seed_and_match_auto(planner, server_fleet, flow, tiny_model)
+def _step_1(flow: Flow[VllmServer]) -> None:
+    pull_from_an_rfork_seed_and_match_auto(flow)
 
 
-def test_2_chain_from_the_vllm_seed_and_parameters_mode_without_a_seed(server_fleet, planner, flow):
+def _step_2(flow: Flow[VllmServer]) -> None:
     chain_and_parameters_mode_without_a_seed(
-        planner, server_fleet, flow, framework="vllm", fallback_line="vLLM's disk loader fills the parameters"
+        flow, framework="vllm", fallback_line="vLLM's disk loader fills the parameters"
     )
     p1_seeds = set(flow.seed_ids["P1"])
-    (p1_identity,) = [i["identity"] for i in instances(planner) if i["id"] in p1_seeds]
+    (p1_identity,) = [i["identity"] for i in instances(flow.planner) if i["id"] in p1_seeds]
     assert p1_identity["framework_version"] == "0.32.0"
     assert (p1_identity["tp"], p1_identity["pp"], p1_identity["dtype"]) == (1, 1, "bfloat16")
     assert (p1_identity["quantization"], p1_identity["device_kind"]) == ("none", "cpu")
 
 
-def test_3_parameters_pull_and_failover_past_sigkilled_seeds(server_fleet, planner, flow):
-    p2, _ = parameters_pull_and_failover_past_sigkilled_seeds(planner, server_fleet, flow)
+def _step_3(flow: Flow[VllmServer]) -> None:
+    p2, _ = parameters_pull_and_failover_past_sigkilled_seeds(flow)
     assert "rfork: parameters mode: rank 0" in p2.log()
     assert "from rfork-tcp" in p2.log()
 
 
-def test_4_sigterm_drains_and_transfers_tell_the_story(server_fleet, planner, flow):
+def _step_4(flow: Flow[VllmServer]) -> None:
+    planner = flow.planner
     before = ids_by_framework(planner, "vllm")
     assert len(before) == 2  # P1 and P2
     p1 = flow.servers["P1"]
@@ -78,16 +80,15 @@ def test_4_sigterm_drains_and_transfers_tell_the_story(server_fleet, planner, fl
     assert sum(1 for o, _ in outcomes if o == "failure") >= 2
 
 
-def test_5_parameters_failover_to_disk_and_vllms_own_loader(
-    server_fleet, planner, flow, tiny_model, tmp_path
-):
+def _step_5(flow: Flow[VllmServer]) -> None:
     from tests.vllm.servers import write_bin_copy
 
+    planner = flow.planner
     flow.servers["P2"].kill()  # the last parameters seed dies without draining
     (p2_id,) = ids_by_framework(planner, "vllm")
-    p3 = server_fleet.start_rfork("P3", planner_url=planner.url, mode="parameters")
-    bin_model = write_bin_copy(tiny_model, tmp_path / "bin")
-    d = server_fleet.start_rfork("D", planner_url=planner.url, model=bin_model)
+    p3 = flow.fleet.start_rfork("P3", planner_url=planner.url, mode="parameters")
+    bin_model = write_bin_copy(flow.model, flow.workdir / "bin")
+    d = flow.fleet.start_rfork("D", planner_url=planner.url, model=bin_model)
     flow.servers.update(P3=p3.wait_ready(), D=d.wait_ready())
     assert p3.generate() == flow.reference
     assert d.generate() == flow.reference
@@ -127,7 +128,7 @@ child(sys.argv[1], "rfork", json.loads(sys.argv[2]), False)
 """
 
 
-def test_6_tensors_vllm_cannot_digest_end_in_its_default_loader(planner, flow, tiny_model, tmp_path):
+def _step_6(flow: Flow[VllmServer]) -> None:
     """`vllm.LLM` in one process pulls from C, then vLLM's `load_weights` rejects the pulled tensors
     (an unknown one is injected): vLLM's disk loader fills the same model, the tokens are the reference."""
     import subprocess
@@ -136,12 +137,13 @@ def test_6_tensors_vllm_cannot_digest_end_in_its_default_loader(planner, flow, t
     from tests.vllm.bench_load import _CHILD_MARK
     from tests.vllm.servers import cpu_env
 
-    script = tmp_path / "undigestible.py"
+    planner = flow.planner
+    script = flow.workdir / "undigestible.py"
     script.write_text(_UNDIGESTIBLE_PULL)
     extra = {"planner_url": planner.url, "mode": "checkpoint", "serve": False, "transfer_timeout_s": 3}
     before = {t["id"] for t in transfers(planner)}
     out = subprocess.run(
-        [sys.executable, str(script), str(tiny_model), json.dumps(extra)],
+        [sys.executable, str(script), str(flow.model), json.dumps(extra)],
         capture_output=True, text=True, timeout=900, env=cpu_env(), check=False,
     )
     assert out.returncode == 0, out.stderr[-4000:]
@@ -155,3 +157,30 @@ def test_6_tensors_vllm_cannot_digest_end_in_its_default_loader(planner, flow, t
     # slow machine): those attempts fail on the transport, nothing else may
     assert [t["outcome"] for t in pulled].count("success") == 1, pulled
     assert all(t["reason"] == "transport" for t in pulled if t["outcome"] == "failure"), pulled
+
+
+STEPS = [_step_1, _step_2, _step_3, _step_4, _step_5, _step_6]
+
+
+def test_1_pull_from_an_rfork_seed_and_tokens_equal_auto(flow):
+    flow.run_through(STEPS, 1)
+
+
+def test_2_chain_from_the_vllm_seed_and_parameters_mode_without_a_seed(flow):
+    flow.run_through(STEPS, 2)
+
+
+def test_3_parameters_pull_and_failover_past_sigkilled_seeds(flow):
+    flow.run_through(STEPS, 3)
+
+
+def test_4_sigterm_drains_and_transfers_tell_the_story(flow):
+    flow.run_through(STEPS, 4)
+
+
+def test_5_parameters_failover_to_disk_and_vllms_own_loader(flow):
+    flow.run_through(STEPS, 5)
+
+
+def test_6_tensors_vllm_cannot_digest_end_in_its_default_loader(flow):
+    flow.run_through(STEPS, 6)

@@ -7,6 +7,7 @@ process is the honest loader, whose requests must all be answered within the req
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import socket
@@ -91,18 +92,36 @@ def _drip(url: str, count: int, seconds: float, out: Connection) -> None:
     out.send({"opened": opened, "longest_s": longest})
 
 
-@pytest.fixture
-def seed_control() -> Iterator[tuple[str, str, Connection]]:
+@contextlib.contextmanager
+def _control_process() -> Iterator[tuple[str, str, Connection]]:
+    """A control server in a process of its own: (url, control key, the pipe that stops it)."""
     key = new_control_key()
     parent, child = CTX.Pipe()
     proc = CTX.Process(target=_serve, args=(child, key, DEADLINE_S), daemon=True)
     proc.start()
     child.close()
-    assert parent.poll(60), "control server did not start"
-    url = parent.recv()
-    yield url, key, parent
-    proc.kill()
-    proc.join(5)
+    try:
+        assert parent.poll(60), "control server did not start"
+        url = parent.recv()
+        yield url, key, parent
+    finally:
+        proc.kill()
+        proc.join(5)
+
+
+@pytest.fixture
+def seed_control() -> Iterator[tuple[str, str, Connection]]:
+    """A server of the test's own: the dripping test reads its whole life's thread and eviction counts."""
+    with _control_process() as control:
+        yield control
+
+
+@pytest.fixture(scope="module")
+def shared_control() -> Iterator[tuple[str, str, Connection]]:
+    """One server for the tests that each use their own connections and leases (a process start is
+    seconds: it imports torch)."""
+    with _control_process() as control:
+        yield control
 
 
 def _request(url: str, method: str = "GET", body: dict[str, Any] | None = None,
@@ -173,8 +192,8 @@ def test_dripping_connections_never_stop_an_honest_request(seed_control: tuple[s
 
 
 @pytest.mark.timeout(60)
-def test_a_burst_of_connects_is_held_by_the_backlog(seed_control: tuple[str, str, Connection]) -> None:
-    url, _key, _control = seed_control
+def test_a_burst_of_connects_is_held_by_the_backlog(shared_control: tuple[str, str, Connection]) -> None:
+    url, _key, _control = shared_control
     host, port = url.removeprefix("http://").split(":")
     socks = []
     try:
@@ -191,8 +210,8 @@ def test_a_burst_of_connects_is_held_by_the_backlog(seed_control: tuple[str, str
 
 
 @pytest.mark.timeout(60)
-def test_auth_is_checked_before_the_body_is_read(seed_control: tuple[str, str, Connection]) -> None:
-    url, key, _control = seed_control
+def test_auth_is_checked_before_the_body_is_read(shared_control: tuple[str, str, Connection]) -> None:
+    url, key, _control = shared_control
     host, port = url.removeprefix("http://").split(":")
     for auth, want in [(b"", b" 401 "), (b"Authorization: Bearer v1.a.b.0.1.c\r\n", b" 403 ")]:
         with socket.create_connection((host, int(port)), timeout=10) as sock:
@@ -223,8 +242,8 @@ def test_auth_is_checked_before_the_body_is_read(seed_control: tuple[str, str, C
 
 
 @pytest.mark.timeout(60)
-def test_malformed_heads_get_4xx(seed_control: tuple[str, str, Connection]) -> None:
-    url, _key, _control = seed_control
+def test_malformed_heads_get_4xx(shared_control: tuple[str, str, Connection]) -> None:
+    url, _key, _control = shared_control
     host, port = url.removeprefix("http://").split(":")
     for raw in [b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\n" + b"X: " + b"y" * 20000 + b"\r\n\r\n",
                 b"POST /v1/nccl/sessions HTTP/1.1\r\nHost: s\r\nContent-Length: -5\r\n\r\n",
