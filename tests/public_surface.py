@@ -7,6 +7,7 @@ these checks say what that list must agree with. Each returns the offending name
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import re
 import sys
@@ -51,8 +52,11 @@ def left_out(package: ModuleType) -> list[str]:
 
 
 def unexported_errors(package: ModuleType) -> list[str]:
-    """Exceptions that the package's `errors` module defines but the package does not export."""
-    errors = importlib.import_module(f"{package.__name__}.errors")
+    """Exceptions that the package's `errors` module (`pkg.errors`, or `pkg.contract.errors` where the
+    package keeps a contract room) defines but the package does not export."""
+    name = package.__name__
+    where = f"{name}.contract.errors" if importlib.util.find_spec(f"{name}.contract") else f"{name}.errors"
+    errors = importlib.import_module(where)
     return sorted(
         name
         for name, value in vars(errors).items()
