@@ -11,6 +11,7 @@ import base64
 import binascii
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from enum import Enum
 from typing import Annotated, Any, Literal
@@ -22,6 +23,7 @@ from pydantic import (
     ConfigDict,
     Field,
     GetCoreSchemaHandler,
+    PrivateAttr,
     SerializationInfo,
     SerializerFunctionWrapHandler,
     StringConstraints,
@@ -237,11 +239,29 @@ class TensorDigest(Strict):
     checksum: Annotated[str, StringConstraints(max_length=1024, pattern=NO_NUL)]
 
 
+# Bytes per element of each dtype name a manifest may carry: torch's names (a "torch." prefix is
+# allowed), here so that checking a manifest needs no torch.
+DTYPE_BYTES: dict[str, int] = {
+    **dict.fromkeys(("complex128", "cdouble"), 16),
+    **dict.fromkeys(("float64", "double", "int64", "long", "uint64", "complex64", "cfloat"), 8),
+    **dict.fromkeys(("float32", "float", "int32", "int", "uint32", "qint32", "complex32", "chalf"), 4),
+    **dict.fromkeys(("bfloat16", "float16", "half", "int16", "short", "uint16", "bits16"), 2),
+    **dict.fromkeys(
+        ("bool", "int8", "uint8", "qint8", "quint8", "quint4x2", "quint2x4", "bits8", "bits1x8", "bits2x4",
+         "bits4x2", "bit", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+         "float8_e8m0fnu", "float4_e2m1fn_x2", *(f"int{b}" for b in range(1, 8)),
+         *(f"uint{b}" for b in range(1, 8))),
+        1,
+    ),
+}
+
+
 class RankManifest(BaseModel):
     """A rank manifest: which regions a rank serves and where each tensor lies in them.
 
     The planner checks this shape and `conflicts()`, then stores the text verbatim (unknown fields
-    included).
+    included). A loader calls `check()` once where it receives one; after that the manifest is
+    trusted as it is, and its descriptors are read decoded (`descriptor`).
     """
 
     rank: Rank
@@ -251,6 +271,7 @@ class RankManifest(BaseModel):
     # "disk": the publisher loaded these weights from a checkpoint (may anchor the identity's digests);
     # "peer": it pulled them from another instance (never anchors)
     origin: Literal["disk", "peer"] = "peer"
+    _descriptors: dict[int, bytes] | None = PrivateAttr(default=None)  # set by check()
 
     def conflicts(self) -> str | None:
         """What a well-formed manifest contradicts in itself (409; JSON Schema cannot say it), or None."""
@@ -262,14 +283,65 @@ class RankManifest(BaseModel):
                 return f"tensors[{i}].region: no region {t.region}"
             if t.offset + t.nbytes > sizes[t.region]:
                 return f"tensors[{i}]: offset+nbytes exceeds region {t.region}'s nbytes"
+        return self._oversized_region()
+
+    def _oversized_region(self) -> str | None:
+        """A region larger than the tensors in it (a loader would allocate and read the excess), or None."""
         covered = self.covered_region_bytes()
-        for r in self.regions:  # a region is as large as the tensors in it, never larger
+        for r in self.regions:
             if r.nbytes > covered.get(r.index, 0):
                 return (
                     f"regions: region {r.index} has nbytes {r.nbytes} but its tensors end at "
                     f"{covered.get(r.index, 0)}"
                 )
         return None
+
+    def check(self) -> None:
+        """Every invariant a reader relies on, in one place; ValueError naming the first region or
+        tensor that does not add up. Decodes each region's descriptor (once: `descriptor` reads it).
+
+        Regions: unique indices, base64 descriptors, no larger than their tensors. Tensors: unique
+        names, a known dtype whose size times the shape is `nbytes`, bytes inside their region (a
+        zero-byte tensor has none: its region is not looked at).
+        """
+        decoded: dict[int, bytes] = {}
+        for r in self.regions:
+            if r.index in decoded:
+                raise ValueError(f"duplicate region index {r.index}")
+            decoded[r.index] = r.descriptor_bytes()
+        sizes = {r.index: r.nbytes for r in self.regions}
+        names: set[str] = set()
+        for t in self.tensors:
+            if t.name in names:
+                raise ValueError(f"duplicate tensor {t.name!r}")
+            names.add(t.name)
+            size = DTYPE_BYTES.get(t.dtype.removeprefix("torch."))
+            if size is None:
+                raise ValueError(f"tensor {t.name!r}: unknown dtype {t.dtype!r}")
+            want = size * math.prod(t.shape)
+            if t.nbytes != want:
+                raise ValueError(
+                    f"tensor {t.name!r}: nbytes {t.nbytes} != {want} for {t.dtype}{list(t.shape)}"
+                )
+            if t.nbytes == 0:
+                continue
+            if t.region not in sizes:
+                raise ValueError(f"tensor {t.name!r} names missing region {t.region}")
+            if t.offset + t.nbytes > sizes[t.region]:
+                raise ValueError(
+                    f"tensor {t.name!r} [{t.offset}, +{t.nbytes}) overruns region {t.region} "
+                    f"({sizes[t.region]} bytes)"
+                )
+        oversized = self._oversized_region()
+        if oversized is not None:
+            raise ValueError(oversized)
+        self._descriptors = decoded
+
+    def descriptor(self, index: int) -> bytes:
+        """Region `index`'s descriptor as `check()` decoded it (MemoryRegionDescriptor.to_bytes())."""
+        if self._descriptors is None:
+            raise RuntimeError("RankManifest.descriptor: check() the manifest first")
+        return self._descriptors[index]
 
     def covered_region_bytes(self) -> dict[int, int]:
         """{region index: where its last tensor ends}: the only region sizes a loader allocates."""
