@@ -7,11 +7,15 @@ The story of one load, for each rank:
      verifying every tensor's digest as it lands; report how it went; on any failure report it,
      fence the failed attempt's reads (none may land later: `OneSidedReader.fence`), exclude that
      seed and ask again; when no seed is left, read the checkpoint (`disk`);
-  3. once every rank is in, publish this instance as a seed of the same weights (`rfork.seed`), reusing
-     the pull's read-only registrations.
+  3. once every rank is in, hand over what a seed serves (`LoadResult`: per rank the weights, their
+     read-only registrations and verified digests, `ServedRank`; the engine they live on) and publish
+     this instance as a seed of the same weights (`rfork.seed`), which adopts them: nothing is
+     registered twice. With `seed_later` the result holds them until the caller's `become_seed`
+     (the framework hooks, after the framework's post-load steps) or `close()`.
 Weights land where the caller wants them: `pull_into(named_tensors)` / `load_into(module)` fill the
-caller's own tensors; `load()` allocates flat buffers per the seed's manifest first. Nothing is
-published before every tensor of every rank verified; a disk load says `verified=False`.
+caller's own tensors; `load()` allocates flat buffers per the seed's manifest first (its result's
+`assign_to(module)` points a module at them). Nothing is published before every tensor of every rank
+verified; a disk load says `verified=False`.
 """
 
 from __future__ import annotations
@@ -140,6 +144,8 @@ class Loader:
         )
         if self.planner_url is None or not (self.options.become_seed or self.options.seed_later):
             self.reader.close()
+            for served in ranks.values():
+                served.regions = []  # gone with the engine
             return result
         try:
             # the seed adopts the engine with the pull's registrations: nothing is registered twice
