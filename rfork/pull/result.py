@@ -191,6 +191,8 @@ class LoadResult:
         `self.seed` from here on (close() drains it); on failure it is closed, the engine with it."""
         if self.seed is not None:
             raise RuntimeError("this load is a seed already")
+        if weights is not None and sorted(w.rank for w in weights) != sorted(self.ranks):
+            raise ValueError(f"serve the loaded ranks {sorted(self.ranks)}, not {[w.rank for w in weights]}")
         server = self._take_server()
         seed = Seed(
             weights=list(weights) if weights is not None else [s.weights for s in self.ranks.values()],

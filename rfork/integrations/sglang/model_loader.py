@@ -68,12 +68,12 @@ class RforkModelLoader(RforkLoaderBase, BaseModelLoader):
         if reason is not None:
             return self._fallback(model_config, device_config, t0, reason)
         assert self.outcome is not None
-        assert self.outcome.served is not None
+        assert self.outcome.pulled is not None
         pulled = time.perf_counter()
         try:
             model = self._build(model_config, target)
             DefaultModelLoader.load_weights_and_postprocess(
-                model, iter(self.outcome.served.tensors.items()), target
+                model, iter(self.outcome.pulled.state_dict(0).items()), target
             )
         except Exception as exc:  # noqa: BLE001 - a checkpoint SGLang cannot digest this way: default
             return self._fallback(model_config, device_config, t0, f"load_weights failed: {exc}")

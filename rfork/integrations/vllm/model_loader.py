@@ -38,8 +38,8 @@ from rfork.integrations.hook.outcome import LoadOutcome
 from rfork.integrations.hook.settings import default_loader_config
 
 if TYPE_CHECKING:
+    from rfork.pull.result import LoadResult
     from rfork.seed.seed import Seed
-    from rfork.weights.rank_weights import RankWeights
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class RforkModelLoader(RforkLoaderBase, BaseModelLoader):
         super().__init__(load_config)
         self._vllm_config: Any = None
         self._loading = False  # inside load_model: load_weights pulls (parameters mode)
-        self._feed: RankWeights | None = None  # checkpoint mode: what load_weights feeds the model
+        self._pulled: LoadResult | None = None  # checkpoint mode: what load_weights feeds the model
         self._built = False  # vLLM registers layer names when a model is built: never build twice
 
     # --- vLLM's loader interface
@@ -73,7 +73,7 @@ class RforkModelLoader(RforkLoaderBase, BaseModelLoader):
                 if reason is not None:
                     return self._fallback(vllm_config, model_config, prefix, t0, reason)
                 assert self.outcome is not None
-                self._feed = self.outcome.served
+                self._pulled = self.outcome.pulled
             model = super().load_model(vllm_config, model_config, prefix)
         except Exception as exc:  # noqa: BLE001 - every failure ends in vLLM's own loader
             if self._built:  # a second model would clash with the first's layer names: vLLM's error
@@ -81,7 +81,7 @@ class RforkModelLoader(RforkLoaderBase, BaseModelLoader):
                 raise
             return self._fallback(vllm_config, model_config, prefix, t0, f"rfork load failed: {exc}")
         finally:
-            self._feed = None
+            self._pulled = None
             self._loading = False  # a later load_weights (vLLM reloading weights) reads the disk
         assert self.outcome is not None
         self.outcome.seconds = time.perf_counter() - t0
@@ -111,9 +111,9 @@ class RforkModelLoader(RforkLoaderBase, BaseModelLoader):
 
         `model` is a vLLM model: a torch module with vLLM's `load_weights(iterable of (name, tensor))`.
         """
-        if self._feed is not None:
+        if self._pulled is not None:
             try:
-                loaded = model.load_weights(iter(self._feed.tensors.items()))
+                loaded = model.load_weights(iter(self._pulled.state_dict(0).items()))
                 if model_config.quantization is None and loaded is not None:
                     self._default_loader().track_weights_loading(model, loaded)  # every parameter set
             except Exception as exc:  # noqa: BLE001 - tensors vLLM cannot digest: its own disk loader
@@ -198,7 +198,7 @@ class RforkModelLoader(RforkLoaderBase, BaseModelLoader):
         self, vllm_config: Any, model_config: Any, prefix: str, t0: float, reason: str
     ) -> torch.nn.Module:
         log.info("rfork: loading with vLLM's default loader: %s", reason)
-        self._feed = None
+        self._pulled = None
         self._loading = False  # load_weights must not take the parameters path again
         model = self._default_loader().load_model(vllm_config, model_config, prefix)
         # nothing to serve: post-processed weights are not a pullable layout (`pulls_after_post_load`)

@@ -58,6 +58,8 @@ def test_a_pull_that_becomes_a_seed_later_registers_each_buffer_once(planner, mo
             assert result.seed is None  # nothing published yet: the framework still runs its steps
             later = result.become_seed(planner_url=planner, token=REGISTER, providers=["tcp"])
             assert_registered_once(made, result.weights[0])
+            assert result.client is not None  # one planner connection pool per process
+            assert later.publications[0].client._http is result.client._http
             third = pull_into(
                 identity=ident,
                 planner_url=planner,
