@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from planner.server import PlannerServer
+from rfork import LoadOptions, pull_into
 from rfork.integrations.hook.loader_base import Parallel, RforkLoaderBase
 from rfork.seed.seed import Seed
 from rfork.weights.rank_weights import RankWeights
@@ -48,9 +49,16 @@ class _Loader(RforkLoaderBase, _FrameworkLoader):
         self.drains = [seed]
 
 
-def _hook(planner_url: str, **settings: Any) -> _Loader:
+class _LoaderBeforePostLoad(_Loader):
+    """A framework whose pull lands before its post-load steps (as vLLM's)."""
+
+    pulls_after_post_load = False
+
+
+def _hook(planner_url: str, *, after_post_load: bool = True, **settings: Any) -> _Loader:
     extra = {"planner_url": planner_url, "mode": "parameters", "transfer_timeout_s": 3.0, **settings}
-    return _Loader(SimpleNamespace(model_loader_extra_config=extra))
+    kind = _Loader if after_post_load else _LoaderBeforePostLoad
+    return kind(SimpleNamespace(model_loader_extra_config=extra))
 
 
 MODEL_CONFIG = SimpleNamespace(
@@ -77,10 +85,13 @@ def parameters_seed(open_planner: str) -> Iterator[tuple[dict[str, torch.Tensor]
 
 
 @pytest.mark.slow
-def test_the_hook_template_registers_each_pulled_parameter_once(open_planner, parameters_seed, monkeypatch):
+@pytest.mark.parametrize("after_post_load", [True, False], ids=["sglang-like", "vllm-like"])
+def test_the_hook_template_registers_each_pulled_parameter_once(
+    open_planner, parameters_seed, monkeypatch, after_post_load
+):
     source, seed = parameters_seed
     made = spy_registrations(monkeypatch)
-    hook = _hook(open_planner)
+    hook = _hook(open_planner, after_post_load=after_post_load)
     model = LlamaForCausalLM(SMALL)  # built, post-processed, still empty
     params = dict(model.named_parameters())
     ident = hook.parameters_identity(MODEL_CONFIG, params, torch.device("cpu"))
@@ -94,7 +105,14 @@ def test_the_hook_template_registers_each_pulled_parameter_once(open_planner, pa
         assert hook.drains == [became]
         assert_registered_once(made, hook.outcome.served)  # type: ignore[arg-type]
         assert became.instance_ids
-        assert seed.instance_ids != became.instance_ids
+        third = pull_into(
+            identity=ident,
+            planner_url=open_planner,
+            tensors={n: torch.empty_like(p) for n, p in source.items()},
+            options=LoadOptions(providers=["tcp"], exclude=seed.instance_ids, become_seed=False),
+        )
+        assert third.attempts[0].instance_id == became.instance_ids[0]  # served on what it adopted
+        assert_same(third.state_dict(), {n: p.detach() for n, p in source.items()})
     finally:
         if became is not None:
             became.close()
