@@ -35,7 +35,7 @@ from rfork.pull.one_sided import OneSidedReader
 from rfork.pull.planner_session import PlannerSession, Source
 from rfork.pull.progress_report import PullProgress
 from rfork.pull.result import Attempt, LoadOptions, LoadResult, ProgressFn
-from rfork.seed.served import ServedRank
+from rfork.seed.seed import ServedRank
 from rfork.weights.checkpoint import CheckpointInfo, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
 

@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from rfork.identity import SourceIdentity
-from rfork.seed.seed import Seed
-from rfork.seed.served import RankServer, ServedRank
+from rfork.seed.seed import RankServer, Seed, ServedRank
 from rfork.weights.rank_weights import RankWeights
 
 if TYPE_CHECKING:

@@ -1,12 +1,15 @@
 """Seeds: serve a rank's weights in place for one-sided reads and keep them published at the planner.
 
 A seed process holds one or more ranks (`RankWeights`). For each transport provider it serves them on
-one engine (`rfork.seed.served.RankServer`), every region registered once with remote *read* access
-only, so published descriptors never allow writes; a loader that becomes a seed hands over its engine
-and the registrations its pull made (`LoadResult.hand_off`), and nothing registers those again. The
-seed also runs the NCCL fallback's control endpoint (`rfork.seed.control`), then publishes identity +
-rank manifests (one planner instance per provider, `rfork.seed.publication`), goes READY
-and heartbeats. `close()` drains: DRAINING, delete, deregister. The weights must not change while
+one engine (`RankServer`), every region registered once with remote *read* access only, so published
+descriptors never allow writes. What a seed serves is also what a pull hands over (`ServedRank`: the
+weights, their registrations, the verified digests): a loader that becomes a seed gives it the engine
+its reads used with the registrations they landed through (`LoadResult.become_seed`), so a buffer is
+registered once per process lifetime (per provider); registration is the expensive step on a real
+NIC. Ranks a pull filled without registering (disk, NCCL, GPU bounce slots) are registered when the
+seed starts. The seed also runs the NCCL fallback's control endpoint (`rfork.seed.control`), then
+publishes identity + rank manifests (one planner instance per provider, `rfork.seed.publication`),
+goes READY and heartbeats. `close()` drains: DRAINING, delete, deregister. The weights must not change while
 READY (readers would see torn tensors and fail their digest check); nothing here writes to them.
 """
 
@@ -18,11 +21,12 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from backends import TransferEngine
+from backends import Region, TransferEngine
 from planner.client import PlannerClient
 from planner.control_token import new_control_key
 from planner.wire import RankEndpoint, RankManifest
@@ -30,12 +34,87 @@ from rfork.compile_cache.shelf import CacheShelf
 from rfork.identity import SourceIdentity, default_labels
 from rfork.seed.control import ControlServer
 from rfork.seed.publication import Publication, routable_host
-from rfork.seed.served import RankServer, ServedRank
 from rfork.weights.rank_weights import RankWeights
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RankServer", "Seed", "ServedRank", "start_control_server"]
+
+@dataclass(kw_only=True)
+class ServedRank:
+    """One rank as a seed serves it: its weights (tensors, and in `weights.checksums` the digests a
+    pull verified) and their read-only registrations, one per region ([] until registered)."""
+
+    weights: RankWeights
+    regions: list[Region] = field(default_factory=list)
+
+    def registered_on(self, engine: TransferEngine) -> bool:
+        """Whether every region is registered, alive, on `engine` (a fence may have closed another)."""
+        return bool(self.regions) and all(r.engine is engine and not r.closed for r in self.regions)
+
+    def descriptors(self) -> list[bytes]:
+        """What peers need to read each region, in region order."""
+        return [bytes(r.descriptor.to_bytes()) for r in self.regions]
+
+
+class RankServer:
+    """One provider's engine serving some ranks' regions (read-only). Thread-safe close.
+
+    `ranks`: registrations made on `engine` already (a pull's), adopted as they are.
+    """
+
+    def __init__(
+        self, *, engine: TransferEngine, owns_engine: bool = True, ranks: Iterable[ServedRank] = ()
+    ) -> None:
+        self.engine = engine
+        self.provider = str(getattr(engine, "provider", "tcp"))
+        self._owns_engine = owns_engine
+        self.ranks: dict[int, ServedRank] = {}
+        for served in ranks:
+            if served.registered_on(engine):
+                self.ranks[served.weights.rank] = served
+
+    def serve(self, weights: RankWeights) -> ServedRank:
+        """Register the weights' regions read-only, unless this engine serves them already (adopted)."""
+        held = self.ranks.pop(weights.rank, None)
+        if held is not None:
+            if held.weights is weights:
+                self.ranks[weights.rank] = held
+                return held
+            self._deregister(held)  # other tensors of that rank are served from now on
+        t0 = time.perf_counter()
+        targets = weights.registrables()
+        if weights.device.type == "cuda" and not getattr(self.engine, "device_memory", False):
+            targets = weights.host_mirrors()  # no FI_HMEM here: serve a host copy (not run on a GPU)
+        regions = [self.engine.register(target, access="read") for target in targets]
+        log.info(
+            "registered %d region(s), %d bytes, for rank %d on %s in %.3f s",
+            len(regions),
+            sum(weights.layout.region_sizes),
+            weights.rank,
+            self.provider,
+            time.perf_counter() - t0,
+        )
+        served = ServedRank(weights=weights, regions=regions)
+        self.ranks[weights.rank] = served
+        return served
+
+    def address_bytes(self) -> bytes:
+        """The engine's address, as the planner publishes it (base64 on the wire)."""
+        return bytes(self.engine.address)
+
+    def close(self) -> None:
+        """Deregister every served region, then close the engine if this server owns it."""
+        for served in self.ranks.values():
+            self._deregister(served)
+        self.ranks.clear()
+        if self._owns_engine:
+            with contextlib.suppress(Exception):
+                self.engine.close()
+
+    def _deregister(self, served: ServedRank) -> None:
+        for reg in served.regions:
+            with contextlib.suppress(Exception):
+                self.engine.deregister(reg)
 
 
 def start_control_server(
@@ -97,7 +176,7 @@ class Seed:
         compile_caches: CacheShelf | None = None,
         client: PlannerClient | None = None,
     ) -> None:
-        """`servers`: engines serving these weights already, adopted (a pull's, `LoadResult.hand_off`):
+        """`servers`: engines serving these weights already, adopted (a pull's, `LoadResult.become_seed`):
         the seed registers on them only what is not registered yet, and closes them. `providers`: one
         engine each, opened here, for those no adopted server covers (default: tcp, when none is
         adopted). `client`: a planner client whose connections the publications share (a loader's).
