@@ -41,6 +41,12 @@ def expected_nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class Placement:
+    """One tensor: its name, dtype ("bfloat16"), shape, and where its `nbytes` lie: at `offset` of byte
+    container `region` (a rank's region; for a checkpoint on disk, one of its files).
+
+    The tensor record of backends and rfork; the planner's wire carries the same fields plus the
+    checksum (planner.wire.TensorEntry; rfork.weights.rank_weights converts, in one place)."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]

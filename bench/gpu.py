@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
             write_synthetic_checkpoint(directory, size_bytes=int(args.size_gib * GIB))
         info = read_checkpoint_info(directory)
         nbytes = info.total_bytes
-        files = sorted({t.file for t in info.tensors})
+        files = sorted({info.files[t.region] for t in info.tensors})
         rows: list[dict[str, Any]] = [
             {"source": "d2d copy (baseline)", "seconds": measure_d2d(nbytes, device)}
         ]

@@ -22,7 +22,7 @@ from starlette.routing import Match
 from planner.answers import error_response, planner_error_response
 from planner.auth import Authenticator
 from planner.contract.errors import PlannerError
-from planner.contract.wire import RankManifest
+from planner.contract.manifest import RankManifest
 from planner.db import Database
 from planner.fleet import ProgressBoard, RefusalLog
 from planner.guard import RequestGuard

@@ -27,6 +27,7 @@ from planner.answers import planner_error_response
 from planner.auth import INSECURE, Principal
 from planner.contract import wire
 from planner.contract.errors import PlannerError
+from planner.contract.manifest import dump_json
 from planner.guard import replay
 from planner.heartbeats import HeartbeatBatcher
 from planner.routes.assignments import finished, lease_refusal, leased, reporter
@@ -138,7 +139,7 @@ class HotPath:
             ttl_s=self.batcher.planner.settings.heartbeat_ttl_s,
             reverify=beat[1],
         )
-        await _send_json(send, 200, wire.dump_json(answer))
+        await _send_json(send, 200, dump_json(answer))
         return True
 
     async def _assignment(
@@ -184,7 +185,7 @@ class HotPath:
             return True
         if isinstance(out, Exception):
             return False
-        await _send_json(send, status, wire.dump_json(out))
+        await _send_json(send, status, dump_json(out))
         return True
 
 

@@ -34,6 +34,14 @@ from planner.contract.errors import (
     PlannerUnavailable,
 )
 from planner.contract.integrity import digest_set
+from planner.contract.manifest import (
+    DTYPE_BYTES,
+    RankManifest,
+    RegionEntry,
+    StoredManifest,
+    TensorDigest,
+    TensorEntry,
+)
 from planner.contract.views import (
     FleetView,
     InstancePage,
@@ -55,17 +63,12 @@ from planner.contract.wire import (
     Labels,
     LeaseRenewal,
     RankEndpoint,
-    RankManifest,
     RankView,
-    RegionEntry,
     Registration,
     RegistrationRequest,
     ReportAnswer,
     SourceIdentity,
     StatusChange,
-    StoredManifest,
-    TensorDigest,
-    TensorEntry,
     TransferReport,
     identity_key,
 )
@@ -74,6 +77,7 @@ if TYPE_CHECKING:
     from planner.contract.client import PlannerClient
 
 __all__ = [
+    "DTYPE_BYTES",
     "AllBusy",
     "Anchor",
     "Assignment",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import copy
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -67,17 +68,26 @@ class PlannerClient:
         # Plain http needs no TLS context (building the default one loads every CA: ~0.1-0.4 s).
         verify = not self.base_url.startswith("http://")
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, verify=verify)
+        self._owns_http = True
+        self._auth: dict[str, str] = {}
         self.use_token(token)
 
     def use_token(self, token: str | None) -> None:
         """Act with `token` from now on (None: no Authorization header)."""
-        self._http.headers.pop("Authorization", None)
-        if token:
-            self._http.headers["Authorization"] = f"Bearer {token}"
+        self._auth = {"Authorization": f"Bearer {token}"} if token else {}
+
+    def with_token(self, token: str | None) -> PlannerClient:
+        """Another client over this one's connections (one pool per process), acting with `token`;
+        closing it leaves the connections to this one."""
+        other = copy.copy(self)
+        other._owns_http = False
+        other.use_token(token)
+        return other
 
     def close(self) -> None:
-        """Close the connection pool."""
-        self._http.close()
+        """Close the connection pool (unless it is another client's)."""
+        if self._owns_http:
+            self._http.close()
 
     def __enter__(self) -> PlannerClient:
         return self
@@ -279,7 +289,7 @@ class PlannerClient:
     ) -> Any:
         """One request; the answer parsed as `answer` (None: no body expected), or a PlannerError."""
         content = body.model_dump_json().encode() if body is not None else None
-        headers = {"Content-Type": "application/json"} if content is not None else None
+        headers = {**self._auth, "Content-Type": "application/json"} if content is not None else self._auth
         try:
             resp = self._http.request(method, path, content=content, headers=headers, params=params)
         except httpx.HTTPError as exc:

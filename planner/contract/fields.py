@@ -5,9 +5,11 @@ Shared by planner.contract.wire's models and the routes' query parameters (NO_NU
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field, StringConstraints
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
 
 def _json_int(value: Any) -> Any:
@@ -59,3 +61,16 @@ Text256 = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern
 ControlKey = Annotated[str, StringConstraints(min_length=32, max_length=128, pattern=r"^[0-9a-f]+$")]
 # rfork.compile_cache.key.CompileCacheKey.digest(): sha256 of what a compiled artifact depends on
 CompileCacheKey = Annotated[str, StringConstraints(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]
+
+def b64decode(value: str, what: str) -> bytes:
+    """Strict base64 (no stray characters), or a ValueError naming the field (a 422)."""
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"{what} must be base64") from exc
+
+
+class Strict(BaseModel):
+    """Unknown fields are refused, so a typo is a 422 naming it instead of silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")

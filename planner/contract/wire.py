@@ -8,26 +8,19 @@ verbatim). What readers get back (pages, the fleet page) is in planner.contract.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import json
 from collections.abc import Mapping
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-import orjson
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    GetCoreSchemaHandler,
-    SerializationInfo,
-    SerializerFunctionWrapHandler,
     StringConstraints,
     field_validator,
 )
-from pydantic_core import CoreSchema, core_schema
 
 from planner.contract.fields import (
     BASE64,
@@ -44,10 +37,17 @@ from planner.contract.fields import (
     ParallelSize,
     ProviderName,
     Rank,
-    RegionIndex,
+    Strict,
     Text64,
     Text128,
     Text256,
+    b64decode,
+)
+from planner.contract.manifest import (
+    ManifestOrStored,
+    RankManifest,
+    StoredManifest,
+    TensorDigest,
 )
 
 
@@ -57,17 +57,6 @@ def identity_key(identity: Mapping[str, Any]) -> str:
     return hashlib.sha256(canon.encode()).hexdigest()
 
 
-def _b64decode(value: str, what: str) -> bytes:
-    try:
-        return base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise ValueError(f"{what} must be base64") from exc
-
-
-class Strict(BaseModel):
-    """Unknown fields are refused, so a typo is a 422 naming it instead of silently ignored."""
-
-    model_config = ConfigDict(extra="forbid")
 
 
 # ---- identity, labels, ranks ------------------------------------------------------------------
@@ -162,150 +151,12 @@ class RankEndpoint(Strict):
     @field_validator("address")
     @classmethod
     def _b64(cls, v: str) -> str:
-        _b64decode(v, "address")
+        b64decode(v, "address")
         return v
 
     def address_bytes(self) -> bytes:
         """The engine address (base64 on the wire)."""
-        return _b64decode(self.address, "address")
-
-
-# ---- rank manifests ---------------------------------------------------------------------------
-
-
-class RegionEntry(BaseModel):
-    """One registered memory region of a rank."""
-
-    index: RegionIndex
-    nbytes: Bytes
-    descriptor: Annotated[str, StringConstraints(max_length=1_048_576)]
-
-    def descriptor_bytes(self) -> bytes:
-        """MemoryRegionDescriptor.to_bytes() (base64 on the wire; "" where the reader may not see it)."""
-        return _b64decode(self.descriptor, f"regions[index={self.index}].descriptor")
-
-
-class TensorEntry(BaseModel):
-    """One tensor of a rank and where it lives in the regions."""
-
-    name: Annotated[str, StringConstraints(min_length=1, max_length=4096)]
-    dtype: Annotated[str, StringConstraints(min_length=1, max_length=64)]
-    shape: Annotated[list[Annotated[int, Field(ge=0, le=MAX_BYTES), JSON_INT]], Field(max_length=64)]
-    nbytes: Bytes
-    region: RegionIndex
-    offset: Bytes
-    checksum: Annotated[str, StringConstraints(max_length=1024)]
-
-
-class TensorDigest(Strict):
-    """One tensor of an anchor upload: what the digest set covers (planner.contract.integrity.digest_set)."""
-
-    name: Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=NO_NUL)]
-    dtype: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=NO_NUL)]
-    shape: Annotated[list[Annotated[int, Field(ge=0, le=MAX_BYTES), JSON_INT]], Field(max_length=64)]
-    nbytes: Bytes
-    checksum: Annotated[str, StringConstraints(max_length=1024, pattern=NO_NUL)]
-
-
-class RankManifest(BaseModel):
-    """A rank manifest: which regions a rank serves and where each tensor lies in them.
-
-    The planner checks this shape and `conflicts()`, then stores the text verbatim (unknown fields
-    included).
-    """
-
-    rank: Rank
-    checksum_algorithm: Annotated[str, StringConstraints(min_length=1, max_length=128)]
-    regions: list[RegionEntry]
-    tensors: list[TensorEntry]
-    # "disk": the publisher loaded these weights from a checkpoint (may anchor the identity's digests);
-    # "peer": it pulled them from another instance (never anchors)
-    origin: Literal["disk", "peer"] = "peer"
-
-    def conflicts(self) -> str | None:
-        """What a well-formed manifest contradicts in itself (409; JSON Schema cannot say it), or None."""
-        sizes = {r.index: r.nbytes for r in self.regions}
-        if len(sizes) != len(self.regions):
-            return "regions: index values must be unique"
-        for i, t in enumerate(self.tensors):
-            if t.region not in sizes:
-                return f"tensors[{i}].region: no region {t.region}"
-            if t.offset + t.nbytes > sizes[t.region]:
-                return f"tensors[{i}]: offset+nbytes exceeds region {t.region}'s nbytes"
-        covered = self.covered_region_bytes()
-        for r in self.regions:  # a region is as large as the tensors in it, never larger
-            if r.nbytes > covered.get(r.index, 0):
-                return (
-                    f"regions: region {r.index} has nbytes {r.nbytes} but its tensors end at "
-                    f"{covered.get(r.index, 0)}"
-                )
-        return None
-
-    def covered_region_bytes(self) -> dict[int, int]:
-        """{region index: where its last tensor ends}: the only region sizes a loader allocates."""
-        ends: dict[int, int] = {}
-        for t in self.tensors:
-            if t.nbytes:
-                ends[t.region] = max(ends.get(t.region, 0), t.offset + t.nbytes)
-        return ends
-
-    @property
-    def region_bytes(self) -> int:
-        """Bytes of every region together: what a pull of this rank moves."""
-        return sum(r.nbytes for r in self.regions)
-
-
-class StoredManifest:
-    """A rank manifest's JSON text as the planner stored it (checked when it was published).
-
-    An assignment carries it as-is: manifests go up to 32 MiB, and parsing one per candidate per
-    answer would cost more than the rest of the request. `dump_json` embeds the text unparsed.
-    """
-
-    __slots__ = ("text",)
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def __repr__(self) -> str:
-        return f"StoredManifest({len(self.text)} characters)"
-
-    def parse(self) -> RankManifest:
-        """The manifest as a RankManifest."""
-        return RankManifest.model_validate_json(self.text)
-
-
-def _stored_manifest_json(value: Any, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:
-    if not isinstance(value, StoredManifest):
-        return handler(value)
-    # Python mode keeps the object (dump_json embeds its text); JSON mode has no raw-text escape hatch
-    return value if info.mode == "python" else json.loads(value.text)
-
-
-class _ManifestOrStored:
-    """Schema of Candidate.manifest: JSON gives a RankManifest; the server may put a StoredManifest."""
-
-    @classmethod
-    def __get_pydantic_core_schema__(cls, _source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
-        parsed = handler.generate_schema(RankManifest)
-        return core_schema.json_or_python_schema(
-            json_schema=parsed,  # and so the JSON Schema (OpenAPI) is RankManifest's
-            python_schema=core_schema.union_schema([core_schema.is_instance_schema(StoredManifest), parsed]),
-            serialization=core_schema.wrap_serializer_function_ser_schema(
-                _stored_manifest_json, info_arg=True, schema=parsed
-            ),
-        )
-
-
-def _embed(value: Any) -> Any:
-    if isinstance(value, StoredManifest):
-        return orjson.Fragment(value.text)
-    raise TypeError(f"cannot serialise {type(value).__name__} as JSON")
-
-
-def dump_json(model: BaseModel) -> bytes:
-    """`model` as JSON bytes (orjson, one pass); a StoredManifest goes in as its text, unparsed."""
-    return orjson.dumps(model.model_dump(), default=_embed)
+        return b64decode(self.address, "address")
 
 
 # ---- instances --------------------------------------------------------------------------------
@@ -458,11 +309,11 @@ class Candidate(BaseModel):
     anchor: Anchor
     # leased candidate only: present it to its control endpoint
     control_token: str | None = Field(default=None, repr=False)
-    manifest: Annotated[RankManifest | StoredManifest, _ManifestOrStored] = Field(repr=False)
+    manifest: Annotated[RankManifest | StoredManifest, ManifestOrStored] = Field(repr=False)
 
     def address_bytes(self) -> bytes:
         """The seed rank's engine address (base64 on the wire)."""
-        return _b64decode(self.address, "address")
+        return b64decode(self.address, "address")
 
     def rank_manifest(self) -> RankManifest:
         """The manifest, parsed (the server holds it as stored text)."""

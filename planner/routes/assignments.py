@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response
 from planner.auth import Principal
 from planner.contract import wire
 from planner.contract.errors import AllBusy, NoSource
+from planner.contract.manifest import dump_json
 from planner.deps import get_planner, leaser
 from planner.service import Planner
 
@@ -60,7 +61,7 @@ def request_assignment(
         raise HTTPException(403, refused)
     assignment = lease(planner, body, principal, request.app.state)
     # encoded here, not by FastAPI: the candidates' manifests go in as stored text, unparsed
-    return Response(wire.dump_json(assignment), status_code=201, media_type="application/json")
+    return Response(dump_json(assignment), status_code=201, media_type="application/json")
 
 
 def lease_refusal(principal: Principal, body: wire.AssignmentRequest) -> str | None:

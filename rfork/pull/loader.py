@@ -7,11 +7,15 @@ The story of one load, for each rank:
      verifying every tensor's digest as it lands; report how it went; on any failure report it,
      fence the failed attempt's reads (none may land later: `OneSidedReader.fence`), exclude that
      seed and ask again; when no seed is left, read the checkpoint (`disk`);
-  3. once every rank is in, publish this instance as a seed of the same weights (`rfork.seed`), reusing
-     the pull's read-only registrations.
+  3. once every rank is in, hand over what a seed serves (`LoadResult`: per rank the weights, their
+     read-only registrations and verified digests, `ServedRank`; the engine they live on) and publish
+     this instance as a seed of the same weights (`rfork.seed`), which adopts them: nothing is
+     registered twice. With `seed_later` the result holds them until the caller's `become_seed`
+     (the framework hooks, after the framework's post-load steps) or `close()`.
 Weights land where the caller wants them: `pull_into(named_tensors)` / `load_into(module)` fill the
-caller's own tensors; `load()` allocates flat buffers per the seed's manifest first. Nothing is
-published before every tensor of every rank verified; a disk load says `verified=False`.
+caller's own tensors; `load()` allocates flat buffers per the seed's manifest first (its result's
+`assign_to(module)` points a module at them). Nothing is published before every tensor of every rank
+verified; a disk load says `verified=False`.
 """
 
 from __future__ import annotations
@@ -23,8 +27,7 @@ from pathlib import Path
 
 import torch
 
-from backends import Region
-from rfork.errors import DestinationMismatch, ManifestError, PullError
+from rfork.errors import DestinationMismatch, PullError
 from rfork.identity import SourceIdentity
 from rfork.pull.disk import load_from_disk
 from rfork.pull.nccl import pull_nccl
@@ -32,7 +35,7 @@ from rfork.pull.one_sided import OneSidedReader
 from rfork.pull.planner_session import PlannerSession, Source
 from rfork.pull.progress_report import PullProgress
 from rfork.pull.result import Attempt, LoadOptions, LoadResult, ProgressFn
-from rfork.seed.seed import RankServer, Seed
+from rfork.seed.seed import ServedRank
 from rfork.weights.checkpoint import CheckpointInfo, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
 
@@ -107,13 +110,12 @@ class Loader:
         self.planner.seconds = 0.0
         if self.options.one_sided and self.planner_url is not None:
             self.reader.open_soon()
-        weights: dict[int, RankWeights] = {}
-        regions: dict[int, list[Region] | None] = {}
+        ranks: dict[int, ServedRank] = {}
         attempts: list[Attempt] = []
         sources: set[str] = set()
         try:
             for rank, dest in dests.items():
-                weights[rank], regions[rank], source = self._load_rank(rank, dest, attempts)
+                ranks[rank], source = self._load_rank(rank, dest, attempts)
                 sources.add(source)
         except BaseException:
             self.reader.close()
@@ -122,9 +124,9 @@ class Loader:
         seconds = time.perf_counter() - t0
         result = LoadResult(
             identity=self.identity,
-            weights=weights,
+            ranks=ranks,
             source=next(iter(sources)) if len(sources) == 1 else "mixed",
-            bytes=sum(w.layout.total_bytes for w in weights.values()),
+            bytes=sum(r.weights.layout.total_bytes for r in ranks.values()),
             seconds=seconds,
             verified="disk" not in sources,
             attempts=attempts,
@@ -133,33 +135,41 @@ class Loader:
         log.info("load phases (s): %s", ", ".join(f"{k} {v:.3f}" for k, v in result.phases.items()))
         log.info(
             "loaded %d rank(s), %d bytes, from %s in %.3f s (%.2f GB/s), %s",
-            len(weights),
+            len(ranks),
             result.bytes,
             result.source,
             seconds,
             result.bytes / max(seconds, 1e-9) / 1e9,
             "all checksums verified" if result.verified else "not verified (disk: nothing to compare with)",
         )
-        if self.options.become_seed and self.planner_url is not None:
-            try:
-                result.seed = self._become_seed(weights, regions)
-            except Exception as exc:  # noqa: BLE001 - the weights are loaded: a refused publication must not lose them
-                result.seed_error = f"{type(exc).__name__}: {exc}"
-                self.reader.close()
-                log.exception("loaded, but could not become a seed; serving nothing")
-        else:
+        if self.planner_url is None or not (self.options.become_seed or self.options.seed_later):
             self.reader.close()
+            for served in ranks.values():
+                served.regions = []  # gone with the engine
+            return result
+        try:
+            # the seed adopts the engine with the pull's registrations: nothing is registered twice
+            result.engine = self.reader.take_engine()
+            result.client = self.planner.client
+            if self.options.become_seed:
+                self._become_seed(result)
+        except Exception as exc:  # noqa: BLE001 - the weights are loaded: a refused publication must not lose them
+            result.seed_error = f"{type(exc).__name__}: {exc}"
+            result.close()
+            self.reader.close()
+            log.exception("loaded, but could not become a seed; serving nothing")
         return result
 
     def _load_rank(
         self, rank: int, dest: RankWeights | None, attempts: list[Attempt]
-    ) -> tuple[RankWeights, list[Region] | None, str]:
-        """One rank from the first source that works (into `dest`, or into buffers per the manifest)."""
+    ) -> tuple[ServedRank, str]:
+        """One rank from the first source that works (into `dest`, or into buffers per the manifest),
+        with the registrations its reads landed through ([] where it made none)."""
         for source in self.planner.sources(rank):
             started = time.perf_counter()
             phases: dict[str, float] = {}
             try:
-                weights, regs = self._pull(source, rank, dest, phases)
+                served = self._pull(source, rank, dest, phases)
             except DestinationMismatch as exc:
                 # The caller's tensors disagree with a manifest of the same identity: every source would.
                 source.failed(exc, 0.0)
@@ -189,7 +199,7 @@ class Loader:
                 self.reader.fence()  # before anything else writes into the same memory
                 continue
             seconds = time.perf_counter() - started
-            nbytes = weights.layout.total_bytes
+            nbytes = served.weights.layout.total_bytes
             attempts.append(
                 Attempt(
                     source=source.name,
@@ -210,8 +220,8 @@ class Loader:
                 source.name,
                 seconds,
             )
-            weights.origin = "peer"
-            return weights, regs, source.name
+            served.weights.origin = "peer"
+            return served, source.name
         weights = load_from_disk(
             self.checkpoint,
             rank=rank,
@@ -220,16 +230,13 @@ class Loader:
             attempts=attempts,
             progress=self.progress,
         )
-        return weights, None, "disk"
+        return ServedRank(weights=weights), "disk"
 
     def _pull(
         self, source: Source, rank: int, dest: RankWeights | None, phases: dict[str, float]
-    ) -> tuple[RankWeights, list[Region] | None]:
-        """Check the destination against the source's manifest, then read and verify it."""
+    ) -> ServedRank:
+        """Check the destination against the source's (checked) manifest, then read and verify it."""
         manifest = source.manifest()
-        conflict = manifest.conflicts()  # e.g. a region larger than its tensors: never read or allocated
-        if conflict is not None:
-            raise ManifestError(f"seed {source.instance_id}: its manifest contradicts itself: {conflict}")
         if dest is not None:
             dest.check_matches(manifest)
         deadline = time.monotonic() + self.options.rank_deadline_s
@@ -244,7 +251,7 @@ class Loader:
             )
         if source.name == "nccl":
             pull_nccl(source.candidate, manifest, dest, timeout_s=self.options.rank_deadline_s)
-            return dest, None
+            return ServedRank(weights=dest)
         client = self.planner.client
         reporter = (
             None
@@ -258,34 +265,20 @@ class Loader:
         finally:
             if reporter is not None:
                 reporter.close()
-        return dest, regions
+        return ServedRank(weights=dest, regions=regions)
 
-    def _become_seed(
-        self, weights: Mapping[int, RankWeights], regions: Mapping[int, list[Region] | None]
-    ) -> Seed:
-        """Serve the loaded weights (reusing the pull's registrations) and publish them at the planner."""
-        engine = self.reader.take_engine()
-        server = RankServer(engine=engine)
-        for rank, w in weights.items():
-            regs = regions.get(rank)
-            if regs and any(r.engine is not engine for r in regs):
-                regs = None  # registered on an engine a fence closed since
-            server.serve(w, regions=regs)  # None (disk/nccl/staged/fenced): register now, read-only
+    def _become_seed(self, result: LoadResult) -> None:
+        """Serve the loaded weights (adopting the pull's engine and registrations) and publish them."""
         assert self.planner_url is not None
-        seed = Seed(
-            weights=list(weights.values()),
-            identity=self.identity,
+        seed = result.become_seed(
             planner_url=self.planner_url,
             token=self.register_token,
             labels=self.options.labels,
-            servers=[server],
             max_concurrent_pulls=self.options.max_concurrent_pulls,
             retry_publish=True,  # a planner outage must not throw the verified weights away
         )
-        seed.start()
         log.info("now serving as seed %s", ",".join(seed.instance_ids))
         self.planner.report_seeded(seed.instance_ids)
-        return seed
 
 
 def _phases(attempts: Sequence[Attempt], planner_s: float, seconds: float) -> dict[str, float]:

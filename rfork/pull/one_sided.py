@@ -22,7 +22,7 @@ For one rank from one seed, into `dest` (the caller's tensors, or buffers alloca
 GPU destinations go through pinned host bounce slots instead (`rfork.pull.staged`).
 
 The engine is opened early, on a helper thread, while the planner round trip runs; after the load
-the seed this instance becomes takes it over (`take_engine`).
+the seed this instance becomes takes it over (`take_engine`), with the registrations.
 """
 
 from __future__ import annotations
@@ -160,11 +160,11 @@ class OneSidedReader:
         deadline: float,
         progress: ProgressFn | None,
         phases: dict[str, float],
-    ) -> list[Region] | None:
-        """Read and verify every tensor of `dest` from the seed's regions; fills `phases`.
+    ) -> list[Region]:
+        """Read and verify every tensor of `dest` from the seed's (checked) manifest; fills `phases`.
 
-        Returns the local registrations (one per destination region) for the seed to reuse, or None
-        when the pull went through bounce slots.
+        Returns the local registrations (one per destination region, read-only) for the seed this
+        instance becomes, or [] when the pull went through bounce slots.
         """
         t_engine = time.perf_counter()
         engine = self.engine()
@@ -176,7 +176,7 @@ class OneSidedReader:
         try:
             if opts.staged_reads or dest.device.type == "cuda":
                 pull_staged(engine, manifest, dest, deadline=deadline, progress=progress, phases=phases)
-                return None  # nothing registered: a seed it becomes registers (or mirrors) afresh
+                return []  # nothing registered: a seed it becomes registers (or mirrors) once
             pipeline = _ReadPipeline(engine, manifest, dest, opts, deadline, progress)
             try:
                 return pipeline.run()
@@ -322,7 +322,8 @@ class _ReadPipeline:
         dest = self.dest
         dest.verify(self._expected, [p.name for p in dest.layout.placements if not p.nbytes])
         remote = {
-            r.index: MemoryRegionDescriptor.from_bytes(r.descriptor_bytes()) for r in self.manifest.regions
+            r.index: MemoryRegionDescriptor.from_bytes(self.manifest.descriptor(r.index))
+            for r in self.manifest.regions
         }
         plan = plan_reads(dest, self.manifest, self.opts.chunk_bytes)
         total = sum(r.nbytes for reads in plan for r in reads)

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from backends.errors import BackendUnavailable, TransferError
-from backends.layout import dtype_from_name, expected_nbytes
 from planner.contract import AllBusy, Anchor, Assignment, Candidate, PlannerClient, RankManifest, digest_set
 from rfork.errors import ChecksumMismatch, ManifestError, PullError
 from rfork.identity import SourceIdentity, default_labels
@@ -126,7 +125,8 @@ class Source:
         return self.candidate.instance_id
 
     def manifest(self) -> RankManifest:
-        """The seed's manifest for this rank, once it parses and matches the identity's anchor.
+        """The seed's manifest for this rank, checked (the one check: everything after trusts it) and
+        matching the identity's anchor.
 
         PullError (malformed, another rank) or ChecksumMismatch (not the anchored digest set).
         """
@@ -176,38 +176,12 @@ def check_anchor(seed_id: str, anchor: Anchor | None, manifest: RankManifest) ->
 
 
 def check_manifest(manifest: RankManifest) -> None:
-    """ManifestError naming the first tensor or region that does not add up."""
-    regions: dict[int, int] = {}
-    for r in manifest.regions:
-        if r.index in regions:
-            raise ManifestError(f"duplicate region index {r.index}")
-        try:
-            r.descriptor_bytes()
-        except ValueError as exc:
-            raise ManifestError(str(exc)) from exc
-        regions[r.index] = r.nbytes
-    names: set[str] = set()
-    for t in manifest.tensors:
-        if t.name in names:
-            raise ManifestError(f"duplicate tensor {t.name!r}")
-        names.add(t.name)
-        try:
-            want = expected_nbytes(dtype_from_name(t.dtype), t.shape)
-        except ValueError as exc:
-            raise ManifestError(f"tensor {t.name!r}: {exc}") from exc
-        if t.nbytes != want:
-            raise ManifestError(
-                f"tensor {t.name!r}: nbytes {t.nbytes} != {want} for {t.dtype}{list(t.shape)}"
-            )
-        if t.nbytes == 0:
-            continue
-        size = regions.get(t.region)
-        if size is None:
-            raise ManifestError(f"tensor {t.name!r} names missing region {t.region}")
-        if t.offset + t.nbytes > size:
-            raise ManifestError(
-                f"tensor {t.name!r} [{t.offset}, +{t.nbytes}) overruns region {t.region} ({size} bytes)"
-            )
+    """ManifestError naming the first tensor or region that does not add up (`RankManifest.check`,
+    which also decodes the descriptors the reads use)."""
+    try:
+        manifest.check()
+    except ValueError as exc:
+        raise ManifestError(str(exc)) from exc
 
 
 class PlannerSession:

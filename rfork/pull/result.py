@@ -1,17 +1,27 @@
-"""What a load is asked to do (LoadOptions) and what it produced (LoadResult, one Attempt per source)."""
+"""What a load is asked to do (LoadOptions) and what it produced (LoadResult, one Attempt per source).
+
+A LoadResult is also the hand-off to the seed the instance becomes: per rank the weights, their
+read-only registrations and the verified digests (`ServedRank`), plus the engine those registrations
+live on and the planner client, held until a Seed adopts them (`become_seed`) or `close()`.
+"""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from rfork.identity import SourceIdentity
-from rfork.seed.seed import Seed
+from rfork.seed.seed import RankServer, Seed, ServedRank
 from rfork.weights.rank_weights import RankWeights
+
+if TYPE_CHECKING:
+    from backends import TransferEngine
+    from planner.contract import PlannerClient
+    from rfork.compile_cache.shelf import CacheShelf
 
 ProgressFn = Callable[[int, int], None]
 """(bytes done so far, total bytes) of the current attempt."""
@@ -62,7 +72,11 @@ class LoadOptions:
     max_attempts: int = 4
     exclude: Sequence[str] = ()
     labels: Mapping[str, str] | None = None
-    become_seed: bool = True
+    become_seed: bool = True  # publish this instance as a seed right after the load
+    # Without become_seed: keep the engine and the pull's registrations in the result for a seed started
+    # later (`LoadResult.become_seed`; the framework hooks do, after the framework's post-load steps),
+    # so nothing is registered twice. The caller then owns them: close() the result if it never seeds.
+    seed_later: bool = False
     allow_nccl: bool = True
     # torch intra-op threads while a one-sided pull runs (restored after; None: leave as is). The
     # checksum gains little from a second thread but takes the core the transport's progress thread
@@ -111,11 +125,16 @@ class Attempt:
 
 @dataclass(kw_only=True)
 class LoadResult:
-    """What a load produced: weights per rank (the caller's tensors, or buffers + views), how, and
-    the seed it became. `verified` is true only when every tensor's digest was compared with a seed's."""
+    """What a load produced: per rank what a seed serves (`ranks`: the weights, their registrations,
+    the verified digests), how, and the seed it became. `verified` is true only when every tensor's
+    digest was compared with a seed's.
+
+    Until it becomes a seed (or with `seed_later`, until `become_seed`) it holds the engine the
+    registrations live on; `close()` releases whatever it still holds.
+    """
 
     identity: SourceIdentity
-    weights: dict[int, RankWeights]
+    ranks: dict[int, ServedRank]
     source: str
     bytes: int
     seconds: float
@@ -132,20 +151,83 @@ class LoadResult:
     # (waiting for the verifier after the last read), engine (opening the transfer engine), read (disk),
     # other (the rest of `seconds`: manifest parsing, views, ...).
     phases: dict[str, float] = field(default_factory=dict)
+    # held for the seed this load becomes: the engine the ranks' registrations are on, the planner client
+    engine: TransferEngine | None = field(default=None, repr=False)
+    client: PlannerClient | None = field(default=None, repr=False)
+
+    @property
+    def weights(self) -> dict[int, RankWeights]:
+        """Each rank's weights (the caller's tensors, or buffers + views)."""
+        return {rank: served.weights for rank, served in self.ranks.items()}
 
     def state_dict(self, rank: int = 0) -> dict[str, torch.Tensor]:
         """Rank `rank`'s tensors by name."""
-        return self.weights[rank].tensors
+        return self.ranks[rank].weights.tensors
 
-    def load_into(self, module: torch.nn.Module, rank: int = 0) -> None:
+    def assign_to(self, module: torch.nn.Module, rank: int = 0) -> None:
         """Point the module's parameters at the loaded views (no copy): `load_state_dict(assign=True)`.
 
         For `load()` results; `Loader.load_into(module)` pulls into the module's own tensors instead.
         """
         module.load_state_dict(self.state_dict(rank), strict=True, assign=True)
 
+    def become_seed(
+        self,
+        *,
+        planner_url: str,
+        token: str | None,
+        providers: Sequence[str] | None = None,
+        labels: Mapping[str, str] | None = None,
+        timeout_s: float = 10.0,
+        max_concurrent_pulls: int = 2,
+        retry_publish: bool = False,
+        compile_caches: CacheShelf | None = None,
+        weights: Sequence[RankWeights] | None = None,
+    ) -> Seed:
+        """Serve and publish the loaded ranks (or `weights`, when what is served is not what was pulled),
+        adopting the held engine with its registrations: nothing registered before is registered again.
+        `providers`: more engines to serve on (the held one covers the load's provider). The seed is
+        `self.seed` from here on (close() drains it); on failure it is closed, the engine with it."""
+        if self.seed is not None:
+            raise RuntimeError("this load is a seed already")
+        if weights is not None and sorted(w.rank for w in weights) != sorted(self.ranks):
+            raise ValueError(f"serve the loaded ranks {sorted(self.ranks)}, not {[w.rank for w in weights]}")
+        server = self._take_server()
+        seed = Seed(
+            weights=list(weights) if weights is not None else [s.weights for s in self.ranks.values()],
+            identity=self.identity,
+            planner_url=planner_url,
+            token=token,
+            providers=providers,
+            labels=labels,
+            timeout_s=timeout_s,
+            max_concurrent_pulls=max_concurrent_pulls,
+            servers=[server] if server is not None else None,
+            retry_publish=retry_publish,
+            compile_caches=compile_caches,
+            client=self.client,
+        )
+        seed.start()  # closes itself (and the adopted engine) if it fails
+        self.seed = seed
+        return seed
+
     def close(self) -> None:
-        """Stop serving as a seed (drain, deregister), if this load became one."""
+        """Stop serving as a seed (drain, deregister), if this load became one; else release the engine
+        and registrations held for one."""
         if self.seed is not None:
             self.seed.close()
             self.seed = None
+        server = self._take_server()
+        if server is not None:
+            server.close()
+
+    def _take_server(self) -> RankServer | None:
+        """The held engine with the ranks registered on it, now owned by the caller."""
+        engine, self.engine = self.engine, None
+        if engine is None:
+            return None
+        server = RankServer(engine=engine, ranks=self.ranks.values())
+        for served in self.ranks.values():
+            if served.weights.rank not in server.ranks:
+                served.regions = []  # on an engine a fence closed: gone with it
+        return server

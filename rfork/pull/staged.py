@@ -30,7 +30,10 @@ def pull_staged(
     phases: dict[str, float],
 ) -> None:
     """Read every distinct destination tensor through bounce slots and verify it; fills `phases`."""
-    remote = {r.index: MemoryRegionDescriptor.from_bytes(r.descriptor_bytes()) for r in manifest.regions}
+    remote = {
+        r.index: MemoryRegionDescriptor.from_bytes(manifest.descriptor(r.index))
+        for r in manifest.regions
+    }
     expected = {t.name: t.checksum for t in manifest.tensors}
     src = {t.name: t for t in manifest.tensors}
     dest.verify(expected, [p.name for p in dest.layout.placements if not p.nbytes])

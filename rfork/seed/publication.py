@@ -70,8 +70,10 @@ class Publication:
         retry_interval_s: float = 2.0,
         on_heartbeat_error: Callable[[Exception], None] | None = None,
         rehash: Callable[[], Mapping[int, RankManifest]] | None = None,
+        client: PlannerClient | None = None,
     ) -> None:
-        self.client = PlannerClient(planner_url, token=token)
+        """`client`: share this client's connections (a loader's) instead of opening a second pool."""
+        self.client = PlannerClient(planner_url, token=token) if client is None else client.with_token(token)
         self._register_token = token
         self._identity = identity
         self._ranks = list(ranks)

@@ -1,11 +1,15 @@
 """Seeds: serve a rank's weights in place for one-sided reads and keep them published at the planner.
 
-A seed process holds one or more ranks (`RankWeights`). For each transport provider it opens one
-engine (`RankServer`) and registers every region once with remote *read* access only, so published
-descriptors never allow writes; a loader that becomes a seed hands over the registrations its pull
-made. The seed also runs the NCCL fallback's control endpoint (`rfork.seed.control`), then publishes
-identity + rank manifests (one planner instance per provider, `rfork.seed.publication`), goes READY
-and heartbeats. `close()` drains: DRAINING, delete, deregister. The weights must not change while
+A seed process holds one or more ranks (`RankWeights`). For each transport provider it serves them on
+one engine (`RankServer`), every region registered once with remote *read* access only, so published
+descriptors never allow writes. What a seed serves is also what a pull hands over (`ServedRank`: the
+weights, their registrations, the verified digests): a loader that becomes a seed gives it the engine
+its reads used with the registrations they landed through (`LoadResult.become_seed`), so a buffer is
+registered once per process lifetime (per provider); registration is the expensive step on a real
+NIC. Ranks a pull filled without registering (disk, NCCL, GPU bounce slots) are registered when the
+seed starts. The seed also runs the NCCL fallback's control endpoint (`rfork.seed.control`), then
+publishes identity + rank manifests (one planner instance per provider, `rfork.seed.publication`),
+goes READY and heartbeats. `close()` drains: DRAINING, delete, deregister. The weights must not change while
 READY (readers would see torn tensors and fail their digest check); nothing here writes to them.
 """
 
@@ -17,13 +21,13 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from backends import Region, TransferEngine
-from planner.contract import RankEndpoint, RankManifest, new_control_key
+from planner.contract import PlannerClient, RankEndpoint, RankManifest, new_control_key
 from rfork.compile_cache.shelf import CacheShelf
 from rfork.identity import SourceIdentity, default_labels
 from rfork.seed.control import ControlServer
@@ -35,10 +39,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class ServedRank:
-    """One rank's weights and the registrations that serve them."""
+    """One rank as a seed serves it: its weights (tensors, and in `weights.checksums` the digests a
+    pull verified) and their read-only registrations, one per region ([] until registered)."""
 
     weights: RankWeights
-    regions: list[Region]
+    regions: list[Region] = field(default_factory=list)
+
+    def registered_on(self, engine: TransferEngine) -> bool:
+        """Whether every region is registered, alive, on `engine` (a fence may have closed another)."""
+        return bool(self.regions) and all(r.engine is engine and not r.closed for r in self.regions)
 
     def descriptors(self) -> list[bytes]:
         """What peers need to read each region, in region order."""
@@ -46,31 +55,44 @@ class ServedRank:
 
 
 class RankServer:
-    """One provider's engine serving some ranks' regions (read-only). Thread-safe close."""
+    """One provider's engine serving some ranks' regions (read-only). Thread-safe close.
 
-    def __init__(self, *, engine: TransferEngine, owns_engine: bool = True) -> None:
+    `ranks`: registrations made on `engine` already (a pull's), adopted as they are.
+    """
+
+    def __init__(
+        self, *, engine: TransferEngine, owns_engine: bool = True, ranks: Iterable[ServedRank] = ()
+    ) -> None:
         self.engine = engine
         self.provider = str(getattr(engine, "provider", "tcp"))
         self._owns_engine = owns_engine
         self.ranks: dict[int, ServedRank] = {}
+        for served in ranks:
+            if served.registered_on(engine):
+                self.ranks[served.weights.rank] = served
 
-    def serve(self, weights: RankWeights, *, regions: Sequence[Region] | None = None) -> ServedRank:
-        """Register weights' regions read-only (or adopt registrations made already, e.g. by the loader)."""
-        if regions is None:
-            t0 = time.perf_counter()
-            targets = weights.registrables()
-            if weights.device.type == "cuda" and not getattr(self.engine, "device_memory", False):
-                targets = weights.host_mirrors()  # no FI_HMEM here: serve a host copy (not run on a GPU)
-            regions = [self.engine.register(target, access="read") for target in targets]
-            log.info(
-                "registered %d region(s), %d bytes, for rank %d on %s in %.3f s",
-                len(regions),
-                sum(weights.layout.region_sizes),
-                weights.rank,
-                self.provider,
-                time.perf_counter() - t0,
-            )
-        served = ServedRank(weights=weights, regions=list(regions))
+    def serve(self, weights: RankWeights) -> ServedRank:
+        """Register the weights' regions read-only, unless this engine serves them already (adopted)."""
+        held = self.ranks.pop(weights.rank, None)
+        if held is not None:
+            if held.weights is weights:
+                self.ranks[weights.rank] = held
+                return held
+            self._deregister(held)  # other tensors of that rank are served from now on
+        t0 = time.perf_counter()
+        targets = weights.registrables()
+        if weights.device.type == "cuda" and not getattr(self.engine, "device_memory", False):
+            targets = weights.host_mirrors()  # no FI_HMEM here: serve a host copy (not run on a GPU)
+        regions = [self.engine.register(target, access="read") for target in targets]
+        log.info(
+            "registered %d region(s), %d bytes, for rank %d on %s in %.3f s",
+            len(regions),
+            sum(weights.layout.region_sizes),
+            weights.rank,
+            self.provider,
+            time.perf_counter() - t0,
+        )
+        served = ServedRank(weights=weights, regions=regions)
         self.ranks[weights.rank] = served
         return served
 
@@ -81,13 +103,16 @@ class RankServer:
     def close(self) -> None:
         """Deregister every served region, then close the engine if this server owns it."""
         for served in self.ranks.values():
-            for reg in served.regions:
-                with contextlib.suppress(Exception):
-                    self.engine.deregister(reg)
+            self._deregister(served)
         self.ranks.clear()
         if self._owns_engine:
             with contextlib.suppress(Exception):
                 self.engine.close()
+
+    def _deregister(self, served: ServedRank) -> None:
+        for reg in served.regions:
+            with contextlib.suppress(Exception):
+                self.engine.deregister(reg)
 
 
 def start_control_server(
@@ -136,7 +161,7 @@ class Seed:
         weights: Sequence[RankWeights],
         identity: SourceIdentity,
         planner_url: str,
-        providers: Sequence[str] = ("tcp",),
+        providers: Sequence[str] | None = None,
         token: str | None = None,
         labels: Mapping[str, str] | None = None,
         domains: int = 1,
@@ -147,9 +172,14 @@ class Seed:
         servers: Sequence[RankServer] | None = None,
         retry_publish: bool = False,
         compile_caches: CacheShelf | None = None,
+        client: PlannerClient | None = None,
     ) -> None:
-        """`compile_caches`: what the engine compiled, served on the control endpoint and published
-        with the instance (rfork.compile_cache); needs `control`."""
+        """`servers`: engines serving these weights already, adopted (a pull's, `LoadResult.become_seed`):
+        the seed registers on them only what is not registered yet, and closes them. `providers`: one
+        engine each, opened here, for those no adopted server covers (default: tcp, when none is
+        adopted). `client`: a planner client whose connections the publications share (a loader's).
+        `compile_caches`: what the engine compiled, served on the control endpoint and published with
+        the instance (rfork.compile_cache); needs `control`."""
         if not weights:
             raise ValueError("a seed needs at least one rank")
         ranks = [w.rank for w in weights]
@@ -158,7 +188,10 @@ class Seed:
         self.weights = {w.rank: w for w in weights}
         self.identity = identity
         self.planner_url = planner_url
-        self.providers = list(providers) if servers is None else [s.provider for s in servers]
+        self.servers: list[RankServer] = list(servers or [])
+        adopted = [s.provider for s in self.servers]
+        wanted = list(providers) if providers is not None else ([] if self.servers else ["tcp"])
+        self.providers = adopted + [p for p in wanted if p not in adopted]
         self.token = token
         self.labels = dict(labels) if labels else default_labels()
         self.domains = domains
@@ -168,7 +201,7 @@ class Seed:
         self.control_host = control_host
         self.retry_publish = retry_publish
         self.compile_caches = compile_caches
-        self.servers: list[RankServer] = list(servers or [])
+        self.client = client
         self.publications: list[Publication] = []
         self.control_server: ControlServer | None = None
         self._lock = threading.Lock()
@@ -179,20 +212,18 @@ class Seed:
         return [p.instance_id for p in self.publications if p.instance_id is not None]
 
     def start(self) -> Seed:
-        """Register (unless servers were handed in), checksum, publish, READY, heartbeat."""
+        """Checksum, register what no adopted server holds yet, publish, READY, heartbeat."""
         try:
             t0 = time.perf_counter()
             for w in self.weights.values():
                 w.compute_checksums()
             log.info("checksummed %d rank(s) in %.3f s", len(self.weights), time.perf_counter() - t0)
-            if not self.servers:
-                for provider in self.providers:
-                    server = RankServer(
-                        engine=TransferEngine(provider, self.domains, timeout_s=self.timeout_s)
-                    )
-                    self.servers.append(server)
-                    for w in self.weights.values():
-                        server.serve(w)
+            for provider in self.providers[len(self.servers) :]:
+                engine = TransferEngine(provider, self.domains, timeout_s=self.timeout_s)
+                self.servers.append(RankServer(engine=engine))
+            for server in self.servers:
+                for w in self.weights.values():
+                    server.serve(w)  # a no-op for what the server adopted registered
             control_key = new_control_key()
             if self.control:
                 self.control_server = start_control_server(
@@ -227,6 +258,7 @@ class Seed:
                         max_concurrent_pulls=self.max_concurrent_pulls,
                         retry=self.retry_publish,
                         rehash=functools.partial(_rehash, server),
+                        client=self.client,
                     )
                 )
         except BaseException:

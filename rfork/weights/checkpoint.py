@@ -15,7 +15,15 @@ from typing import Any
 
 import torch
 
-from backends.layout import DEFAULT_MAX_REGION_BYTES, Layout, dtype_from_name, dtype_name, plan_layout, views
+from backends.layout import (
+    DEFAULT_MAX_REGION_BYTES,
+    Layout,
+    Placement,
+    dtype_from_name,
+    dtype_name,
+    plan_layout,
+    views,
+)
 from backends.sharding import shard_shape, shard_tensor, split_dim
 from rfork import __version__
 from rfork.errors import CheckpointError
@@ -44,19 +52,13 @@ _ST_DTYPES = {
 
 
 @dataclass(frozen=True, kw_only=True)
-class TensorInfo:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    file: Path
-    data_offset: int  # absolute byte offset of the tensor's data in `file`
-    nbytes: int
-
-
-@dataclass(frozen=True, kw_only=True)
 class CheckpointInfo:
+    """A checkpoint's headers: each tensor's record (`Placement`: `region` indexes `files`, `offset` is
+    the absolute byte offset of its data in that file), in file and offset order; and config.json."""
+
     directory: Path
-    tensors: tuple[TensorInfo, ...]
+    files: tuple[Path, ...]
+    tensors: tuple[Placement, ...]
     config: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -102,7 +104,7 @@ class CheckpointInfo:
         )
 
 
-def _read_header(path: Path) -> list[TensorInfo]:
+def _read_header(path: Path, file_index: int) -> list[Placement]:
     with path.open("rb") as f:
         head = f.read(8)
         if len(head) != 8:
@@ -124,13 +126,13 @@ def _read_header(path: Path) -> list[TensorInfo]:
             raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {st}")
         begin, end = meta["data_offsets"]
         out.append(
-            TensorInfo(
+            Placement(
                 name=name,
                 dtype=_ST_DTYPES[st],
                 shape=tuple(meta["shape"]),
-                file=path,
-                data_offset=base + begin,
                 nbytes=end - begin,
+                region=file_index,
+                offset=base + begin,
             )
         )
     return out
@@ -151,12 +153,13 @@ def read_checkpoint_info(directory: str | Path) -> CheckpointInfo:
         files = sorted(p.name for p in d.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"{d}: no safetensors files")
-    tensors: list[TensorInfo] = []
-    for fname in files:
-        tensors += _read_header(d / fname)
-    tensors.sort(key=lambda t: (str(t.file), t.data_offset))
+    paths = sorted((d / fname for fname in files), key=str)
+    tensors: list[Placement] = []
+    for i, path in enumerate(paths):
+        tensors += _read_header(path, i)
+    tensors.sort(key=lambda t: (t.region, t.offset))
     config = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}
-    return CheckpointInfo(directory=d, tensors=tuple(tensors), config=config)
+    return CheckpointInfo(directory=d, files=tuple(paths), tensors=tuple(tensors), config=config)
 
 
 def rank_layout(
@@ -215,14 +218,15 @@ def read_rank_into(
             if nbytes == 0:
                 continue
             total += nbytes
-            f = handles.get(t.file)
+            path = info.files[t.region]
+            f = handles.get(path)
             if f is None:
-                f = handles[t.file] = t.file.open("rb", buffering=0)
+                f = handles[path] = path.open("rb", buffering=0)
             if tp == 1 or split_dim(t.name, len(t.shape)) is None:
-                _read_exact(f, t.data_offset, dest.detach().reshape(-1).view(torch.uint8), t)
+                _read_exact(f, path, dest.detach().reshape(-1).view(torch.uint8), t)
             else:
                 full = torch.empty(t.nbytes, dtype=torch.uint8)
-                _read_exact(f, t.data_offset, full, t)
+                _read_exact(f, path, full, t)
                 full_t = full.view(dtype_from_name(t.dtype)).view(t.shape)
                 dest.detach().copy_(shard_tensor(t.name, full_t, tp, rank))
     finally:
@@ -233,14 +237,14 @@ def read_rank_into(
     )
 
 
-def _read_exact(f: Any, offset: int, dest: torch.Tensor, t: TensorInfo) -> None:
+def _read_exact(f: Any, path: Path, dest: torch.Tensor, t: Placement) -> None:
     mv = memoryview(dest.numpy()).cast("B")  # type: ignore[arg-type]
-    f.seek(offset)
+    f.seek(t.offset)
     got = 0
     while got < len(mv):
         n = f.readinto(mv[got:])
         if not n:
-            raise CheckpointError(f"{t.file}: truncated data for tensor {t.name!r}")
+            raise CheckpointError(f"{path}: truncated data for tensor {t.name!r}")
         got += n
 
 

@@ -17,7 +17,7 @@ import torch
 
 from backends.layout import DEFAULT_MAX_REGION_BYTES, Layout, Placement, dtype_name, views
 from planner.contract import RankManifest, RegionEntry, TensorEntry
-from rfork.errors import ChecksumMismatch, DestinationMismatch, LayoutError, ManifestError
+from rfork.errors import ChecksumMismatch, DestinationMismatch, LayoutError
 from rfork.weights import checksum as ck
 from rfork.weights.memory import allocate, pack
 
@@ -77,31 +77,16 @@ class RankWeights:
 
     @classmethod
     def allocate_for(cls, manifest: RankManifest) -> RankWeights:
-        """Fresh flat region buffers (host memory on huge pages) for a seed's manifest.
+        """Fresh flat region buffers (host memory on huge pages) for a seed's checked manifest.
 
         Sized from the tensor list (the anchored digests cover each tensor's dtype, shape and size),
-        never from the seed's own region sizes: a manifest whose region is larger than the tensors in
-        it, or whose tensors contradict its regions, is refused (ManifestError) before anything is
-        allocated.
+        never from the seed's own region sizes: `RankManifest.check` refused a region larger than the
+        tensors in it, or tensors that contradict their regions, before anything is allocated.
         """
-        conflict = manifest.conflicts()
-        if conflict is not None:
-            raise ManifestError(f"rank {manifest.rank}: the seed's manifest contradicts itself: {conflict}")
         sizes = [0] * (max((r.index for r in manifest.regions), default=-1) + 1)
         for index, end in manifest.covered_region_bytes().items():
             sizes[index] = end
-        placements = tuple(
-            Placement(
-                name=t.name,
-                dtype=t.dtype,
-                shape=tuple(t.shape),
-                nbytes=t.nbytes,
-                region=t.region,
-                offset=t.offset,
-            )
-            for t in manifest.tensors
-        )
-        layout = Layout(region_sizes=tuple(sizes), placements=placements)
+        layout = Layout(region_sizes=tuple(sizes), placements=tuple(placement(t) for t in manifest.tensors))
         buffers = allocate(layout)
         return cls(rank=manifest.rank, layout=layout, buffers=buffers, tensors=views(layout, buffers))
 
@@ -128,6 +113,17 @@ class RankWeights:
                 raise DestinationMismatch(
                     f"rank {self.rank}: destination tensor {p.name!r} is not in the manifest"
                 )
+
+    def holds(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Whether these weights are exactly `tensors` (same names, and each the same memory, dtype and
+        shape): a module whose parameters were replaced since no longer is."""
+        if self.tensors.keys() != tensors.keys():
+            return False
+        for name, t in tensors.items():
+            mine = self.tensors[name]
+            if mine.data_ptr() != t.data_ptr() or mine.dtype != t.dtype or mine.shape != t.shape:
+                return False
+        return True
 
     def verify(self, expected: Mapping[str, str], names: Sequence[str] | None = None) -> None:
         """Digest `names` (default: every expected one) and compare; ChecksumMismatch names the first bad
@@ -194,20 +190,29 @@ class RankWeights:
                 RegionEntry(index=i, nbytes=n, descriptor=base64.b64encode(descriptors[i]).decode("ascii"))
                 for i, n in enumerate(self.layout.region_sizes)
             ],
-            tensors=[
-                TensorEntry(
-                    name=p.name,
-                    dtype=p.dtype,
-                    shape=list(p.shape),
-                    nbytes=p.nbytes,
-                    region=p.region,
-                    offset=p.offset,
-                    checksum=sums[p.name],
-                )
-                for p in self.layout.placements
-            ],
+            tensors=[entry(p, sums[p.name]) for p in self.layout.placements],
             origin="disk" if self.origin == "disk" else "peer",
         )
+
+
+# The wire's tensor record (pydantic, validated where the planner receives it) and backends' (a frozen
+# dataclass: backends imports neither pydantic models nor the planner) have the same fields but the
+# checksum; rfork, which sees both layers, converts here and nowhere else.
+
+
+def placement(t: TensorEntry) -> Placement:
+    """A manifest's tensor as backends' record."""
+    return Placement(
+        name=t.name, dtype=t.dtype, shape=tuple(t.shape), nbytes=t.nbytes, region=t.region, offset=t.offset
+    )
+
+
+def entry(p: Placement, checksum: str) -> TensorEntry:
+    """Backends' record as a manifest's tensor, with its digest."""
+    return TensorEntry(
+        name=p.name, dtype=p.dtype, shape=list(p.shape), nbytes=p.nbytes, region=p.region, offset=p.offset,
+        checksum=checksum,
+    )
 
 
 def _range_target(r: AddressRange, tensors: Mapping[str, torch.Tensor]) -> Any:

@@ -42,7 +42,7 @@ def test_seed_process_to_loaded_model_bit_identical_then_drains_on_sigterm(fleet
         assert result.verified
         assert result.attempts[0].instance_id == ids[0]
         loaded = LlamaForCausalLM(SMALL)
-        result.load_into(loaded)
+        result.assign_to(loaded)
         reference = LlamaForCausalLM(SMALL)
         reference.load_state_dict(load_state_dict(small_ckpt), assign=True)
         ids_in = torch.randint(0, SMALL.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))

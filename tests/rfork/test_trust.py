@@ -8,6 +8,7 @@ import time
 import urllib.error
 import urllib.request
 
+import httpx
 import pytest
 
 from planner.contract import Conflict, PlannerClient
@@ -108,7 +109,8 @@ def test_a_pull_verified_with_blake3(small_ckpt, planner, monkeypatch):
         assert result.verified
         assert result.source == "rfork-tcp"
         assert_same(result.state_dict(), load_state_dict(small_ckpt))
-        anchors = PlannerClient(planner, token=ADMIN)._http.get("/v1/anchors").json()["items"]
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        anchors = httpx.get(f"{planner}/v1/anchors", headers=admin).json()["items"]
         assert [a["checksum_algorithm"] for a in anchors] == ["blake3"]
 
 

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rfork.identity import SourceIdentity
+    from rfork.pull.result import LoadResult
     from rfork.weights.rank_weights import RankWeights
 
 
@@ -22,4 +23,11 @@ class LoadOutcome:
     identity: SourceIdentity | None = None
     rank: int = 0
     served: RankWeights | None = None  # the tensors to serve, when the mode serves what it loaded
+    # the pull that filled `served`: its engine and registrations, held until a seed adopts them
+    pulled: LoadResult | None = None
     reason: str | None = None  # why it fell back, if it did
+
+    def release(self) -> None:
+        """Close what the pull holds for a seed (its engine and registrations); no seed adopts them."""
+        if self.pulled is not None and self.pulled.seed is None:
+            self.pulled.close()

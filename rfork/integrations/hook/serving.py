@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from rfork.compile_cache.shelf import CacheShelf
     from rfork.identity import SourceIdentity
     from rfork.integrations.hook.settings import HookSettings
+    from rfork.pull.result import LoadResult
     from rfork.seed.seed import Seed
     from rfork.weights.rank_weights import RankWeights
 
@@ -40,11 +41,14 @@ def start_seed(
     identity: SourceIdentity,
     settings: HookSettings,
     compile_caches: CacheShelf | None = None,
+    pulled: LoadResult | None = None,
 ) -> Seed:
     """Serve `weights` read-only on the settings' one-sided providers (and `compile_caches` on the
     control endpoint), publish READY and heartbeat.
 
-    The caller arranges the drain (rfork.integrations.hook.drain); raises when the seed cannot start.
+    `pulled`: the load that filled them, holding its engine and registrations (`LoadOptions.seed_later`):
+    the seed adopts them, so nothing it registered is registered again. The caller arranges the drain
+    (rfork.integrations.hook.drain); raises when the seed cannot start (what `pulled` held is closed).
     """
     # imported here: the frameworks import the plugin in each of their processes (start-up time)
     from rfork.seed.seed import Seed
@@ -52,16 +56,25 @@ def start_seed(
     if settings.planner_url is None:
         raise ValueError("a seed needs a planner URL")
     one_sided = [p for p in settings.providers if p != "nccl"] or ["tcp"]
-    seed = Seed(
-        weights=list(weights),
-        identity=identity,
-        planner_url=settings.planner_url,
-        providers=one_sided,
-        token=settings.token,
-        timeout_s=settings.transfer_timeout_s,
-        compile_caches=compile_caches,
-    )
     with keep_signal_handlers():
-        seed.start()
+        if pulled is not None:
+            seed = pulled.become_seed(
+                planner_url=settings.planner_url,
+                token=settings.token,
+                providers=one_sided,
+                timeout_s=settings.transfer_timeout_s,
+                compile_caches=compile_caches,
+                weights=weights,
+            )
+        else:
+            seed = Seed(
+                weights=list(weights),
+                identity=identity,
+                planner_url=settings.planner_url,
+                providers=one_sided,
+                token=settings.token,
+                timeout_s=settings.transfer_timeout_s,
+                compile_caches=compile_caches,
+            ).start()
     log.info("rfork: serving as seed %s (identity %s)", ",".join(seed.instance_ids), identity.key()[:12])
     return seed

@@ -126,7 +126,8 @@ class HookSettings:
         return out
 
     def load_options(self) -> LoadOptions:
-        """Options of the hook's own pull: these providers and timeout; the hook seeds by itself after."""
+        """Options of the hook's own pull: these providers and timeout; the hook seeds by itself after
+        the framework's post-load steps, adopting the pull's engine and registrations when it serves."""
         # imported here: the frameworks import the plugin in each of their processes (start-up time)
         from rfork.pull.result import LoadOptions
 
@@ -134,6 +135,7 @@ class HookSettings:
             providers=self.providers,
             transfer_timeout_s=self.transfer_timeout_s,
             become_seed=False,
+            seed_later=self.serve,
             pull_torch_threads=None,
         )
 

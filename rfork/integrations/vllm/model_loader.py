@@ -18,44 +18,44 @@ or sgl-kernel handle and replace the parameter with an empty one, so post-proces
 not hold the weights (docs/vllm.md, "Modes"). No seed: vLLM's own disk loader fills the parameters.
 
 Anything else going wrong: vLLM's DefaultModelLoader loads the whole model again. After a load the
-instance becomes a seed of what it loaded and drains when the process exits.
+instance becomes a seed of what it loaded, adopting the pull's engine and registrations, and drains
+when the process exits. Pulling, identities, fallback bookkeeping and seeding are the template's
+(rfork.integrations.hook.loader_base); this module keeps vLLM's calls.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
+from rfork.integrations.hook.loader_base import Parallel, RforkLoaderBase
 from rfork.integrations.hook.outcome import LoadOutcome
-from rfork.integrations.hook.settings import HookSettings, default_loader_config
+from rfork.integrations.hook.settings import default_loader_config
 
 if TYPE_CHECKING:
-    from rfork.compile_cache.shelf import CacheShelf
-    from rfork.identity import SourceIdentity
     from rfork.pull.result import LoadResult
     from rfork.seed.seed import Seed
-    from rfork.weights.rank_weights import RankWeights
 
 log = logging.getLogger(__name__)
 
 
-class RforkModelLoader(BaseModelLoader):
+class RforkModelLoader(RforkLoaderBase, BaseModelLoader):
     """vLLM `BaseModelLoader` for `--load-format rfork` (see the module docstring)."""
+
+    framework = "vllm"
+    framework_name = "vLLM"
+    pulls_after_post_load = False
 
     def __init__(self, load_config: Any) -> None:
         super().__init__(load_config)
-        self.settings = HookSettings.resolve(load_config.model_loader_extra_config)
-        self.outcome: LoadOutcome | None = None
-        self.seed: Seed | None = None
-        self.compile_caches: CacheShelf | None = None  # what this worker compiles, served as a seed
-        self._pulled: LoadResult | None = None  # checkpoint mode: what load_weights feeds the model
         self._vllm_config: Any = None
+        self._loading = False  # inside load_model: load_weights pulls (parameters mode)
+        self._pulled: LoadResult | None = None  # checkpoint mode: what load_weights feeds the model
         self._built = False  # vLLM registers layer names when a model is built: never build twice
 
     # --- vLLM's loader interface
@@ -66,19 +66,23 @@ class RforkModelLoader(BaseModelLoader):
     def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> torch.nn.Module:
         t0 = time.perf_counter()
         self._vllm_config = vllm_config
+        self._loading = True
         try:
             if self.settings.mode == "checkpoint":
-                reason = self._pull_checkpoint(model_config)
+                reason = self.pull_checkpoint(model_config)
                 if reason is not None:
                     return self._fallback(vllm_config, model_config, prefix, t0, reason)
+                assert self.outcome is not None
+                self._pulled = self.outcome.pulled
             model = super().load_model(vllm_config, model_config, prefix)
         except Exception as exc:  # noqa: BLE001 - every failure ends in vLLM's own loader
             if self._built:  # a second model would clash with the first's layer names: vLLM's error
+                self.release()
                 raise
             return self._fallback(vllm_config, model_config, prefix, t0, f"rfork load failed: {exc}")
         finally:
             self._pulled = None
-            self._vllm_config = None  # a later load_weights (vLLM reloading weights) reads the disk
+            self._loading = False  # a later load_weights (vLLM reloading weights) reads the disk
         assert self.outcome is not None
         self.outcome.seconds = time.perf_counter() - t0
         log.info(
@@ -116,9 +120,9 @@ class RforkModelLoader(BaseModelLoader):
                 reason = f"vLLM's load_weights failed on the pulled tensors: {exc!r}"
                 log.info("rfork: loading with vLLM's default loader: %s", reason)
                 self._default_loader().load_weights(model, model_config)  # rewrites every parameter
-                self.outcome = LoadOutcome(source="vllm-default", reason=reason)  # nothing to serve
+                self.record(LoadOutcome(source="vllm-default", reason=reason))  # nothing to serve
             return
-        if self.settings.mode == "parameters" and self._vllm_config is not None:
+        if self._loading and self.settings.mode == "parameters":
             self._load_parameters(model, model_config)
             return
         # vLLM calling load_weights on its own (a weight reload): from disk, as vLLM would. A seed
@@ -128,88 +132,62 @@ class RforkModelLoader(BaseModelLoader):
 
     # --- modes
 
-    def _pull_checkpoint(self, model_config: Any) -> str | None:
-        """Pull (or read) the checkpoint tensors for load_weights; the fallback reason, else None."""
-        # imported here: vLLM imports the plugin in each of its processes (start-up time)
-        from rfork.integrations.hook.local_model import local_checkpoint
-        from rfork.integrations.hook.pulling import pull_checkpoint
-
-        info = local_checkpoint(model_config.model)
-        if info is None:
-            return "no local safetensors checkpoint"
-        identity, result = pull_checkpoint(info, self.settings)
-        self._pulled = result
-        self.outcome = LoadOutcome(
-            source=result.source, bytes=result.bytes, identity=identity, served=result.weights[0]
-        )
-        return None
-
     def _load_parameters(self, model: torch.nn.Module, model_config: Any) -> None:
         """Pull this rank's loaded parameters in place; no source or a failed pull: vLLM's disk loader."""
         # imported here: vLLM imports the plugin in each of its processes (start-up time)
-        from rfork.integrations.hook.pulling import pull_parameters
         from rfork.weights.rank_weights import RankWeights
 
         params = dict(model.named_parameters())
-        rank = _global_rank(self._vllm_config)
-        identity = self._parameters_identity(model_config, params)
-        source, nbytes, reason = "disk", 0, None
-        served: RankWeights | None = None
-        if self.settings.planner_url is None:
-            reason = "no planner URL"
-        else:
-            try:
-                result = pull_parameters(params, identity=identity, rank=rank, settings=self.settings)
-                source, nbytes = result.source, result.bytes
-                served = result.weights.get(rank)  # these parameters, digests verified by the pull
-                result.close()
-            except Exception as exc:  # noqa: BLE001 - the parameters are undefined now: disk rewrites all
-                reason = str(exc) or type(exc).__name__
+        rank = self.global_rank()
+        device = next(iter(params.values())).device if params else torch.device("cpu")
+        identity = self.parameters_identity(model_config, params, device)
+        reason = self.pull_parameters(params, identity=identity, rank=rank)
         if reason is not None:
             log.info("rfork: parameters mode: vLLM's disk loader fills the parameters: %s", reason)
             self._default_loader().load_weights(model, model_config)
-        if served is None:
             served = RankWeights.from_tensors(rank=rank, tensors=params)
             served.origin = "disk"
-        served.compute_checksums()  # before the post-load steps (a pull's verified digests are kept)
-        self.outcome = LoadOutcome(
-            source=source, bytes=nbytes, identity=identity, rank=rank, served=served, reason=reason
+            self.record(
+                LoadOutcome(source="disk", identity=identity, rank=rank, served=served, reason=reason)
+            )
+        assert self.outcome is not None
+        assert self.outcome.served is not None
+        self.outcome.served.compute_checksums()  # before the post-load steps (a pull's are kept)
+
+    # --- the template's framework calls
+
+    def parallel(self) -> Parallel:
+        """Sizes from vLLM's parallel config; this worker's ranks (0 before vLLM's groups exist)."""
+        from vllm.distributed import parallel_state
+
+        par = self._vllm_config.parallel_config
+        tp, pp, dp = par.tensor_parallel_size, par.pipeline_parallel_size, par.data_parallel_size
+        ep = tp * dp if getattr(par, "enable_expert_parallel", False) else 1
+        if not parallel_state.model_parallel_is_initialized():
+            return Parallel(tp=tp, pp=pp, ep=ep, dp=dp)
+        return Parallel(
+            tp=tp,
+            pp=pp,
+            ep=ep,
+            dp=dp,
+            tp_rank=int(parallel_state.get_tensor_model_parallel_rank()),
+            pp_rank=int(parallel_state.get_pp_group().rank_in_group),
         )
 
-    # --- seeding
+    def framework_version(self) -> str:
+        import vllm
 
-    def become_seed(self) -> Seed | None:
-        """Serve what this rank loaded, read-only, publish it, drain at exit (no-op when disabled)."""
-        s, out = self.settings, self.outcome
-        if not s.serve or s.planner_url is None or out is None or out.served is None or out.identity is None:
-            return None
-        if self.seed is not None:
-            return self.seed
+        return str(vllm.__version__)
+
+    def model_path(self, model_config: Any) -> str:
+        return str(model_config.model)
+
+    def arrange_drain(self, seed: Seed) -> None:
         # imported here: vLLM imports the plugin in each of its processes (start-up time)
-        from rfork.errors import ChecksumMismatch
-        from rfork.integrations.hook.serving import start_seed
         from rfork.integrations.vllm.lifecycle import drain_at_exit
 
-        try:
-            if s.mode == "parameters":
-                # the post-load steps must have left the loaded parameters as they were: recheck
-                out.served.verify(dict(out.served.checksums))
-            seed = start_seed(
-                weights=[out.served], identity=out.identity, settings=s, compile_caches=self.compile_caches
-            )
-        except ChecksumMismatch as exc:
-            log.warning(
-                "rfork: vLLM's post-load steps changed the loaded parameters in place (%s); "
-                "parameters mode cannot serve this model, use checkpoint mode",
-                exc,
-            )
-            return None
-        except Exception as exc:  # noqa: BLE001 - the server runs fine without being a seed
-            log.warning("rfork: could not become a seed: %s", exc, exc_info=True)
-            return None
-        self.seed = seed
-        drain_at_exit(seed, planner_url=s.planner_url)
-        return seed
+        assert self.settings.planner_url is not None
+        drain_at_exit(seed, planner_url=self.settings.planner_url)
 
     # --- helpers
 
@@ -220,50 +198,8 @@ class RforkModelLoader(BaseModelLoader):
         self, vllm_config: Any, model_config: Any, prefix: str, t0: float, reason: str
     ) -> torch.nn.Module:
         log.info("rfork: loading with vLLM's default loader: %s", reason)
-        self._vllm_config = None  # load_weights must not take the parameters path again
+        self._pulled = None
+        self._loading = False  # load_weights must not take the parameters path again
         model = self._default_loader().load_model(vllm_config, model_config, prefix)
-        self.outcome = LoadOutcome(
-            source="vllm-default",
-            seconds=time.perf_counter() - t0,
-            rank=_global_rank(vllm_config),
-            reason=reason,
-        )
-        return model  # nothing to serve: post-processed weights are not a pullable layout
-
-    def _parameters_identity(self, model_config: Any, params: Mapping[str, torch.Tensor]) -> SourceIdentity:
-        import vllm
-
-        # imported here: vLLM imports the plugin in each of its processes (start-up time)
-        from rfork.integrations.hook.identity import parameters_identity
-        from rfork.integrations.hook.local_model import identity_model_and_revision
-
-        par = self._vllm_config.parallel_config
-        tp, pp, dp = par.tensor_parallel_size, par.pipeline_parallel_size, par.data_parallel_size
-        device = next(iter(params.values())).device if params else torch.device("cpu")
-        model, revision = identity_model_and_revision(self.settings, model_config, model_config.model)
-        return parameters_identity(
-            framework="vllm",
-            framework_version=str(vllm.__version__),
-            model=model,
-            revision=revision,
-            tensors=params,
-            dtype=model_config.dtype,
-            quantization=model_config.quantization,
-            tp=tp,
-            pp=pp,
-            ep=tp * dp if getattr(par, "enable_expert_parallel", False) else 1,
-            dp=dp,
-            device=device,
-        )
-
-
-def _global_rank(vllm_config: Any) -> int:
-    """pp_rank * tp_size + tp_rank of this worker (0 before vLLM's groups exist)."""
-    from vllm.distributed import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return 0
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    return int(parallel_state.get_pp_group().rank_in_group) * tp + int(
-        parallel_state.get_tensor_model_parallel_rank()
-    )
+        # nothing to serve: post-processed weights are not a pullable layout (`pulls_after_post_load`)
+        return self.fell_back(model, model_config, reason=reason, seconds=time.perf_counter() - t0)

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
+from planner.contract.manifest import RegionEntry, TensorEntry, dump_json
 from planner.contract.wire import (
     MAX_BYTES,
     Anchor,
@@ -26,16 +27,13 @@ from planner.contract.wire import (
     RankEndpoint,
     RankManifest,
     RankView,
-    RegionEntry,
     Registration,
     RegistrationRequest,
     ReportAnswer,
     SourceIdentity,
     StatusChange,
     StoredManifest,
-    TensorEntry,
     TransferReport,
-    dump_json,
     identity_key,
 )
 from tests.planner.conftest import identity, manifest

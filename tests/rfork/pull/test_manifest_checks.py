@@ -1,22 +1,27 @@
-"""The manifest a loader accepts: the wire type (planner.contract.RankManifest) plus the loader's own
-checks (rfork.pull.planner_session.check_manifest); anything else is refused with a clear error."""
+"""The manifest a loader accepts: the wire type (planner.contract.RankManifest), checked once where the
+loader receives it (`RankManifest.check`, through rfork.pull.planner_session.check_manifest); anything
+else is refused with a clear error."""
 
 from __future__ import annotations
 
 import base64
 import contextlib
 import json
+import warnings
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from backends.layout import plan_layout
-from planner.contract import RankManifest
+from planner.contract import DTYPE_BYTES, RankManifest, RegionEntry
+from rfork import pull_into
 from rfork.errors import ManifestError
 from rfork.pull.planner_session import check_manifest
 from rfork.weights import checksum as ck
+from tests.rfork.conftest import AUTH, opts, tied_model, tied_seed
 
 names = st.text(alphabet="abcdefghij._0123456789", min_size=1, max_size=20)
 dtypes = st.sampled_from(["bfloat16", "float16", "float32", "int8", "int64"])
@@ -116,3 +121,49 @@ def test_inconsistent_fields_are_refused(path, value):
     target[path[-1]] = value
     with pytest.raises((ValidationError, ManifestError)):
         check_manifest(RankManifest.model_validate(doc))
+
+
+def test_the_wire_sizes_dtypes_as_torch_does():
+    """The check needs no torch: its table must say what torch says, for every dtype torch has."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # making some (quantized, complex32) warns
+        sizes = {
+            name: torch.empty((), dtype=dt).element_size()
+            for name in dir(torch)
+            if isinstance(dt := getattr(torch, name), torch.dtype)
+        }
+    assert {name: DTYPE_BYTES.get(name) for name in sizes} == sizes
+
+
+def test_descriptors_are_read_as_the_check_decoded_them():
+    m = RankManifest.model_validate(_good_doc())
+    with pytest.raises(RuntimeError, match="check"):
+        m.descriptor(0)  # nothing reads an unchecked manifest
+    check_manifest(m)
+    assert m.descriptor(0) == b"x"
+
+
+@pytest.mark.slow
+def test_a_pull_checks_the_manifest_once_and_decodes_each_descriptor_once(planner, monkeypatch):
+    checks: list[RankManifest] = []
+    decoded: list[int] = []
+    check, descriptor_bytes = RankManifest.check, RegionEntry.descriptor_bytes
+
+    def counted_check(self: RankManifest) -> None:
+        checks.append(self)
+        check(self)
+
+    def counted_decode(self: RegionEntry) -> bytes:
+        decoded.append(self.index)
+        return descriptor_bytes(self)
+
+    monkeypatch.setattr(RankManifest, "check", counted_check)
+    monkeypatch.setattr(RegionEntry, "descriptor_bytes", counted_decode)
+    with tied_seed(planner) as (_model, ident, _seed):
+        result = pull_into(
+            identity=ident, planner_url=planner, tensors=tied_model(1).state_dict(),
+            options=opts(become_seed=False), **AUTH,
+        )
+    assert result.source == "rfork-tcp"
+    assert len(checks) == 1
+    assert sorted(decoded) == sorted(r.index for r in checks[0].regions)  # each region once

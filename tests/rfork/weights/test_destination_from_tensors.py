@@ -9,6 +9,7 @@ import pytest
 
 from planner.contract import RankManifest
 from rfork.errors import ManifestError
+from rfork.pull.planner_session import check_manifest
 from rfork.weights.rank_weights import RankWeights
 
 
@@ -40,4 +41,5 @@ def test_the_destination_is_as_large_as_the_tensors():
 
 def test_a_region_larger_than_its_tensors_is_refused_before_anything_is_allocated():
     with pytest.raises(ManifestError, match="region 0"):
-        RankWeights.allocate_for(_manifest(1 << 20))  # 1 MiB behind 64 bytes (the probe used 1 PiB)
+        # the loader's one check where it receives the manifest, before allocate_for runs
+        check_manifest(_manifest(1 << 20))  # 1 MiB behind 64 bytes (the probe used 1 PiB)

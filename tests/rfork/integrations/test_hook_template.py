@@ -1,0 +1,142 @@
+"""The hook template (rfork.integrations.hook.loader_base) with a stand-in framework: a new framework's
+loader implements `parallel`, `framework_version`, `model_path` and `arrange_drain`; pulling, the
+identity, becoming a seed on the pull's own registrations (each buffer once) and closing what no seed
+adopts are the template's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from planner.server import PlannerServer
+from rfork import LoadOptions, pull_into
+from rfork.integrations.hook.loader_base import Parallel, RforkLoaderBase
+from rfork.seed.seed import Seed
+from rfork.weights.rank_weights import RankWeights
+from tests.rfork.conftest import SMALL, assert_same
+from tests.rfork.pull.test_hand_off import assert_registered_once, spy_registrations
+from tests.tiny_llama import LlamaForCausalLM
+
+
+class _FrameworkLoader:
+    """Stands for a framework's BaseModelLoader: it keeps the load config."""
+
+    def __init__(self, load_config: Any) -> None:
+        self.load_config = load_config
+
+
+class _Loader(RforkLoaderBase, _FrameworkLoader):
+    framework = "toy"
+    framework_name = "Toy"
+    pulls_after_post_load = True
+    drains: list[Seed]
+
+    def parallel(self) -> Parallel:
+        return Parallel()
+
+    def framework_version(self) -> str:
+        return "1"
+
+    def model_path(self, model_config: Any) -> str:
+        return str(model_config.model_path)
+
+    def arrange_drain(self, seed: Seed) -> None:
+        self.drains = [seed]
+
+
+class _LoaderBeforePostLoad(_Loader):
+    """A framework whose pull lands before its post-load steps (as vLLM's)."""
+
+    pulls_after_post_load = False
+
+
+def _hook(planner_url: str, *, after_post_load: bool = True, **settings: Any) -> _Loader:
+    extra = {"planner_url": planner_url, "mode": "parameters", "transfer_timeout_s": 3.0, **settings}
+    kind = _Loader if after_post_load else _LoaderBeforePostLoad
+    return kind(SimpleNamespace(model_loader_extra_config=extra))
+
+
+MODEL_CONFIG = SimpleNamespace(
+    model_path="/models/small", hf_config=None, revision=None, dtype=torch.bfloat16, quantization=None
+)
+
+
+@pytest.fixture
+def open_planner(sqlite_url: str) -> Iterator[str]:
+    """A planner without auth: a hook acts with one token for pulling and publishing."""
+    with PlannerServer(db_url=sqlite_url, insecure=True) as srv:
+        yield srv.url
+
+
+@pytest.fixture
+def parameters_seed(open_planner: str) -> Iterator[tuple[dict[str, torch.Tensor], Seed]]:
+    """A seed of the small model's parameters under the toy framework's parameters identity."""
+    torch.manual_seed(0)
+    params: dict[str, torch.Tensor] = dict(LlamaForCausalLM(SMALL).named_parameters())
+    ident = _hook(open_planner).parameters_identity(MODEL_CONFIG, params, torch.device("cpu"))
+    weights = RankWeights.from_tensors(tensors=params)
+    with Seed(weights=[weights], identity=ident, planner_url=open_planner) as seed:
+        yield params, seed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("after_post_load", [True, False], ids=["sglang-like", "vllm-like"])
+def test_the_hook_template_registers_each_pulled_parameter_once(
+    open_planner, parameters_seed, monkeypatch, after_post_load
+):
+    source, seed = parameters_seed
+    made = spy_registrations(monkeypatch)
+    hook = _hook(open_planner, after_post_load=after_post_load)
+    model = LlamaForCausalLM(SMALL)  # built, post-processed, still empty
+    params = dict(model.named_parameters())
+    ident = hook.parameters_identity(MODEL_CONFIG, params, torch.device("cpu"))
+    assert hook.pull_parameters(params, identity=ident, rank=hook.global_rank()) is None
+    assert hook.outcome is not None
+    assert hook.outcome.source == "rfork-tcp"
+    assert_same({n: p.detach() for n, p in params.items()}, {n: p.detach() for n, p in source.items()})
+    became = hook.become_seed(model)  # after the framework's own steps
+    try:
+        assert became is not None
+        assert hook.drains == [became]
+        assert_registered_once(made, hook.outcome.served)  # type: ignore[arg-type]
+        assert became.instance_ids
+        third = pull_into(
+            identity=ident,
+            planner_url=open_planner,
+            tensors={n: torch.empty_like(p) for n, p in source.items()},
+            options=LoadOptions(providers=["tcp"], exclude=seed.instance_ids, become_seed=False),
+        )
+        assert third.attempts[0].instance_id == became.instance_ids[0]  # served on what it adopted
+        assert_same(third.state_dict(), {n: p.detach() for n, p in source.items()})
+    finally:
+        if became is not None:
+            became.close()
+
+
+@pytest.mark.slow
+def test_the_hook_template_closes_a_pull_it_cannot_serve(open_planner, parameters_seed):
+    hook = _hook(open_planner)
+    model = LlamaForCausalLM(SMALL)
+    params = dict(model.named_parameters())
+    ident = hook.parameters_identity(MODEL_CONFIG, params, torch.device("cpu"))
+    assert hook.pull_parameters(params, identity=ident, rank=0) is None
+    assert hook.outcome is not None
+    pulled = hook.outcome.pulled
+    assert pulled is not None
+    engine = pulled.engine
+    assert engine is not None
+    hook.outcome.identity = None  # e.g. a draft model's: nothing this rank may serve
+    assert hook.become_seed(model) is None
+    assert engine.closed
+    assert all(r.closed for r in pulled.ranks[0].regions)
+
+
+def test_settings_hold_the_pull_for_a_seed_only_when_serving():
+    assert _hook("http://p").settings.load_options().seed_later
+    assert not _hook("http://p", serve=False).settings.load_options().seed_later
+    assert not _hook("http://p").settings.load_options().become_seed  # the hook seeds later, by itself
