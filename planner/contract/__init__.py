@@ -35,7 +35,6 @@ from planner.contract.errors import (
 )
 from planner.contract.integrity import digest_set
 from planner.contract.manifest import (
-    DTYPE_BYTES,
     RankManifest,
     RegionEntry,
     StoredManifest,
@@ -77,7 +76,6 @@ if TYPE_CHECKING:
     from planner.contract.client import PlannerClient
 
 __all__ = [
-    "DTYPE_BYTES",
     "AllBusy",
     "Anchor",
     "Assignment",

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from backends.layout import plan_layout
-from planner.contract import DTYPE_BYTES, RankManifest, RegionEntry
+from planner.contract import RankManifest, RegionEntry
+from planner.contract.manifest import DTYPE_BYTES
 from rfork import pull_into
 from rfork.errors import ManifestError
 from rfork.pull.planner_session import check_manifest
