@@ -62,14 +62,13 @@ def fresh_postgres() -> Iterator[str]:
 def _start_all(url: str, start: Path, logs: Path) -> tuple[list[subprocess.Popen], list[subprocess.Popen]]:
     env = {**os.environ, "RFORK_REAPER_INTERVAL_S": "3600"}
     argvs = [["planner", "migrate", "--db", url] for _ in range(MIGRATORS)]
-    argvs += [["planner", "serve", "--db", url, "--port", str(free_port()), "--insecure"] for _ in range(SERVERS)]
+    serve = ["planner", "serve", "--db", url, "--insecure", "--port"]
+    argvs += [[*serve, str(free_port())] for _ in range(SERVERS)]
     procs = []
     for i, argv in enumerate(argvs):
-        out = (logs / f"{i}.out").open("wb")
-        err = (logs / f"{i}.err").open("wb")
-        procs.append(
-            subprocess.Popen([sys.executable, "-c", _STARTER, str(start), *argv], stdout=out, stderr=err, env=env)
-        )
+        with (logs / f"{i}.out").open("wb") as out, (logs / f"{i}.err").open("wb") as err:
+            command = [sys.executable, "-c", _STARTER, str(start), *argv]
+            procs.append(subprocess.Popen(command, stdout=out, stderr=err, env=env))
     return procs[:MIGRATORS], procs[MIGRATORS:]
 
 
@@ -100,7 +99,8 @@ def _run_concurrently(url: str, tmp_path: Path) -> None:
                 proc.kill()
     for i in range(MIGRATORS + SERVERS):
         err = (tmp_path / f"{i}.err").read_text()
-        assert "Traceback" not in err and "Error" not in err, f"process {i}: {err[-3000:]}"
+        assert "Traceback" not in err, f"process {i}: {err[-3000:]}"
+        assert "Error" not in err, f"process {i}: {err[-3000:]}"
 
 
 def _head() -> str:
