@@ -3,8 +3,8 @@
 Public surface (pinned by tests/planner/test_public_surface.py): the errors, the wire types and
 PlannerClient (the Python client), all from the contract room `planner.contract`; PlannerServer (the
 planner in a background thread, for tests and the demo) and the in-process API for embedding the
-real planner on a database: Planner (Planner.open(settings)), PlannerSettings, make_policy and
-migrate. Every other module is internal.
+real planner on a database: Planner (Planner.open(settings)), PlannerSettings, make_policy,
+migrate and check_schema. Every other module is internal.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
         TransferView,
         identity_key,
     )
-    from planner.db import migrate
+    from planner.db import check_schema, migrate
     from planner.selection import make_policy
     from planner.server import PlannerServer
     from planner.service import Planner
@@ -67,6 +67,7 @@ _SERVER_SIDE = {
     "PlannerSettings": "planner.settings",
     "make_policy": "planner.selection",
     "migrate": "planner.db",
+    "check_schema": "planner.db",
 }
 
 __all__ = [
@@ -108,6 +109,7 @@ __all__ = [
     "TransferReport",
     "TransferView",
     "TransfersPage",
+    "check_schema",
     "identity_key",
     "make_policy",
     "migrate",

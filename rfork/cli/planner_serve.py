@@ -47,9 +47,8 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
-    from planner import PlannerSettings, migrate
+    from planner import PlannerSettings, check_schema, migrate
     from planner.app import create_app
-    from planner.db import check_schema
 
     overrides: dict[str, object] = {}
     if args.db:

@@ -56,6 +56,7 @@ PUBLIC = [
     "PlannerSettings",
     "make_policy",
     "migrate",
+    "check_schema",
 ]
 
 
