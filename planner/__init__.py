@@ -3,8 +3,8 @@
 Public surface (checked by tests/planner/test_public_surface.py): the errors, the wire types and
 PlannerClient (the Python client), all from the contract room `planner.contract`; PlannerServer (the
 planner in a background thread, for tests and the demo) and the in-process API for embedding the
-real planner on a database: Planner (Planner.open(settings)), PlannerSettings, make_policy and
-migrate. Every other module is internal.
+real planner on a database: Planner (Planner.open(settings)), PlannerSettings, make_policy,
+migrate and check_schema. Every other module is internal.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
         TransferView,
         identity_key,
     )
-    from planner.db import migrate
+    from planner.db import check_schema, migrate
     from planner.selection import make_policy
     from planner.server import PlannerServer
     from planner.service import Planner

@@ -3,6 +3,13 @@
 Write transactions are serialised per seed: on PostgreSQL with row locks (SELECT ... FOR UPDATE),
 on SQLite by starting every write transaction with BEGIN IMMEDIATE (one writer at a time; WAL lets
 readers go on). Read-only sessions use a plain BEGIN.
+
+Migrations run one at a time per database, so that any number of `rfork planner migrate` and
+`rfork planner serve` processes may start at once: on PostgreSQL under a session-level advisory lock
+(MIGRATION_LOCK_ID) held around Alembic's upgrade on the same connection (released by the server if
+the process dies); on a SQLite file under an flock of its `-writelock` side file (which this host's
+planner writers take too). Either wait is bounded (MIGRATION_LOCK_TIMEOUT_S). Database errors come
+out as one line naming the database (DatabaseError), never a SQL dump.
 """
 
 from __future__ import annotations
@@ -11,9 +18,9 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +31,25 @@ except ImportError:  # not on Windows: SQLite's busy timeout alone then
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Connection, Engine, create_engine, event
+from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from alembic.util.exc import CommandError
+from sqlalchemy import Connection, Engine, create_engine, event, pool, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 log = logging.getLogger(__name__)
 
 READONLY = "rfork_readonly"
+CONNECT_TIMEOUT_S = 10  # PostgreSQL: a host that drops packets is an error after this, not a hang
+MIGRATION_LOCK_ID = 0x72666F726B6D6967  # pg_advisory_lock key of the planner's migrations ("rforkmig")
+MIGRATION_LOCK_TIMEOUT_S = 600.0  # how long a migration waits for another one to finish
+
+
+class DatabaseError(RuntimeError):
+    """The planner database cannot be reached, migrated or served as it is; the message is one line
+    that names the database (password hidden) and says what to do."""
 
 
 def is_sqlite(url: str) -> bool:
@@ -41,7 +60,13 @@ def is_sqlite(url: str) -> bool:
 def make_engine(url: str, *, pool_size: int = 16) -> Engine:
     """An engine for `url`; SQLite gets WAL, a busy timeout and BEGIN IMMEDIATE for writes."""
     if not is_sqlite(url):
-        return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+        return create_engine(
+            url,
+            pool_size=pool_size,
+            max_overflow=pool_size,
+            pool_pre_ping=True,
+            connect_args=_connect_args(url),
+        )
     engine = create_engine(
         url,
         connect_args={"check_same_thread": False, "timeout": 30.0},
@@ -158,11 +183,26 @@ def _file_lock_for(url: str) -> int | None:
 
 
 @contextmanager
-def _flocked(fd: int | None) -> Iterator[None]:
+def _flocked(fd: int | None, *, timeout_s: float | None = None, what: str = "") -> Iterator[None]:
+    """Hold an exclusive flock of `fd`; without `timeout_s` it blocks, else DatabaseError (naming
+    `what`) once the wait exceeds it."""
     if fd is None or fcntl is None:
         yield
         return
-    fcntl.flock(fd, fcntl.LOCK_EX)  # blocks in the kernel with the GIL released
+    if timeout_s is None:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # blocks in the kernel with the GIL released
+    else:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise DatabaseError(
+                        f"another process has held the {what} for more than {timeout_s:g} s"
+                    ) from None
+                time.sleep(0.05)
     try:
         yield
     finally:
@@ -170,8 +210,16 @@ def _flocked(fd: int | None) -> Iterator[None]:
 
 
 def migrations_dir() -> Path:
-    """Where the `migrations` package (env.py, versions/) lives, installed or in a checkout."""
-    return Path(str(resources.files("migrations")))
+    """Alembic's script directory (env.py, versions/): `planner/migrations` in the wheel, the top-level
+    `migrations/` beside `planner/` in a checkout. Found by path, never imported by name: a project's
+    own `migrations` folder (Django, Flask, Alembic) on sys.path must not stand in for it."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "migrations", here.parent / "migrations"):
+        if (candidate / "env.py").is_file():
+            return candidate
+    raise DatabaseError(
+        f"the planner's migrations are missing: neither {here}/migrations nor {here.parent}/migrations"
+    )
 
 
 def alembic_config(url: str) -> Config:
@@ -183,15 +231,119 @@ def alembic_config(url: str) -> Config:
     return cfg
 
 
-def migrate(url: str, revision: str = "head") -> None:
-    """Upgrade the database at `url` to `revision` (default: the newest)."""
+def migrate(url: str, revision: str = "head", *, lock_timeout_s: float = MIGRATION_LOCK_TIMEOUT_S) -> None:
+    """Upgrade the database at `url` to `revision` (default: the newest), one migration at a time per
+    database (see the module docstring). DatabaseError (one line) when it cannot."""
     log.info("migrating %s to %s", _redact(url), revision)
-    command.upgrade(alembic_config(url), revision)
+    with _one_line_errors(url, "cannot migrate"), _migration_lock(url, lock_timeout_s) as conn:
+        cfg = alembic_config(url)
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, revision)
 
 
-def downgrade(url: str, revision: str = "base") -> None:
-    """Downgrade the database at `url` to `revision` (default: empty)."""
-    command.downgrade(alembic_config(url), revision)
+def downgrade(url: str, revision: str = "base", *, lock_timeout_s: float = MIGRATION_LOCK_TIMEOUT_S) -> None:
+    """Downgrade the database at `url` to `revision` (default: empty), under the same lock as migrate."""
+    with _one_line_errors(url, "cannot downgrade"), _migration_lock(url, lock_timeout_s) as conn:
+        cfg = alembic_config(url)
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, revision)
+
+
+def check_schema(url: str) -> None:
+    """For `serve --no-migrate`: DatabaseError unless the database is at this code's newest revision.
+
+    A database at a revision this code does not know (a newer planner migrated it) is served with a
+    warning, so that a rollback or a rolling upgrade's older pods keep starting.
+    """
+    script = ScriptDirectory.from_config(alembic_config(url))
+    head = script.get_current_head()
+    with _one_line_errors(url, "cannot read the schema of"):
+        engine = create_engine(url, poolclass=pool.NullPool, connect_args=_connect_args(url))
+        try:
+            with engine.connect() as conn:
+                current = MigrationContext.configure(conn).get_current_revision()
+        finally:
+            engine.dispose()
+    if current == head:
+        return
+    if current is None:
+        raise DatabaseError(
+            f"planner database {_redact(url)} has no schema; run `rfork planner migrate` first"
+        )
+    try:
+        script.get_revision(current)
+    except CommandError:
+        log.warning(
+            "planner database %s is at revision %s, newer than this planner's %s; serving anyway",
+            _redact(url), current, head,
+        )
+        return
+    raise DatabaseError(
+        f"planner database {_redact(url)} is at revision {current}, this planner needs {head}; "
+        "run `rfork planner migrate` first"
+    )
+
+
+@contextmanager
+def _migration_lock(url: str, timeout_s: float) -> Iterator[Connection | None]:
+    """Hold the database's migration lock; yields the connection Alembic must migrate on (PostgreSQL),
+    or None (SQLite and others: Alembic opens its own)."""
+    if is_sqlite(url):
+        fd = _file_lock_for(url)  # None: in memory, one process
+        try:
+            with _flocked(fd, timeout_s=timeout_s, what=f"migration lock of {_redact(url)}"):
+                yield None
+        finally:
+            if fd is not None:
+                os.close(fd)
+        return
+    if make_url(url).get_backend_name() != "postgresql":
+        yield None
+        return
+    engine = create_engine(url, poolclass=pool.NullPool, connect_args=_connect_args(url))
+    try:
+        with engine.connect() as conn:
+            # bounded wait: lock_timeout applies to advisory locks too; reset before Alembic's DDL
+            wait_ms = str(int(timeout_s * 1000))
+            conn.execute(text("SELECT set_config('lock_timeout', :ms, false)"), {"ms": wait_ms})
+            try:
+                conn.execute(text("SELECT pg_advisory_lock(:key)"), {"key": MIGRATION_LOCK_ID})
+            except DBAPIError as exc:
+                if getattr(exc.orig, "sqlstate", None) == "55P03":  # lock_not_available
+                    raise DatabaseError(
+                        f"another migration has held the migration lock of {_redact(url)} for more than "
+                        f"{timeout_s:g} s"
+                    ) from None
+                raise
+            conn.execute(text("RESET lock_timeout"))
+            conn.commit()  # Alembic then begins and commits its own transaction on this connection
+            try:
+                yield conn
+            finally:
+                if conn.in_transaction():
+                    conn.rollback()
+                conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": MIGRATION_LOCK_ID})
+                conn.commit()
+    finally:
+        engine.dispose()
+
+
+@contextmanager
+def _one_line_errors(url: str, doing: str) -> Iterator[None]:
+    """Turn a driver's multi-line error (SQL, parameters, a link) into DatabaseError's one line."""
+    try:
+        yield
+    except DBAPIError as exc:
+        first = (str(exc.orig).strip() or type(exc.orig).__name__).splitlines()[0]
+        raise DatabaseError(f"{doing} the planner database {_redact(url)}: {first}") from None
+
+
+def _connect_args(url: str) -> dict[str, Any]:
+    """PostgreSQL gets a connect timeout unless the URL sets one."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "postgresql" and "connect_timeout" not in parsed.query:
+        return {"connect_timeout": CONNECT_TIMEOUT_S}
+    return {}
 
 
 def _redact(url: str) -> str:

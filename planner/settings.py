@@ -1,17 +1,37 @@
-"""Planner settings: one pydantic-settings class, read from RFORK_* environment variables."""
+"""Planner settings: one pydantic-settings class, read from RFORK_* environment variables.
+
+The database URL and every token or secret may instead come from a file that `RFORK_<FIELD>_FILE`
+names (a mounted Kubernetes or Docker secret): e.g. RFORK_ADMIN_TOKEN_FILE=/run/secrets/admin.
+"""
 
 from __future__ import annotations
 
 import hashlib
-from typing import Annotated
+import os
+from typing import Annotated, Any
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from planner.selection import policy_name
 
 DEFAULT_DB_URL = "sqlite:///rfork-planner.db"
 DEFAULT_PORT = 8470  # `rfork planner serve`; README, deploy/ and the docs use it
+# fields that RFORK_<FIELD>_FILE may give instead (the URL carries the database password)
+SECRET_FIELDS = (
+    "db_url",
+    "admin_token",
+    "instance_token",
+    "register_token",
+    "load_token",
+    "reader_token",
+    "anchor_token",
+    "control_secret",
+)
+
+
+class SettingsError(RuntimeError):
+    """A setting cannot be read (a secret file); the message is one line naming the variable."""
 
 
 class PlannerSettings(BaseSettings):
@@ -28,6 +48,9 @@ class PlannerSettings(BaseSettings):
     # register + set an identity's anchor from a disk publication: give it to trusted disk seeds only
     anchor_token: str | None = None
     insecure: bool = False
+    # `serve`: do not migrate at start, only check the schema is current (a Job or an init container
+    # migrates: `rfork planner migrate`)
+    no_migrate: bool = False
     # seals the seeds' control keys in the database (planner.contract.control_token.seal); every planner
     # process of one database needs the same. Unset: derived from the configured tokens and the database URL
     control_secret: str | None = Field(default=None, repr=False)
@@ -59,6 +82,31 @@ class PlannerSettings(BaseSettings):
     rate_history_s: float = Field(default=86_400.0, gt=0)  # ... ended at most this long ago
     stale_retention_s: float = Field(default=3600.0, ge=0)  # STALE this long: deleted with its manifests
     false_report_threshold: int = Field(default=3, ge=1)  # disproved checksum claims that flag a reporter
+
+    @model_validator(mode="before")
+    @classmethod
+    def _secrets_from_files(cls, data: Any) -> Any:
+        """RFORK_<FIELD>_FILE: the field from that file (whitespace stripped), unless given in code."""
+        if not isinstance(data, dict):
+            return data
+        for field in SECRET_FIELDS:
+            var = f"RFORK_{field.upper()}"
+            path = os.environ.get(f"{var}_FILE")
+            if not path:
+                continue
+            if os.environ.get(var):
+                raise SettingsError(f"both ${var} and ${var}_FILE are set; keep one")
+            if data.get(field) is not None:
+                continue  # given in code or on the command line (`--db`): that wins
+            try:
+                with open(path, encoding="utf-8") as f:
+                    value = f.read().strip()
+            except OSError as exc:
+                raise SettingsError(f"${var}_FILE={path}: {exc.strerror or exc}") from None
+            if not value:
+                raise SettingsError(f"${var}_FILE={path} is empty")
+            data[field] = value
+        return data
 
     def control_secret_bytes(self) -> bytes:
         """The secret that seals control keys (see control_secret)."""

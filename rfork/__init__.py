@@ -18,6 +18,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rfork.errors import NEEDS_TORCH
+
 try:
     __version__ = version("rfork")
 except PackageNotFoundError:  # running from a source tree that was never installed
@@ -70,7 +72,13 @@ def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'rfork' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    try:
+        loaded = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        raise ModuleNotFoundError(NEEDS_TORCH, name="torch") from exc
+    value = getattr(loaded, name)
     globals()[name] = value
     return value
 

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+# torch is the `torch` extra (a planner-only install leaves it out); said where an import of it fails
+NEEDS_TORCH = (
+    "loading, seeding and digesting need torch, which a planner-only install leaves out: "
+    "pip install 'rfork[torch]' (or the torch build your framework uses)"
+)
+
 
 class RforkError(Exception):
     """Base of every error rfork/ raises on purpose."""

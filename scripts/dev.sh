@@ -17,6 +17,9 @@
 # Linux), used with RFORK_LIBFABRIC_LIB=mpich (backends/providers/_native.py). 2.5.1 is not the default
 # yet: its shm stalls intermittently across the whole suite on this machine (docs/transport.md).
 # `test` runs the suite on the default one and the conformance suite again on the other.
+# The slow tests include the wheel as a user gets it (tests/test_wheel.py): built from a copy of the
+# sources, installed into a new venv outside the checkout (torch from pip's cache or find-links, at
+# TORCH_PIN), and run from there: a planner, a seed and a verified `rfork load` over tcp.
 # Re-running is cheap: the Python install is skipped while pyproject.toml and setup files are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."

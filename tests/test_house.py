@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-INSTALLED = ("rfork", "backends", "planner", "migrations")  # what the wheel ships
+INSTALLED = ("rfork", "backends", "planner", "migrations")  # the wheel ships them (migrations/ in planner/)
 HARNESS = "bench"
 PACKAGES = (*INSTALLED, HARNESS)
 # may import project code inside functions: `rfork --help` and SGLang's processes import them at start-up

@@ -5,7 +5,8 @@ progress core). The cdef is native/libfabric.cdef (the libfabric calls Python ma
 followed by native/rf_api.h, the module's own declarations, which the C files include too.
 libfabric's headers and library are found with `pkg-config libfabric`, or under the prefix named by
 RFORK_LIBFABRIC_PREFIX (e.g. /opt/amazon/efa for AWS's EFA installer); xxHash's with
-`pkg-config libxxhash`, and without it the module builds without native digests.
+`pkg-config libxxhash`, and without it the module builds without native digests. The module carries
+no RUNPATH (setup.py): which libfabric.so.1 it binds to is chosen at run time (_native.py).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ ffibuilder.set_source(
     libraries=["fabric", "pthread"] + (["xxhash"] if _xxh else []),
     include_dirs=[_rel(NATIVE), *_fabric.include_dirs, *_xxh_paths.include_dirs],
     library_dirs=_fabric.library_dirs + _xxh_paths.library_dirs,
-    runtime_library_dirs=_fabric.library_dirs,
+    # no runtime_library_dirs: the module finds libfabric at run time (_native.py), not where it was built
 )
 
 if __name__ == "__main__":

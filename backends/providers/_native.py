@@ -2,7 +2,8 @@
 
 The module is compiled against libfabric 1.x headers and needs only the FABRIC_1.0-1.3 symbol
 versions, so any libfabric >= 1.17 serves it. Which copy is loaded is chosen by RFORK_LIBFABRIC_LIB:
-  system   (default) the one the module was linked against (Debian's 1.17, or RFORK_LIBFABRIC_PREFIX's)
+  system   (default) $RFORK_LIBFABRIC_PREFIX/lib{64,}/libfabric.so.1 when that variable is set (AWS's
+           EFA installer: /opt/amazon/efa), else the one the dynamic loader finds (Debian's 1.17)
   mpich    the libfabric 2.5.1 that PyPI's `mpich` wheel bundles (lib/mpich/libfabric.so.1; extra
            `libfabric2`, which scripts/dev.sh installs)
   <path>   a libfabric.so.1 file
@@ -16,11 +17,13 @@ inherit the variable and choose the same.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 from importlib import metadata
 from typing import Any
 
 LIB_ENV = "RFORK_LIBFABRIC_LIB"
+PREFIX_ENV = "RFORK_LIBFABRIC_PREFIX"
 _MPICH_SUFFIX = "mpich/libfabric.so.1"
 
 
@@ -38,14 +41,21 @@ def mpich_libfabric() -> str | None:
     return None
 
 
-def chosen_library(setting: str | None) -> str | None:
-    """The libfabric file to preload for an RFORK_LIBFABRIC_LIB value; None means the linked one.
+def chosen_library(setting: str | None, prefix: str | None = None) -> str | None:
+    """The libfabric file to preload for an RFORK_LIBFABRIC_LIB value (and RFORK_LIBFABRIC_PREFIX);
+    None means the one the dynamic loader finds.
 
     ImportError (naming the setting) when it names something that is not there.
     """
     value = (setting or "system").strip() or "system"
     if value == "system":
-        return None
+        if not prefix:
+            return None
+        for libdir in ("lib64", "lib"):
+            candidate = os.path.join(prefix, libdir, "libfabric.so.1")
+            if os.path.isfile(candidate):
+                return os.path.realpath(candidate)
+        raise ImportError(f"{PREFIX_ENV}={prefix!r}: no lib64/libfabric.so.1 or lib/libfabric.so.1 there")
     if value == "mpich":
         path = mpich_libfabric()
         if path is None:
@@ -59,7 +69,7 @@ def chosen_library(setting: str | None) -> str | None:
     return os.path.realpath(value)
 
 
-LIBRARY = chosen_library(os.environ.get(LIB_ENV))
+LIBRARY = chosen_library(os.environ.get(LIB_ENV), os.environ.get(PREFIX_ENV))
 if LIBRARY is not None:
     try:
         ctypes.CDLL(LIBRARY, mode=ctypes.RTLD_GLOBAL)
@@ -69,9 +79,15 @@ if LIBRARY is not None:
 try:
     from backends.providers._libfabric import ffi, lib
 except ImportError as exc:  # pragma: no cover - depends on the build machine
+    if importlib.util.find_spec("backends.providers._libfabric") is None:
+        raise ImportError(
+            "backends: the libfabric binding is not built (rfork was built with RFORK_SKIP_NATIVE=1, or from "
+            "a source tree never installed); install libfabric-dev (Debian) or set RFORK_LIBFABRIC_PREFIX "
+            "to a libfabric install, then reinstall rfork (pip install -e .)"
+        ) from exc
     raise ImportError(
-        "backends: the libfabric binding is not built; install libfabric-dev (Debian) or set "
-        "RFORK_LIBFABRIC_PREFIX to a libfabric install, then reinstall rfork (pip install -e .)"
+        f"backends: the libfabric binding cannot load: {exc}. It needs libfabric.so.1 (>= 1.17; Debian: "
+        f"libfabric1) and libxxhash.so.0 (Debian: libxxhash0), or {PREFIX_ENV} / {LIB_ENV}=mpich"
     ) from exc
 
 

@@ -17,6 +17,7 @@ from types import ModuleType
 
 from rfork import __version__
 from rfork.cli import checkout_commands, digest, load, planner_migrate, planner_serve, seed, sglang, vllm
+from rfork.errors import NEEDS_TORCH
 
 # (command path, implementing module). Groups ("planner") are created on the way. `rfork demo`,
 # `rfork bench ...` and `rfork simulate ...` come from the checkout's bench/ (checkout_commands.py).
@@ -99,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - the CLI's last word: one line, not a traceback
         if args.debug:
             raise
-        print(f"rfork: error: {exc}", file=sys.stderr)
+        torch_missing = isinstance(exc, ModuleNotFoundError) and exc.name == "torch"
+        print(f"rfork: error: {NEEDS_TORCH if torch_missing else exc}", file=sys.stderr)
         return 1
 
 

@@ -1,4 +1,4 @@
-"""Serve the planner REST API (migrates the database first)."""
+"""Serve the planner REST API (migrates the database first, unless --no-migrate)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    """Options: --db, --host, --port, --insecure, --policy, --workers."""
+    """Options: --db, --host, --port, --insecure, --no-migrate, --policy, --workers."""
     # imported here: `rfork --help` builds every parser (start-up time); planner.selection costs the
     # standard library only, and its registry is the one list of policy names
     from planner.selection import POLICY_NAMES
@@ -18,6 +18,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8470, help="port (default 8470; 0 picks a free one)")
     parser.add_argument(
         "--insecure", action="store_true", help="run without bearer-token auth (logs a warning)"
+    )
+    parser.add_argument(
+        "--no-migrate",
+        action="store_true",
+        help="do not migrate at start, only check the schema is current; for fleets where a Job or an init "
+        "container runs `rfork planner migrate` (default: RFORK_NO_MIGRATE)",
     )
     parser.add_argument(
         "--policy",
@@ -34,14 +40,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Migrate, then serve until interrupted."""
+    """Migrate (or check the schema, --no-migrate), then serve until interrupted."""
     import logging
     import os
 
     import uvicorn
 
     # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
-    from planner import PlannerSettings, migrate
+    from planner import PlannerSettings, check_schema, migrate
     from planner.app import create_app
 
     overrides: dict[str, object] = {}
@@ -51,9 +57,14 @@ def run(args: argparse.Namespace) -> int:
         overrides["insecure"] = True
     if args.policy:
         overrides["selection_policy"] = args.policy
+    if args.no_migrate:
+        overrides["no_migrate"] = True
     settings = PlannerSettings(**overrides)  # type: ignore[arg-type]
     app = create_app(settings)  # refuses early when no token is configured and not --insecure
-    migrate(settings.db_url)
+    if settings.no_migrate:
+        check_schema(settings.db_url)
+    else:
+        migrate(settings.db_url)  # under a lock: any number of planners may start at once
     logging.getLogger("planner").setLevel(logging.INFO)
     print(
         f"planner listening on http://{args.host}:{args.port} (db {settings.db_url.split('@')[-1]},"

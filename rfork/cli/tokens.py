@@ -1,11 +1,12 @@
-"""Planner tokens for the CLI: from a file or the environment, never from argv (which every user of
-the host can read in `ps` and /proc/PID/cmdline)."""
+"""Planner tokens for the CLI: from a file or the environment (`$RFORK_X`, or the file `$RFORK_X_FILE`
+names), never from argv (which every user of the host can read in `ps` and /proc/PID/cmdline)."""
 
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
+
+from rfork.env_secrets import env_secret
 
 
 def add_token_file(parser: argparse.ArgumentParser, flag: str, *, env: tuple[str, ...], role: str) -> None:
@@ -20,7 +21,8 @@ def add_token_file(parser: argparse.ArgumentParser, flag: str, *, env: tuple[str
 
 
 def read_token(path: Path | None, *, env: tuple[str, ...]) -> str | None:
-    """The token in `path` (surrounding whitespace stripped), else the first set variable of `env`."""
+    """The token in `path` (surrounding whitespace stripped), else the first of `env` that is set
+    (each as `$NAME` or `$NAME_FILE`, rfork.env_secrets)."""
     if path is not None:
         try:
             token = path.read_text(encoding="utf-8").strip()
@@ -30,6 +32,7 @@ def read_token(path: Path | None, *, env: tuple[str, ...]) -> str | None:
             raise ValueError(f"token file {path} is empty")
         return token
     for name in env:
-        if os.environ.get(name):
-            return os.environ[name]
+        found = env_secret(name)
+        if found:
+            return found
     return None

@@ -109,8 +109,12 @@ def with_rfork_load_format(
     # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from rfork.integrations.hook.settings import HookSettings
 
-    if args.planner and not environ.get("RFORK_TOKEN") and not args.insecure_ok:
-        raise LaunchError("no planner token: set $RFORK_TOKEN, or pass --insecure-ok for an insecure planner")
+    has_token = environ.get("RFORK_TOKEN") or environ.get("RFORK_TOKEN_FILE")
+    if args.planner and not has_token and not args.insecure_ok:
+        raise LaunchError(
+            "no planner token: set $RFORK_TOKEN or $RFORK_TOKEN_FILE, "
+            "or pass --insecure-ok for an insecure planner"
+        )
     providers = [p.strip() for v in (args.provider or ["tcp"]) for p in v.split(",") if p.strip()]
     settings = HookSettings(
         planner_url=args.planner.rstrip("/") if args.planner else None,

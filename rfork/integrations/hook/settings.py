@@ -1,7 +1,8 @@
 """Hook settings: `--model-loader-extra-config` keys first, then `RFORK_*` variables, then defaults.
 
-The planner token comes only from `$RFORK_TOKEN`: SGLang and vLLM log their whole argument list at
-startup, so a token in the extra config would end up in every log; it is refused with a message saying so.
+The planner token comes only from `$RFORK_TOKEN` (or the file `$RFORK_TOKEN_FILE` names): SGLang and
+vLLM log their whole argument list at startup, so a token in the extra config would end up in every
+log; it is refused with a message saying so.
 The SGLang and vLLM hooks take the same settings (their DefaultModelLoaders take the same pass-through keys).
 """
 
@@ -13,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rfork.env_secrets import env_secret
 from rfork.errors import RforkError
 
 if TYPE_CHECKING:
@@ -85,7 +87,7 @@ class HookSettings:
                 raw[key] = extra[key]
             elif env.get(var):
                 raw[key] = env[var]
-        kwargs: dict[str, Any] = {"token": env.get(TOKEN_ENV) or None}
+        kwargs: dict[str, Any] = {"token": env_secret(TOKEN_ENV, env)}
         if "planner_url" in raw:
             kwargs["planner_url"] = _text(raw["planner_url"], "planner_url").rstrip("/") or None
         if "mode" in raw:

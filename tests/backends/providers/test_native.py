@@ -48,3 +48,16 @@ def test_bad_settings_are_one_clear_error(tmp_path: os.PathLike[str]) -> None:
     out = subprocess.run([sys.executable, "-c", _REPORT], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "RFORK_LIBFABRIC_LIB='/nonexistent/libfabric.so.1': no such file" in out.stderr
+
+
+def test_a_prefix_picks_its_libfabric(tmp_path: os.PathLike[str]) -> None:
+    """RFORK_LIBFABRIC_PREFIX at run time (AWS EFA: /opt/amazon/efa), as the binding has no RUNPATH."""
+    from pathlib import Path
+
+    lib = Path(tmp_path) / "lib64" / "libfabric.so.1"
+    lib.parent.mkdir()
+    lib.write_bytes(b"")
+    assert chosen_library(None, str(tmp_path)) == str(lib.resolve())
+    assert chosen_library("mpich", None) in (None, mpich_libfabric())  # the setting wins over no prefix
+    with pytest.raises(ImportError, match="RFORK_LIBFABRIC_PREFIX='/nonexistent'"):
+        chosen_library("system", "/nonexistent")
