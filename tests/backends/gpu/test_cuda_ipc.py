@@ -11,6 +11,7 @@ import secrets
 import threading
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
+from typing import Any
 
 import pytest
 import torch
@@ -74,6 +75,8 @@ class CpuStandIn:
     Its one "GPU" has UUID `uuid`; caller_event names the submitting thread, and copy records which
     event each copy was ordered after (the real backend makes its copy stream wait on it)."""
 
+    name = "torch"
+
     def __init__(self, uuid: str = "GPU-standin-0") -> None:
         self.exports: dict[bytes, torch.Tensor] = {}
         self.opens = 0
@@ -101,18 +104,18 @@ class CpuStandIn:
     def export(self, tensor: torch.Tensor) -> IpcExport:
         storage = tensor.untyped_storage()
         whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
-        handle = secrets.token_bytes(16)
+        handle = secrets.token_bytes(64)
         self.exports[handle] = whole
         return IpcExport(handle, storage.nbytes(), 0, b"rc", 0, b"", False)
 
-    def open(self, desc: CudaIpcDescriptor, index: int) -> torch.Tensor:
+    def open(self, desc: CudaIpcDescriptor, index: int) -> Any:
         assert index == 0
         self.opens += 1
         if desc.ipc.handle not in self.exports:
             raise RuntimeError("invalid resource handle")
         return self.exports[desc.ipc.handle]
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: object) -> _Done:
+    def copy(self, dst: Any, src: Any, after: object) -> _Done:
         self.copied_after.append(after)
         if self.fail_copy:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
