@@ -60,13 +60,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _seconds(fn: Any) -> float:
-    import torch
+    from bench.gpu_peers import _sync_seconds
 
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return _sync_seconds(fn)
 
 
 # ---------------------------------------------------------------- the page cache
@@ -143,6 +139,9 @@ def measure_d2d(nbytes: int, device: torch.device) -> float:
     return min(_seconds(lambda: dst.copy_(src)) for _ in range(3))
 
 
+H2D_MAX_BYTES = 2 * GIB  # bandwidth is flat well below this; pinning more only costs start-up time
+
+
 def measure_pinned_h2d(nbytes: int, device: torch.device) -> float:
     """Seconds for one pinned host-to-device copy of nbytes (best of 3, after a warm-up)."""
     import torch
@@ -154,8 +153,54 @@ def measure_pinned_h2d(nbytes: int, device: torch.device) -> float:
     return min(_seconds(lambda: dst.copy_(src, non_blocking=True)) for _ in range(3))
 
 
+def checkpoint_specs(nbytes: int) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The tensors of the synthetic Llama checkpoint of about nbytes (rfork.weights.synthetic's shapes)."""
+    from rfork.weights.synthetic import config_for_size
+
+    return config_for_size(nbytes).tensor_specs()
+
+
+def specs_bytes(specs: Sequence[tuple[str, str, tuple[int, ...]]]) -> int:
+    import math
+
+    return sum(math.prod(shape) * 2 for _name, _dtype, shape in specs)  # bf16
+
+
+def write_checkpoint(directory: Path, specs: Sequence[tuple[str, str, tuple[int, ...]]], device: torch.device,
+                     shard_bytes: int = 512 << 20) -> list[Path]:
+    """safetensors shards of bf16 weights made on the GPU (random normal; seconds, not minutes, for 8 GiB)."""
+    import math
+
+    import torch
+    from safetensors.torch import save_file
+
+    from bench.gpu_peers import fill_bf16
+
+    directory.mkdir(parents=True, exist_ok=True)
+    groups: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    used = 0
+    for name, _dtype, shape in specs:
+        nb = math.prod(shape) * 2
+        if groups[-1] and used + nb > shard_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append((name, shape))
+        used += nb
+    files = []
+    for k, group in enumerate(groups):
+        shard = {}
+        for i, (name, shape) in enumerate(group):
+            t = torch.empty(shape, dtype=torch.bfloat16, device=device)
+            fill_bf16(t.view(-1), 1000 * k + i)
+            shard[name] = t.cpu()
+        path = directory / f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file(shard, str(path), metadata={"format": "pt"})
+        files.append(path)
+    return files
+
+
 def disk_rows(files: Sequence[Path], device: torch.device, nbytes: int) -> list[dict[str, Any]]:
-    """safetensors into GPU memory, cache dropped then warm."""
+    """safetensors into GPU memory, cache dropped then warm (`nbytes`: what the files hold)."""
     import torch
     from safetensors.torch import load_file
 
@@ -255,13 +300,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --size-gib must be positive, not {args.size_gib}", file=sys.stderr)
         return 2
     from bench.gpu_peers import rfork_rows
-    from rfork.weights.checkpoint import read_checkpoint_info
-    from rfork.weights.synthetic import write_synthetic_checkpoint
 
     device = torch.device("cuda", torch.cuda.current_device())
-    nbytes = int(args.size_gib * GIB) // 4096 * 4096
+    specs = checkpoint_specs(int(args.size_gib * GIB))
+    nbytes = specs_bytes(specs)  # every row moves the same bytes: the checkpoint's
+    facts = machine_facts(device, nbytes)
     rows: list[dict[str, Any]] = []
     errors: list[str] = []
+
+    def save() -> None:  # after every step: a run cut short still leaves what it measured
+        if args.json_file:
+            report.write_json(args.json_file, facts, report.finish(rows, nbytes), report.goals(rows), errors)
 
     def attempt(what: str, fn: Any) -> Any:
         t0 = time.perf_counter()
@@ -270,49 +319,52 @@ def run(args: argparse.Namespace) -> int:
         except Exception as exc:  # noqa: BLE001 - one failed measurement must not lose the others
             errors.append(f"{what}: {type(exc).__name__}: {exc}")
             print(f"[bench gpu] {what} FAILED after {time.perf_counter() - t0:.1f} s: {exc}",
-                  file=sys.stderr)
+                  file=sys.stderr, flush=True)
             return None
-        print(f"[bench gpu] {what}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        finally:
+            torch.cuda.empty_cache()
+        print(f"[bench gpu] {what}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         return out
 
-    for source, fn in ((report.D2D, measure_d2d), (report.PINNED_H2D, measure_pinned_h2d)):
-        dt = attempt(source, lambda fn=fn: fn(nbytes, device))
-        torch.cuda.empty_cache()
+    h2d_bytes = min(nbytes, H2D_MAX_BYTES)
+    for source, fn, size in ((report.D2D, measure_d2d, nbytes),
+                             (report.PINNED_H2D, measure_pinned_h2d, h2d_bytes)):
+        dt = attempt(source, lambda fn=fn, size=size: fn(size, device))
         if dt is not None:
-            rows.append({"source": source, "kind": "baseline", "seconds": dt, "bytes": nbytes})
-    if "disk" not in args.skip:
-        tmp = None
-        directory = Path(args.dir) if args.dir else Path(tmp := tempfile.mkdtemp(prefix="rfork-gpu-bench-"))
-        try:
-            if not (directory / "config.json").exists():
-                attempt("write the checkpoint",
-                        lambda: write_synthetic_checkpoint(directory, size_bytes=nbytes))
-            info = attempt("read the checkpoint", lambda: read_checkpoint_info(directory))
-            if info is not None:
-                files = sorted({info.files[t.region] for t in info.tensors})
-                rows += attempt("disk->gpu", lambda: disk_rows(files, device, info.total_bytes)) or []
-        finally:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
+            rows.append({"source": source, "kind": "baseline", "seconds": dt, "bytes": size})
+    save()
     if not {"ipc", "tcp", "shm"} <= set(args.skip):
         got = attempt("rfork pulls", lambda: rfork_rows(nbytes, device, args))
         if got is not None:
             rows += got[0]
             errors += got[1]
+        save()
     check = int(args.digest_check_gib * GIB)
     digest = attempt("device digest", lambda: digest_row(nbytes, device, check))
-    torch.cuda.empty_cache()
     if digest is not None:
         rows.append(digest)
+    save()
+    if "disk" not in args.skip:
+        tmp = None
+        directory = Path(args.dir) if args.dir else Path(tmp := tempfile.mkdtemp(prefix="rfork-gpu-bench-"))
+        try:
+            files = sorted(directory.glob("*.safetensors"))
+            if not files:
+                files = attempt("write the checkpoint",
+                                lambda: write_checkpoint(directory, specs, device)) or []
+            if files:
+                rows += attempt("disk->gpu", lambda: disk_rows(files, device, nbytes)) or []
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+        save()
     report.finish(rows, nbytes)
     judged = report.goals(rows)
-    facts = machine_facts(device, nbytes)
     report.print_tables(rows, judged, f"rfork GPU cold start: {nbytes / GIB:.2f} GiB on {facts['gpu']} "
                         f"(torch {facts['torch']}, CUDA {facts['cuda']}; two processes on one GPU)")
     for e in errors:
         print(f"error: {e}", file=sys.stderr)
-    if args.json_file:
-        report.write_json(args.json_file, facts, rows, judged, errors)
+    save()
     ok = not errors and all(r.get("verified", True) for r in rows)
     return 0 if ok else 1
 

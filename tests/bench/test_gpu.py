@@ -116,3 +116,22 @@ def test_staged_row_on_host_memory_verifies_what_landed() -> None:
     assert row["verified"] is True
     assert row["source"] == "rfork tcp+staging"
     assert torch.equal(dst, src)
+
+
+def test_checkpoint_writer_and_disk_rows_on_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk rows' code on the CPU: shards of the synthetic Llama's bf16 tensors, loaded back."""
+    import bench.gpu as bg
+
+    monkeypatch.setattr(bg, "drop_page_cache", lambda files: "dropped (test)")  # never the host's cache
+    specs = bg.checkpoint_specs(8 << 20)
+    files = bg.write_checkpoint(tmp_path / "ckpt", specs, torch.device("cpu"), shard_bytes=2 << 20)
+    assert len(files) > 1
+    rows = bg.disk_rows(files, torch.device("cpu"), bg.specs_bytes(specs))
+    assert [r["source"] for r in rows] == [report.DISK_COLD, report.DISK_WARM]
+    assert rows[0]["page_cache"].startswith("dropped (test)")
+    assert all(r["seconds"] > 0 for r in rows)
+    from safetensors.torch import load_file
+
+    loaded = {k: v for f in files for k, v in load_file(str(f)).items()}
+    assert {n: tuple(s) for n, _d, s in specs} == {n: tuple(t.shape) for n, t in loaded.items()}
+    assert all(t.dtype == torch.bfloat16 for t in loaded.values())
