@@ -57,6 +57,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--digest-check-gib", type=float, default=1.0,
                         help="GiB digested on the CPU too, to compare with the GPU's result (default 1)")
     parser.add_argument("--json", dest="json_file", default=None, help="write the results to this JSON file")
+    parser.add_argument("--rehearse-on-cpu", action="store_true",
+                        help="run this bench's code on the CPU (no CUDA IPC) to check it without a GPU; "
+                        "its figures mean nothing")
 
 
 def _seconds(fn: Any) -> float:
@@ -146,7 +149,7 @@ def measure_pinned_h2d(nbytes: int, device: torch.device) -> float:
     """Seconds for one pinned host-to-device copy of nbytes (best of 3, after a warm-up)."""
     import torch
 
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
     src.fill_(1)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst.copy_(src, non_blocking=True)
@@ -255,9 +258,13 @@ def machine_facts(device: torch.device, nbytes: int) -> dict[str, Any]:
     """What the figures were measured on."""
     import torch
 
-    props = torch.cuda.get_device_properties(device)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        gpu, memory = props.name, round(props.total_memory / GIB, 1)
+    else:
+        gpu, memory = "none: a CPU rehearsal, figures mean nothing", 0.0
     facts: dict[str, Any] = {
-        "gpu": props.name, "gpu_memory_gib": round(props.total_memory / GIB, 1), "torch": torch.__version__,
+        "gpu": gpu, "gpu_memory_gib": memory, "torch": torch.__version__,
         "cuda": torch.version.cuda, "host": platform.node(), "cpus": os.cpu_count(), "bytes": nbytes,
         "load_average": os.getloadavg(), "processes": "two processes on one GPU (seed and loader)",
     }
@@ -293,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
     """Run every measurement, print the tables, optionally write JSON; 2 without CUDA, 1 if a path failed."""
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not args.rehearse_on_cpu:
         print("error: bench.gpu needs a CUDA GPU (torch.cuda.is_available() is false here)", file=sys.stderr)
         return 2
     if args.size_gib <= 0:
@@ -301,7 +308,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from bench.gpu_peers import rfork_rows
 
-    device = torch.device("cuda", torch.cuda.current_device())
+    cpu = torch.device("cpu")
+    device = cpu if args.rehearse_on_cpu else torch.device("cuda", torch.cuda.current_device())
     specs = checkpoint_specs(int(args.size_gib * GIB))
     nbytes = specs_bytes(specs)  # every row moves the same bytes: the checkpoint's
     facts = machine_facts(device, nbytes)

@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 log = logging.getLogger(__name__)
-SEED_UP_S = 180.0  # filling, digesting and mirroring 8 GiB takes seconds; a hung start fails the rows
+SEED_UP_S = 90.0  # starting CUDA, filling, digesting and mirroring 8 GiB takes seconds; a hung start fails
 
 
 def _sync_seconds(fn: Any) -> float:
@@ -47,8 +47,9 @@ def fill_bf16(t: Any, seed: int) -> None:
         t[k:k + n] = torch.randn(n, dtype=torch.float32, device=t.device, generator=g).to(torch.bfloat16)
 
 
-def _seed_main(conn: Connection, nbytes: int, device_index: int, staged: list[str], domains: int) -> None:
-    """Seed process: bf16 weights in GPU memory; descriptors and the device digest go to the parent."""
+def _seed_main(conn: Connection, nbytes: int, device_name: str, staged: list[str], domains: int) -> None:
+    """Seed process: bf16 weights in GPU memory; descriptors and the device digest go to the parent.
+    (On "cpu", the bench's CPU rehearsal: host weights, no CUDA IPC, the staged paths as they are.)"""
     import torch
 
     from backends.gpu import driver
@@ -57,15 +58,18 @@ def _seed_main(conn: Connection, nbytes: int, device_index: int, staged: list[st
     from rfork.weights import checksum as ck
 
     os.environ.setdefault("FI_TCP_IFACE", "lo")
-    dev = torch.device("cuda", device_index)
-    torch.cuda.set_device(dev)
+    dev = torch.device(device_name)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(dev)
     weights = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
     fill_bf16(weights, 7)
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     info: dict[str, Any] = {"digest": ck.tensor_checksum(weights), "algorithm": ck.algorithm_for(dev),
                             "ipc": {}, "staged": {}, "errors": []}
     engines: list[Any] = []
-    for kind in (["driver"] if driver.available() else []) + ["torch"]:
+    for kind in ((["driver"] if driver.available() else []) + ["torch"]) if cuda else []:
         try:
             ipc = CudaIpcEngine(dev, backend=kind)
             engines.append(ipc)
@@ -101,7 +105,7 @@ def rfork_rows(nbytes: int, device: Any, args: argparse.Namespace) -> tuple[list
     staged = [p for p in ("tcp", "shm") if p not in args.skip]
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_seed_main, args=(child, nbytes, device.index or 0, staged, args.domains),
+    proc = ctx.Process(target=_seed_main, args=(child, nbytes, str(device), staged, args.domains),
                        daemon=True)
     proc.start()
     rows: list[dict[str, Any]] = []
@@ -130,7 +134,6 @@ def rfork_rows(nbytes: int, device: Any, args: argparse.Namespace) -> tuple[list
         parent.send("done")
         proc.join(60)
         del dst
-        torch.cuda.empty_cache()
     finally:
         if proc.is_alive():
             proc.kill()

@@ -135,3 +135,26 @@ def test_checkpoint_writer_and_disk_rows_on_host(tmp_path: Path, monkeypatch: py
     loaded = {k: v for f in files for k, v in load_file(str(f)).items()}
     assert {n: tuple(s) for n, _d, s in specs} == {n: tuple(t.shape) for n, t in loaded.items()}
     assert all(t.dtype == torch.bfloat16 for t in loaded.values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_whole_bench_rehearsed_on_cpu(tmp_path: Path) -> None:
+    """Two processes, the staged paths over tcp and shm, the digest row, goals and JSON: the bench's
+    code end to end with host memory (no CUDA IPC, no disk rows: those drop the host's page cache)."""
+    from backends import provider_available
+    from bench.gpu import main
+
+    if not provider_available("tcp", "127.0.0.1"):
+        pytest.skip("libfabric tcp provider is not available")
+    out = tmp_path / "gpu.json"
+    rc = main(["--rehearse-on-cpu", "--size-gib", "0.05", "--skip", "disk", "--bounce-mib", "1",
+               "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["errors"] == []
+    assert rc == 0
+    sources = [r["source"] for r in doc["rows"]]
+    assert sources[:2] == [report.D2D, report.PINNED_H2D]
+    assert "rfork tcp+staging" in sources
+    assert all(r["verified"] for r in doc["rows"] if r["kind"] in ("rfork", "digest"))
+    assert doc["machine"]["gpu"].startswith("none")

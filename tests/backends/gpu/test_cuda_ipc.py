@@ -295,7 +295,7 @@ def _gpu_seed(conn: Connection, nbytes: int, backend: str, linger: bool) -> None
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("backend", _backends())
 def test_gpu_conformance_two_processes_1gib(backend: str) -> None:
     ctx = mp.get_context("spawn")
@@ -333,7 +333,7 @@ def test_gpu_conformance_two_processes_1gib(backend: str) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("backend", _backends())
 def test_gpu_open_after_the_seed_exited_is_peer_gone(backend: str) -> None:
     """A seed that exits before the loader opened its handle: a clear PeerGone, within bounded time."""
@@ -372,7 +372,7 @@ def test_gpu_dmabuf_fd_of_device_memory() -> None:
     """A DMA-BUF file descriptor of a tensor's allocation (what a provider with FI_HMEM would register)."""
     import os
 
-    from backends.gpu.driver import available, shared_driver
+    from backends.gpu.driver import DriverError, available, shared_driver
 
     if not available():
         pytest.skip("cuda-python is not installed here")
@@ -383,7 +383,12 @@ def test_gpu_dmabuf_fd_of_device_memory() -> None:
     t = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
     with drv.on(index):
         base, size = drv.address_range(t.data_ptr())
-        fd = drv.dmabuf_fd(base, size)
+        try:
+            fd = drv.dmabuf_fd(base, size)
+        except DriverError as exc:
+            if exc.code != "CUDA_ERROR_NOT_SUPPORTED":
+                raise
+            pytest.skip(f"the driver reports DMA-BUF support but refuses the handle: {exc}")
     try:
         assert fd >= 0
         os.fstat(fd)

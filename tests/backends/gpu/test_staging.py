@@ -275,7 +275,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(60)
 def test_gpu_staged_read_and_write_through_pinned_slots(engines: tuple) -> None:
     """tcp into and out of device memory: the bounce slots are pinned, the copies run on a side stream
     after the caller's queued work (a fill of the destination just before the read must not land

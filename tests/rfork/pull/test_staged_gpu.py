@@ -21,7 +21,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(90)
 def test_gpu_weights_pulled_staged_over_tcp_then_served_again(planner: str) -> None:
     model = tied_model(0).to(device="cuda", dtype=torch.bfloat16)
     ident = identity_for(model)
