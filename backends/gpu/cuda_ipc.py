@@ -40,8 +40,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from backends.checks import check_local, check_remote
 from backends.descriptor import ACCESS_NAMES
-from backends.engine import check_local, check_remote
 from backends.errors import EngineClosed, PeerUnreachable, TransferError
 from backends.gpu.ipc_backends import Bytes, IpcBackend, Waitable, default_backend
 from backends.gpu.ipc_wire import PROVIDER, CudaIpcDescriptor, IpcExport, as_ipc_descriptor, host_id

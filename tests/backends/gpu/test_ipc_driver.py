@@ -178,3 +178,18 @@ def test_descriptor_from_another_host_is_refused_before_any_open(fake: FakeDrive
         with pytest.raises(TransferError, match="only works between processes of one host"):
             loader.read(dreg, 0, 64, dataclasses.replace(d, host="other/boot"), 0)
     assert fake.open_count == {}
+
+
+def test_cuda_ipc_needs_no_libfabric_binding() -> None:
+    """CUDA IPC moves device memory without the transport: it must import where the binding did not
+    build (a GPU machine without the headers), and fail there only on its own terms."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['backends.providers._libfabric'] = None\n"
+            "import backends.gpu.cuda_ipc, backends.gpu.ipc_backends, backends.gpu.driver\n"
+            "print('imported')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "imported"
