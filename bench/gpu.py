@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench import gpu_report as report
+from bench.gpu_peers import _sync_seconds, fill_bf16, rfork_rows
 
 if TYPE_CHECKING:
     import torch
@@ -63,8 +64,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _seconds(fn: Any) -> float:
-    from bench.gpu_peers import _sync_seconds
-
     return _sync_seconds(fn)
 
 
@@ -158,6 +157,7 @@ def measure_pinned_h2d(nbytes: int, device: torch.device) -> float:
 
 def checkpoint_specs(nbytes: int) -> list[tuple[str, str, tuple[int, ...]]]:
     """The tensors of the synthetic Llama checkpoint of about nbytes (rfork.weights.synthetic's shapes)."""
+    # imported here: they import torch, and `rfork bench --help` imports every benchmark (start-up time)
     from rfork.weights.synthetic import config_for_size
 
     return config_for_size(nbytes).tensor_specs()
@@ -176,8 +176,6 @@ def write_checkpoint(directory: Path, specs: Sequence[tuple[str, str, tuple[int,
 
     import torch
     from safetensors.torch import save_file
-
-    from bench.gpu_peers import fill_bf16
 
     directory.mkdir(parents=True, exist_ok=True)
     groups: list[list[tuple[str, tuple[int, ...]]]] = [[]]
@@ -224,7 +222,7 @@ def digest_row(nbytes: int, device: torch.device, check_bytes: int) -> dict[str,
     the same digest over the first check_bytes of them."""
     import torch
 
-    from bench.gpu_peers import fill_bf16
+    # imported here: they import torch, and `rfork bench --help` imports every benchmark (start-up time)
     from rfork.weights import checksum as ck
 
     data = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
@@ -242,6 +240,7 @@ def digest_row(nbytes: int, device: torch.device, check_bytes: int) -> dict[str,
 
 def _host_digest(algorithm: str, data: Any) -> str:
     """`algorithm` computed on the CPU over a flat uint8 host tensor (the GPU's algorithm, on the host)."""
+    # imported here: they import torch, and `rfork bench --help` imports every benchmark (start-up time)
     from rfork.weights import checksum as ck
 
     if algorithm == ck.DEVICE_DIGEST:
@@ -276,6 +275,7 @@ def machine_facts(device: torch.device, nbytes: int) -> dict[str, Any]:
     except Exception:  # noqa: BLE001
         facts["cuda_bindings"] = None
     try:
+        # imported here: they import torch, and `rfork bench --help` imports every benchmark (start-up time)
         from backends.providers import _native
 
         facts["libfabric"] = f"{_native.VERSION[0]}.{_native.VERSION[1]}"
@@ -306,8 +306,6 @@ def run(args: argparse.Namespace) -> int:
     if args.size_gib <= 0:
         print(f"error: --size-gib must be positive, not {args.size_gib}", file=sys.stderr)
         return 2
-    from bench.gpu_peers import rfork_rows
-
     cpu = torch.device("cpu")
     device = cpu if args.rehearse_on_cpu else torch.device("cuda", torch.cuda.current_device())
     specs = checkpoint_specs(int(args.size_gib * GIB))

@@ -52,6 +52,7 @@ def _seed_main(conn: Connection, nbytes: int, device_name: str, staged: list[str
     (On "cpu", the bench's CPU rehearsal: host weights, no CUDA IPC, the staged paths as they are.)"""
     import torch
 
+    # imported here: they import torch, and `rfork bench --help` imports every benchmark (start-up time)
     from backends.gpu import driver
     from backends.gpu.cuda_ipc import CudaIpcEngine
     from backends.gpu.staging import host_mirror
@@ -142,6 +143,7 @@ def rfork_rows(nbytes: int, device: Any, args: argparse.Namespace) -> tuple[list
 
 
 def _ipc_row(kind: str, desc: bytes, dst: Any, want: str) -> dict[str, Any]:
+    # imported here: they import torch, and `rfork bench --help` imports every benchmark (start-up time)
     from backends.gpu.cuda_ipc import CudaIpcEngine
     from rfork.weights import checksum as ck
 
@@ -155,6 +157,7 @@ def _ipc_row(kind: str, desc: bytes, dst: Any, want: str) -> dict[str, Any]:
 
 
 def staged_row(provider: str, desc: bytes, dst: Any, want: str, args: argparse.Namespace) -> dict[str, Any]:
+    # imported here: they import torch, and `rfork bench --help` imports every benchmark (start-up time)
     from backends import TransferEngine
     from backends.gpu.staging import StagedReader
     from rfork.weights import checksum as ck
