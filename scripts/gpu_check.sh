@@ -7,8 +7,9 @@
 #                                                  # the rehearsal: every section runs what needs no CUDA
 #
 # Carried (beside the tree, path $GPU_CHECK_CARRY, default .gpu-carry): .whl/*.whl (cp312 wheels of
-# rfork's dependencies the GPU image lacks, and mpich==5.0.2, whose lib/mpich/libfabric.so.1 is
-# libfabric 2.5.1 with tcp and shm) and deb/*.deb (libfabric-dev/libfabric1 1.17 for the headers,
+# rfork's dependencies the GPU image lacks or has too old: fastapi and its opentelemetry-api,
+# typing-extensions for pydantic; and mpich==5.0.2, whose lib/mpich/libfabric.so.1 is libfabric 2.5.1
+# with tcp and shm) and deb/*.deb (libfabric-dev/libfabric1 1.17 for the headers,
 # libxxhash-dev/libxxhash0 for the native digests).
 #
 # Sections, in order, each under `timeout` and a share of one overall deadline (GPU_CHECK_TOTAL_S,
@@ -165,6 +166,14 @@ for pkg in ("cuda-bindings", "cuda-core", "safetensors", "numpy", "fastapi", "sq
         facts[pkg] = metadata.version(pkg)
     except Exception:
         facts[pkg] = None
+bad = {}
+for mod in ("fastapi", "uvicorn", "sqlalchemy", "alembic", "pydantic", "pydantic_settings", "orjson", "blake3",
+            "httptools", "safetensors", "xxhash", "planner.app", "rfork"):
+    try:
+        __import__(mod)
+    except Exception as exc:
+        bad[mod] = repr(exc)
+facts["import_errors"] = bad
 try:
     import backends, rfork
     facts["backends_from"] = os.path.dirname(backends.__file__)
