@@ -21,6 +21,8 @@
 #   paths   scripts/gpu/paths.sh RESULTS_DIR BUDGET_S, if present (KV/MoE/RL on device buffers)
 #   digest  python3 -m rfork bench digest --device cuda, if that option exists
 #   cpu     the CPU tests of the GPU files, with whatever time is left
+# GPU_CHECK_SECTIONS="bench tests" runs only those (after setup); on a warm machine setup then takes
+# seconds (the scratch folder /tmp/gpu-check and the built binding stay between calls).
 # Results: $OUT/gpu-results.tar.gz (every log and JSON), $OUT/summary.txt, $OUT/bench-gpu.json.
 #
 # paths.sh's interface: called as `bash scripts/gpu/paths.sh RESULTS_DIR BUDGET_S` from the repository
@@ -44,7 +46,8 @@ CARRY=${GPU_CHECK_CARRY:-$ROOT/.gpu-carry}
 PY=${GPU_CHECK_PYTHON:-python3}
 SIZE_GIB=${GPU_CHECK_SIZE_GIB:-8}
 SKIP_CUDA=${GPU_CHECK_SKIP_CUDA:-0}
-WORK=${GPU_CHECK_WORK:-$(mktemp -d /tmp/gpu-check.XXXXXX)}
+WORK=${GPU_CHECK_WORK:-/tmp/gpu-check}  # kept on a warm machine: a rerun skips what setup did already
+SECTIONS=" ${GPU_CHECK_SECTIONS:-env bench tests paths digest cpu} "  # setup always runs (fast when done)
 R=$WORK/results
 SITE=$WORK/site
 FAB=$WORK/fab
@@ -67,6 +70,10 @@ left() { echo $(( TOTAL_S - ($(date +%s) - T0) )); }
 # record rc and seconds; never stops the script.
 section() {
   local name=$1 cap=$2; shift 2
+  if [ "$name" != setup ] && [[ "$SECTIONS" != *" ${name%%-*} "* ]]; then
+    note "[$name] not asked for (GPU_CHECK_SECTIONS)"
+    return 0
+  fi
   local budget; budget=$(left); budget=$(( budget - 20 ))
   [ "$budget" -gt "$cap" ] && budget=$cap
   if [ "$budget" -lt 5 ]; then
@@ -92,9 +99,12 @@ setup() {
   local ver; ver=$("$PY" -c 'import sys; print("%d%d" % sys.version_info[:2])')
   echo "python $ver at $(command -v "$PY")"
   local wheels=("$CARRY"/.whl/*.whl)
-  if [ -e "${wheels[0]}" ]; then
+  if [ -f "$SITE/.installed" ]; then
+    echo "wheels installed by an earlier run on this machine: $SITE"
+  elif [ -e "${wheels[0]}" ]; then
     if [ "$ver" = 312 ]; then
       "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "${wheels[@]}"
+      touch "$SITE/.installed"
       echo "installed ${#wheels[@]} wheels into $SITE"
     else
       # rehearsal on another Python: prove the cp312 set installs (resolution only), use this env's packages
@@ -130,10 +140,15 @@ esac
 exit 1
 EOF
   chmod +x "$WORK/bin/pkg-config"
+  if [ -f "$WORK/.built" ] && ls backends/providers/_libfabric*.so >/dev/null 2>&1; then
+    echo "binding built by an earlier run on this machine: $(ls backends/providers/_libfabric*.so)"
+    return 0
+  fi
   rm -f backends/providers/_libfabric*.so
   PATH=$WORK/bin:$PATH RFORK_LIBFABRIC_PREFIX=$FAB/prefix "$PY" backends/providers/_libfabric_build.py \
     >"$R/build.log" 2>&1 || { tail -n 30 "$R/build.log"; return 1; }
   ls backends/providers/_libfabric*.so
+  touch "$WORK/.built"
   echo "built the binding against libfabric 1.17 headers (and xxHash) from the carried debs"
 }
 
@@ -207,6 +222,7 @@ if [ -n "$SECTION" ]; then
   exit $?
 fi
 
+rm -rf "$R"
 mkdir -p "$OUT" "$R" "$SITE" "$FAB"
 note "gpu_check: $(date -u +%FT%TZ) host $(hostname) skip_cuda=$SKIP_CUDA size=${SIZE_GIB}GiB python=$PY"
 section setup 120 bash "$SELF" __section setup
