@@ -240,7 +240,7 @@ section env 30 bash "$SELF" __section env_facts
 # ---------------------------------------------------------------- weights: rfork bench gpu
 section bench 170 "$PY" -m rfork bench gpu --size-gib "$SIZE_GIB" --json "$R/bench-gpu.json"
 if [ "$SKIP_CUDA" != 0 ]; then
-  grep -q "needs a CUDA GPU" "$R/bench.log" && note "[bench] refused without CUDA, as expected in the rehearsal"
+  grep -qs "needs a CUDA GPU" "$R/bench.log" && note "[bench] refused without CUDA, as expected in the rehearsal"
   # the bench's own code, two processes and the staged paths, on the CPU (the disk rows would drop
   # this machine's page cache: they are left to the unit tests here)
   section bench-cpu 120 "$PY" -m rfork bench gpu --rehearse-on-cpu --size-gib 0.25 --skip disk \
@@ -275,9 +275,9 @@ section cpu 90 "$PY" -m pytest -p no:cacheprovider -m "not gpu" -q --timeout 60 
 
 # ---------------------------------------------------------------- summary and archive
 {
-  echo "--- pytest -m gpu"; grep -E "passed|failed|error" "$R/tests.log" | tail -n 3
-  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$R/tests.log" | head -n 40
-  echo "--- cpu tests"; grep -E "passed|failed|error" "$R/cpu.log" | tail -n 2
+  echo "--- pytest -m gpu"; grep -sE "passed|failed|error" "$R/tests.log" | tail -n 3
+  grep -sE "^(PASSED|FAILED|ERROR|SKIPPED)" "$R/tests.log" | head -n 40
+  echo "--- cpu tests"; grep -sE "passed|failed|error" "$R/cpu.log" | tail -n 2
   if [ -f "$R/bench-gpu.json" ]; then
     echo "--- bench gpu (bench-gpu.json)"
     "$PY" - "$R/bench-gpu.json" <<'PYEOF'
