@@ -248,12 +248,19 @@ if [ "$SKIP_CUDA" != 0 ]; then
 fi
 
 # ---------------------------------------------------------------- GPU tests
-GPU_TESTS=(tests/backends/gpu tests/rfork/pull/test_staged_gpu.py tests/bench/test_gpu.py)
+# ours, and any other test file with gpu-marked tests (the device digest's...), except the KV/MoE/RL
+# paths (paths.sh runs those) and the framework suites (their own venvs)
+mapfile -t OTHER_GPU_TESTS < <(grep -rlE "pytest\.mark\.gpu|mark\.gpu" tests --include='test_*.py' 2>/dev/null \
+  | grep -vE "^tests/(backends/gpu|backends/(kv|moe|rl)|sglang|vllm)/|test_staged_gpu|tests/bench/test_gpu" | sort)
+GPU_TESTS=(tests/backends/gpu tests/rfork/pull/test_staged_gpu.py tests/bench/test_gpu.py "${OTHER_GPU_TESTS[@]}")
+note "[tests] files: ${GPU_TESTS[*]}"
 section tests 150 "$PY" -m pytest -p no:cacheprovider -m gpu -q -rA --timeout 60 \
   --junitxml="$R/pytest-gpu.xml" "${GPU_TESTS[@]}"
 
 # ---------------------------------------------------------------- KV / MoE / RL device paths
-if [ -f scripts/gpu/paths.sh ]; then
+if [[ "$SECTIONS" != *" paths "* ]]; then
+  :
+elif [ -f scripts/gpu/paths.sh ]; then
   mkdir -p "$R/paths"
   budget=$(( $(left) - 60 )); [ "$budget" -gt 130 ] && budget=130
   export GPU_CHECK_RESULTS=$R/paths GPU_CHECK_BUDGET_S=$budget
@@ -263,7 +270,9 @@ else
 fi
 
 # ---------------------------------------------------------------- device digest (if the option exists)
-if "$PY" -m rfork bench digest --help 2>/dev/null | grep -q -- "--device"; then
+if [[ "$SECTIONS" != *" digest "* ]]; then
+  :
+elif "$PY" -m rfork bench digest --help 2>/dev/null | grep -q -- "--device"; then
   section digest 45 "$PY" -m rfork bench digest --device cuda --sizes-gib 1 2 4 --json "$R/bench-digest-device.json"
 else
   note "[digest] rfork bench digest has no --device option in this tree: skipped"
@@ -271,7 +280,8 @@ fi
 
 # ---------------------------------------------------------------- the CPU tests of the GPU files
 section cpu 90 "$PY" -m pytest -p no:cacheprovider -m "not gpu" -q --timeout 60 \
-  --junitxml="$R/pytest-cpu.xml" "${GPU_TESTS[@]}" tests/rfork/pull/test_one_sided.py
+  --junitxml="$R/pytest-cpu.xml" tests/backends/gpu tests/bench/test_gpu.py tests/rfork/pull/test_staged.py \
+  tests/rfork/pull/test_one_sided.py
 
 # ---------------------------------------------------------------- summary and archive
 {
