@@ -13,8 +13,9 @@ for reads, the network future for writes), so no byte is overwritten while still
 The pipeline is written against two small injectable steps (``NetStep``, ``DeviceStep``) so its
 logic runs on CPU in the tests with CPU tensors standing in for device memory; ``StagedReader`` and
 ``StagedWriter`` bind those steps to the TransferEngine's public API and, where CUDA exists, to a
-side CUDA stream. Not run on a GPU here: the CUDA stream/event path is written to torch's documented
-API but was only exercised with CPU tensors.
+side CUDA stream. The side stream first waits on an event recorded on the caller's current stream
+when the transfer was submitted (the caller's queued work on the tensor comes first); a read's
+future resolves only after every device copy's event completed, so the bytes are in place then.
 
 Thread-safety: each reader/writer owns its bounce slots and runs its pipelines one at a time on a
 private thread; submit from any thread. Failure: the returned future fails with ``StagingError``
@@ -266,13 +267,34 @@ class _Staged:
         base = slot * self.bounce_bytes
         return self._bounce[base:base + n]
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> Waitable:
-        """dst.copy_(src) on the side stream when one side is on CUDA; synchronous otherwise."""
+    def _caller_event(self, tensor: torch.Tensor) -> Any:
+        """An event on the caller's current stream when `tensor` is on CUDA (None otherwise): the side
+        stream waits on it, so the caller's queued work on the tensor (a fill, a zero_) comes first."""
+        if self._stream is None or tensor.device.type != "cuda":
+            return None
+        if tensor.device != self._stream.device:
+            raise TransferError(
+                f"staging: tensor is on {tensor.device}, the copy stream on {self._stream.device}")
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(tensor.device))
+        return event
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> Waitable:
+        """dst.copy_(src) on the side stream (after `after`) when one side is on CUDA; else synchronous.
+
+        torch's copy_ is the right call here (not the driver's): both sides are torch tensors, the host
+        side is pinned so the copy is a true async DMA, and record_stream keeps the caching allocator
+        from reusing the device block while the copy is queued."""
         if self._stream is None or (dst.device.type != "cuda" and src.device.type != "cuda"):
             dst.copy_(src)
             return _Done()
         with torch.cuda.stream(self._stream):
+            if after is not None:
+                self._stream.wait_event(after)
             dst.copy_(src, non_blocking=True)
+            for t in (dst, src):
+                if t.device.type == "cuda":
+                    t.record_stream(self._stream)
             event = torch.cuda.Event()
             event.record(self._stream)
         return _Event(event)
@@ -322,12 +344,13 @@ class StagedReader(_Staged):
         check_range("staged read", "destination", dst_offset, length, view.numel(), "tensor")
         check_remote(as_descriptor(remote_desc), remote_offset, length, "staged read", need="read")
         chunks = plan_chunks(dst_offset, length, remote_offset, self.bounce_bytes)
+        after = self._caller_event(view)
 
         def fetch(slot: int, n: int, roff: int) -> Future[None]:
             return self.engine.read(self._region, slot * self.bounce_bytes, n, remote_desc, roff)
 
         def to_device(slot: int, n: int, off: int) -> Waitable:
-            return self._copy(view[off:off + n], self._slot(slot, n))
+            return self._copy(view[off:off + n], self._slot(slot, n), after)
 
         return self._submit(lambda: run_read_pipeline(
             chunks, depth=self.depth, fetch=fetch, to_device=to_device,
@@ -353,9 +376,10 @@ class StagedWriter(_Staged):
         check_range("staged write", "source", src_offset, length, view.numel(), "tensor")
         check_remote(as_descriptor(remote_desc), remote_offset, length, "staged write", need="write")
         chunks = plan_chunks(src_offset, length, remote_offset, self.bounce_bytes)
+        after = self._caller_event(view)
 
         def from_device(slot: int, n: int, off: int) -> Waitable:
-            return self._copy(self._slot(slot, n), view[off:off + n])
+            return self._copy(self._slot(slot, n), view[off:off + n], after)
 
         def send(slot: int, n: int, roff: int) -> Future[None]:
             return self.engine.write(self._region, slot * self.bounce_bytes, n, remote_desc, roff)

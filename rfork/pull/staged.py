@@ -1,9 +1,11 @@
 """Pulling into GPU tensors over a provider that cannot register device memory (tcp, shm here).
 
 Each distinct destination tensor is read through a `StagedReader` (pinned host bounce slots, then a
-copy to the device) and verified on its device as it lands (pmix64-v1, computed by the GPU; see
-rfork.weights.checksum). Nothing of the destination is registered, so a seed this loader becomes
-registers (or mirrors) afresh. Not run on a GPU here: the CPU tests exercise it with host tensors.
+copy to the device on a side stream) and verified on its device as it lands (the device digest,
+computed by the GPU; see rfork.weights.checksum) while the next tensor is on the wire. Nothing of the
+destination is registered, so a seed this loader becomes registers (or mirrors) afresh. On a failure
+(deadline, digest) the reads not yet started are cancelled, the running one is waited for, and the
+error is raised: nothing lands in the destination after this returns.
 """
 
 from __future__ import annotations
@@ -42,8 +44,7 @@ def pull_staged(
         if p.nbytes:
             spans.setdefault((p.region, p.offset, p.nbytes), []).append(p.name)
     total = sum(key[2] for key in spans)
-    device = dest.device if dest.device.type == "cuda" else None
-    reader = StagedReader(engine, device=device)
+    reader = StagedReader(engine, device=dest.device)
     t_first = time.perf_counter()
     verify_s = 0.0
     futs: list[tuple[list[str], int, Future[int]]] = []
@@ -66,5 +67,7 @@ def pull_staged(
     except TimeoutError as exc:
         raise PullError(f"rank {dest.rank}: deadline passed") from exc
     finally:
-        reader.close()  # waits out whatever is still queued: the bounce slots are quiet after
+        for _names, _nbytes, fut in futs:
+            fut.cancel()  # a no-op for reads done or running; after a failure, the rest never start
+        reader.close()  # waits out the read still running: the bounce slots and destination are quiet after
     phases.update(transfer=time.perf_counter() - t_first - verify_s, verify=verify_s)

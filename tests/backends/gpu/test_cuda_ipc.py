@@ -11,6 +11,7 @@ import secrets
 import threading
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
+from typing import Any
 
 import pytest
 import torch
@@ -74,6 +75,8 @@ class CpuStandIn:
     Its one "GPU" has UUID `uuid`; caller_event names the submitting thread, and copy records which
     event each copy was ordered after (the real backend makes its copy stream wait on it)."""
 
+    name = "torch"
+
     def __init__(self, uuid: str = "GPU-standin-0") -> None:
         self.exports: dict[bytes, torch.Tensor] = {}
         self.opens = 0
@@ -101,18 +104,18 @@ class CpuStandIn:
     def export(self, tensor: torch.Tensor) -> IpcExport:
         storage = tensor.untyped_storage()
         whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
-        handle = secrets.token_bytes(16)
+        handle = secrets.token_bytes(64)
         self.exports[handle] = whole
         return IpcExport(handle, storage.nbytes(), 0, b"rc", 0, b"", False)
 
-    def open(self, desc: CudaIpcDescriptor, index: int) -> torch.Tensor:
+    def open(self, desc: CudaIpcDescriptor, index: int) -> Any:
         assert index == 0
         self.opens += 1
         if desc.ipc.handle not in self.exports:
             raise RuntimeError("invalid resource handle")
         return self.exports[desc.ipc.handle]
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: object) -> _Done:
+    def copy(self, dst: Any, src: Any, after: object) -> _Done:
         self.copied_after.append(after)
         if self.fail_copy:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -263,6 +266,12 @@ def test_standin_failures_surface_in_future(pair: tuple) -> None:
 GIB = 1 << 30
 
 
+def _backends() -> list[str]:
+    from backends.gpu.driver import available
+
+    return (["driver"] if available() else []) + ["torch"]
+
+
 def _fill(t: torch.Tensor, seed: int) -> None:
     """Deterministic bytes on the GPU in 64 MiB slices (no host round trip)."""
     g = torch.Generator(device=t.device).manual_seed(seed)
@@ -272,42 +281,45 @@ def _fill(t: torch.Tensor, seed: int) -> None:
         t[k:k + n] = torch.randint(0, 256, (n,), dtype=torch.uint8, device=t.device, generator=g)
 
 
-def _gpu_seed(conn: Connection, nbytes: int) -> None:
-    eng = CudaIpcEngine()
+def _gpu_seed(conn: Connection, nbytes: int, backend: str, linger: bool) -> None:
+    eng = CudaIpcEngine(backend=backend)
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     _fill(src, 11)
-    torch.cuda.synchronize()
-    region = eng.register(src, "read")
-    windows = [(o, src[o:o + 4096].cpu()) for o in (0, nbytes // 3, nbytes - 4096)]
-    conn.send((region.descriptor.to_bytes(), digest(src.cpu().numpy()), windows))
-    conn.recv()  # the loader is done: only now may the seed's memory go away
+    region = eng.register(src[4096:], "read")  # a view: the region starts inside the allocation
+    windows = [(o, src[4096 + o:4096 + o + 4096].cpu()) for o in (0, nbytes // 3, nbytes - 8192)]
+    conn.send((region.descriptor.to_bytes(), digest(src[4096:].cpu().numpy()), windows))
+    if linger:
+        conn.recv()  # the loader is done: only now may the seed's memory go away
     eng.close()
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.timeout(300)
-def test_gpu_conformance_two_processes_1gib() -> None:
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", _backends())
+def test_gpu_conformance_two_processes_1gib(backend: str) -> None:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_gpu_seed, args=(child, GIB), daemon=True)
+    proc = ctx.Process(target=_gpu_seed, args=(child, GIB, backend, True), daemon=True)
     proc.start()
     try:
         assert parent.poll(120), "seed process did not export within 120 s"
         blob, want, windows = parent.recv()
         desc = CudaIpcDescriptor.from_bytes(blob)
-        assert desc.owner_pid != 0
-        with CudaIpcEngine() as eng:
-            dst = torch.zeros(GIB, dtype=torch.uint8, device="cuda")
+        assert desc.exporter == backend
+        assert desc.region_offset == 4096
+        n = GIB - 4096
+        with CudaIpcEngine(backend=backend) as eng:
+            dst = torch.zeros(n, dtype=torch.uint8, device="cuda")
+            dst.fill_(0xCD)  # queued on the caller's stream just before the reads: must come first
             reg = eng.register(dst, "write")
-            eng.read(reg, 0, GIB // 2, blob, 0).result(120)
-            eng.read(reg, GIB // 2, GIB // 2, blob, GIB // 2).result(120)  # two ops, one open
-            torch.cuda.synchronize()
+            eng.read(reg, 0, n // 2, blob, 0).result(120)
+            eng.read(reg, n // 2, n - n // 2, blob, n // 2).result(120)  # two ops, one open
             assert digest(dst.cpu().numpy()) == want
             for off, cpu in windows:
                 assert torch.equal(dst[off:off + 4096].cpu(), cpu)
             with pytest.raises(RemoteAccessError):
-                eng.read(reg, 0, 4096, blob, GIB - 100)
+                eng.read(reg, 0, 4096, blob, n - 100)
             with pytest.raises(RemoteAccessError, match="not write"):
                 eng.write(reg, 0, 4096, blob, 0)
         parent.send("done")
@@ -321,14 +333,64 @@ def test_gpu_conformance_two_processes_1gib() -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_same_process_read_and_registration_checks() -> None:
-    with CudaIpcEngine() as seed, CudaIpcEngine() as loader:
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", _backends())
+def test_gpu_open_after_the_seed_exited_is_peer_gone(backend: str) -> None:
+    """A seed that exits before the loader opened its handle: a clear PeerGone, within bounded time."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_gpu_seed, args=(child, 64 << 20, backend, False), daemon=True)
+    proc.start()
+    assert parent.poll(120), "seed process did not export within 120 s"
+    blob, _want, _windows = parent.recv()
+    proc.join(60)
+    assert proc.exitcode == 0
+    with CudaIpcEngine(backend=backend) as eng:
+        reg = eng.register(torch.zeros(4096, dtype=torch.uint8, device="cuda"), "write")
+        with pytest.raises(PeerGone, match="opening the CUDA IPC handle"):
+            eng.read(reg, 0, 4096, blob, 0).result(60)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", _backends())
+def test_gpu_same_process_read_and_registration_checks(backend: str) -> None:
+    with CudaIpcEngine(backend=backend) as seed, CudaIpcEngine(backend=backend) as loader:
         src = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
         _fill(src, 3)
         region = seed.register(src[1 << 20:], "read")
         dst = torch.zeros(16 << 20, dtype=torch.uint8, device="cuda")
         loader.read(loader.register(dst, "rw"), 0, 16 << 20, region.descriptor.to_bytes(), 5).result(60)
-        torch.cuda.synchronize()
         assert torch.equal(dst, src[(1 << 20) + 5:(1 << 20) + 5 + (16 << 20)])
         with pytest.raises(TransferError, match="not a CUDA device"):
             seed.register(torch.zeros(8), "read")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_dmabuf_fd_of_device_memory() -> None:
+    """A DMA-BUF file descriptor of a tensor's allocation (what a provider with FI_HMEM would register)."""
+    import os
+
+    from backends.gpu.driver import DriverError, available, shared_driver
+
+    if not available():
+        pytest.skip("cuda-python is not installed here")
+    drv = shared_driver()
+    index = torch.cuda.current_device()
+    if not drv.dmabuf_supported(index):
+        pytest.skip("no DMA-BUF descriptors from this GPU or driver (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)")
+    t = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
+    with drv.on(index):
+        base, size = drv.address_range(t.data_ptr())
+        try:
+            fd = drv.dmabuf_fd(base, size)
+        except DriverError as exc:
+            if exc.code != "CUDA_ERROR_NOT_SUPPORTED":
+                raise
+            pytest.skip(f"the driver reports DMA-BUF support but refuses the handle: {exc}")
+    try:
+        assert fd >= 0
+        os.fstat(fd)
+    finally:
+        os.close(fd)

@@ -266,3 +266,41 @@ def test_staged_read_from_dead_peer_fails_clearly() -> None:
                 fut.result(20)
             assert ei.value.bytes_done == 0
             assert isinstance(ei.value.__cause__, PeerUnreachable)
+
+
+# ---------------------------------------------------------------- GPU (skipped where CUDA is absent)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.timeout(60)
+def test_gpu_staged_read_and_write_through_pinned_slots(engines: tuple) -> None:
+    """tcp into and out of device memory: the bounce slots are pinned, the copies run on a side stream
+    after the caller's queued work (a fill of the destination just before the read must not land
+    over the read's bytes), and the future resolves with the bytes in place."""
+    seed, loader = engines
+    n = 64 << 20
+    src = _pattern(n, 5)
+    region = seed.register(src, "read")
+    back = torch.zeros(n, dtype=torch.uint8)
+    wregion = seed.register(back, "write")
+    try:
+        dst = torch.empty(n // 2, dtype=torch.bfloat16, device="cuda")
+        dst.view(torch.uint8).fill_(0xAB)  # queued on the caller's stream, not yet run maybe
+        with StagedReader(loader, bounce_bytes=4 << 20, depth=3, device=dst.device) as rd, \
+                StagedWriter(loader, bounce_bytes=4 << 20, depth=2, device=dst.device) as wr:
+            assert rd._bounce.is_pinned()
+            assert rd.read_into(dst, 0, n, region.descriptor, 0).result(60) == n
+            assert torch.equal(byte_view(dst).cpu(), src)
+            dst.view(torch.uint8)[:4096].fill_(7)  # queued; the write must send these bytes
+            assert wr.write_from(dst, 0, n, wregion.descriptor, 0).result(60) == n
+        assert torch.equal(back[:4096], torch.full((4096,), 7, dtype=torch.uint8))
+        assert torch.equal(back[4096:], src[4096:])
+        with StagedReader(loader, bounce_bytes=4096, device="cuda:0") as rd, \
+                pytest.raises(TransferError, match="contiguous"):
+            rd.read_into(dst.view(2, -1).t(), 0, 16, region.descriptor, 0)
+    finally:
+        seed.deregister(region)
+        seed.deregister(wregion)

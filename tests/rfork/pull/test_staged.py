@@ -1,0 +1,94 @@
+"""rfork.pull.staged on host tensors: a failed tensor stops the reads not yet started (nothing lands in
+the destination after the pull returns), and a whole staged pull lands and verifies.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from rfork.errors import ChecksumMismatch
+from rfork.pull.staged import pull_staged
+from rfork.weights.rank_weights import RankWeights
+
+os.environ.setdefault("FI_TCP_IFACE", "lo")
+
+N_TENSORS = 24
+
+
+@pytest.fixture
+def engines() -> Iterator[tuple[Any, Any]]:
+    from backends import TransferEngine, provider_available
+
+    if not provider_available("tcp", "127.0.0.1"):
+        pytest.skip("libfabric tcp provider is not available")
+    with TransferEngine("tcp", 1, timeout_s=5.0, host="127.0.0.1") as seed, \
+            TransferEngine("tcp", 1, timeout_s=5.0, host="127.0.0.1") as loader:
+        yield seed, loader
+
+
+def _served(seed_engine: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    g = torch.Generator().manual_seed(5)
+    tensors = {f"t{i:02d}": torch.randn(64 << 10, generator=g).to(torch.bfloat16) for i in range(N_TENSORS)}
+    served = RankWeights.from_tensors(tensors=tensors)
+    regions = [seed_engine.register(t, "read") for t in served.registrables()]
+    manifest = served.manifest([r.descriptor.to_bytes() for r in regions])
+    return tensors, manifest
+
+
+def _counting_reads(engine: Any, monkeypatch: pytest.MonkeyPatch, delay_s: float) -> list[int]:
+    reads: list[int] = []
+    lock = threading.Lock()
+    real = engine.read
+
+    def slow_read(*args: Any, **kw: Any) -> Any:
+        with lock:
+            reads.append(args[2])
+        time.sleep(delay_s)  # a slow wire: the pull's verdict on tensor 0 comes before the rest moved
+        return real(*args, **kw)
+
+    monkeypatch.setattr(engine, "read", slow_read)
+    return reads
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_digest_stops_the_reads_not_yet_started(
+    engines: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seed, loader = engines
+    _tensors, manifest = _served(seed)
+    manifest.tensors[0].checksum = "0" * 32  # the seed's first tensor does not verify
+    manifest.check()
+    dest = RankWeights.from_tensors(tensors={t.name: torch.zeros(64 << 10, dtype=torch.bfloat16)
+                                             for t in manifest.tensors})
+    reads = _counting_reads(loader, monkeypatch, 0.05)
+    with pytest.raises(ChecksumMismatch, match="t00"):
+        pull_staged(loader, manifest, dest, deadline=time.monotonic() + 30, progress=None, phases={})
+    n = len(reads)
+    time.sleep(0.3)
+    assert len(reads) == n  # nothing is read after the pull returned
+    assert n < N_TENSORS // 2, f"{n} of {N_TENSORS} tensors were still read after the first failed"
+    untouched = sum(int(dest.tensors[f"t{i:02d}"].count_nonzero()) == 0 for i in range(N_TENSORS))
+    assert untouched > N_TENSORS // 2
+
+
+@pytest.mark.timeout(60)
+def test_a_staged_pull_lands_and_verifies(engines: tuple) -> None:
+    seed, loader = engines
+    tensors, manifest = _served(seed)
+    manifest.check()
+    dest = RankWeights.from_tensors(tensors={n: torch.zeros_like(t) for n, t in tensors.items()})
+    phases: dict[str, float] = {}
+    done: list[tuple[int, int]] = []
+    pull_staged(loader, manifest, dest, deadline=time.monotonic() + 30,
+                progress=lambda d, t: done.append((d, t)), phases=phases)
+    assert all(torch.equal(dest.tensors[n], t) for n, t in tensors.items())
+    assert set(dest.checksums) == set(tensors)
+    assert done[-1][0] == done[-1][1] == sum(t.numel() * 2 for t in tensors.values())
+    assert set(phases) == {"transfer", "verify"}
