@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import functools
+import logging
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -21,7 +22,7 @@ from planner.contract import control_token, wire
 from planner.contract.errors import NoSource
 from planner.selection import Requester, SeedView, choose_provider, tier_key
 from planner.service.base import now_or_clock
-from planner.service.busy import BusyOps, waiter_tie
+from planner.service.busy import BusyOps, decisions, waiter_tie
 
 
 class AssignmentOps(BusyOps):
@@ -134,6 +135,17 @@ class AssignmentOps(BusyOps):
             },
         )
         chosen = [v.instance_id for v in ranked]
+        if decisions.isEnabledFor(logging.DEBUG):
+            decisions.debug(
+                "lease node=%s rank=%d waited=%.2f seed=%s (node %s, %d active) of %d free",
+                body.labels.node,
+                body.rank,
+                body.waited_s,
+                chosen[0],
+                ranked[0].node,
+                ranked[0].active_leases,
+                len(ranked),
+            )
         details = {d.id: d for d in sql.chosen_details.rows(s, {"b_ids": chosen, "b_rank": body.rank})}
         return functools.partial(
             self._assignment, key, now, body, chosen, by_id, details, lease_id, expires_at

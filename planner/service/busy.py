@@ -6,6 +6,7 @@ reads the live leases and recent pulls in a transaction of its own, after the wr
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from sqlalchemy import Connection, select
@@ -15,6 +16,9 @@ from planner.contract import wire
 from planner.contract.errors import AllBusy
 from planner.models import Manifest
 from planner.service.base import ServiceState
+
+# every 429 with what its estimate was computed from (DEBUG: off unless asked, e.g. by the fleet harness)
+decisions = logging.getLogger("planner.decisions")
 
 
 class BusyOps(ServiceState):
@@ -92,17 +96,33 @@ class BusyOps(ServiceState):
                 self._busy_reads.clear()
             reads = self._busy_reads[room] = (changes, now, starts, rate, rank_bytes)
         _, _, starts, rate, rank_bytes = reads
+        position = self.waiting.position(room, now, since, tie)
         est = estimate_busy(
             lease_starts=starts,
             rank_bytes=rank_bytes,
             rate_bps=rate,
             now=now,
-            position=self.waiting.position(room, now, since, tie),
+            position=position,
             serves_after=body.serves_after,
             fallback_s=body.fallback_s,
             min_s=st.retry_after_min_s,
             max_s=st.retry_after_max_s,
         )
+        if decisions.isEnabledFor(logging.DEBUG):
+            decisions.debug(
+                "busy node=%s rank=%d waited=%.2f position=%d leases=%d starts_ago=%s rate_MBps=%.1f "
+                "pull_s=%.2f retry_after=%.2f fallback=%s",
+                body.labels.node,
+                body.rank,
+                body.waited_s,
+                position,
+                len(starts),
+                [round(now - x, 2) for x in starts[:8]],
+                rate / 1e6,
+                est.expected_pull_s,
+                est.retry_after_s,
+                est.fallback,
+            )
         if not est.fallback:
             self.waiting.promise(room, now + est.retry_after_s, since, now=now, tie=tie)
         return est

@@ -324,3 +324,47 @@ def test_an_overdue_lease_is_due_now():
     kw.update(min_s=0.05, max_s=60)
     for now in (10.0, 11.0, 14.0, 40.0):
         assert estimate_busy(now=now, **kw).retry_after_s == pytest.approx(0.05)
+
+
+# ---- returning waiters whose `since` drifts (a real loader's waited_s is measured on its own clock) ----
+
+
+def test_a_returning_waiter_keeps_its_place_when_its_since_drifts():
+    room = WaitingRoom()
+    key = ("k", 0)
+    room.promise(key, at=10, since=0.0, tie="a", now=0.0)
+    room.promise(key, at=12, since=0.01, tie="b", now=0.01)
+    # "a" comes back three times, each time its since = planner clock - its own waited_s is a little off
+    for now, since in ((5.0, 0.004), (6.0, -0.003), (7.0, 0.012)):
+        assert room.position(key, now, since, tie="a") == 0
+        room.promise(key, at=now + 3, since=since, tie="a", now=now)
+    assert room.size() == 2  # no ghost places left behind by the re-asks
+    assert room.position(key, 7.5, 0.02, tie="b") == 1
+    room.leave(key, since=0.007, tie="a")
+    assert room.position(key, 7.5, 0.02, tie="b") == 0
+
+
+def test_a_waiters_retry_after_does_not_grow_with_another_waiters_re_asks(sqlite_url):
+    # measured on the emulated fleet: every re-ask of one loader added a place ahead of the others, so
+    # that a loader told position 7 of 5 slept a whole pull (17 s) while new seeds stood free
+    migrate(sqlite_url)
+    svc = make_planner(sqlite_url, assumed_pull_gbps=1.0, retry_after_min_s=0.01, busy_cache_s=0.0)
+    try:
+        now = 1000.0
+        _seed(svc, now, limit=1, nbytes=4 * GB)
+        svc.assign(_ask(), now)  # the only slot: its lease ends at 1004
+        with pytest.raises(AllBusy) as a:
+            svc.assign(_ask(labels={"node": "a"}), now + 0.1)
+        with pytest.raises(AllBusy) as b:
+            svc.assign(_ask(labels={"node": "b"}), now + 0.2)
+        assert a.value.retry_after_s == pytest.approx(3.9)
+        assert b.value.retry_after_s == pytest.approx(7.8)  # second in line: the first waiter's pull
+        for i, t in enumerate((1.0, 1.5, 2.0)):  # "a" asks again early, its waited_s a little off each time
+            with pytest.raises(AllBusy) as again:
+                svc.assign(_ask(labels={"node": "a"}, waited_s=t - 0.1 - 0.003 * (i + 1)), now + t)
+            assert again.value.retry_after_s == pytest.approx(4.0 - t)
+        with pytest.raises(AllBusy) as b2:
+            svc.assign(_ask(labels={"node": "b"}, waited_s=2.3 - 0.2 + 0.004), now + 2.3)
+        assert b2.value.retry_after_s == pytest.approx(8.0 - 2.3)
+    finally:
+        svc.close()
