@@ -65,12 +65,14 @@ class AssignmentOps(BusyOps):
         if excluded:
             params["b_excluded"] = sorted(excluded)
         hold = st.rack_hold and bool(body.labels.rack)
+        solo = solo_pulls(st.solo_pulls_for_seeds, body)
         shape: tuple[Any, ...] = (
             key,
             body.rank,
             frozenset(excluded),
             tuple(body.providers),
             tuple(body.backends),
+            solo,
         )
         if hold:
             shape += (body.labels.rack,)
@@ -87,12 +89,12 @@ class AssignmentOps(BusyOps):
         ranked: Sequence[SeedView] = ()
         by_id: dict[str, tuple[Any, str]] = {}
         # rack_hold: the rack's seeds all busy -> wait for them (no read of the other racks' seeds)
-        held = self._rack_busy(s, body, params, req.rack) if hold else None
+        held = self._rack_busy(s, body, params, req.rack, solo) if hold else None
         attempts = 0 if held else 3  # PostgreSQL: again if the chosen filled up before their locks
         for _attempt in range(attempts):
-            free, busy_seed = self._free_seeds(s, req, body, params, bool(excluded))
+            free, busy_seed = self._free_seeds(s, req, body, params, bool(excluded), solo)
             by_id = {r.id: (r, p) for r, p in free}
-            ranked = self.policy.rank(req, [_seed_view(r) for r, _ in free])[: st.max_candidates]
+            ranked = self.policy.rank(req, [_seed_view(r, solo) for r, _ in free])[: st.max_candidates]
             if not ranked or self.db.sqlite:  # SQLite: the write lock was held while they were counted
                 break
             # PostgreSQL: lock the chosen rows (id order), then count their live leases again
@@ -152,7 +154,7 @@ class AssignmentOps(BusyOps):
         )
 
     def _rack_busy(
-        self, s: Connection, body: wire.AssignmentRequest, params: dict[str, Any], rack: str
+        self, s: Connection, body: wire.AssignmentRequest, params: dict[str, Any], rack: str, solo: bool
     ) -> str | None:
         """rack_hold: a busy seed of the identity in `rack` to wait for when the rack has seeds that
         could serve this requester and none is free; None when one is free or the rack has none."""
@@ -160,7 +162,7 @@ class AssignmentOps(BusyOps):
             s, {**params, "b_excluded": params.get("b_excluded", []), "b_req_rack": rack, "b_limit": 16}
         )
         usable = [r for r in rows if choose_provider(body.providers, body.backends, r.backends)]
-        if not usable or any(r.active < r.max_concurrent_pulls for r in usable):
+        if not usable or any(r.active < pull_limit(r.max_concurrent_pulls, solo) for r in usable):
             return None
         return str(usable[0].id)
 
@@ -225,6 +227,7 @@ class AssignmentOps(BusyOps):
         body: wire.AssignmentRequest,
         params: dict[str, Any],
         excluded: bool,
+        solo: bool,
     ) -> tuple[Sequence[tuple[Any, str]], str | None]:
         """The free seeds the policy must see, each with the transport for this requester, and a busy
         seed it could use (None if none, or if the free ones were not all read).
@@ -232,7 +235,9 @@ class AssignmentOps(BusyOps):
         The query returns free seeds first (a tiered policy's: in `tier_key` order), at most b_limit
         rows; the limit grows until the rows read hold every free seed, or, for a tiered policy, the
         whole tier of the `max_candidates`-th: what a decision reads grows with the free seeds near the
-        requester, not with the fleet.
+        requester, not with the fleet. `solo`: a seed with a live pull is busy for this requester
+        (`solo_pulls`); the query's order knows only the seeds' own limits, so such seeds are skipped,
+        not taken as the end of the free ones.
         """
         sql, k = self._sql, self.settings.max_candidates
         tiered = self.policy.tiered
@@ -253,7 +258,11 @@ class AssignmentOps(BusyOps):
                     if provider is not None:
                         busy_seed = r.id
                         break
-                elif provider is not None:
+                elif provider is None:
+                    continue
+                elif solo and r.active >= 1:
+                    busy_seed = busy_seed or r.id
+                else:
                     free.append((r, provider))
             if every_free and (free or busy_seed is not None or len(found) < limit):
                 return free, busy_seed
@@ -261,7 +270,8 @@ class AssignmentOps(BusyOps):
             if (
                 tiered
                 and len(free) >= k
-                and tier_key(req, _seed_view(found[-1])) > tier_key(req, _seed_view(free[k - 1][0]))
+                and tier_key(req, _seed_view(found[-1], solo))
+                > tier_key(req, _seed_view(free[k - 1][0], solo))
             ):
                 return free, None
             limit *= 4
@@ -276,13 +286,24 @@ def _raising(exc: Exception) -> Callable[[], Any]:
     return answer
 
 
-def _seed_view(r: Any) -> SeedView:
-    """A candidate row (planner.queries' candidates) as the policy sees it."""
+def solo_pulls(setting: bool, body: wire.AssignmentRequest) -> bool:
+    """Whether this requester is leased only seeds with no live pull (PlannerSettings.solo_pulls_for_seeds):
+    it will serve once loaded, so its pull should run at the seed's full rate."""
+    return setting and body.serves_after > 0
+
+
+def pull_limit(max_concurrent_pulls: int, solo: bool) -> int:
+    """A seed's pull limit as one requester sees it: 1 for a solo requester."""
+    return min(max_concurrent_pulls, 1) if solo else max_concurrent_pulls
+
+
+def _seed_view(r: Any, solo: bool = False) -> SeedView:
+    """A candidate row (planner.queries' candidates) as the policy sees it (its limit as `pull_limit`)."""
     return SeedView(
         instance_id=r.id,
         node=r.node,
         rack=r.rack,
         zone=r.zone,
         active_leases=r.active,
-        max_concurrent_pulls=r.max_concurrent_pulls,
+        max_concurrent_pulls=pull_limit(r.max_concurrent_pulls, solo),
     )

@@ -103,7 +103,8 @@ class BusyOps(ServiceState):
             rate_bps=rate,
             now=now,
             position=position,
-            serves_after=body.serves_after,
+            # a solo requester's new seeds serve one pull at a time (solo_pulls_for_seeds)
+            serves_after=min(body.serves_after, 1) if st.solo_pulls_for_seeds else body.serves_after,
             fallback_s=body.fallback_s,
             min_s=st.retry_after_min_s,
             max_s=st.retry_after_max_s,

@@ -368,3 +368,32 @@ def test_a_waiters_retry_after_does_not_grow_with_another_waiters_re_asks(sqlite
         assert b2.value.retry_after_s == pytest.approx(8.0 - 2.3)
     finally:
         svc.close()
+
+
+# ---- a seed's NIC is shared by its pulls: a loader that will serve pulls alone (solo_pulls_for_seeds) ----
+
+
+def test_a_loader_that_will_serve_waits_for_an_idle_seed_rather_than_share_one(sqlite_url):
+    # on the emulated fleet (500 Mbit/s NICs, 0.5 GB) two pulls from one seed ran 17.4 s each instead of
+    # 8.7 s: the first new seeds appeared after two transfer times, and the tree lagged the ideal 1.4x
+    migrate(sqlite_url)
+    svc = make_planner(sqlite_url, assumed_pull_gbps=1.0, retry_after_min_s=0.01, busy_cache_s=0.0)
+    try:
+        now = 1000.0
+        _seed(svc, now, limit=2, nbytes=4 * GB)
+        svc.assign(_ask(labels={"node": "a"}, serves_after=2), now)
+        with pytest.raises(AllBusy) as busy:  # the seed's second slot would halve the first pull's rate
+            svc.assign(_ask(labels={"node": "b"}, serves_after=2), now + 1)
+        # its slot: the live pull ends at 1004, and then two seeds serve (fan-out 2, not 3)
+        assert busy.value.retry_after_s == pytest.approx(3.0)
+        # a loader that will not serve (first-seed-only) still fills the seed's limit
+        assert svc.assign(_ask(labels={"node": "c"}, serves_after=0), now + 1).candidates
+    finally:
+        svc.close()
+    off = make_planner(sqlite_url, solo_pulls_for_seeds=False, busy_cache_s=0.0)
+    try:
+        _seed(off, 2000.0, limit=2, nbytes=4 * GB)
+        off.assign(_ask(labels={"node": "a"}, serves_after=2), 2000.0)
+        assert off.assign(_ask(labels={"node": "b"}, serves_after=2), 2001.0).candidates
+    finally:
+        off.close()
