@@ -29,7 +29,16 @@ from typing import TypeVar
 
 from backends.errors import BackendUnavailable, TransferError
 from backends.layout import dtype_from_name, expected_nbytes
-from planner.contract import AllBusy, Anchor, Assignment, Candidate, PlannerClient, RankManifest, digest_set
+from planner.contract import (
+    AllBusy,
+    Anchor,
+    Assignment,
+    Candidate,
+    PlannerClient,
+    PlannerUnavailable,
+    RankManifest,
+    digest_set,
+)
 from rfork.errors import ChecksumMismatch, ManifestError, PullError
 from rfork.identity import SourceIdentity, default_labels
 from rfork.pull.result import BusyWait, LoadOptions
@@ -55,15 +64,19 @@ def ask_with_wait(
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
     rng: random.Random | None = None,
+    outage_type: type[BaseException] | None = None,
 ) -> T | None:
     """Call `ask(seconds waited so far)` until it returns; on `busy_type` (429) sleep as `policy`
-    decides; None = fall back."""
+    decides; None = fall back. On `outage_type` (the planner unreachable) ask again every
+    `policy.outage_retry_s` until it has failed for `policy.planner_outage_s` in a row, then raise it."""
     rng = rng or random.Random()
     started = clock()
+    down_since: float | None = None
     while True:
         try:
-            return ask(clock() - started)
+            answer = ask(clock() - started)
         except busy_type as exc:
+            down_since = None
             waited = clock() - started
             pause = policy.decide(exc, waited, rng)  # type: ignore[arg-type]
             if pause is None:
@@ -76,6 +89,17 @@ def ask_with_wait(
                 return None
             log.info("%s: every seed busy; asking again in %.2f s", what, pause)
             sleep(pause)
+        except BaseException as exc:
+            if outage_type is None or not isinstance(exc, outage_type):
+                raise
+            now = clock()
+            down_since = now if down_since is None else down_since
+            if now - down_since >= policy.planner_outage_s:
+                raise
+            log.warning("%s: planner unreachable for %.1f s (%s); asking again", what, now - down_since, exc)
+            sleep(min(policy.outage_retry_s, policy.planner_outage_s - (now - down_since)))
+        else:
+            return answer
 
 
 class LeaseRenewer:
@@ -337,7 +361,13 @@ class PlannerSession:
 
         t0 = time.perf_counter()
         try:
-            found = ask_with_wait(ask, policy=options.busy_wait, busy_type=AllBusy, what=f"rank {rank}")
+            found = ask_with_wait(
+                ask,
+                policy=options.busy_wait,
+                busy_type=AllBusy,
+                what=f"rank {rank}",
+                outage_type=PlannerUnavailable,
+            )
         except Exception as exc:  # noqa: BLE001 - a planner outage must still end in the disk fallback
             log.warning("rank %d: planner assignment failed: %s", rank, exc)
             return None

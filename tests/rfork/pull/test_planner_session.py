@@ -125,3 +125,59 @@ def test_a_pull_longer_than_the_lease_keeps_it_by_renewing(sqlite_url):
         assert [t.outcome for t in c.transfers().items] == ["success"]
         session.close()
         c.close()
+
+
+def test_a_planner_restart_during_the_wait_is_waited_out_not_a_failed_load(sqlite_url):
+    # the emulated fleet's planner-restart fault: every loader that asked while the planner was down
+    # gave up on it at once (no checkpoint to fall back to: the load failed)
+    from bench.processes import free_port
+    from planner.contract import PlannerUnavailable
+
+    port = free_port()
+    with PlannerServer(db_url=sqlite_url, insecure=True, port=port) as first:
+        c = PlannerClient(first.url)
+        reg = c.register_instance(identity=identity(), ranks=ranks(0, 1), max_concurrent_pulls=1)
+        c.put_manifest(reg.id, 0, manifest(0))
+        c.set_status(reg.id, "READY")
+        c.close()
+    client = PlannerClient(f"http://127.0.0.1:{port}", timeout_s=2.0)
+    restarted: list[PlannerServer] = []
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:  # the planner comes back after the loader's second retry
+        slept.append(seconds)
+        if len(slept) == 2:
+            restarted.append(PlannerServer(db_url=sqlite_url, insecure=True, port=port).start())
+
+    try:
+        got = ask_with_wait(
+            lambda waited: client.request_assignment(identity=identity(), rank=0, waited_s=waited),
+            policy=BusyWait(outage_retry_s=0.2, planner_outage_s=30.0),
+            busy_type=AllBusy,
+            what="rank 0",
+            sleep=sleep,
+            outage_type=PlannerUnavailable,
+        )
+        assert got is not None and got.candidates[0].instance_id == reg.id
+        assert slept == [0.2, 0.2]
+    finally:
+        client.close()
+        for srv in restarted:
+            srv.close()
+    # and a planner that stays down is given up on after planner_outage_s of failures: a bounded error
+    now = [0.0]
+    down = PlannerClient(f"http://127.0.0.1:{port}", timeout_s=1.0)
+    try:
+        with pytest.raises(PlannerUnavailable):
+            ask_with_wait(
+                lambda waited: down.request_assignment(identity=identity(), rank=0),
+                policy=BusyWait(outage_retry_s=1.0, planner_outage_s=3.0),
+                busy_type=AllBusy,
+                what="rank 0",
+                sleep=lambda s: now.__setitem__(0, now[0] + s),
+                clock=lambda: now[0],
+                outage_type=PlannerUnavailable,
+            )
+        assert now[0] == pytest.approx(3.0)
+    finally:
+        down.close()
