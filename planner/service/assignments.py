@@ -136,6 +136,8 @@ class AssignmentOps(BusyOps):
                 "expires_at": expires_at,
             },
         )
+        if body.serves_after > 0:
+            self._note_serving(lease_id, body.labels.node)
         chosen = [v.instance_id for v in ranked]
         if decisions.isEnabledFor(logging.DEBUG):
             decisions.debug(

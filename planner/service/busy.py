@@ -14,8 +14,14 @@ from sqlalchemy import Connection, select
 from planner.burst import BusyEstimate, estimate_busy, pull_rate_bps
 from planner.contract import wire
 from planner.contract.errors import AllBusy
-from planner.models import Manifest
+from planner.models import Instance, Lease, Manifest
 from planner.service.base import ServiceState
+
+# A loader that reported its pull and will serve publishes its seed a moment later (verify tail,
+# register, manifest, READY: 0.1-0.3 s on the emulated fleet). Until then its freed slot and its own
+# are "due now" for the 429's estimate; after this long without a seed on its node, not any more.
+SEED_APPEARS_S = 5.0
+SERVING_MEMORY = 100_000  # leases remembered as "will serve" (oldest forgotten first)
 
 # every 429 with what its estimate was computed from (DEBUG: off unless asked, e.g. by the fleet harness)
 decisions = logging.getLogger("planner.decisions")
@@ -28,6 +34,38 @@ class BusyOps(ServiceState):
     _busy: dict[tuple[Any, ...], tuple[int, float, str]]
     _busy_reads: dict[tuple[str, int], tuple[int, float, list[float], float, int]]
     _rank_bytes_cache: dict[tuple[str, int], int]
+    _serving: dict[str, str]
+
+    def _note_serving(self, lease_id: str, node: str) -> None:
+        """Remember that the loader holding `lease_id` (on `node`) will serve once loaded."""
+        if len(self._serving) >= SERVING_MEMORY:
+            self._serving.pop(next(iter(self._serving)))
+        self._serving[lease_id] = node
+
+    def _seeds_appearing(self, s: Any, key: str, rank: int, now: float) -> int:
+        """Loaders that reported a successful pull in the last SEED_APPEARS_S, will serve, and have not
+        yet published a READY seed on their node: seeds about to appear (the 429 counts them due now, or
+        a waiter would sleep a whole pull while one of them became free: measured on the emulated fleet)."""
+        if not self._serving:
+            return 0
+        ended = s.execute(
+            select(Lease.id, Lease.ended_at).where(
+                Lease.identity_key == key,
+                Lease.rank == rank,
+                Lease.outcome == "success",
+                Lease.ended_at > now - SEED_APPEARS_S,
+            )
+        ).all()
+        nodes = {self._serving[i]: t for i, t in ended if i in self._serving}
+        if not nodes:
+            return 0
+        published = s.execute(
+            select(Instance.node, Instance.created_at).where(
+                Instance.identity_key == key, Instance.node.in_(list(nodes)), Instance.status == "READY"
+            )
+        ).all()
+        done = {node for node, created in published if created >= nodes[node] - 1.0}
+        return sum(1 for node in nodes if node not in done)
 
     def _still_busy(
         self, last: tuple[int, float, str] | None, changes: int, now: float, s: Connection
@@ -92,6 +130,8 @@ class BusyOps(ServiceState):
                 rank_bytes = self._rank_bytes(s, key, body.rank, seed_id)
                 rate = pull_rate_bps(((r[0], r[1]) for r in recent), default_bps=st.assumed_pull_gbps * 1e9)
                 starts = [r[0] for r in sql.live_starts.cursor(s, params).fetchall()]
+                # a seed about to appear ends like a lease due now (ends are max(start + pull, now))
+                starts = [now - 1e6] * self._seeds_appearing(s, key, body.rank, now) + starts
             if len(self._busy_reads) > 4096:
                 self._busy_reads.clear()
             reads = self._busy_reads[room] = (changes, now, starts, rate, rank_bytes)

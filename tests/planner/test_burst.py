@@ -397,3 +397,44 @@ def test_a_loader_that_will_serve_waits_for_an_idle_seed_rather_than_share_one(s
         assert off.assign(_ask(labels={"node": "b"}, serves_after=2), 2001.0).candidates
     finally:
         off.close()
+
+
+def test_a_seed_about_to_appear_is_due_now_for_the_429(sqlite_url):
+    # on the emulated fleet a loader asked 50 ms before a freshly loaded instance published its seed:
+    # the pull it had reported was no longer a live lease, the seed not yet READY, so the 429 said
+    # "a whole pull" (8.7 s) and the loader slept through the seed that appeared a moment later
+    migrate(sqlite_url)
+    svc = make_planner(sqlite_url, assumed_pull_gbps=1.0, retry_after_min_s=0.01, busy_cache_s=0.0)
+    try:
+        now = 1000.0
+        _seed(svc, now, limit=1, nbytes=4 * GB)
+        a = svc.assign(_ask(labels={"node": "a"}, serves_after=1), now).id
+        svc.report(a, TransferReport(outcome="success", bytes=4 * GB, seconds=4.0), now + 4)
+        svc.assign(_ask(labels={"node": "b"}, serves_after=1), now + 4.01)  # takes the freed seed
+        with pytest.raises(AllBusy) as busy:  # "a" reported and will serve: its seed is due now
+            svc.assign(_ask(labels={"node": "c"}, serves_after=1), now + 4.02)
+        assert busy.value.retry_after_s == pytest.approx(0.01)
+        body = RegistrationRequest.model_validate(
+            {
+                "identity": identity(),
+                "labels": {"node": "a", "rack": "r", "zone": "z"},
+                "ranks": [{**r, "address": "YWRkcg=="} for r in ranks(0, 1)],
+                "max_concurrent_pulls": 1,
+            }
+        )
+        iid = svc.register(body, now + 4.1).id
+        m = manifest(0)
+        m["regions"][0]["nbytes"] = 4 * GB
+        svc.put_manifest(iid, 0, json.dumps(m), now + 4.1)
+        svc.set_status(iid, "READY", now + 4.1)
+        assert (
+            svc.assign(_ask(labels={"node": "c"}, serves_after=1, waited_s=0.1), now + 4.12)
+            .candidates[0]
+            .instance_id
+            == iid
+        )
+        with pytest.raises(AllBusy) as later:  # the seed appeared (and is taken): a whole pull again
+            svc.assign(_ask(labels={"node": "d"}, serves_after=1), now + 4.13)
+        assert later.value.retry_after_s > 3.0
+    finally:
+        svc.close()
