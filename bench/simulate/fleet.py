@@ -132,6 +132,7 @@ class FleetSim:
         seed: int = 0,
         before_assign: BeforeAssign | None = None,
         record_decisions: bool = False,
+        rack_hold: bool | None = None,
     ) -> None:
         if instances < 1:
             raise ValueError(f"instances: need at least 1, got {instances}")
@@ -152,11 +153,14 @@ class FleetSim:
             insecure=True,
             heartbeat_ttl_s=1e9,  # simulated seeds never miss a heartbeat
             lease_ttl_s=1e6,
-            # what an operator sets before any pull is recorded: one pull's share of a seed's NIC
-            assumed_pull_gbps=model.nic_bps / 1e9 / model.max_concurrent_pulls,
+            # what an operator sets before any pull is recorded: a loader that will serve pulls alone
+            # (solo_pulls_for_seeds), at a seed's whole NIC; one that will not shares the seed's limit
+            assumed_pull_gbps=model.nic_bps / 1e9 / (1 if scenario.tree else model.max_concurrent_pulls),
             selection_policy=scenario.policy,
             # racked fleets: a loader whose rack has a seed waits for it rather than cross the spine
-            rack_hold=model.racks > 0 and scenario.policy == "load_aware",
+            rack_hold=(model.racks > 0 and scenario.policy == "load_aware")
+            if rack_hold is None
+            else rack_hold,
             db_pool_size=2,
         )
         self.planner = Planner.open(settings, policy=make_policy(scenario.policy, rng=random.Random(seed)))
