@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         help="disk, runai (Run:ai Model Streamer), or a one-sided provider (tcp, shm)",
     )
     parser.add_argument("--planner", default=None)
+    parser.add_argument("--exclude", action="append", default=[], help="never pull from this instance id")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -52,7 +53,12 @@ def main(argv: list[str] | None = None) -> int:
             identity=info.identity(),
             planner_url=args.planner,
             checkpoint=info,
-            options=LoadOptions(providers=[args.source], become_seed=False, allow_nccl=False),
+            options=LoadOptions(
+                providers=[args.source],
+                become_seed=False,
+                allow_nccl=args.source == "nccl",
+                exclude=args.exclude,
+            ),
         )
         loader.prepare()  # the engine opens while the model is built, as a framework hook does
     tensors = {t.name: torch.empty(t.shape, dtype=dtype_from_name(t.dtype)) for t in info.tensors}

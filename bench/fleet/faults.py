@@ -60,14 +60,14 @@ def _loss(ctx: FleetContext) -> str:
     return f"1 % loss on rack 1 ({len(rack1)} hosts; no added latency: this kernel has no netem)"
 
 
-def faults_for(name: str) -> tuple[Fault, ...]:
-    """The scheduled fault of scenario `name`."""
+def faults_for(name: str, at_s: float = AT_S) -> tuple[Fault, ...]:
+    """The scheduled fault of scenario `name`, `at_s` after the start signal (loss: from the start)."""
     if name == "cut":
-        return (Fault(name="cut h01", at_s=AT_S, action=_cut),)
+        return (Fault(name="cut h01", at_s=at_s, action=_cut),)
     if name == "kill":
-        return (Fault(name="kill seed h01", at_s=AT_S, action=_kill),)
+        return (Fault(name="kill seed h01", at_s=at_s, action=_kill),)
     if name == "planner-restart":
-        return (Fault(name="planner restart", at_s=AT_S, action=_restart_planner),)
+        return (Fault(name="planner restart", at_s=at_s, action=_restart_planner),)
     if name == "loss":
         return (Fault(name="loss rack 1", at_s=0.0, action=_loss),)
     raise ValueError(f"fault {name!r}: one of {FAULTS}")
