@@ -324,7 +324,7 @@ class Network:
         ports = ", ".join(f'"{self.topology.host(h).name}"' for h in hosts)
         rules = (
             "table bridge rfkloss {\n"
-            "  chain fwd { type filter hook forward priority 0; policy accept;\n"
+            "  chain drops { type filter hook forward priority 0; policy accept;\n"
             f"    iifname {{ {ports} }} numgen random mod 10000 < {per_10k} drop\n"
             f"    oifname {{ {ports} }} numgen random mod 10000 < {per_10k} drop\n"
             "  }\n}\n"
