@@ -163,7 +163,8 @@ class WaitingRoom:
 
     A waiter's position is the number of waiters that started waiting before it and are still
     waiting, so one that comes back and must wait again keeps its place. It is recognised by its
-    `tie` (the requester's id or node) and a `since` within SINCE_SLACK_S of the one it first gave:
+    `tie` (the requester's id or node) and a `since` within SINCE_SLACK_S of the one it first gave
+    (an anonymous waiter, tie "", by its exact `since`):
     a real loader's `since` (planner clock - its own waited_s) is never the same float twice, and
     matching it exactly made every re-ask a newcomer queued behind its own earlier place, so that
     positions grew with each ask and waiters slept through seeds that had become free (measured on
@@ -236,13 +237,14 @@ class WaitingRoom:
 
     def _find(self, key: tuple[str, int], since: float, tie: str) -> tuple[float, int] | None:
         """The place of the waiter (key, tie) whose first `since` is nearest `since`, within
-        SINCE_SLACK_S; None for a newcomer (lock held)."""
+        SINCE_SLACK_S (exactly `since` for an anonymous waiter, tie ""); None for a newcomer (lock held)."""
         mine = self._entries.get((key, tie))
         if not mine:
             return None
-        i = bisect.bisect_left(mine, (since - SINCE_SLACK_S, -1))
+        slack = SINCE_SLACK_S if tie else 0.0
+        i = bisect.bisect_left(mine, (since - slack, -1))
         best: tuple[float, int] | None = None
-        while i < len(mine) and mine[i][0] <= since + SINCE_SLACK_S:
+        while i < len(mine) and mine[i][0] <= since + slack:
             if best is None or abs(mine[i][0] - since) < abs(best[0] - since):
                 best = mine[i]
             i += 1
