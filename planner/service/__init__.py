@@ -49,7 +49,8 @@ class Planner(InstanceOps, ManifestOps, AssignmentOps, CompileCacheOps, ReportOp
         self._busy: dict[tuple[Any, ...], tuple[int, float, str]] = {}
         self._busy_reads: dict[tuple[str, int], tuple[int, float, list[float], float, int]] = {}
         self.waiting = WaitingRoom()
-        self._serving: dict[str, str] = {}  # lease id -> requester node, for leases whose loader will serve
+        # lease id -> requester (node, rack), for leases whose loader will serve (planner.service.busy)
+        self._serving: dict[str, tuple[str, str]] = {}
         self._sql = HotStatements.build(db.engine.dialect)
         self._control_secret = settings.control_secret_bytes()
 

@@ -137,7 +137,7 @@ class AssignmentOps(BusyOps):
             },
         )
         if body.serves_after > 0:
-            self._note_serving(lease_id, body.labels.node)
+            self._note_serving(lease_id, body.labels.node, body.labels.rack)
         chosen = [v.instance_id for v in ranked]
         if decisions.isEnabledFor(logging.DEBUG):
             decisions.debug(
@@ -158,15 +158,19 @@ class AssignmentOps(BusyOps):
     def _rack_busy(
         self, s: Connection, body: wire.AssignmentRequest, params: dict[str, Any], rack: str, solo: bool
     ) -> str | None:
-        """rack_hold: a busy seed of the identity in `rack` to wait for when the rack has seeds that
-        could serve this requester and none is free; None when one is free or the rack has none."""
+        """rack_hold: a busy seed to wait for when the rack has seeds that could serve this requester and
+        none is free, or when it has none yet but `rack_first_copies` of its loaders are already pulling
+        their copies into it; None when one is free, or the rack may take another first copy."""
         rows = self._sql.in_rack.rows(
             s, {**params, "b_excluded": params.get("b_excluded", []), "b_req_rack": rack, "b_limit": 16}
         )
         usable = [r for r in rows if choose_provider(body.providers, body.backends, r.backends)]
-        if not usable or any(r.active < pull_limit(r.max_concurrent_pulls, solo) for r in usable):
-            return None
-        return str(usable[0].id)
+        if usable:
+            if any(r.active < pull_limit(r.max_concurrent_pulls, solo) for r in usable):
+                return None
+            return str(usable[0].id)
+        inbound = self._inbound_copies(s, body.identity.key(), body.rank, rack, params["b_now"])
+        return inbound[0] if len(inbound) >= self.settings.rack_first_copies else None
 
     def _assignment(
         self,

@@ -34,13 +34,28 @@ class BusyOps(ServiceState):
     _busy: dict[tuple[Any, ...], tuple[int, float, str]]
     _busy_reads: dict[tuple[str, int], tuple[int, float, list[float], float, int]]
     _rank_bytes_cache: dict[tuple[str, int], int]
-    _serving: dict[str, str]
+    _serving: dict[str, tuple[str, str]]
 
-    def _note_serving(self, lease_id: str, node: str) -> None:
-        """Remember that the loader holding `lease_id` (on `node`) will serve once loaded."""
+    def _note_serving(self, lease_id: str, node: str, rack: str) -> None:
+        """Remember that the loader holding `lease_id` (on `node` in `rack`) will serve once loaded."""
         if len(self._serving) >= SERVING_MEMORY:
             self._serving.pop(next(iter(self._serving)))
-        self._serving[lease_id] = node
+        self._serving[lease_id] = (node, rack)
+
+    def _inbound_copies(self, s: Any, key: str, rank: int, rack: str, now: float) -> list[str]:
+        """The seeds serving live pulls of loaders in `rack` that will serve there: the rack's copies
+        on their way (rack_first_copies)."""
+        if not self._serving:
+            return []
+        live = s.execute(
+            select(Lease.id, Lease.instance_id).where(
+                Lease.identity_key == key,
+                Lease.rank == rank,
+                Lease.ended_at.is_(None),
+                Lease.expires_at > now,
+            )
+        ).all()
+        return [str(seed) for lease_id, seed in live if self._serving.get(lease_id, ("", ""))[1] == rack]
 
     def _seeds_appearing(self, s: Any, key: str, rank: int, now: float) -> int:
         """Loaders that reported a successful pull in the last SEED_APPEARS_S, will serve, and have not
@@ -56,7 +71,7 @@ class BusyOps(ServiceState):
                 Lease.ended_at > now - SEED_APPEARS_S,
             )
         ).all()
-        nodes = {self._serving[i]: t for i, t in ended if i in self._serving}
+        nodes = {self._serving[i][0]: t for i, t in ended if i in self._serving}
         if not nodes:
             return 0
         published = s.execute(
