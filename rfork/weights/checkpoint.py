@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import struct
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -206,42 +208,73 @@ def read_rank_into(
             )
         if dest.device.type != "cpu" or not dest.is_contiguous():
             raise CheckpointError(f"tensor {t.name!r}: the disk loader reads into contiguous host tensors")
-    handles: dict[Path, Any] = {}
     total = 0
+    direct: list[tuple[TensorInfo, torch.Tensor]] = []  # straight from the file into the destination
+    sharded: list[tuple[TensorInfo, torch.Tensor]] = []
+    for t in info.tensors:
+        dest = tensors[t.name]
+        if dest.numel() * dest.element_size() == 0:
+            continue
+        total += dest.numel() * dest.element_size()
+        if tp == 1 or split_dim(t.name, len(t.shape)) is None:
+            direct.append((t, dest))
+        else:
+            sharded.append((t, dest))
+    fds: dict[Path, int] = {}
     try:
         for t in info.tensors:
-            dest = tensors[t.name]
-            nbytes = dest.numel() * dest.element_size()
-            if nbytes == 0:
-                continue
-            total += nbytes
-            f = handles.get(t.file)
-            if f is None:
-                f = handles[t.file] = t.file.open("rb", buffering=0)
-            if tp == 1 or split_dim(t.name, len(t.shape)) is None:
-                _read_exact(f, t.data_offset, dest.detach().reshape(-1).view(torch.uint8), t)
-            else:
-                full = torch.empty(t.nbytes, dtype=torch.uint8)
-                _read_exact(f, t.data_offset, full, t)
-                full_t = full.view(dtype_from_name(t.dtype)).view(t.shape)
-                dest.detach().copy_(shard_tensor(t.name, full_t, tp, rank))
+            if t.file not in fds:
+                fds[t.file] = os.open(t.file, os.O_RDONLY)
+        _read_ranges(fds, direct)
+        for t, dest in sharded:  # read whole, keep this rank's slice
+            full = torch.empty(t.nbytes, dtype=torch.uint8)
+            _read_ranges(fds, [(t, full)])
+            full_t = full.view(dtype_from_name(t.dtype)).view(t.shape)
+            dest.detach().copy_(shard_tensor(t.name, full_t, tp, rank))
     finally:
-        for f in handles.values():
-            f.close()
+        for fd in fds.values():
+            os.close(fd)
     log.info(
         "read rank %d/%d from %s: %d bytes into %d tensor(s)", rank, tp, info.directory, total, len(tensors)
     )
 
 
-def _read_exact(f: Any, offset: int, dest: torch.Tensor, t: TensorInfo) -> None:
-    mv = memoryview(dest.numpy()).cast("B")  # type: ignore[arg-type]
-    f.seek(offset)
-    got = 0
-    while got < len(mv):
-        n = f.readinto(mv[got:])
-        if not n:
-            raise CheckpointError(f"{t.file}: truncated data for tensor {t.name!r}")
-        got += n
+# Reads in flight at once, and their size. One sequential reader leaves a cold disk (and a VM's virtio
+# queue) mostly idle between requests; several positioned reads keep it busy, as Run:ai Model Streamer
+# does with its reader threads (measured in docs/benchmarks.md, "Disk fallback"). os.preadv releases
+# the GIL, so threads read in parallel into the destination's own memory: no bounce buffer.
+READ_THREADS = 8
+READ_CHUNK_BYTES = 16 << 20
+
+
+def _read_ranges(fds: Mapping[Path, int], items: list[tuple[TensorInfo, torch.Tensor]]) -> None:
+    """Read each tensor's bytes from its file into its destination, in chunks across reader threads,
+    in file order; CheckpointError naming the tensor on a short read."""
+    jobs: list[tuple[TensorInfo, int, memoryview]] = []
+    for t, dest in items:
+        mv = memoryview(dest.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+        for off in range(0, len(mv), READ_CHUNK_BYTES):
+            jobs.append((t, off, mv[off : off + READ_CHUNK_BYTES]))
+    if not jobs:
+        return
+
+    def read_one(job: tuple[TensorInfo, int, memoryview]) -> None:
+        t, off, view = job
+        fd, got = fds[t.file], 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], t.data_offset + off + got)
+            if n <= 0:
+                raise CheckpointError(f"{t.file}: truncated data for tensor {t.name!r}")
+            got += n
+
+    if len(jobs) == 1:
+        read_one(jobs[0])
+        return
+    with ThreadPoolExecutor(
+        max_workers=min(READ_THREADS, len(jobs)), thread_name_prefix="rfork-disk"
+    ) as pool:
+        for _ in pool.map(read_one, jobs):
+            pass
 
 
 def load_state_dict(directory: str | Path, *, tp: int = 1, rank: int = 0) -> dict[str, torch.Tensor]:
