@@ -65,12 +65,14 @@ def ask_with_wait(
     clock: Callable[[], float] = time.monotonic,
     rng: random.Random | None = None,
     outage_type: type[BaseException] | None = None,
+    since: float | None = None,
 ) -> T | None:
     """Call `ask(seconds waited so far)` until it returns; on `busy_type` (429) sleep as `policy`
     decides; None = fall back. On `outage_type` (the planner unreachable) ask again every
-    `policy.outage_retry_s` until it has failed for `policy.planner_outage_s` in a row, then raise it."""
+    `policy.outage_retry_s` until it has failed for `policy.planner_outage_s` in a row, then raise it.
+    `since`: the `clock()` value the wait counts from (an earlier attempt's start: see PlannerSession)."""
     rng = rng or random.Random()
-    started = clock()
+    started = clock() if since is None else since
     down_since: float | None = None
     while True:
         try:
@@ -254,6 +256,10 @@ class PlannerSession:
         self._fallback_bytes = fallback_bytes  # one rank's checkpoint bytes, when there is a checkpoint
         self._client: PlannerClient | None = None
         self._pulled: list[str] = []  # assignments that succeeded: linked to the seed this loader becomes
+        # when this loader first asked for each rank: a loader whose pull failed asks again saying it has
+        # waited since then, so it keeps its place in the planner's line instead of queueing behind
+        # everyone who started with it (a cut seed's loader lost a whole generation on the emulated fleet)
+        self._first_ask: dict[int, float] = {}
 
     @property
     def client(self) -> PlannerClient | None:
@@ -360,6 +366,7 @@ class PlannerSession:
             )
 
         t0 = time.perf_counter()
+        since = self._first_ask.setdefault(rank, time.monotonic())
         try:
             found = ask_with_wait(
                 ask,
@@ -367,6 +374,7 @@ class PlannerSession:
                 busy_type=AllBusy,
                 what=f"rank {rank}",
                 outage_type=PlannerUnavailable,
+                since=since,
             )
         except Exception as exc:  # noqa: BLE001 - a planner outage must still end in the disk fallback
             log.warning("rank %d: planner assignment failed: %s", rank, exc)

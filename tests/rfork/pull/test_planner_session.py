@@ -11,7 +11,7 @@ import pytest
 from planner import PlannerServer
 from planner.contract import AllBusy, PlannerClient
 from rfork.pull.planner_session import ask_with_wait, fallback_seconds
-from rfork.pull.result import BusyWait
+from rfork.pull.result import BusyWait, LoadOptions
 from tests.planner.conftest import identity, manifest, ranks
 
 GB = 10**9
@@ -158,7 +158,8 @@ def test_a_planner_restart_during_the_wait_is_waited_out_not_a_failed_load(sqlit
             sleep=sleep,
             outage_type=PlannerUnavailable,
         )
-        assert got is not None and got.candidates[0].instance_id == reg.id
+        assert got is not None
+        assert got.candidates[0].instance_id == reg.id
         assert slept == [0.2, 0.2]
     finally:
         client.close()
@@ -181,3 +182,47 @@ def test_a_planner_restart_during_the_wait_is_waited_out_not_a_failed_load(sqlit
         assert now[0] == pytest.approx(3.0)
     finally:
         down.close()
+
+
+def test_a_loader_whose_pull_failed_asks_again_with_its_place_in_line(sqlite_url):
+    # the emulated fleet's cut seed: the loader that lost its pull asked again as a newcomer (waited 0 s)
+    # and queued behind every loader that had started with it, losing a whole generation
+    import time as _time
+
+    from rfork.identity import SourceIdentity
+    from rfork.pull.planner_session import PlannerSession
+
+    with PlannerServer(db_url=sqlite_url, insecure=True) as srv:
+        c = PlannerClient(srv.url)
+        for _ in range(2):
+            reg = c.register_instance(identity=identity(), ranks=ranks(0, 1), max_concurrent_pulls=1)
+            c.put_manifest(reg.id, 0, manifest(0))
+            c.set_status(reg.id, "READY")
+        c.close()
+        session = PlannerSession(
+            planner_url=srv.url,
+            token=None,
+            identity=SourceIdentity.model_validate(identity()),
+            options=LoadOptions(providers=["tcp"]),
+            fallback_bytes=None,
+        )
+        asked: list[float] = []
+        client = session.client
+        assert client is not None
+        real = client.request_assignment
+
+        def recording(**kw):
+            asked.append(kw["waited_s"])
+            return real(**kw)
+
+        client.request_assignment = recording  # type: ignore[method-assign]
+        sources = session.sources(0)
+        first = next(sources)
+        _time.sleep(0.3)  # the pull runs, then its seed goes silent
+        first.failed(TimeoutError("read timed out"), 0.3)
+        second = next(sources)
+        assert second.instance_id != first.instance_id
+        second.succeeded(64, 0.1)
+        session.close()
+    assert asked[0] < 0.1
+    assert asked[1] >= 0.3  # counted from the rank's first ask, not from this attempt's
