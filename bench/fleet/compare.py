@@ -2,7 +2,10 @@
 
 The same NIC, uplink, storage link, model size and pull limit, and the overhead measured in the run
 (each pull's time to verified minus its bytes at the NIC rate, median over the run's pulls), given to
-bench.simulate (the real planner on a flow model). Storage is the simulator's hub baseline.
+bench.simulate (the real planner on a flow model). Storage is the simulator's hub baseline. The
+simulated loaders first ask in the order the real ones did (each mapped to a simulated loader in the
+same rack): with racks, which loaders reach the head of the line first decides which pulls cross the
+spine together, and the simulator's default order (0, 1, 2, ... alternating racks) is one such order.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def simulate(doc: dict[str, Any], *, overhead_s: float | None = None) -> dict[st
     if doc["mode"] == "storage":
         return {"predicted_s": round(hub_baseline(model, n), 3), "overhead_s": round(overhead, 3)}
     scenario = SCENARIOS["tree-load-aware" if doc["mode"] == "tree" else "first-seed-only"]
+    order = ask_order(doc)
     with tempfile.TemporaryDirectory(prefix="rfork-fleet-sim-") as tmp:
         res = FleetSim(
             model=model,
@@ -63,6 +67,7 @@ def simulate(doc: dict[str, Any], *, overhead_s: float | None = None) -> dict[st
             template=migrated_template(Path(tmp)),
             workdir=Path(tmp),
             rack_hold=bool(cfg["rack_hold"]) and cfg["racks"] > 0,
+            ask_order=order,
         ).run()
     return {
         "predicted_s": round(res.all_ready_s, 3),
@@ -70,6 +75,22 @@ def simulate(doc: dict[str, Any], *, overhead_s: float | None = None) -> dict[st
         "from_seed": res.sources["seed"],
         "from_disk": res.sources["disk"],
     }
+
+
+def ask_order(doc: dict[str, Any]) -> list[int] | None:
+    """Simulated loader indices in the order the real loaders first asked; None without that record.
+
+    Real loader j runs on host j + seeds, in rack (j + seeds) % racks; simulated loader i is in rack
+    i % racks; so j maps to (j + seeds) % n, which keeps each loader's rack when n is a multiple of racks.
+    """
+    cfg = doc["config"]
+    rows = doc["instances"]
+    n, seeds = len(rows), cfg["seeds"]
+    if any(r.get("first_ask") is None for r in rows):
+        return None
+    real = sorted(range(n), key=lambda j: rows[j]["first_ask"])
+    order = [(j + seeds) % n for j in real]
+    return order if sorted(order) == list(range(n)) else None
 
 
 def agreement(real_s: float | None, predicted_s: float) -> float | None:

@@ -135,6 +135,8 @@ def _instance_row(p: Proc, go: float, host_of_instance: dict[str, str], ctx: Fle
         row["fetch_s"] = round(ev["fetch_done"] - ev["fetch_started"], 3)
         row["fetch_verified"] = bool(ev.get("fetch_verified"))
     parsed = parse_instance_log(p.tail(1 << 22))
+    asks = [t for t, _ in parsed["waits"]] + [t for t, _ in parsed["leases"]]
+    row["first_ask"] = round(min(asks) - go, 3) if asks else None
     row["asked_again"] = len(parsed["waits"])
     row["busy_wait_s"] = round(sum(w for _, w in parsed["waits"]), 2)
     row["leases"] = [{"t": round(t - go, 3), "seed": host_of_instance.get(s, s)} for t, s in parsed["leases"]]

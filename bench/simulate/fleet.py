@@ -133,6 +133,7 @@ class FleetSim:
         before_assign: BeforeAssign | None = None,
         record_decisions: bool = False,
         rack_hold: bool | None = None,
+        ask_order: list[int] | None = None,
     ) -> None:
         if instances < 1:
             raise ValueError(f"instances: need at least 1, got {instances}")
@@ -143,6 +144,11 @@ class FleetSim:
         self.rng = random.Random(seed)
         self.before_assign = before_assign
         self.record = record_decisions
+        # the order in which the loaders first ask at t=0 (default 0..n-1): a real run's order, to
+        # compare like with like (bench.fleet.compare)
+        if ask_order is not None and sorted(ask_order) != list(range(instances)):
+            raise ValueError("ask_order: a permutation of range(instances)")
+        self.ask_order = list(range(instances)) if ask_order is None else list(ask_order)
         self.db_path = workdir / f"sim-{scenario.name}-{instances}.db"
         self.db_path.unlink(missing_ok=True)
         with sqlite3.connect(template) as src, sqlite3.connect(self.db_path) as dst:
@@ -226,7 +232,7 @@ class FleetSim:
         fallback_s = m.nbytes / (m.disk_gbyte_s * 1e9)
         events: list[tuple[float, int, str, int]] = []
         seq = 0
-        for i in range(self.n):
+        for i in self.ask_order:
             events.append((0.0, seq, "ask", i))
             seq += 1
         heapq.heapify(events)
