@@ -105,27 +105,12 @@ def _start(
         "RFORK_TCP_HOST": "127.0.0.1",
     }
     serve = [
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "bfloat16",
-        "--max-model-len",
-        "128",
-        "--max-num-seqs",
-        "4",
-        "--seed",
-        "0",
-        "--served-model-name",
-        "m",
+        "--model", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+        "--max-model-len", "128", "--max-num-seqs", "4", "--seed", "0", "--served-model-name", "m",
     ]
     if rfork_args is None:
-        child = fleet.spawn(
-            name, [*serve, "--load-format", "auto"], env=env, module="vllm.entrypoints.openai.api_server"
-        )
+        child = fleet.spawn(name, [*serve, "--load-format", "auto"], env=env,
+                            module="vllm.entrypoints.openai.api_server")
     else:
         argv = ["vllm", "--planner", planner_url, "--insecure-ok", *rfork_args, "--", *serve]
         child = fleet.spawn(name, argv, env=env)
@@ -202,14 +187,9 @@ def _between(text: str, start: str, end: str) -> float | None:
 
 def _table(results: dict[str, Any]) -> str:
     cols = [
-        ("API-ready s", "api_ready_s"),
-        ("imports+setup", "imports_setup_s"),
-        ("load (log)", "load_s"),
-        ("engine init", "engine_init_s"),
-        ("compile (log)", "compile_s"),
-        ("first req", "first_request_s"),
-        ("cache fetch", "cache_fetch_s"),
-        ("kernels built", "kernels_built"),
+        ("API-ready s", "api_ready_s"), ("imports+setup", "imports_setup_s"), ("load (log)", "load_s"),
+        ("engine init", "engine_init_s"), ("compile (log)", "compile_s"), ("first req", "first_request_s"),
+        ("cache fetch", "cache_fetch_s"), ("kernels built", "kernels_built"),
     ]
     rows = results["rows"]
     base = rows.get("cold", {}).get("api_ready_s")

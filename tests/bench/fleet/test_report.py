@@ -83,10 +83,10 @@ def test_the_simulator_is_given_the_real_loaders_order_of_first_asks_in_their_ra
     from bench.fleet.compare import ask_order
 
     # four loaders on h01..h04 (one seed on h00), two racks: loader j is in rack (j + 1) % 2
-    rows = [{"first_ask": t} for t in (0.4, 0.1, 0.3, 0.2)]
+    rows: list[dict[str, float | None]] = [{"first_ask": t} for t in (0.4, 0.1, 0.3, 0.2)]
     doc = {"config": {"seeds": 1, "racks": 2}, "instances": rows}
     order = ask_order(doc)
     assert order == [2, 0, 3, 1]  # loaders 1, 3, 2, 0 asked in that order
     assert all(i % 2 == (j + 1) % 2 for i, j in zip(order, (1, 3, 2, 0), strict=True))  # each keeps its rack
-    rows[0]["first_ask"] = None
+    rows[0] = {"first_ask": None}
     assert ask_order(doc) is None
