@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
                     out = workdir / f"{source}-{rep}.json"
                     if source in ("disk", "runai") and args.drop_caches:
                         cache_state = (
-                            "dropped before each disk run"
+                            "dropped before each disk and runai run"
                             if _drop_caches()
                             else "warm (drop_caches needs root)"
                         )
