@@ -43,7 +43,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-runai", action="store_true", help="skip the Run:ai Model Streamer row")
     parser.add_argument("--no-fleet", action="store_true", help="skip the fleet part")
     parser.add_argument(
-        "--fleet-model-gb", type=float, default=0.25, help="fleet part: model size, GB (default 0.25)"
+        "--fleet-model-gb", type=float, default=0.5, help="fleet part: model size, GB (default 0.5)"
     )
     parser.add_argument(
         "--fleet-nic-mbit", type=float, default=500.0, help="fleet part: host NICs, Mbit/s (default 500)"
