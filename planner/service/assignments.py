@@ -136,8 +136,7 @@ class AssignmentOps(BusyOps):
                 "expires_at": expires_at,
             },
         )
-        if body.serves_after > 0:
-            self._note_serving(lease_id, body.labels.node, body.labels.rack)
+        self._note_lease(lease_id, body.labels.node, body.labels.rack, body.serves_after > 0)
         chosen = [v.instance_id for v in ranked]
         if decisions.isEnabledFor(logging.DEBUG):
             decisions.debug(

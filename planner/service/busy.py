@@ -34,13 +34,15 @@ class BusyOps(ServiceState):
     _busy: dict[tuple[Any, ...], tuple[int, float, str]]
     _busy_reads: dict[tuple[str, int], tuple[int, float, list[float], float, int]]
     _rank_bytes_cache: dict[tuple[str, int], int]
-    _serving: dict[str, tuple[str, str]]
+    # lease id -> requester (node, rack) when its loader will serve, None when it will not: every lease
+    # this planner process granted (a lease it does not know was granted before a restart)
+    _serving: dict[str, tuple[str, str] | None]
 
-    def _note_serving(self, lease_id: str, node: str, rack: str) -> None:
-        """Remember that the loader holding `lease_id` (on `node` in `rack`) will serve once loaded."""
+    def _note_lease(self, lease_id: str, node: str, rack: str, serves: bool) -> None:
+        """Remember a lease granted here and whether its loader (on `node` in `rack`) will serve."""
         if len(self._serving) >= SERVING_MEMORY:
             self._serving.pop(next(iter(self._serving)))
-        self._serving[lease_id] = (node, rack)
+        self._serving[lease_id] = (node, rack) if serves else None
 
     def _inbound_copies(self, s: Any, key: str, rank: int, rack: str, now: float) -> list[str]:
         """The seeds serving live pulls of loaders in `rack` that will serve there: the rack's copies
@@ -55,14 +57,17 @@ class BusyOps(ServiceState):
                 Lease.expires_at > now,
             )
         ).all()
-        return [str(seed) for lease_id, seed in live if self._serving.get(lease_id, ("", ""))[1] == rack]
+        return [str(seed) for lease_id, seed in live if (self._serving.get(lease_id) or ("", ""))[1] == rack]
 
     def _seeds_appearing(self, s: Any, key: str, rank: int, now: float) -> int:
         """Loaders that reported a successful pull in the last SEED_APPEARS_S, will serve, and have not
         yet published a READY seed on their node: seeds about to appear (the 429 counts them due now, or
-        a waiter would sleep a whole pull while one of them became free: measured on the emulated fleet)."""
-        if not self._serving:
-            return 0
+        a waiter would sleep a whole pull while one of them became free: measured on the emulated fleet).
+
+        A lease granted before this process started (a restart: the memory is gone) is taken as one
+        that will serve, less the READY instances registered since it ended: after a restart on the
+        emulated fleet a waiter was told a whole pull while a seed appeared, and lost a generation.
+        """
         ended = s.execute(
             select(Lease.id, Lease.ended_at).where(
                 Lease.identity_key == key,
@@ -71,16 +76,30 @@ class BusyOps(ServiceState):
                 Lease.ended_at > now - SEED_APPEARS_S,
             )
         ).all()
-        nodes = {self._serving[i][0]: t for i, t in ended if i in self._serving}
-        if not nodes:
+        if not ended:
+            return 0
+        nodes: dict[str, float] = {}
+        unknown: list[float] = []
+        for lease_id, ended_at in ended:
+            if lease_id not in self._serving:
+                unknown.append(ended_at)
+            elif (who := self._serving[lease_id]) is not None:
+                nodes[who[0]] = ended_at
+        if not nodes and not unknown:
             return 0
         published = s.execute(
             select(Instance.node, Instance.created_at).where(
-                Instance.identity_key == key, Instance.node.in_(list(nodes)), Instance.status == "READY"
+                Instance.identity_key == key,
+                Instance.status == "READY",
+                Instance.created_at >= min([*nodes.values(), *unknown]) - 1.0,
             )
         ).all()
-        done = {node for node, created in published if created >= nodes[node] - 1.0}
-        return sum(1 for node in nodes if node not in done)
+        done = {node for node, created in published if node in nodes and created >= nodes[node] - 1.0}
+        known = sum(1 for node in nodes if node not in done)
+        if not unknown:
+            return known
+        since_unknown = sum(1 for _, created in published if created >= min(unknown) - 1.0)
+        return known + max(0, len(unknown) - since_unknown)
 
     def _still_busy(
         self, last: tuple[int, float, str] | None, changes: int, now: float, s: Connection

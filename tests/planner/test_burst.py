@@ -438,3 +438,30 @@ def test_a_seed_about_to_appear_is_due_now_for_the_429(sqlite_url):
         assert later.value.retry_after_s > 3.0
     finally:
         svc.close()
+
+
+def test_after_a_restart_a_reported_pull_still_counts_as_a_seed_about_to_appear(sqlite_url):
+    # the emulated fleet's planner restart: the new process had no memory of which leases' loaders
+    # would serve, told a waiter a whole pull while such a loader published its seed, and the fleet
+    # lost a generation
+    migrate(sqlite_url)
+    first = make_planner(sqlite_url, assumed_pull_gbps=1.0, retry_after_min_s=0.01, busy_cache_s=0.0)
+    now = 1000.0
+    try:
+        _seed(first, now, limit=1, nbytes=4 * GB)
+        a = first.assign(_ask(labels={"node": "a"}, serves_after=1), now).id
+        # recorded at 0.1 GB/s: a pull takes 40 s
+        first.report(a, TransferReport(outcome="success", bytes=4 * GB, seconds=40.0), now + 4)
+        first.assign(_ask(labels={"node": "b"}, serves_after=1), now + 4.01)  # takes the freed seed
+    finally:
+        first.close()
+    again = make_planner(sqlite_url, assumed_pull_gbps=1.0, retry_after_min_s=0.01, busy_cache_s=0.0)
+    try:
+        with pytest.raises(AllBusy) as busy:  # "a"'s seed is due any moment, not in a whole pull
+            again.assign(_ask(labels={"node": "c"}, serves_after=1), now + 4.02)
+        assert busy.value.retry_after_s == pytest.approx(0.01)
+        with pytest.raises(AllBusy) as later:  # 5 s on, no seed came: the lease is history
+            again.assign(_ask(labels={"node": "d"}, serves_after=1), now + 9.5)
+        assert later.value.retry_after_s > 30.0  # "b"'s pull ends at 1044
+    finally:
+        again.close()
