@@ -191,6 +191,7 @@ def _runai_available() -> bool:
 
 def _fleet_part(console: Any, args: Any) -> dict[str, Any]:
     """8 emulated hosts: the R-Fork tree, then all from storage; or one line saying why not."""
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from bench.fleet.network import can_make_namespaces
 
     why = can_make_namespaces()

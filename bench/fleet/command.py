@@ -51,6 +51,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def _runs(args: argparse.Namespace) -> list[tuple[str, Any, str, tuple[Any, ...]]]:
     """(label, FleetConfig, mode, faults) per run of the scenario."""
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from bench.fleet import faults
     from bench.fleet.run import FleetConfig
 
@@ -92,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the scenario's fleets one after another; table, JSON, plots."""
     from rich.console import Console
 
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from bench.fleet.compare import agreement, simulate
     from bench.fleet.network import can_make_namespaces
     from bench.fleet.report import plot_timeline, summarise
@@ -156,6 +158,7 @@ def _title(doc: dict[str, Any]) -> str:
 def _table(scenario: str, results: list[dict[str, Any]]) -> Any:
     from rich.table import Table
 
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from bench.fleet.report import ideal_tree_s
 
     table = Table(title=f"fleet on emulated hosts: {scenario} (seconds after the start signal)")
@@ -198,6 +201,7 @@ def _table(scenario: str, results: list[dict[str, Any]]) -> Any:
 
 def goals(scenario: str, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The issue's goals that this scenario's runs decide."""
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from bench.fleet.report import ideal_rack_tree_s, ideal_tree_s, transfer_s
 
     out: list[dict[str, Any]] = []

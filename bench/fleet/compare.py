@@ -2,12 +2,12 @@
 
 The same NIC, uplink, storage link, model size and pull limit, and the overhead measured in the run
 (each pull's time to verified minus its bytes at the NIC rate, median over the run's pulls), given to
-bench.simulate (the real planner on a flow model). Rates are given as the payload's share of the shaped
-rate (TCP_PAYLOAD_SHARE): the first comparison, with the shaped rates themselves, left every storage and
-first-seed run 6-7 % slower than predicted, which the headers' share (4.4 %) mostly explains. Storage is the simulator's hub baseline. The
-simulated loaders first ask in the order the real ones did (each mapped to a simulated loader in the
-same rack): with racks, which loaders reach the head of the line first decides which pulls cross the
-spine together, and the simulator's default order (0, 1, 2, ... alternating racks) is one such order.
+bench.simulate (the real planner on a flow model). Rates are given as the payload's share of the
+shaped rate (TCP_PAYLOAD_SHARE): with the shaped rates themselves, every storage and first-seed run
+was 6-7 % slower than predicted, which the headers' share (4.4 %) mostly explains. Storage is the
+simulator's hub baseline. The simulated loaders first ask in the order the real ones did (each
+mapped to a simulated loader in the same rack): with racks, which loaders reach the head of the line
+first decides which pulls cross the spine together.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def measured_overhead_s(doc: dict[str, Any]) -> float:
 
 def simulate(doc: dict[str, Any], *, overhead_s: float | None = None) -> dict[str, Any]:
     """The simulator's all-ready time for the run's mode and parameters (seconds after the start)."""
-    # imported here: the simulator imports the planner (SQLAlchemy); `rfork bench --help` must stay light
+    # imported here: the simulator imports the planner (SQLAlchemy); `rfork bench --help` must stay
+    # light (start-up time)
     from bench.simulate.fleet import FleetSim, hub_baseline, migrated_template
     from bench.simulate.model import SCENARIOS, BandwidthModel
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from bench.fleet.hosts import PLANNER_PORT
-from bench.fleet.run import Fault, FleetConfig, FleetContext
+from bench.fleet.run import Fault, FleetConfig, FleetContext, planner_env
 
 FAULTS = ("cut", "kill", "planner-restart", "loss")
 AT_S = 3.0  # after the start signal: the first pulls are under way (one takes 8 s at 500 Mbit/s)
@@ -47,8 +47,6 @@ def _restart_planner(ctx: FleetContext) -> str:
     ctx.hosts.kill(ctx.planner)
     down = time.time()
     time.sleep(2.0)
-    from bench.fleet.run import planner_env
-
     ctx.planner = ctx.hosts.start_planner(db=ctx.planner_db, env=planner_env(ctx.cfg))
     took = time.time() - down
     return f"planner SIGKILLed, restarted on the same database (port {PLANNER_PORT}) after {took:.1f} s"

@@ -220,6 +220,7 @@ def run_fleet(
         say(f"network: {hosts_n} hosts, {cfg.racks or 'no'} racks, {cfg.nic_mbit:g} Mbit/s NICs")
         network.up()
         if checkpoint is None:
+            # imported here: `rfork bench --help` imports every benchmark (start-up time)
             from rfork.weights.synthetic import write_synthetic_checkpoint
 
             say(f"writing a {cfg.model_bytes / 1e9:.2f} GB synthetic checkpoint")
@@ -341,6 +342,7 @@ def loader_args(cfg: FleetConfig, mode: str, hosts: Hosts, checkpoint: Path) -> 
 
 def model_name(checkpoint: Path) -> str:
     """The model name in the checkpoint's identity (what `--checkpoint-id` asks the planner for)."""
+    # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from rfork.weights.checkpoint import read_checkpoint_info
 
     return read_checkpoint_info(checkpoint).model_name
