@@ -16,6 +16,7 @@ after a killed run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -47,6 +48,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot-dir", type=Path, default=None, help="write a timeline PNG per run here")
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--keep", action="store_true", help="keep each run's work directory (logs)")
+    parser.add_argument(
+        "--ui-port",
+        type=int,
+        default=0,
+        help="forward each run's fleet page to http://127.0.0.1:PORT/ui while it runs (default: off)",
+    )
 
 
 def _runs(args: argparse.Namespace) -> list[tuple[str, Any, str, tuple[Any, ...]]]:
@@ -57,6 +64,7 @@ def _runs(args: argparse.Namespace) -> list[tuple[str, Any, str, tuple[Any, ...]
 
     size = int(args.model_gb * 1e9)
     common = {
+        "planner_port_ui": args.ui_port,
         "model_bytes": size,
         "nic_mbit": args.nic_mbit,
         "max_pulls": args.max_pulls,
@@ -85,6 +93,7 @@ def _runs(args: argparse.Namespace) -> list[tuple[str, Any, str, tuple[Any, ...]
         cfg = faults.config(
             name, loaders=loaders, model_bytes=size, nic_mbit=args.nic_mbit, timeout_s=args.timeout
         )
+        cfg = dataclasses.replace(cfg, planner_port_ui=args.ui_port)
         out.append((f"fault: {name}", cfg, "tree", faults.faults_for(name)))
     return out
 
@@ -108,7 +117,9 @@ def run(args: argparse.Namespace) -> int:
     for label, cfg, mode, faults in _runs(args):
         with console.status(f"{label}: starting") as status:
 
-            def progress(msg: str, lb: str = label, st: Any = status) -> None:
+            def progress(msg: str, lb: str = label, st: Any = status, ui: int = cfg.planner_port_ui) -> None:
+                if ui and msg.startswith("planner host"):
+                    console.print(f"{lb}: the fleet page at http://127.0.0.1:{ui}/ui while it runs")
                 st.update(f"{lb}: {msg}")
 
             doc = run_fleet(cfg, mode, faults=faults, keep=args.keep, progress=progress)
