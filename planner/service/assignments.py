@@ -163,7 +163,9 @@ class AssignmentOps(BusyOps):
         rows = self._sql.in_rack.rows(
             s, {**params, "b_excluded": params.get("b_excluded", []), "b_req_rack": rack, "b_limit": 16}
         )
-        usable = [r for r in rows if choose_provider(body.providers, body.backends, r.backends)]
+        usable = [
+            r for r in rows if choose_provider(body.providers, body.backends, r.backends, same_node(body, r))
+        ]
         if usable:
             if any(r.active < pull_limit(r.max_concurrent_pulls, solo) for r in usable):
                 return None
@@ -257,7 +259,7 @@ class AssignmentOps(BusyOps):
             free: list[tuple[Any, str]] = []
             busy_seed, every_free = None, len(found) < limit
             for r in found:
-                provider = choose_provider(body.providers, body.backends, r.backends)
+                provider = choose_provider(body.providers, body.backends, r.backends, same_node(body, r))
                 if r.active >= r.max_concurrent_pulls:
                     every_free = True  # free seeds sort first
                     if provider is not None:
@@ -295,6 +297,11 @@ def solo_pulls(setting: bool, body: wire.AssignmentRequest) -> bool:
     """Whether this requester is leased only seeds with no live pull (PlannerSettings.solo_pulls_for_seeds):
     it will serve once loaded, so its pull should run at the seed's full rate."""
     return setting and body.serves_after > 0
+
+
+def same_node(body: wire.AssignmentRequest, r: Any) -> bool:
+    """Whether the requester and the seed row are on one node (labels; an empty node matches none)."""
+    return bool(body.labels.node) and body.labels.node == r.node
 
 
 def pull_limit(max_concurrent_pulls: int, solo: bool) -> int:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from planner import AllBusy, RegistrationRequest, TransferReport
+from planner import AllBusy, NoSource, RegistrationRequest, TransferReport
 from tests.planner.conftest import identity, make_planner, manifest, ranks
 from tests.planner.test_burst import _ask
 
@@ -93,3 +93,31 @@ def test_a_rack_without_a_seed_takes_its_first_copy_once_and_its_other_loaders_w
             assert off.assign(_ask(labels={"node": node, "rack": "r8", "zone": "z"}, serves_after=1), now)
     finally:
         off.close()
+
+
+def test_an_shm_seed_is_offered_only_to_a_loader_on_its_node(planner_url):
+    svc = make_planner(planner_url)
+    try:
+        now = 1000.0
+        body = RegistrationRequest.model_validate(
+            {
+                "identity": identity(),
+                "labels": {"node": "host-a", "rack": "r1", "zone": "z"},
+                "ranks": [
+                    {**r, "address": "YWRkcg==", "provider": "shm", "backends": ["shm"]} for r in ranks(0, 1)
+                ],
+                "max_concurrent_pulls": 4,
+            }
+        )
+        iid = svc.register(body, now).id
+        svc.put_manifest(iid, 0, json.dumps(manifest(0)), now)
+        svc.set_status(iid, "READY", now)
+
+        def ask(node: str):
+            return _ask(labels={"node": node, "rack": "r1", "zone": "z"}, providers=["shm"], backends=["shm"])
+
+        assert svc.assign(ask("host-a"), now).candidates[0].provider == "shm"
+        with pytest.raises(NoSource):
+            svc.assign(ask("host-b"), now)
+    finally:
+        svc.close()
