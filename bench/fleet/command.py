@@ -49,6 +49,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--keep", action="store_true", help="keep each run's work directory (logs)")
     parser.add_argument(
+        "--shm-pair",
+        action="store_true",
+        help="the first seed's host also runs an instance that loads over shm (tcp across hosts)",
+    )
+    parser.add_argument(
         "--ui-port",
         type=int,
         default=0,
@@ -65,6 +70,7 @@ def _runs(args: argparse.Namespace) -> list[tuple[str, Any, str, tuple[Any, ...]
     size = int(args.model_gb * 1e9)
     common = {
         "planner_port_ui": args.ui_port,
+        "shm_pair": args.shm_pair,
         "model_bytes": size,
         "nic_mbit": args.nic_mbit,
         "max_pulls": args.max_pulls,

@@ -46,6 +46,9 @@ class FleetConfig:
     transfer_timeout_s: float = 5.0
     timeout_s: float = 600.0  # the whole run's bound: an instance not done by then is a failure
     planner_port_ui: int = 0  # > 0: forward the planner's /ui to 127.0.0.1:this port (bench.fleet.ui)
+    # the first seed's host also runs one instance that loads over shm from it (two instances on one
+    # host: shm inside it, tcp across hosts)
+    shm_pair: bool = False
 
     @property
     def storage_rate_mbit(self) -> float:
@@ -247,7 +250,8 @@ def run_fleet(
                 on_planner_up(ctx)
             for h in seed_names:
                 say(f"seed on {h}: rfork seed from its local checkpoint")
-                proc, info = hosts.start_seed(h, checkpoint, max_pulls=cfg.max_pulls)
+                providers = ("tcp", "shm") if cfg.shm_pair and h == seed_names[0] else ("tcp",)
+                proc, info = hosts.start_seed(h, checkpoint, providers=providers, max_pulls=cfg.max_pulls)
                 ctx.seeds[h] = proc
                 for iid in info["instance_ids"]:
                     host_of_instance[iid] = h
@@ -258,6 +262,9 @@ def run_fleet(
                     f"i{i:02d}-{h}", h, loader_args(cfg, mode, hosts, checkpoint), fetch=mode == "storage"
                 )
             )
+        if cfg.shm_pair and mode != "storage":
+            pair = [a if a != "tcp" else "shm" for a in loader_args(cfg, mode, hosts, checkpoint)]
+            procs.append(hosts.start_instance(f"i{len(procs):02d}-{seed_names[0]}-shm", seed_names[0], pair))
         say(f"{len(procs)} instances starting (imports before the start signal)")
         hosts.wait_imported(procs, timeout_s=600)
         sampler.start()
