@@ -300,8 +300,9 @@ def solo_pulls(setting: bool, body: wire.AssignmentRequest) -> bool:
 
 
 def same_node(body: wire.AssignmentRequest, r: Any) -> bool:
-    """Whether the requester and the seed row are on one node (labels; an empty node matches none)."""
-    return bool(body.labels.node) and body.labels.node == r.node
+    """Whether the requester may be on the seed row's node: the same node label, or none given (a
+    requester that names no node is not judged; rfork's loaders always name theirs)."""
+    return not body.labels.node or body.labels.node == r.node
 
 
 def pull_limit(max_concurrent_pulls: int, solo: bool) -> int:
