@@ -6,6 +6,10 @@ Two destinations (`--dest`):
 - initialized: a framework's startup (`bench.framework_child`): the model's tensors built and
   initialised first, then filled in place by `pull_into` (or `read_rank_into` for disk).
 
+Sources: disk (rfork's disk loader), runai (Run:ai Model Streamer, PyPI `runai-model-streamer`, into
+the framework's tensors: `--dest initialized` only), rfork-tcp, rfork-shm, nccl. `--drop-caches`
+drops the page cache before every disk and runai run.
+
 Baselines measured in the same run, for the same bytes:
 - memcpy in the destination's memory state: into never-touched memory of a fresh process for
   `allocated` (the cost of first touch, which no loader avoids), between touched buffers for
@@ -33,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ALL_SOURCES = ("disk", "rfork-tcp", "rfork-shm", "nccl")
+ALL_SOURCES = ("disk", "runai", "rfork-tcp", "rfork-shm", "nccl")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -191,18 +195,22 @@ def run(args: argparse.Namespace) -> int:
                         fresh_runs.append(fresh_memcpy_seconds(nbytes))
                 for source in sources:
                     out = workdir / f"{source}-{rep}.json"
-                    if source == "disk" and args.drop_caches:
+                    if source in ("disk", "runai") and args.drop_caches:
                         cache_state = (
-                            "dropped before each disk run"
+                            "dropped before each disk and runai run"
                             if _drop_caches()
                             else "warm (drop_caches needs root)"
                         )
                     prov = "nccl" if source == "nccl" else source.removeprefix("rfork-")
                     module: str | None = None
+                    if source == "runai" and args.dest != "initialized":
+                        raise ValueError(
+                            "the runai row reads into a framework's tensors: use --dest initialized"
+                        )
                     if args.dest == "initialized":
                         module = "bench.framework_child"
                         largs = ["--checkpoint", str(ckpt), "--source", prov, "--json", str(out)]
-                        if source != "disk":
+                        if source not in ("disk", "runai"):
                             largs += ["--planner", planner.url]
                     elif source == "disk":
                         largs = load_args(out, planner_url=None, checkpoint=ckpt)
@@ -279,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
             f"{r['ratio_to_memcpy']:.1f}",
             "-" if r["transport_gb_per_s"] is None else f"{r['transport_gb_per_s']:.2f}",
             "-" if r["pull_efficiency"] is None else f"{r['pull_efficiency']:.2f}",
-            "yes" if r["verified"] else ("n/a (disk)" if r["source"] == "disk" else "NO"),
+            "yes" if r["verified"] else ("n/a (disk)" if r["source"] in ("disk", "runai") else "NO"),
         )
     console.print(table)
     state = "never-touched memory, fresh process" if args.dest == "allocated" else "touched memory"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from bench import api_ready, cold_start, demo, digest, gpu, kv, moe, nccl, planner, rl, scale_out, transport
+from bench.fleet import command as fleet
 from bench.simulate import scale_out as simulate_scale_out
 
 # (command path, implementing module). Groups ("bench", "simulate") are created on the way.
@@ -26,5 +27,6 @@ COMMANDS: tuple[tuple[tuple[str, ...], ModuleType], ...] = (
     (("bench", "scale-out"), scale_out),
     (("bench", "digest"), digest),
     (("bench", "api-ready"), api_ready),
+    (("bench", "fleet"), fleet),
     (("simulate", "scale-out"), simulate_scale_out),
 )

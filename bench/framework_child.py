@@ -16,14 +16,20 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
     started = time.time()
     parser = argparse.ArgumentParser(prog="python -m bench.framework_child")
     parser.add_argument("--checkpoint", type=Path, required=True)
-    parser.add_argument("--source", required=True, help="disk, or a one-sided provider (tcp, shm)")
+    parser.add_argument(
+        "--source",
+        required=True,
+        help="disk, runai (Run:ai Model Streamer), or a one-sided provider (tcp, shm)",
+    )
     parser.add_argument("--planner", default=None)
+    parser.add_argument("--exclude", action="append", default=[], help="never pull from this instance id")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -37,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     info = read_checkpoint_info(args.checkpoint)
     loader = None
-    if args.source != "disk":
+    if args.source not in ("disk", "runai"):
         from rfork.pull.loader import Loader
         from rfork.pull.result import LoadOptions
 
@@ -47,16 +53,25 @@ def main(argv: list[str] | None = None) -> int:
             identity=info.identity(),
             planner_url=args.planner,
             checkpoint=info,
-            options=LoadOptions(providers=[args.source], become_seed=False, allow_nccl=False),
+            options=LoadOptions(
+                providers=[args.source],
+                become_seed=False,
+                allow_nccl=args.source == "nccl",
+                exclude=args.exclude,
+            ),
         )
         loader.prepare()  # the engine opens while the model is built, as a framework hook does
     tensors = {t.name: torch.empty(t.shape, dtype=dtype_from_name(t.dtype)) for t in info.tensors}
     for t in tensors.values():
         t.fill_(0)  # the dummy init: every parameter page is written before the weights arrive
+    phases: dict[str, float] = {}
     t0 = time.perf_counter()
-    if loader is None:
+    if args.source == "runai":
+        runai_read_into(info, tensors)
+        source, verified, nbytes = "runai", False, info.total_bytes
+    elif loader is None:
         read_rank_into(info, tensors)
-        source, verified, phases, nbytes = "disk", False, {}, info.total_bytes
+        source, verified, nbytes = "disk", False, info.total_bytes
     else:
         result = loader.pull_into(tensors)
         source, verified, phases, nbytes = result.source, result.verified, result.phases, result.bytes
@@ -77,6 +92,19 @@ def main(argv: list[str] | None = None) -> int:
     tmp.write_text(json.dumps(doc, allow_nan=False))
     tmp.replace(args.json)
     return 0
+
+
+def runai_read_into(info: Any, tensors: dict[str, Any]) -> None:
+    """Run:ai Model Streamer (PyPI runai-model-streamer): its concurrent reads of the safetensors files
+    into its CPU buffer, each tensor it yields copied into the framework's tensor (as vLLM's
+    `--load-format runai_streamer` does before moving them to the device)."""
+    from runai_model_streamer import SafetensorsStreamer
+
+    files = sorted({str(t.file) for t in info.tensors})
+    with SafetensorsStreamer() as streamer:
+        streamer.stream_files(files)
+        for name, tensor in streamer.get_tensors():
+            tensors[name].copy_(tensor)
 
 
 if __name__ == "__main__":

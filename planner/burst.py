@@ -151,15 +151,26 @@ def estimate_busy(
     return BusyEstimate(retry_after_s=min(max(wait, min_s), max_s), expected_pull_s=pull_s, fallback=fallback)
 
 
+# A returning waiter says how long it has waited; the planner subtracts that from its own clock, so the
+# `since` it computes drifts from the first one by the round trip and the two clocks' steps. A waiter
+# (key, tie) whose `since` lies within this many seconds of a held place is that place's owner.
+SINCE_SLACK_S = 1.0
+
+
 @dataclass
 class WaitingRoom:
     """Waiters told to come back later, per (identity key, rank), first come first served.
 
     A waiter's position is the number of waiters that started waiting before it and are still
-    waiting, so one that comes back and must wait again keeps its place. Waiters that started at the
-    same instant (a fleet started at once: every re-ask says the same `since`) keep the order in which
-    they were first told to wait (`tie`, the requester's id or node, tells them apart), so the k-th
-    of them is told the k-th slot, not the first.
+    waiting, so one that comes back and must wait again keeps its place. It is recognised by its
+    `tie` (the requester's id or node) and a `since` within SINCE_SLACK_S of the one it first gave
+    (an anonymous waiter, tie "", by its exact `since`):
+    a real loader's `since` (planner clock - its own waited_s) is never the same float twice, and
+    matching it exactly made every re-ask a newcomer queued behind its own earlier place, so that
+    positions grew with each ask and waiters slept through seeds that had become free (measured on
+    the emulated fleet, docs/scale-out.md). Waiters that started at the same instant (a fleet started
+    at once) keep the order in which they were first told to wait, so the k-th of them is told the
+    k-th slot, not the first.
     A waiter leaves when its
     promised time passes (by then it has asked again or given up). In memory, per planner process:
     with several processes each sees its own waiters, so positions run short and waiters come back
@@ -174,7 +185,8 @@ class WaitingRoom:
     _expiries: list[tuple[float, tuple[str, int], tuple[float, int]]] = field(default_factory=list)
     _starts: dict[tuple[str, int], list[tuple[float, int]]] = field(default_factory=dict)  # sorted
     _until: dict[tuple[tuple[str, int], tuple[float, int]], tuple[float, str]] = field(default_factory=dict)
-    _entry: dict[tuple[tuple[str, int], float, str], tuple[float, int]] = field(default_factory=dict)
+    # (key, tie) -> that requester's places, sorted (one, unless ties are shared, e.g. empty)
+    _entries: dict[tuple[tuple[str, int], str], list[tuple[float, int]]] = field(default_factory=dict)
     _count: itertools.count[int] = field(default_factory=itertools.count)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -193,7 +205,7 @@ class WaitingRoom:
                 return 0
             if since >= now:
                 return len(starts)
-            entry = self._entry.get((key, since, tie), (since, math.inf))
+            entry = self._find(key, since, tie) or (since, math.inf)
             return bisect.bisect_left(starts, entry)
 
     def promise(
@@ -206,12 +218,12 @@ class WaitingRoom:
             if now is not None:
                 self._expire(now)
             until = at + (at - now if now is not None else 0.0)
-            entry = self._entry.get((key, since, tie))
+            entry = self._find(key, since, tie)
             if entry is None:
                 if len(self._until) >= self.max_waiters:
                     return
                 entry = (since, next(self._count))
-                self._entry[(key, since, tie)] = entry
+                bisect.insort(self._entries.setdefault((key, tie), []), entry)
                 bisect.insort(self._starts.setdefault(key, []), entry)
             self._until[(key, entry)] = (until, tie)
             heapq.heappush(self._expiries, (until, key, entry))
@@ -219,9 +231,24 @@ class WaitingRoom:
     def leave(self, key: tuple[str, int], since: float, tie: str = "") -> None:
         """The waiter got its slot: it no longer holds a place."""
         with self._lock:
-            entry = self._entry.get((key, since, tie))
+            entry = self._find(key, since, tie)
             if entry is not None:
                 self._remove(key, entry)
+
+    def _find(self, key: tuple[str, int], since: float, tie: str) -> tuple[float, int] | None:
+        """The place of the waiter (key, tie) whose first `since` is nearest `since`, within
+        SINCE_SLACK_S (exactly `since` for an anonymous waiter, tie ""); None for a newcomer (lock held)."""
+        mine = self._entries.get((key, tie))
+        if not mine:
+            return None
+        slack = SINCE_SLACK_S if tie else 0.0
+        i = bisect.bisect_left(mine, (since - slack, -1))
+        best: tuple[float, int] | None = None
+        while i < len(mine) and mine[i][0] <= since + slack:
+            if best is None or abs(mine[i][0] - since) < abs(best[0] - since):
+                best = mine[i]
+            i += 1
+        return best
 
     def _expire(self, now: float) -> None:
         """Forget the waiters whose time has passed, of every key (lock held)."""
@@ -234,7 +261,10 @@ class WaitingRoom:
 
     def _remove(self, key: tuple[str, int], entry: tuple[float, int]) -> None:
         _, tie = self._until.pop((key, entry))
-        del self._entry[(key, entry[0], tie)]
+        mine = self._entries[(key, tie)]
+        del mine[bisect.bisect_left(mine, entry)]
+        if not mine:
+            del self._entries[(key, tie)]
         starts = self._starts[key]
         del starts[bisect.bisect_left(starts, entry)]
         if not starts:

@@ -62,6 +62,17 @@ class PlannerSettings(BaseSettings):
     # load_aware: a requester whose rack already holds a seed of the identity waits (429) for one of
     # those instead of pulling across racks, so the spine carries only each rack's first copies
     rack_hold: bool = False
+    # rack_hold, a rack with no seed yet: this many pulls into it at once by loaders that will serve
+    # there (its first copies, across the spine); its other loaders wait for them. On the emulated fleet
+    # (uplink = one host NIC) every loader of such a rack pulled across at once and the shared uplink
+    # took 2x the ideal rack-aware tree (docs/scale-out.md)
+    rack_first_copies: int = Field(default=1, ge=1)
+    # a requester that will serve once loaded (serves_after > 0) is leased only a seed with no live pull:
+    # when a seed's NIC is the bottleneck two pulls halve each other's rate, and the doubling tree wants
+    # each pull at full rate so that new seeds appear after one transfer, not two (measured on the
+    # emulated fleet, docs/scale-out.md). Requesters that will not serve still fill every seed's
+    # max_concurrent_pulls. Turn off where one pull cannot fill a seed's NIC.
+    solo_pulls_for_seeds: bool = True
     max_candidates: int = Field(default=3, ge=1, le=64)
     failure_threshold: int = Field(default=3, ge=1)
     quarantine_s: float = Field(default=300.0, ge=0)

@@ -132,6 +132,8 @@ class FleetSim:
         seed: int = 0,
         before_assign: BeforeAssign | None = None,
         record_decisions: bool = False,
+        rack_hold: bool | None = None,
+        ask_order: list[int] | None = None,
     ) -> None:
         if instances < 1:
             raise ValueError(f"instances: need at least 1, got {instances}")
@@ -142,6 +144,11 @@ class FleetSim:
         self.rng = random.Random(seed)
         self.before_assign = before_assign
         self.record = record_decisions
+        # the order in which the loaders first ask at t=0 (default 0..n-1): a real run's order, to
+        # compare like with like (bench.fleet.compare)
+        if ask_order is not None and sorted(ask_order) != list(range(instances)):
+            raise ValueError("ask_order: a permutation of range(instances)")
+        self.ask_order = list(range(instances)) if ask_order is None else list(ask_order)
         self.db_path = workdir / f"sim-{scenario.name}-{instances}.db"
         self.db_path.unlink(missing_ok=True)
         with sqlite3.connect(template) as src, sqlite3.connect(self.db_path) as dst:
@@ -152,11 +159,14 @@ class FleetSim:
             insecure=True,
             heartbeat_ttl_s=1e9,  # simulated seeds never miss a heartbeat
             lease_ttl_s=1e6,
-            # what an operator sets before any pull is recorded: one pull's share of a seed's NIC
-            assumed_pull_gbps=model.nic_bps / 1e9 / model.max_concurrent_pulls,
+            # what an operator sets before any pull is recorded: a loader that will serve pulls alone
+            # (solo_pulls_for_seeds), at a seed's whole NIC; one that will not shares the seed's limit
+            assumed_pull_gbps=model.nic_bps / 1e9 / (1 if scenario.tree else model.max_concurrent_pulls),
             selection_policy=scenario.policy,
             # racked fleets: a loader whose rack has a seed waits for it rather than cross the spine
-            rack_hold=model.racks > 0 and scenario.policy == "load_aware",
+            rack_hold=(model.racks > 0 and scenario.policy == "load_aware")
+            if rack_hold is None
+            else rack_hold,
             db_pool_size=2,
         )
         self.planner = Planner.open(settings, policy=make_policy(scenario.policy, rng=random.Random(seed)))
@@ -222,7 +232,7 @@ class FleetSim:
         fallback_s = m.nbytes / (m.disk_gbyte_s * 1e9)
         events: list[tuple[float, int, str, int]] = []
         seq = 0
-        for i in range(self.n):
+        for i in self.ask_order:
             events.append((0.0, seq, "ask", i))
             seq += 1
         heapq.heapify(events)

@@ -49,6 +49,8 @@ class Planner(InstanceOps, ManifestOps, AssignmentOps, CompileCacheOps, ReportOp
         self._busy: dict[tuple[Any, ...], tuple[int, float, str]] = {}
         self._busy_reads: dict[tuple[str, int], tuple[int, float, list[float], float, int]] = {}
         self.waiting = WaitingRoom()
+        # lease id -> requester (node, rack) if its loader will serve, else None (planner.service.busy)
+        self._serving: dict[str, tuple[str, str] | None] = {}
         self._sql = HotStatements.build(db.engine.dialect)
         self._control_secret = settings.control_secret_bytes()
 

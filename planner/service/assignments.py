@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import functools
+import logging
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -21,7 +22,7 @@ from planner.contract import control_token, wire
 from planner.contract.errors import NoSource
 from planner.selection import Requester, SeedView, choose_provider, tier_key
 from planner.service.base import now_or_clock
-from planner.service.busy import BusyOps, waiter_tie
+from planner.service.busy import BusyOps, decisions, waiter_tie
 
 
 class AssignmentOps(BusyOps):
@@ -64,12 +65,14 @@ class AssignmentOps(BusyOps):
         if excluded:
             params["b_excluded"] = sorted(excluded)
         hold = st.rack_hold and bool(body.labels.rack)
+        solo = solo_pulls(st.solo_pulls_for_seeds, body)
         shape: tuple[Any, ...] = (
             key,
             body.rank,
             frozenset(excluded),
             tuple(body.providers),
             tuple(body.backends),
+            solo,
         )
         if hold:
             shape += (body.labels.rack,)
@@ -86,12 +89,12 @@ class AssignmentOps(BusyOps):
         ranked: Sequence[SeedView] = ()
         by_id: dict[str, tuple[Any, str]] = {}
         # rack_hold: the rack's seeds all busy -> wait for them (no read of the other racks' seeds)
-        held = self._rack_busy(s, body, params, req.rack) if hold else None
+        held = self._rack_busy(s, body, params, req.rack, solo) if hold else None
         attempts = 0 if held else 3  # PostgreSQL: again if the chosen filled up before their locks
         for _attempt in range(attempts):
-            free, busy_seed = self._free_seeds(s, req, body, params, bool(excluded))
+            free, busy_seed = self._free_seeds(s, req, body, params, bool(excluded), solo)
             by_id = {r.id: (r, p) for r, p in free}
-            ranked = self.policy.rank(req, [_seed_view(r) for r, _ in free])[: st.max_candidates]
+            ranked = self.policy.rank(req, [_seed_view(r, solo) for r, _ in free])[: st.max_candidates]
             if not ranked or self.db.sqlite:  # SQLite: the write lock was held while they were counted
                 break
             # PostgreSQL: lock the chosen rows (id order), then count their live leases again
@@ -133,24 +136,42 @@ class AssignmentOps(BusyOps):
                 "expires_at": expires_at,
             },
         )
+        self._note_lease(lease_id, body.labels.node, body.labels.rack, body.serves_after > 0)
         chosen = [v.instance_id for v in ranked]
+        if decisions.isEnabledFor(logging.DEBUG):
+            decisions.debug(
+                "lease node=%s rank=%d waited=%.2f seed=%s (node %s, %d active) of %d free",
+                body.labels.node,
+                body.rank,
+                body.waited_s,
+                chosen[0],
+                ranked[0].node,
+                ranked[0].active_leases,
+                len(ranked),
+            )
         details = {d.id: d for d in sql.chosen_details.rows(s, {"b_ids": chosen, "b_rank": body.rank})}
         return functools.partial(
             self._assignment, key, now, body, chosen, by_id, details, lease_id, expires_at
         )
 
     def _rack_busy(
-        self, s: Connection, body: wire.AssignmentRequest, params: dict[str, Any], rack: str
+        self, s: Connection, body: wire.AssignmentRequest, params: dict[str, Any], rack: str, solo: bool
     ) -> str | None:
-        """rack_hold: a busy seed of the identity in `rack` to wait for when the rack has seeds that
-        could serve this requester and none is free; None when one is free or the rack has none."""
+        """rack_hold: a busy seed to wait for when the rack has seeds that could serve this requester and
+        none is free, or when it has none yet but `rack_first_copies` of its loaders are already pulling
+        their copies into it; None when one is free, or the rack may take another first copy."""
         rows = self._sql.in_rack.rows(
             s, {**params, "b_excluded": params.get("b_excluded", []), "b_req_rack": rack, "b_limit": 16}
         )
-        usable = [r for r in rows if choose_provider(body.providers, body.backends, r.backends)]
-        if not usable or any(r.active < r.max_concurrent_pulls for r in usable):
-            return None
-        return str(usable[0].id)
+        usable = [
+            r for r in rows if choose_provider(body.providers, body.backends, r.backends, same_node(body, r))
+        ]
+        if usable:
+            if any(r.active < pull_limit(r.max_concurrent_pulls, solo) for r in usable):
+                return None
+            return str(usable[0].id)
+        inbound = self._inbound_copies(s, body.identity.key(), body.rank, rack, params["b_now"])
+        return inbound[0] if len(inbound) >= self.settings.rack_first_copies else None
 
     def _assignment(
         self,
@@ -213,6 +234,7 @@ class AssignmentOps(BusyOps):
         body: wire.AssignmentRequest,
         params: dict[str, Any],
         excluded: bool,
+        solo: bool,
     ) -> tuple[Sequence[tuple[Any, str]], str | None]:
         """The free seeds the policy must see, each with the transport for this requester, and a busy
         seed it could use (None if none, or if the free ones were not all read).
@@ -220,7 +242,9 @@ class AssignmentOps(BusyOps):
         The query returns free seeds first (a tiered policy's: in `tier_key` order), at most b_limit
         rows; the limit grows until the rows read hold every free seed, or, for a tiered policy, the
         whole tier of the `max_candidates`-th: what a decision reads grows with the free seeds near the
-        requester, not with the fleet.
+        requester, not with the fleet. `solo`: a seed with a live pull is busy for this requester
+        (`solo_pulls`); the query's order knows only the seeds' own limits, so such seeds are skipped,
+        not taken as the end of the free ones.
         """
         sql, k = self._sql, self.settings.max_candidates
         tiered = self.policy.tiered
@@ -235,13 +259,17 @@ class AssignmentOps(BusyOps):
             free: list[tuple[Any, str]] = []
             busy_seed, every_free = None, len(found) < limit
             for r in found:
-                provider = choose_provider(body.providers, body.backends, r.backends)
+                provider = choose_provider(body.providers, body.backends, r.backends, same_node(body, r))
                 if r.active >= r.max_concurrent_pulls:
                     every_free = True  # free seeds sort first
                     if provider is not None:
                         busy_seed = r.id
                         break
-                elif provider is not None:
+                elif provider is None:
+                    continue
+                elif solo and r.active >= 1:
+                    busy_seed = busy_seed or r.id
+                else:
                     free.append((r, provider))
             if every_free and (free or busy_seed is not None or len(found) < limit):
                 return free, busy_seed
@@ -249,7 +277,8 @@ class AssignmentOps(BusyOps):
             if (
                 tiered
                 and len(free) >= k
-                and tier_key(req, _seed_view(found[-1])) > tier_key(req, _seed_view(free[k - 1][0]))
+                and tier_key(req, _seed_view(found[-1], solo))
+                > tier_key(req, _seed_view(free[k - 1][0], solo))
             ):
                 return free, None
             limit *= 4
@@ -264,13 +293,30 @@ def _raising(exc: Exception) -> Callable[[], Any]:
     return answer
 
 
-def _seed_view(r: Any) -> SeedView:
-    """A candidate row (planner.queries' candidates) as the policy sees it."""
+def solo_pulls(setting: bool, body: wire.AssignmentRequest) -> bool:
+    """Whether this requester is leased only seeds with no live pull (PlannerSettings.solo_pulls_for_seeds):
+    it will serve once loaded, so its pull should run at the seed's full rate."""
+    return setting and body.serves_after > 0
+
+
+def same_node(body: wire.AssignmentRequest, r: Any) -> bool:
+    """Whether the requester may be on the seed row's node: the same node label, or none given (a
+    requester that names no node is not judged; rfork's loaders always name theirs)."""
+    return not body.labels.node or body.labels.node == r.node
+
+
+def pull_limit(max_concurrent_pulls: int, solo: bool) -> int:
+    """A seed's pull limit as one requester sees it: 1 for a solo requester."""
+    return min(max_concurrent_pulls, 1) if solo else max_concurrent_pulls
+
+
+def _seed_view(r: Any, solo: bool = False) -> SeedView:
+    """A candidate row (planner.queries' candidates) as the policy sees it (its limit as `pull_limit`)."""
     return SeedView(
         instance_id=r.id,
         node=r.node,
         rack=r.rack,
         zone=r.zone,
         active_leases=r.active,
-        max_concurrent_pulls=r.max_concurrent_pulls,
+        max_concurrent_pulls=pull_limit(r.max_concurrent_pulls, solo),
     )

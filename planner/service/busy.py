@@ -6,6 +6,7 @@ reads the live leases and recent pulls in a transaction of its own, after the wr
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from sqlalchemy import Connection, select
@@ -13,8 +14,17 @@ from sqlalchemy import Connection, select
 from planner.burst import BusyEstimate, estimate_busy, pull_rate_bps
 from planner.contract import wire
 from planner.contract.errors import AllBusy
-from planner.models import Manifest
+from planner.models import Instance, Lease, Manifest
 from planner.service.base import ServiceState
+
+# A loader that reported its pull and will serve publishes its seed a moment later (verify tail,
+# register, manifest, READY: 0.1-0.3 s on the emulated fleet). Until then its freed slot and its own
+# are "due now" for the 429's estimate; after this long without a seed on its node, not any more.
+SEED_APPEARS_S = 5.0
+SERVING_MEMORY = 100_000  # leases remembered as "will serve" (oldest forgotten first)
+
+# every 429 with what its estimate was computed from (DEBUG: off unless asked, e.g. by the fleet harness)
+decisions = logging.getLogger("planner.decisions")
 
 
 class BusyOps(ServiceState):
@@ -24,6 +34,72 @@ class BusyOps(ServiceState):
     _busy: dict[tuple[Any, ...], tuple[int, float, str]]
     _busy_reads: dict[tuple[str, int], tuple[int, float, list[float], float, int]]
     _rank_bytes_cache: dict[tuple[str, int], int]
+    # lease id -> requester (node, rack) when its loader will serve, None when it will not: every lease
+    # this planner process granted (a lease it does not know was granted before a restart)
+    _serving: dict[str, tuple[str, str] | None]
+
+    def _note_lease(self, lease_id: str, node: str, rack: str, serves: bool) -> None:
+        """Remember a lease granted here and whether its loader (on `node` in `rack`) will serve."""
+        if len(self._serving) >= SERVING_MEMORY:
+            self._serving.pop(next(iter(self._serving)))
+        self._serving[lease_id] = (node, rack) if serves else None
+
+    def _inbound_copies(self, s: Any, key: str, rank: int, rack: str, now: float) -> list[str]:
+        """The seeds serving live pulls of loaders in `rack` that will serve there: the rack's copies
+        on their way (rack_first_copies)."""
+        if not self._serving:
+            return []
+        live = s.execute(
+            select(Lease.id, Lease.instance_id).where(
+                Lease.identity_key == key,
+                Lease.rank == rank,
+                Lease.ended_at.is_(None),
+                Lease.expires_at > now,
+            )
+        ).all()
+        return [str(seed) for lease_id, seed in live if (self._serving.get(lease_id) or ("", ""))[1] == rack]
+
+    def _seeds_appearing(self, s: Any, key: str, rank: int, now: float) -> int:
+        """Loaders that reported a successful pull in the last SEED_APPEARS_S, will serve, and have not
+        yet published a READY seed on their node: seeds about to appear (the 429 counts them due now, or
+        a waiter would sleep a whole pull while one of them became free: measured on the emulated fleet).
+
+        A lease granted before this process started (a restart: the memory is gone) is taken as one
+        that will serve, less the READY instances registered since it ended: after a restart on the
+        emulated fleet a waiter was told a whole pull while a seed appeared, and lost a generation.
+        """
+        ended = s.execute(
+            select(Lease.id, Lease.ended_at).where(
+                Lease.identity_key == key,
+                Lease.rank == rank,
+                Lease.outcome == "success",
+                Lease.ended_at > now - SEED_APPEARS_S,
+            )
+        ).all()
+        if not ended:
+            return 0
+        nodes: dict[str, float] = {}
+        unknown: list[float] = []
+        for lease_id, ended_at in ended:
+            if lease_id not in self._serving:
+                unknown.append(ended_at)
+            elif (who := self._serving[lease_id]) is not None:
+                nodes[who[0]] = ended_at
+        if not nodes and not unknown:
+            return 0
+        published = s.execute(
+            select(Instance.node, Instance.created_at).where(
+                Instance.identity_key == key,
+                Instance.status == "READY",
+                Instance.created_at >= min([*nodes.values(), *unknown]) - 1.0,
+            )
+        ).all()
+        done = {node for node, created in published if node in nodes and created >= nodes[node] - 1.0}
+        known = sum(1 for node in nodes if node not in done)
+        if not unknown:
+            return known
+        since_unknown = sum(1 for _, created in published if created >= min(unknown) - 1.0)
+        return known + max(0, len(unknown) - since_unknown)
 
     def _still_busy(
         self, last: tuple[int, float, str] | None, changes: int, now: float, s: Connection
@@ -88,21 +164,40 @@ class BusyOps(ServiceState):
                 rank_bytes = self._rank_bytes(s, key, body.rank, seed_id)
                 rate = pull_rate_bps(((r[0], r[1]) for r in recent), default_bps=st.assumed_pull_gbps * 1e9)
                 starts = [r[0] for r in sql.live_starts.cursor(s, params).fetchall()]
+                # a seed about to appear ends like a lease due now (ends are max(start + pull, now))
+                starts = [now - 1e6] * self._seeds_appearing(s, key, body.rank, now) + starts
             if len(self._busy_reads) > 4096:
                 self._busy_reads.clear()
             reads = self._busy_reads[room] = (changes, now, starts, rate, rank_bytes)
         _, _, starts, rate, rank_bytes = reads
+        position = self.waiting.position(room, now, since, tie)
         est = estimate_busy(
             lease_starts=starts,
             rank_bytes=rank_bytes,
             rate_bps=rate,
             now=now,
-            position=self.waiting.position(room, now, since, tie),
-            serves_after=body.serves_after,
+            position=position,
+            # a solo requester's new seeds serve one pull at a time (solo_pulls_for_seeds)
+            serves_after=min(body.serves_after, 1) if st.solo_pulls_for_seeds else body.serves_after,
             fallback_s=body.fallback_s,
             min_s=st.retry_after_min_s,
             max_s=st.retry_after_max_s,
         )
+        if decisions.isEnabledFor(logging.DEBUG):
+            decisions.debug(
+                "busy node=%s rank=%d waited=%.2f position=%d leases=%d starts_ago=%s rate_MBps=%.1f "
+                "pull_s=%.2f retry_after=%.2f fallback=%s",
+                body.labels.node,
+                body.rank,
+                body.waited_s,
+                position,
+                len(starts),
+                [round(now - x, 2) for x in starts[:8]],
+                rate / 1e6,
+                est.expected_pull_s,
+                est.retry_after_s,
+                est.fallback,
+            )
         if not est.fallback:
             self.waiting.promise(room, now + est.retry_after_s, since, now=now, tie=tie)
         return est

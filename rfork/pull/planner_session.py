@@ -28,7 +28,16 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from backends.errors import BackendUnavailable, TransferError
-from planner.contract import AllBusy, Anchor, Assignment, Candidate, PlannerClient, RankManifest, digest_set
+from planner.contract import (
+    AllBusy,
+    Anchor,
+    Assignment,
+    Candidate,
+    PlannerClient,
+    PlannerUnavailable,
+    RankManifest,
+    digest_set,
+)
 from rfork.errors import ChecksumMismatch, ManifestError, PullError
 from rfork.identity import SourceIdentity, default_labels
 from rfork.pull.result import BusyWait, LoadOptions
@@ -54,15 +63,21 @@ def ask_with_wait(
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
     rng: random.Random | None = None,
+    outage_type: type[BaseException] | None = None,
+    since: float | None = None,
 ) -> T | None:
     """Call `ask(seconds waited so far)` until it returns; on `busy_type` (429) sleep as `policy`
-    decides; None = fall back."""
+    decides; None = fall back. On `outage_type` (the planner unreachable) ask again every
+    `policy.outage_retry_s` until it has failed for `policy.planner_outage_s` in a row, then raise it.
+    `since`: the `clock()` value the wait counts from (an earlier attempt's start: see PlannerSession)."""
     rng = rng or random.Random()
-    started = clock()
+    started = clock() if since is None else since
+    down_since: float | None = None
     while True:
         try:
-            return ask(clock() - started)
+            answer = ask(clock() - started)
         except busy_type as exc:
+            down_since = None
             waited = clock() - started
             pause = policy.decide(exc, waited, rng)  # type: ignore[arg-type]
             if pause is None:
@@ -75,6 +90,17 @@ def ask_with_wait(
                 return None
             log.info("%s: every seed busy; asking again in %.2f s", what, pause)
             sleep(pause)
+        except BaseException as exc:
+            if outage_type is None or not isinstance(exc, outage_type):
+                raise
+            now = clock()
+            down_since = now if down_since is None else down_since
+            if now - down_since >= policy.planner_outage_s:
+                raise
+            log.warning("%s: planner unreachable for %.1f s (%s); asking again", what, now - down_since, exc)
+            sleep(min(policy.outage_retry_s, policy.planner_outage_s - (now - down_since)))
+        else:
+            return answer
 
 
 class LeaseRenewer:
@@ -204,6 +230,10 @@ class PlannerSession:
         self._fallback_bytes = fallback_bytes  # one rank's checkpoint bytes, when there is a checkpoint
         self._client: PlannerClient | None = None
         self._pulled: list[str] = []  # assignments that succeeded: linked to the seed this loader becomes
+        # when this loader first asked for each rank: a loader whose pull failed asks again saying it has
+        # waited since then, so it keeps its place in the planner's line instead of queueing behind
+        # everyone who started with it (a cut seed's loader lost a whole generation on the emulated fleet)
+        self._first_ask: dict[int, float] = {}
 
     @property
     def client(self) -> PlannerClient | None:
@@ -310,8 +340,16 @@ class PlannerSession:
             )
 
         t0 = time.perf_counter()
+        since = self._first_ask.setdefault(rank, time.monotonic())
         try:
-            found = ask_with_wait(ask, policy=options.busy_wait, busy_type=AllBusy, what=f"rank {rank}")
+            found = ask_with_wait(
+                ask,
+                policy=options.busy_wait,
+                busy_type=AllBusy,
+                what=f"rank {rank}",
+                outage_type=PlannerUnavailable,
+                since=since,
+            )
         except Exception as exc:  # noqa: BLE001 - a planner outage must still end in the disk fallback
             log.warning("rank %d: planner assignment failed: %s", rank, exc)
             return None

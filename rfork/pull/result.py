@@ -36,14 +36,28 @@ class BusyAnswer(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class BusyWait:
-    """The wait policy: follow Retry-After (plus up to `jitter` of it), give up after `max_wait_s`."""
+    """The wait policy: follow Retry-After (plus up to `jitter` of it), give up after `max_wait_s`.
+
+    A planner that cannot be reached while a loader asks (restarted, failed over) is asked again
+    every `outage_retry_s` for up to `planner_outage_s` of continuous failure before the loader
+    gives up on it (and falls back): a planner restart of a few seconds must not fail every loader
+    that happened to ask during it (measured on the emulated fleet, docs/scale-out.md).
+    """
 
     max_wait_s: float = 900.0
     jitter: float = 0.1
     min_sleep_s: float = 0.02
+    planner_outage_s: float = 30.0
+    outage_retry_s: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.max_wait_s < 0 or not 0 <= self.jitter <= 1 or self.min_sleep_s <= 0:
+        if (
+            self.max_wait_s < 0
+            or not 0 <= self.jitter <= 1
+            or self.min_sleep_s <= 0
+            or self.planner_outage_s < 0
+            or self.outage_retry_s <= 0
+        ):
             raise ValueError(
                 f"BusyWait: need max_wait_s >= 0, 0 <= jitter <= 1, min_sleep_s > 0 (got {self})"
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -17,18 +18,19 @@ def test_demo_runs_and_cleans_up(tmp_path, capsys, monkeypatch):
     out = tmp_path / "demo.json"
     before = set(Path("/tmp").glob("rfork-demo-*"))
     status, stdout, stderr = run_rfork(
-        ["demo", "--size-gib", "0.03", "--providers", "tcp", "--no-nccl"]
-        + ["--settle-s", "0", "--json", str(out)],
+        ["demo", "--size-gib", "0.03", "--providers", "tcp", "--no-nccl", "--no-fleet", "--json", str(out)],
         capsys,
     )
     assert status == 0, stdout + stderr
     doc = json.loads(out.read_text())
-    sources = [r["source"] for r in doc["rows"]]
-    assert sources[:2] == ["disk", "rfork-tcp"]
-    assert len(sources) == 3
-    assert doc["rows"][2].get("chain") is True
-    assert [r["verified"] for r in doc["rows"]] == [False, True, True]  # disk has nothing to compare
+    rows = {r["row"]: r for r in doc["rows"]}
+    # an engine's start-up per source: disk (cold where the page cache can be dropped, and warm),
+    # Run:ai where installed, R-Fork over tcp, and from an R-Forked instance (chain)
+    assert {"disk (warm)", "rfork-tcp", "chain"} <= set(rows)
+    assert ("disk (cold)" in rows) == (os.geteuid() == 0)
+    assert not rows["disk (warm)"]["verified"]  # disk has nothing to compare
+    assert rows["rfork-tcp"]["verified"]
+    assert rows["chain"]["verified"]
     assert doc["model_bytes"] > 0
-    assert doc["settle_s"] == 0
     assert "speed-up" in stdout
     assert set(Path("/tmp").glob("rfork-demo-*")) == before

@@ -324,3 +324,144 @@ def test_an_overdue_lease_is_due_now():
     kw.update(min_s=0.05, max_s=60)
     for now in (10.0, 11.0, 14.0, 40.0):
         assert estimate_busy(now=now, **kw).retry_after_s == pytest.approx(0.05)
+
+
+# ---- returning waiters whose `since` drifts (a real loader's waited_s is measured on its own clock) ----
+
+
+def test_a_returning_waiter_keeps_its_place_when_its_since_drifts():
+    room = WaitingRoom()
+    key = ("k", 0)
+    room.promise(key, at=10, since=0.0, tie="a", now=0.0)
+    room.promise(key, at=12, since=0.01, tie="b", now=0.01)
+    # "a" comes back three times, each time its since = planner clock - its own waited_s is a little off
+    for now, since in ((5.0, 0.004), (6.0, -0.003), (7.0, 0.012)):
+        assert room.position(key, now, since, tie="a") == 0
+        room.promise(key, at=now + 3, since=since, tie="a", now=now)
+    assert room.size() == 2  # no ghost places left behind by the re-asks
+    assert room.position(key, 7.5, 0.02, tie="b") == 1
+    room.leave(key, since=0.007, tie="a")
+    assert room.position(key, 7.5, 0.02, tie="b") == 0
+
+
+def test_a_waiters_retry_after_does_not_grow_with_another_waiters_re_asks(sqlite_url):
+    # measured on the emulated fleet: every re-ask of one loader added a place ahead of the others, so
+    # that a loader told position 7 of 5 slept a whole pull (17 s) while new seeds stood free
+    migrate(sqlite_url)
+    svc = make_planner(sqlite_url, assumed_pull_gbps=1.0, retry_after_min_s=0.01, busy_cache_s=0.0)
+    try:
+        now = 1000.0
+        _seed(svc, now, limit=1, nbytes=4 * GB)
+        svc.assign(_ask(), now)  # the only slot: its lease ends at 1004
+        with pytest.raises(AllBusy) as a:
+            svc.assign(_ask(labels={"node": "a"}), now + 0.1)
+        with pytest.raises(AllBusy) as b:
+            svc.assign(_ask(labels={"node": "b"}), now + 0.2)
+        assert a.value.retry_after_s == pytest.approx(3.9)
+        assert b.value.retry_after_s == pytest.approx(7.8)  # second in line: the first waiter's pull
+        for i, t in enumerate((1.0, 1.5, 2.0)):  # "a" asks again early, its waited_s a little off each time
+            with pytest.raises(AllBusy) as again:
+                svc.assign(_ask(labels={"node": "a"}, waited_s=t - 0.1 - 0.003 * (i + 1)), now + t)
+            assert again.value.retry_after_s == pytest.approx(4.0 - t)
+        with pytest.raises(AllBusy) as b2:
+            svc.assign(_ask(labels={"node": "b"}, waited_s=2.3 - 0.2 + 0.004), now + 2.3)
+        assert b2.value.retry_after_s == pytest.approx(8.0 - 2.3)
+    finally:
+        svc.close()
+
+
+# ---- a seed's NIC is shared by its pulls: a loader that will serve pulls alone (solo_pulls_for_seeds) ----
+
+
+def test_a_loader_that_will_serve_waits_for_an_idle_seed_rather_than_share_one(sqlite_url):
+    # on the emulated fleet (500 Mbit/s NICs, 0.5 GB) two pulls from one seed ran 17.4 s each instead of
+    # 8.7 s: the first new seeds appeared after two transfer times, and the tree lagged the ideal 1.4x
+    migrate(sqlite_url)
+    svc = make_planner(sqlite_url, assumed_pull_gbps=1.0, retry_after_min_s=0.01, busy_cache_s=0.0)
+    try:
+        now = 1000.0
+        _seed(svc, now, limit=2, nbytes=4 * GB)
+        svc.assign(_ask(labels={"node": "a"}, serves_after=2), now)
+        with pytest.raises(AllBusy) as busy:  # the seed's second slot would halve the first pull's rate
+            svc.assign(_ask(labels={"node": "b"}, serves_after=2), now + 1)
+        # its slot: the live pull ends at 1004, and then two seeds serve (fan-out 2, not 3)
+        assert busy.value.retry_after_s == pytest.approx(3.0)
+        # a loader that will not serve (first-seed-only) still fills the seed's limit
+        assert svc.assign(_ask(labels={"node": "c"}, serves_after=0), now + 1).candidates
+    finally:
+        svc.close()
+    off = make_planner(sqlite_url, solo_pulls_for_seeds=False, busy_cache_s=0.0)
+    try:
+        _seed(off, 2000.0, limit=2, nbytes=4 * GB)
+        off.assign(_ask(labels={"node": "a"}, serves_after=2), 2000.0)
+        assert off.assign(_ask(labels={"node": "b"}, serves_after=2), 2001.0).candidates
+    finally:
+        off.close()
+
+
+def test_a_seed_about_to_appear_is_due_now_for_the_429(sqlite_url):
+    # on the emulated fleet a loader asked 50 ms before a freshly loaded instance published its seed:
+    # the pull it had reported was no longer a live lease, the seed not yet READY, so the 429 said
+    # "a whole pull" (8.7 s) and the loader slept through the seed that appeared a moment later
+    migrate(sqlite_url)
+    svc = make_planner(sqlite_url, assumed_pull_gbps=1.0, retry_after_min_s=0.01, busy_cache_s=0.0)
+    try:
+        now = 1000.0
+        _seed(svc, now, limit=1, nbytes=4 * GB)
+        a = svc.assign(_ask(labels={"node": "a"}, serves_after=1), now).id
+        svc.report(a, TransferReport(outcome="success", bytes=4 * GB, seconds=4.0), now + 4)
+        svc.assign(_ask(labels={"node": "b"}, serves_after=1), now + 4.01)  # takes the freed seed
+        with pytest.raises(AllBusy) as busy:  # "a" reported and will serve: its seed is due now
+            svc.assign(_ask(labels={"node": "c"}, serves_after=1), now + 4.02)
+        assert busy.value.retry_after_s == pytest.approx(0.01)
+        body = RegistrationRequest.model_validate(
+            {
+                "identity": identity(),
+                "labels": {"node": "a", "rack": "r", "zone": "z"},
+                "ranks": [{**r, "address": "YWRkcg=="} for r in ranks(0, 1)],
+                "max_concurrent_pulls": 1,
+            }
+        )
+        iid = svc.register(body, now + 4.1).id
+        m = manifest(0)
+        m["regions"][0]["nbytes"] = 4 * GB
+        svc.put_manifest(iid, 0, json.dumps(m), now + 4.1)
+        svc.set_status(iid, "READY", now + 4.1)
+        assert (
+            svc.assign(_ask(labels={"node": "c"}, serves_after=1, waited_s=0.1), now + 4.12)
+            .candidates[0]
+            .instance_id
+            == iid
+        )
+        with pytest.raises(AllBusy) as later:  # the seed appeared (and is taken): a whole pull again
+            svc.assign(_ask(labels={"node": "d"}, serves_after=1), now + 4.13)
+        assert later.value.retry_after_s > 3.0
+    finally:
+        svc.close()
+
+
+def test_after_a_restart_a_reported_pull_still_counts_as_a_seed_about_to_appear(sqlite_url):
+    # the emulated fleet's planner restart: the new process had no memory of which leases' loaders
+    # would serve, told a waiter a whole pull while such a loader published its seed, and the fleet
+    # lost a generation
+    migrate(sqlite_url)
+    first = make_planner(sqlite_url, assumed_pull_gbps=1.0, retry_after_min_s=0.01, busy_cache_s=0.0)
+    now = 1000.0
+    try:
+        _seed(first, now, limit=1, nbytes=4 * GB)
+        a = first.assign(_ask(labels={"node": "a"}, serves_after=1), now).id
+        # recorded at 0.1 GB/s: a pull takes 40 s
+        first.report(a, TransferReport(outcome="success", bytes=4 * GB, seconds=40.0), now + 4)
+        first.assign(_ask(labels={"node": "b"}, serves_after=1), now + 4.01)  # takes the freed seed
+    finally:
+        first.close()
+    again = make_planner(sqlite_url, assumed_pull_gbps=1.0, retry_after_min_s=0.01, busy_cache_s=0.0)
+    try:
+        with pytest.raises(AllBusy) as busy:  # "a"'s seed is due any moment, not in a whole pull
+            again.assign(_ask(labels={"node": "c"}, serves_after=1), now + 4.02)
+        assert busy.value.retry_after_s == pytest.approx(0.01)
+        with pytest.raises(AllBusy) as later:  # 5 s on, no seed came: the lease is history
+            again.assign(_ask(labels={"node": "d"}, serves_after=1), now + 9.5)
+        assert later.value.retry_after_s > 30.0  # "b"'s pull ends at 1044
+    finally:
+        again.close()

@@ -130,3 +130,11 @@ def test_importing_the_policies_costs_the_standard_library_only():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_node_local_provider_only_within_one_node():
+    # on the emulated fleet every host shares one kernel, so shm between two hosts would work there and
+    # nowhere else: the planner must not offer it across nodes
+    assert choose_provider(["shm", "tcp"], [], ["shm", "tcp"], same_node=False) == "tcp"
+    assert choose_provider(["shm"], [], ["shm"], same_node=False) is None
+    assert choose_provider(["shm", "tcp"], [], ["shm", "tcp"], same_node=True) == "shm"

@@ -11,7 +11,7 @@ import pytest
 from planner import PlannerServer
 from planner.contract import AllBusy, PlannerClient
 from rfork.pull.planner_session import ask_with_wait, fallback_seconds
-from rfork.pull.result import BusyWait
+from rfork.pull.result import BusyWait, LoadOptions
 from tests.planner.conftest import identity, manifest, ranks
 
 GB = 10**9
@@ -125,3 +125,104 @@ def test_a_pull_longer_than_the_lease_keeps_it_by_renewing(sqlite_url):
         assert [t.outcome for t in c.transfers().items] == ["success"]
         session.close()
         c.close()
+
+
+def test_a_planner_restart_during_the_wait_is_waited_out_not_a_failed_load(sqlite_url):
+    # the emulated fleet's planner-restart fault: every loader that asked while the planner was down
+    # gave up on it at once (no checkpoint to fall back to: the load failed)
+    from bench.processes import free_port
+    from planner.contract import PlannerUnavailable
+
+    port = free_port()
+    with PlannerServer(db_url=sqlite_url, insecure=True, port=port) as first:
+        c = PlannerClient(first.url)
+        reg = c.register_instance(identity=identity(), ranks=ranks(0, 1), max_concurrent_pulls=1)
+        c.put_manifest(reg.id, 0, manifest(0))
+        c.set_status(reg.id, "READY")
+        c.close()
+    client = PlannerClient(f"http://127.0.0.1:{port}", timeout_s=2.0)
+    restarted: list[PlannerServer] = []
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:  # the planner comes back after the loader's second retry
+        slept.append(seconds)
+        if len(slept) == 2:
+            restarted.append(PlannerServer(db_url=sqlite_url, insecure=True, port=port).start())
+
+    try:
+        got = ask_with_wait(
+            lambda waited: client.request_assignment(identity=identity(), rank=0, waited_s=waited),
+            policy=BusyWait(outage_retry_s=0.2, planner_outage_s=30.0),
+            busy_type=AllBusy,
+            what="rank 0",
+            sleep=sleep,
+            outage_type=PlannerUnavailable,
+        )
+        assert got is not None
+        assert got.candidates[0].instance_id == reg.id
+        assert slept == [0.2, 0.2]
+    finally:
+        client.close()
+        for srv in restarted:
+            srv.close()
+    # and a planner that stays down is given up on after planner_outage_s of failures: a bounded error
+    now = [0.0]
+    down = PlannerClient(f"http://127.0.0.1:{port}", timeout_s=1.0)
+    try:
+        with pytest.raises(PlannerUnavailable):
+            ask_with_wait(
+                lambda waited: down.request_assignment(identity=identity(), rank=0),
+                policy=BusyWait(outage_retry_s=1.0, planner_outage_s=3.0),
+                busy_type=AllBusy,
+                what="rank 0",
+                sleep=lambda s: now.__setitem__(0, now[0] + s),
+                clock=lambda: now[0],
+                outage_type=PlannerUnavailable,
+            )
+        assert now[0] == pytest.approx(3.0)
+    finally:
+        down.close()
+
+
+def test_a_loader_whose_pull_failed_asks_again_with_its_place_in_line(sqlite_url):
+    # the emulated fleet's cut seed: the loader that lost its pull asked again as a newcomer (waited 0 s)
+    # and queued behind every loader that had started with it, losing a whole generation
+    import time as _time
+
+    from rfork.identity import SourceIdentity
+    from rfork.pull.planner_session import PlannerSession
+
+    with PlannerServer(db_url=sqlite_url, insecure=True) as srv:
+        c = PlannerClient(srv.url)
+        for _ in range(2):
+            reg = c.register_instance(identity=identity(), ranks=ranks(0, 1), max_concurrent_pulls=1)
+            c.put_manifest(reg.id, 0, manifest(0))
+            c.set_status(reg.id, "READY")
+        c.close()
+        session = PlannerSession(
+            planner_url=srv.url,
+            token=None,
+            identity=SourceIdentity.model_validate(identity()),
+            options=LoadOptions(providers=["tcp"]),
+            fallback_bytes=None,
+        )
+        asked: list[float] = []
+        client = session.client
+        assert client is not None
+        real = client.request_assignment
+
+        def recording(**kw):
+            asked.append(kw["waited_s"])
+            return real(**kw)
+
+        client.request_assignment = recording  # type: ignore[method-assign]
+        sources = session.sources(0)
+        first = next(sources)
+        _time.sleep(0.3)  # the pull runs, then its seed goes silent
+        first.failed(TimeoutError("read timed out"), 0.3)
+        second = next(sources)
+        assert second.instance_id != first.instance_id
+        second.succeeded(64, 0.1)
+        session.close()
+    assert asked[0] < 0.1
+    assert asked[1] >= 0.3  # counted from the rank's first ask, not from this attempt's
