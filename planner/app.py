@@ -29,6 +29,7 @@ from planner.guard import RequestGuard
 from planner.heartbeats import HeartbeatBatcher
 from planner.hotpath import HotPath
 from planner.metrics import MetricsMiddleware, PlannerMetrics
+from planner.protocol_guard import ProtocolGuard
 from planner.routes import anchors, assignments, compile_caches, fleet, instances, observe
 from planner.selection import make_policy
 from planner.service import Planner
@@ -128,6 +129,7 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
         writes=app.state.writes,
         body_limit=settings.max_body_bytes,
     )
+    app.add_middleware(ProtocolGuard)  # outside the hot path: another protocol is refused everywhere
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # added last: outermost, so it counts both
     return app
 

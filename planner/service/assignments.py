@@ -7,6 +7,7 @@ The hot path: Core statements (planner.queries) in the caller's transaction, the
 from __future__ import annotations
 
 import base64
+import dataclasses
 import datetime as dt
 import functools
 import uuid
@@ -19,7 +20,7 @@ from sqlalchemy import Connection
 
 from planner.contract import control_token, wire
 from planner.contract.errors import NoSource
-from planner.selection import Requester, SeedView, choose_provider, tier_key
+from planner.selection import RankReason, Requester, SeedView, choose_provider, rank_reason, tier_key
 from planner.service.base import now_or_clock
 from planner.service.busy import BusyOps, waiter_tie
 
@@ -133,10 +134,10 @@ class AssignmentOps(BusyOps):
                 "expires_at": expires_at,
             },
         )
-        chosen = [v.instance_id for v in ranked]
-        details = {d.id: d for d in sql.chosen_details.rows(s, {"b_ids": chosen, "b_rank": body.rank})}
+        reasons = {v.instance_id: rank_reason(self.policy.name, req, v, rack_hold=hold) for v in ranked}
+        details = {d.id: d for d in sql.chosen_details.rows(s, {"b_ids": list(reasons), "b_rank": body.rank})}
         return functools.partial(
-            self._assignment, key, now, body, chosen, by_id, details, lease_id, expires_at
+            self._assignment, key, now, body, reasons, by_id, details, lease_id, expires_at
         )
 
     def _rack_busy(
@@ -157,13 +158,15 @@ class AssignmentOps(BusyOps):
         key: str,
         now: float,
         body: wire.AssignmentRequest,
-        chosen: Sequence[str],
+        reasons: dict[str, RankReason],
         by_id: dict[str, Any],
         details: dict[str, Any],
         lease_id: str,
         expires_at: float,
     ) -> wire.Assignment:
-        """The 201's body: the chosen candidates, a control token for the first."""
+        """The 201's body: the chosen candidates in their order, each with its reason, a control token
+        for the first."""
+        chosen = list(reasons)
         candidates = []
         for iid in chosen:
             r, provider = by_id[iid]
@@ -194,6 +197,7 @@ class AssignmentOps(BusyOps):
                         instance_id=r.anchored_by,
                     ),
                     control_token=token,
+                    reason=wire.CandidateReason(**dataclasses.asdict(reasons[iid])),
                     manifest=wire.StoredManifest(d.body),  # as stored: never parsed here
                 )
             )
