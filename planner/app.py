@@ -24,6 +24,7 @@ from planner.auth import Authenticator
 from planner.contract.errors import PlannerError
 from planner.contract.manifest import RankManifest
 from planner.db import Database
+from planner.docs_page import add_offline_docs
 from planner.fleet import ProgressBoard, RefusalLog
 from planner.guard import RequestGuard
 from planner.heartbeats import HeartbeatBatcher
@@ -83,7 +84,10 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
         # FastAPI's native OpenTelemetry asks the environment for a provider on every request (4% of the
         # CPU per request in the profile); the planner's figures are its Prometheus /metrics
         telemetry={"tracing": False, "metrics": False, "logs": False},
+        docs_url=None,  # served from local files below: FastAPI's own pages load a CDN
+        redoc_url=None,
     )
+    add_offline_docs(app)
     app.state.planner = planner
     app.state.metrics = metrics
     app.state.progress = ProgressBoard()  # the fleet page: bytes done of live pulls (this process)

@@ -204,7 +204,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args._module.run(args) or 0)
     except Interrupted as exc:
-        _error(args, f"interrupted by {_signal_name(exc.signum)}: {getattr(args._module, 'INTERRUPTED', 'stopped')}")
+        _error(
+            args,
+            f"interrupted by {_signal_name(exc.signum)}: {getattr(args._module, 'INTERRUPTED', 'stopped')}",
+        )
         return 128 + exc.signum
     except KeyboardInterrupt:
         return 130

@@ -109,7 +109,8 @@ def progress_bar(
     description: str, *, total: float | None = None, enabled: bool = True, unit: str = "bytes"
 ) -> Iterator[Callable[..., None]]:
     """A transient rich bar on the shared console (only where stderr is a terminal); yields
-    `update(done, total=None, description=None)`. `unit` "bytes" shows sizes and speed, else counts."""
+    `update(done, total=None, description=None)`. `unit` "bytes" shows sizes and speed, "count" done
+    of total, "none" only the bar (pulsing without a total) and the time elapsed."""
     con = console()
     if not enabled or not con.is_terminal:
         yield lambda *_a, **_k: None
@@ -123,9 +124,10 @@ def progress_bar(
         TransferSpeedColumn,
     )
 
-    columns: tuple[Any, ...] = (
-        (DownloadColumn(), TransferSpeedColumn()) if unit == "bytes" else (MofNCompleteColumn(),)
-    )
+    columns: tuple[Any, ...] = {
+        "bytes": (DownloadColumn(), TransferSpeedColumn()),
+        "count": (MofNCompleteColumn(),),
+    }.get(unit, ())
     bar = Progress(
         "[progress.description]{task.description}",
         BarColumn(),

@@ -1,7 +1,8 @@
 """Hook settings: `--model-loader-extra-config` keys first, then `RFORK_*` variables, then defaults.
 
-The planner token comes only from `$RFORK_TOKEN`: SGLang and vLLM log their whole argument list at
-startup, so a token in the extra config would end up in every log; it is refused with a message saying so.
+The planner token comes only from `$RFORK_TOKEN` or the file `$RFORK_TOKEN_FILE` names: SGLang and vLLM
+log their whole argument list at startup, so a token in the extra config would end up in every log; it
+is refused with a message saying so.
 The SGLang and vLLM hooks take the same settings (their DefaultModelLoaders take the same pass-through keys).
 """
 
@@ -11,6 +12,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rfork.errors import RforkError
@@ -31,8 +33,10 @@ ENV_FOR_KEY = {
     "revision": "RFORK_REVISION",
     "transfer_timeout_s": "RFORK_TRANSFER_TIMEOUT_S",
     "compile_cache": "RFORK_COMPILE_CACHE",
+    "require_seed": "RFORK_REQUIRE_SEED",
 }
 TOKEN_ENV = "RFORK_TOKEN"
+TOKEN_FILE_ENV = "RFORK_TOKEN_FILE"
 
 
 class SettingsError(RforkError, ValueError):
@@ -52,6 +56,7 @@ class HookSettings:
     revision: str = "main"
     transfer_timeout_s: float = 5.0
     compile_cache: bool = True  # fetch the engine's compile cache from a seed, and serve one's own
+    require_seed: bool = False  # no seed served the weights: fail the load instead of the disk fallback
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -85,9 +90,9 @@ class HookSettings:
                 raw[key] = extra[key]
             elif env.get(var):
                 raw[key] = env[var]
-        kwargs: dict[str, Any] = {"token": env.get(TOKEN_ENV) or None}
+        kwargs: dict[str, Any] = {"token": _token(env)}
         if "planner_url" in raw:
-            kwargs["planner_url"] = _text(raw["planner_url"], "planner_url").rstrip("/") or None
+            kwargs["planner_url"] = _planner_url(_text(raw["planner_url"], "planner_url"))
         if "mode" in raw:
             kwargs["mode"] = _text(raw["mode"], "mode").lower()
         if "providers" in raw:
@@ -96,6 +101,8 @@ class HookSettings:
             kwargs["serve"] = _flag(raw["serve"], "serve")
         if "compile_cache" in raw:
             kwargs["compile_cache"] = _flag(raw["compile_cache"], "compile_cache")
+        if "require_seed" in raw:
+            kwargs["require_seed"] = _flag(raw["require_seed"], "require_seed")
         if "model" in raw:
             kwargs["model"] = _text(raw["model"], "model")
         if "revision" in raw:
@@ -118,6 +125,7 @@ class HookSettings:
             "revision": self.revision,
             "transfer_timeout_s": self.transfer_timeout_s,
             "compile_cache": self.compile_cache,
+            "require_seed": self.require_seed,
         }
         if self.planner_url:
             out["planner_url"] = self.planner_url
@@ -137,6 +145,7 @@ class HookSettings:
             become_seed=False,
             seed_later=self.serve,
             pull_torch_threads=None,
+            require_seed=self.require_seed,
         )
 
 
@@ -153,6 +162,35 @@ def default_loader_config(load_config: Any, load_format: Any) -> Any:
 def default_loader_extra(extra_config: Mapping[str, Any] | None) -> dict[str, Any]:
     """The part of the extra config the framework's DefaultModelLoader understands (it rejects the rest)."""
     return {k: v for k, v in (extra_config or {}).items() if k in DEFAULT_LOADER_KEYS}
+
+
+def _token(env: Mapping[str, str]) -> str | None:
+    """$RFORK_TOKEN, else the contents of the file $RFORK_TOKEN_FILE names; SettingsError if unreadable."""
+    if env.get(TOKEN_ENV):
+        return env[TOKEN_ENV]
+    path = env.get(TOKEN_FILE_ENV)
+    if not path:
+        return None
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise SettingsError(f"${TOKEN_FILE_ENV} {path}: {exc.strerror or exc}") from exc
+    if not token:
+        raise SettingsError(f"${TOKEN_FILE_ENV} {path} is empty")
+    return token
+
+
+def _planner_url(value: str) -> str | None:
+    """The planner URL checked (rfork.pull.checks): a typo is a SettingsError, never a disk load."""
+    if not value:
+        return None
+    # imported here: the frameworks import the plugin in each of their processes (start-up time)
+    from rfork.pull.checks import check_planner_url
+
+    try:
+        return check_planner_url(value)
+    except ValueError as exc:
+        raise SettingsError(f"rfork planner_url: {exc}") from exc
 
 
 def _text(value: Any, key: str) -> str:
