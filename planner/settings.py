@@ -1,17 +1,33 @@
-"""Planner settings: one pydantic-settings class, read from RFORK_* environment variables."""
+"""Planner settings: one pydantic-settings class, read from RFORK_* environment variables.
+
+Each secret also reads from a file: `RFORK_<NAME>_FILE` names it (RFORK_ADMIN_TOKEN_FILE,
+RFORK_CONTROL_SECRET_FILE, ...), as Kubernetes and systemd mount secrets; the variable itself wins.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import os
+from pathlib import Path
 from typing import Annotated
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from planner.selection import policy_name
 
 DEFAULT_DB_URL = "sqlite:///rfork-planner.db"
 DEFAULT_PORT = 8470  # `rfork planner serve`; README, deploy/ and the docs use it
+# the settings that are secrets: each may come from a file (RFORK_<NAME>_FILE)
+SECRET_FIELDS = (
+    "admin_token",
+    "instance_token",
+    "register_token",
+    "load_token",
+    "reader_token",
+    "anchor_token",
+    "control_secret",
+)
 
 
 class PlannerSettings(BaseSettings):
@@ -59,6 +75,21 @@ class PlannerSettings(BaseSettings):
     rate_history_s: float = Field(default=86_400.0, gt=0)  # ... ended at most this long ago
     stale_retention_s: float = Field(default=3600.0, ge=0)  # STALE this long: deleted with its manifests
     false_report_threshold: int = Field(default=3, ge=1)  # disproved checksum claims that flag a reporter
+
+    @model_validator(mode="after")
+    def _secrets_from_files(self) -> PlannerSettings:
+        """Fill each unset secret from the file its RFORK_<NAME>_FILE variable names."""
+        for name in SECRET_FIELDS:
+            path = os.environ.get(f"RFORK_{name.upper()}_FILE")
+            if getattr(self, name) is None and path:
+                try:
+                    value = Path(path).read_text(encoding="utf-8").strip()
+                except OSError as exc:
+                    raise ValueError(f"RFORK_{name.upper()}_FILE {path}: {exc.strerror or exc}") from exc
+                if not value:
+                    raise ValueError(f"RFORK_{name.upper()}_FILE {path} is empty")
+                setattr(self, name, value)
+        return self
 
     def control_secret_bytes(self) -> bytes:
         """The secret that seals control keys (see control_secret)."""

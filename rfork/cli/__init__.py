@@ -18,6 +18,7 @@ import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
 from rfork import __version__
 from rfork.cli import (
@@ -34,6 +35,7 @@ from rfork.cli import (
     vllm,
 )
 from rfork.cli.options import DEPRECATED, HelpFormatter, deprecated_used
+from rfork.errors import ConfigurationError, Interrupted
 
 # (command path, implementing module). Groups ("planner") are created on the way. `rfork demo`,
 # `rfork bench ...` and `rfork simulate ...` come from the checkout's bench/ (checkout_commands.py).
@@ -63,7 +65,7 @@ def _global_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
     """-v, -q, --debug, --log-format; on every parser, so that they go anywhere on the command line.
     A command's own copies write `sub_*` (merged in `_merge_globals`), unset unless given."""
     group = parser.add_argument_group("global options (anywhere before --)")
-    keep = {} if top else {"default": argparse.SUPPRESS}
+    keep: dict[str, Any] = {} if top else {"default": argparse.SUPPRESS}
     prefix = "" if top else "sub_"
     group.add_argument(
         "-v",
@@ -178,9 +180,6 @@ def _error(args: argparse.Namespace | None, message: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (non-zero with a one-line error on failure)."""
-    # imported here: the error types cost nothing, but keep the top of this module to the commands
-    from rfork.errors import ConfigurationError, Interrupted
-
     argv = list(sys.argv[1:] if argv is None else argv)
     word = _command_word(argv)
     from_checkout: checkout_commands.Commands = ()
@@ -202,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # backends.providers.libfabric.ALLOW_UNENFORCED_ENV, docs/transport.md). `rfork seed` may not.
         os.environ.setdefault("RFORK_ALLOW_UNENFORCED_ACCESS", "1")
     try:
-        return int(args._module.run(args) or 0)
+        return _run(args, from_checkout=word in checkout_commands.WORDS)
     except Interrupted as exc:
         _error(
             args,
@@ -223,6 +222,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         _error(args, _one_line(exc))
         return 1
+
+
+def _run(args: argparse.Namespace, *, from_checkout: bool) -> int:
+    """The command; a benchmark or simulation runs under a progress bar (elapsed time, log lines above
+    it) unless it draws its own, and its tables get the full width where stdout is not a terminal."""
+    if not from_checkout:
+        return int(args._module.run(args) or 0)
+    if not sys.stdout.isatty():
+        os.environ.setdefault("COLUMNS", "200")  # rich tables: not cut to 80 columns in a file or pipe
+    if getattr(args._module, "OWN_PROGRESS", False):
+        return int(args._module.run(args) or 0)
+    words = [args.command, *(getattr(args, f"{args.command}_command", None) or "").split()]
+    with logs.progress_bar(f"rfork {' '.join(w for w in words if w)}", unit="none"):
+        return int(args._module.run(args) or 0)
 
 
 def _signal_name(signum: int) -> str:

@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _identity_key(args: argparse.Namespace) -> str:
+    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from rfork.weights.checkpoint import read_checkpoint_info
 
     info = read_checkpoint_info(args.checkpoint)

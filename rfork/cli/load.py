@@ -22,6 +22,7 @@ from rfork.cli.options import (
     providers_of,
 )
 from rfork.cli.tokens import add_token_file, read_token
+from rfork.errors import ConfigurationError
 
 log = logging.getLogger("rfork.load")
 
@@ -135,7 +136,6 @@ def resolve_identity(args: argparse.Namespace) -> tuple[Any, Any]:
 def check_settings(args: argparse.Namespace) -> list[str]:
     """Every setting that no fallback can fix, checked before anything starts; the provider names."""
     # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
-    from rfork.errors import ConfigurationError
     from rfork.pull.checks import check_planner_url, check_provider_names, check_providers_present
 
     args.token = read_token(args.token_file, env=("RFORK_TOKEN",))
@@ -206,8 +206,6 @@ def _check_seed(result: Any, serve: bool) -> None:
     """The load asked to serve but could not become a seed: a refused token is a setting; else an error."""
     if not serve or result.seed_error is None:
         return
-    from rfork.errors import ConfigurationError
-
     if result.seed_error.startswith("AuthError"):
         raise ConfigurationError(
             f"loaded, but the planner refused to register this instance as a seed ({result.seed_error})",
@@ -248,6 +246,7 @@ def _report_and_serve(args: argparse.Namespace, result: Any, started: float) -> 
         flush=True,
     )
     if result.seed is not None:
+        # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
         from rfork import metrics
 
         metrics.SEED_BYTES.set(result.bytes)

@@ -72,10 +72,9 @@ def serve(app: Any, *, sock: socket.socket, workers: int) -> None:
         return
     from uvicorn.supervisors import Multiprocess
 
-    from planner.metrics import MULTIPROC_ENV
-
     with tempfile.TemporaryDirectory(prefix="rfork-planner-metrics-") as metrics_dir:
-        os.environ[MULTIPROC_ENV] = metrics_dir  # before the workers import prometheus_client
+        # prometheus_client's multiprocess mode, read by planner.metrics: set before the workers import it
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         config = uvicorn.Config(
             "planner.app:app_from_env", factory=True, workers=workers, log_level="warning", access_log=False
         )

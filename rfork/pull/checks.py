@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
+from backends.providers.registry import AUTO, PROVIDERS, provider_available
 from rfork.errors import ConfigurationError
 
 NCCL = "nccl"  # the two-sided fallback: a provider name a loader may list, not one the engine opens
@@ -43,10 +44,6 @@ def check_planner_url(url: str | None) -> str | None:
 
 def check_provider_names(providers: Sequence[str]) -> list[str]:
     """`providers` (one-sided names, `auto`, `nccl`), each known; ConfigurationError for a typo."""
-    # imported here: the provider table costs the standard library only, but `rfork --help` imports
-    # the command modules that call this
-    from backends.providers.registry import AUTO, PROVIDERS
-
     known = [*PROVIDERS, AUTO, NCCL]
     if not providers:
         raise ConfigurationError(
@@ -63,9 +60,6 @@ def check_provider_names(providers: Sequence[str]) -> list[str]:
 def check_providers_present(providers: Sequence[str]) -> None:
     """ConfigurationError when a named one-sided provider cannot open on this machine (`--provider
     verbs` without a verbs device): the pull would otherwise quietly take NCCL or the disk instead."""
-    # imported here: probing loads the transport's native binding (start-up time)
-    from backends.providers.registry import AUTO
-
     missing = [p for p in providers if p not in (AUTO, NCCL) and not _present(p)]
     if missing:
         present = [p for p in ("tcp", "shm", "efa", "verbs") if p not in missing and _present(p)]
@@ -77,8 +71,7 @@ def check_providers_present(providers: Sequence[str]) -> None:
 
 
 def _present(provider: str) -> bool:
-    from backends.providers.registry import provider_available
-
+    """Whether the provider opens here (probing loads the transport's native binding the first time)."""
     try:
         return bool(provider_available(provider))
     except Exception:  # noqa: BLE001 - a probe that fails means "not here"

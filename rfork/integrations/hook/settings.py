@@ -65,6 +65,8 @@ class HookSettings:
             raise SettingsError("rfork providers: give at least one (tcp, shm, efa, verbs, nccl)")
         if self.transfer_timeout_s <= 0:
             raise SettingsError(f"rfork transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        if self.planner_url is not None:
+            _planner_url(self.planner_url)
 
     @classmethod
     def resolve(
@@ -125,8 +127,9 @@ class HookSettings:
             "revision": self.revision,
             "transfer_timeout_s": self.transfer_timeout_s,
             "compile_cache": self.compile_cache,
-            "require_seed": self.require_seed,
         }
+        if self.require_seed:
+            out["require_seed"] = True
         if self.planner_url:
             out["planner_url"] = self.planner_url
         if self.model:
