@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+DESCRIPTION = """Serve the planner REST API (migrates the database first), printing its address once bound.
+
+Settings also come from the environment (docs/operations.md): $RFORK_DB_URL, the tokens
+$RFORK_ADMIN_TOKEN, $RFORK_REGISTER_TOKEN, $RFORK_ANCHOR_TOKEN, $RFORK_LOAD_TOKEN, $RFORK_READER_TOKEN
+(each also as a file: $RFORK_ADMIN_TOKEN_FILE, ...), $RFORK_CONTROL_SECRET(_FILE),
+$RFORK_SELECTION_POLICY, $RFORK_RACK_HOLD, $RFORK_HEARTBEAT_TTL_S, $RFORK_LEASE_TTL_S,
+$RFORK_MAX_CANDIDATES and the rest of planner/settings.py (RFORK_<FIELD>)."""
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Options: --db, --host, --port, --insecure, --policy, --workers."""
