@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from rfork.cli.logs import progress_bar
 from rfork.cli.options import add_model_name
+
+log = logging.getLogger("rfork.digest")
 
 
 def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
@@ -53,12 +57,21 @@ def anchor_bodies(args: argparse.Namespace) -> list[dict[str, Any]]:
     ) as bar:
         for rank in range(args.tp):
             bar(done, description=f"reading rank {rank}")
+            t0 = time.perf_counter()
             layout, buffers, tensors = load_rank_from_disk(info, tp=args.tp, rank=rank)
             weights = RankWeights(rank=rank, layout=layout, buffers=buffers, tensors=tensors)
             bar(done + layout.total_bytes // 2, description=f"digesting rank {rank}")
             sums = weights.compute_checksums()
             done += layout.total_bytes
             bar(done)
+            log.info(
+                "rank %d: %d tensors, %d bytes read and digested (%s) in %.2f s",
+                rank,
+                len(layout.placements),
+                layout.total_bytes,
+                weights.checksum_algorithm,
+                time.perf_counter() - t0,
+            )
             bodies.append(
                 {
                     "identity": identity.model_dump(),
