@@ -148,7 +148,7 @@ def test_the_planner_url_comes_from_the_environment_and_the_loader_says_why(
     out_json = tmp_path / "load.json"
     loader = fleet.spawn(
         "loader",
-        [*load_args(out_json, planner_url=None, checkpoint=small_ckpt), "--metrics-port", "0"],
+        [*load_args(out_json, planner_url=None, checkpoint=small_ckpt, then="serve"), "--metrics-port", "0"],
         env=env,
     )
     out = fleet.wait_file(loader, out_json, timeout_s=90)
@@ -159,11 +159,20 @@ def test_the_planner_url_comes_from_the_environment_and_the_loader_says_why(
     assert seed_id in why
     assert "same node" in why
     assert "load_aware" in why
-    ports = {c.name: int(re.search(r"metrics on http://[^:]+:(\d+)/metrics", c.tail(20_000)).group(1))
-             for c in (seed, loader)}  # fmt: skip
+    ports = {}
+    for child in (seed, loader):
+        found = re.search(r"metrics on http://[^:]+:(\d+)/metrics", child.tail(20_000))
+        assert found is not None, child.tail()
+        ports[child.name] = int(found.group(1))
     seeding = _metrics(ports["seed"])
-    assert _sample(seeding, "rfork_seed_bytes") == float(json.loads(ready.read_text())["bytes"])
-    fleet.wait_exit(loader, timeout_s=60)  # --no-serve: the loader's metrics go with it; read the seed's
+    size = float(json.loads(ready.read_text())["bytes"])
+    assert _sample(seeding, "rfork_seed_bytes") == size
+    loading = _metrics(ports["loader"])  # it serves now, so it is still there to be scraped
+    assert _sample(loading, "rfork_pulls_total", source="rfork-tcp", outcome="success") == 1.0
+    assert _sample(loading, "rfork_pull_bytes_total", source="rfork-tcp") == size
+    assert (_sample(loading, "rfork_verify_seconds_count") or 0.0) >= 1.0
+    assert _sample(loading, "rfork_seed_bytes") == size
+    assert "rfork_fallbacks_total{" not in loading  # none happened
 
 
 def test_seeds_and_loaders_of_different_releases_share_a_fleet(fleet, small_ckpt, planner, tmp_path):

@@ -31,7 +31,7 @@ def serving(*args: str, timeout_s: float = 60.0) -> Iterator[tuple[str, subproce
     )
     try:
         deadline = time.monotonic() + timeout_s
-        seen = []
+        seen: list[str] = []
         assert proc.stdout is not None
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
