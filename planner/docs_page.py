@@ -8,20 +8,30 @@ pointed at them, with no favicon or font fetched from elsewhere.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
-import fastapi_offline
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.staticfiles import StaticFiles
-from starlette.responses import HTMLResponse
+from starlette.responses import HTMLResponse, PlainTextResponse
 
-STATIC = Path(fastapi_offline.__file__).parent / "static"
+_BUNDLES = importlib.util.find_spec("fastapi_offline")  # a dependency; an environment without it still serves
+STATIC = None if _BUNDLES is None or _BUNDLES.origin is None else Path(_BUNDLES.origin).parent / "static"
 PREFIX = "/docs-static"
 
 
 def add_offline_docs(app: FastAPI) -> None:
     """/docs, /redoc and their assets under /docs-static (the app is built with docs_url=None)."""
+    if STATIC is None:
+
+        @app.get("/docs", include_in_schema=False)
+        @app.get("/redoc", include_in_schema=False)
+        async def no_bundles() -> PlainTextResponse:
+            why = "the API docs need the package fastapi-offline (pip install it); see /openapi.json"
+            return PlainTextResponse(why, status_code=503)
+
+        return
     app.mount(PREFIX, StaticFiles(directory=STATIC), name="docs-static")
     openapi_url = app.openapi_url or "/openapi.json"
 
