@@ -112,7 +112,7 @@ def _start(
         child = fleet.spawn(name, [*serve, "--load-format", "auto"], env=env,
                             module="vllm.entrypoints.openai.api_server")
     else:
-        argv = ["vllm", "--planner", planner_url, "--insecure-ok", *rfork_args, "--", *serve]
+        argv = ["vllm", "--planner", planner_url, "--insecure", *rfork_args, "--", *serve]
         child = fleet.spawn(name, argv, env=env)
     return _Server(child, port, cache_root)
 

@@ -40,6 +40,8 @@ from typing import Any
 ALL_SOURCES = ("disk", "runai", "rfork-tcp", "rfork-shm", "nccl")
 
 
+OWN_PROGRESS = True  # shows each step with rich status lines: rfork adds no bar of its own
+
 def configure(parser: argparse.ArgumentParser) -> None:
     """Options of `rfork bench cold-start`."""
     parser.add_argument(

@@ -24,6 +24,9 @@ from typing import Any
 log = logging.getLogger("rfork.demo")
 
 
+OWN_PROGRESS = True  # shows each step with rich status lines: rfork adds no bar of its own
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     """Options of `rfork demo`."""
     parser.add_argument(
@@ -31,7 +34,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument(
-        "--providers", default="tcp,shm", help="one-sided providers to show (default tcp,shm)"
+        "--provider",
+        "--providers",
+        dest="providers",
+        default="tcp,shm",
+        help="one-sided providers to show (default tcp,shm)",
     )
     parser.add_argument(
         "--checkpoint",

@@ -21,7 +21,14 @@ GiB = 1 << 30
 def configure(parser: argparse.ArgumentParser) -> None:
     """Options: sizes, repeats, JSON output."""
     parser.add_argument("--sizes-gib", type=int, nargs="+", default=[1, 2, 4], help="sizes (default 1 2 4)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per figure; the best is shown")
+    parser.add_argument(
+        "--repeat",
+        "--repeats",
+        dest="repeats",
+        type=int,
+        default=2,
+        help="runs per figure; the best is shown",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file")
 
 

@@ -22,7 +22,14 @@ MiB = 1 << 20
 def configure(parser: argparse.ArgumentParser) -> None:
     """Options: size, repeats, JSON output."""
     parser.add_argument("--size-mib", type=int, default=1024, help="bytes per pull, MiB (default 1024)")
-    parser.add_argument("--repeats", type=int, default=3, help="pulls per figure; the median is shown")
+    parser.add_argument(
+        "--repeat",
+        "--repeats",
+        dest="repeats",
+        type=int,
+        default=3,
+        help="pulls per figure; the median is shown",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file")
 
 

@@ -202,7 +202,7 @@ def seed_args(
         ",".join(providers),
         "--tp",
         str(tp),
-        "--insecure-ok",
+        "--insecure",
         "--ready-file",
         str(ready_file),
         *extra,
@@ -225,14 +225,13 @@ def load_args(
         "load",
         "--json",
         str(json_file),
-        "--then",
-        then,
+        *(["--no-serve"] if then == "exit" else []),
         "--no-progress",
         "--provider",
         ",".join(providers),
     ]
     if planner_url:
-        out += ["--planner", planner_url, "--insecure-ok"]
+        out += ["--planner", planner_url, "--insecure"]
     if checkpoint is not None:
         out += ["--checkpoint", str(checkpoint)]
     if checkpoint_id is not None:

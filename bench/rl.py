@@ -36,7 +36,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trainers", type=int, default=1, help="trainer processes (default 1)")
     parser.add_argument("--repeat", type=int, default=3, help="updates/broadcasts per N after a first one")
     parser.add_argument(
+        "--provider",
         "--providers",
+        dest="providers",
         nargs="+",
         default=["tcp", "shm"],
         choices=["tcp", "shm"],

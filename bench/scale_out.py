@@ -34,7 +34,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--size-gib", type=float, default=0.25, help="synthetic checkpoint size (default 0.25)"
     )
-    parser.add_argument("--max-pulls", type=int, default=2, help="pull limit of every seed (default 2)")
+    parser.add_argument(
+        "--max-concurrent-pulls",
+        "--max-pulls",
+        dest="max_pulls",
+        type=int,
+        default=2,
+        help="pull limit of every seed (default 2)",
+    )
     parser.add_argument(
         "--modes", nargs="+", default=list(MODES), choices=MODES, help="what to run (default all three)"
     )
@@ -192,7 +199,7 @@ def summarize(
 def run(args: argparse.Namespace) -> int:
     """Write the checkpoint, run each mode, print the table and the tree."""
     if args.instances < 1 or args.size_gib <= 0 or args.max_pulls < 1:
-        raise ValueError("--instances and --max-pulls must be >= 1 and --size-gib positive")
+        raise ValueError("--instances and --max-concurrent-pulls must be >= 1 and --size-gib positive")
     from rich.console import Console
     from rich.table import Table
 

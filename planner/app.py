@@ -24,11 +24,13 @@ from planner.auth import Authenticator
 from planner.contract.errors import PlannerError
 from planner.contract.manifest import RankManifest
 from planner.db import Database
+from planner.docs_page import add_offline_docs
 from planner.fleet import ProgressBoard, RefusalLog
 from planner.guard import RequestGuard
 from planner.heartbeats import HeartbeatBatcher
 from planner.hotpath import HotPath
 from planner.metrics import MetricsMiddleware, PlannerMetrics
+from planner.protocol_guard import ProtocolGuard
 from planner.routes import anchors, assignments, compile_caches, fleet, instances, observe
 from planner.selection import make_policy
 from planner.service import Planner
@@ -82,7 +84,10 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
         # FastAPI's native OpenTelemetry asks the environment for a provider on every request (4% of the
         # CPU per request in the profile); the planner's figures are its Prometheus /metrics
         telemetry={"tracing": False, "metrics": False, "logs": False},
+        docs_url=None,  # served from local files below: FastAPI's own pages load a CDN
+        redoc_url=None,
     )
+    add_offline_docs(app)
     app.state.planner = planner
     app.state.metrics = metrics
     app.state.progress = ProgressBoard()  # the fleet page: bytes done of live pulls (this process)
@@ -128,6 +133,7 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
         writes=app.state.writes,
         body_limit=settings.max_body_bytes,
     )
+    app.add_middleware(ProtocolGuard)  # outside the hot path: another protocol is refused everywhere
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # added last: outermost, so it counts both
     return app
 

@@ -1,11 +1,29 @@
-"""Prometheus metrics of one planner app (own registry, so several apps can share a process)."""
+"""Prometheus metrics of one planner app (own registry, so several apps can share a process).
+
+With `rfork planner serve --workers N` every worker process counts its own requests; the command sets
+PROMETHEUS_MULTIPROC_DIR (a fresh directory) before the workers start, prometheus_client then keeps
+each process's values in files there, and /metrics reads them all (`MultiProcessCollector`): the
+figures are the fleet's, whichever process answers the scrape, and carry no `_created` series. The
+gauges are read from the database at scrape time, so the most recent scrape's value is the one shown.
+"""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.multiprocess import MultiProcessCollector
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class PlannerMetrics:
@@ -13,6 +31,7 @@ class PlannerMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.multiprocess = bool(os.environ.get(MULTIPROC_ENV))
         self.requests = Counter(
             "rfork_planner_requests_total",
             "HTTP requests",
@@ -36,10 +55,17 @@ class PlannerMetrics:
             "rfork_planner_transfer_bytes_total", "bytes reported moved", registry=self.registry
         )
         self.instances = Gauge(
-            "rfork_planner_instances", "instances by status", ["status"], registry=self.registry
+            "rfork_planner_instances",
+            "instances by status",
+            ["status"],
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
         )
         self.live_leases = Gauge(
-            "rfork_planner_live_leases", "leases not ended nor expired", registry=self.registry
+            "rfork_planner_live_leases",
+            "leases not ended nor expired",
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
         )
         self.integrity_refusals = Counter(
             "rfork_planner_integrity_refusals_total",
@@ -54,6 +80,15 @@ class PlannerMetrics:
         self.reaped = Counter(
             "rfork_planner_reaped_total", "reaper actions", ["kind"], registry=self.registry
         )
+
+    def exposition(self) -> tuple[bytes, str]:
+        """(body, content type) of /metrics: this process's registry, or every worker's values when the
+        planner runs as several processes (see the module docstring)."""
+        if not self.multiprocess:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged)
+        return generate_latest(merged), CONTENT_TYPE_LATEST
 
 
 class MetricsMiddleware:

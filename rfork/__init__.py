@@ -29,12 +29,15 @@ if TYPE_CHECKING:  # the public surface, written once (see _surface)
     from rfork.errors import (
         CheckpointError,
         ChecksumMismatch,
+        ConfigurationError,
         DestinationMismatch,
+        Interrupted,
         LayoutError,
         LoadFailed,
         ManifestError,
         PullError,
         RforkError,
+        SeedRequired,
     )
     from rfork.identity import SourceIdentity
     from rfork.pull.loader import Loader, load, pull_into

@@ -39,3 +39,27 @@ class LayoutError(RforkError, ValueError):
 
 class DestinationMismatch(RforkError, ValueError):
     """The caller's destination tensors disagree with the manifest (names, dtypes or shapes)."""
+
+
+class ConfigurationError(RforkError, ValueError):
+    """A setting is wrong (a malformed planner URL, an unknown or absent provider, a missing or refused
+    token): no retry or fallback can fix it, so the load stops at once. `setting` names it (`planner_url`,
+    `providers`, `token`, `register_token`, `protocol`); the message says what to change."""
+
+    def __init__(self, message: str, *, setting: str) -> None:
+        super().__init__(message)
+        self.setting = setting
+
+
+class SeedRequired(RforkError):
+    """No seed served a rank and the load was told not to fall back (`LoadOptions.require_seed`); the
+    message says why no seed served it."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived during a load (`signum` says which). A KeyboardInterrupt, so that no
+    `except Exception` swallows it: the load releases its lease and engine on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by signal {signum}")
+        self.signum = signum

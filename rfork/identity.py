@@ -4,6 +4,13 @@ interchangeable), the weights fingerprint, and the topology labels the planner's
 `SourceIdentity` is the planner's wire type (planner.contract): one definition for the planner, its client
 and rfork. Constructed in Python, quantization, tp/pp/ep/dp, framework, framework_version and
 device_kind have defaults; on the wire every field is required.
+
+An identity names the bytes and their layout, never the release of the program that holds them: seeds
+and loaders of different rfork releases share a fleet while the bytes and the wire protocol agree
+(planner.contract.protocol refuses a peer of another protocol). Checkpoint-named tensors (`rfork seed`,
+the hooks' checkpoint mode) carry framework "rfork" and `CHECKPOINT_LAYOUT` as framework_version: the
+version of how rfork lays a checkpoint out (names as in the checkpoint, TP shards by
+backends.sharding), raised only when that changes.
 """
 
 from __future__ import annotations
@@ -16,7 +23,10 @@ from collections.abc import Iterable
 
 from planner.contract import SourceIdentity
 
-__all__ = ["SourceIdentity", "default_labels", "fingerprint", "global_rank"]
+__all__ = ["CHECKPOINT_LAYOUT", "SourceIdentity", "default_labels", "fingerprint", "global_rank"]
+
+# framework_version of checkpoint-named identities: the layout's version (see the module docstring)
+CHECKPOINT_LAYOUT = "checkpoint-v1"
 
 
 def fingerprint(tensors: Iterable[tuple[str, str, Iterable[int]]]) -> str:

@@ -34,7 +34,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model-gb", type=float, default=d.model_gb, help="bytes per instance, GB")
     parser.add_argument("--nic-gbit", type=float, default=d.nic_gbit_s, help="NIC per node, Gbit/s")
-    parser.add_argument("--max-pulls", type=int, default=d.max_concurrent_pulls, help="pull limit per seed")
+    parser.add_argument(
+        "--max-concurrent-pulls",
+        "--max-pulls",
+        dest="max_pulls",
+        type=int,
+        default=d.max_concurrent_pulls,
+        help="pull limit per seed",
+    )
     parser.add_argument(
         "--disk-gbyte", type=float, default=d.disk_gbyte_s, help="local disk per node, GB/s (fallback)"
     )

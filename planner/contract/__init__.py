@@ -32,6 +32,7 @@ from planner.contract.errors import (
     NotFound,
     PlannerError,
     PlannerUnavailable,
+    ProtocolMismatch,
 )
 from planner.contract.integrity import digest_set
 from planner.contract.manifest import (
@@ -54,6 +55,7 @@ from planner.contract.wire import (
     Assignment,
     AssignmentRequest,
     Candidate,
+    CandidateReason,
     CompileCacheSource,
     CompileCacheSources,
     HeartbeatAnswer,
@@ -83,6 +85,7 @@ __all__ = [
     "AuthError",
     "BadRequest",
     "Candidate",
+    "CandidateReason",
     "CompileCacheSource",
     "CompileCacheSources",
     "Conflict",
@@ -103,6 +106,7 @@ __all__ = [
     "PlannerClient",
     "PlannerError",
     "PlannerUnavailable",
+    "ProtocolMismatch",
     "RankEndpoint",
     "RankManifest",
     "RankView",

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from planner.contract import protocol
 from planner.contract.errors import (
     AllBusy,
     AuthError,
@@ -23,9 +24,11 @@ from planner.contract.errors import (
     NotFound,
     PlannerError,
     PlannerUnavailable,
+    ProtocolMismatch,
 )
-from planner.contract.views import FleetView, InstancePage, ModelsPage, TransfersPage
+from planner.contract.views import AnchorsPage, AnchorView, FleetView, InstancePage, ModelsPage, TransfersPage
 from planner.contract.wire import (
+    AnchorUpload,
     Assignment,
     AssignmentRequest,
     CompileCacheRequest,
@@ -55,6 +58,7 @@ __all__ = [
     "PlannerClient",
     "PlannerError",
     "PlannerUnavailable",
+    "ProtocolMismatch",
 ]
 
 M = TypeVar("M", bound=BaseModel)
@@ -67,7 +71,9 @@ class PlannerClient:
         self.base_url = base_url.rstrip("/")
         # Plain http needs no TLS context (building the default one loads every CA: ~0.1-0.4 s).
         verify = not self.base_url.startswith("http://")
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, verify=verify)
+        # every request says which wire protocol it speaks (planner.contract.protocol)
+        headers = {protocol.HEADER: str(protocol.PROTOCOL_VERSION)}
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, verify=verify, headers=headers)
         self._owns_http = True
         self._auth: dict[str, str] = {}
         self.use_token(token)
@@ -263,6 +269,29 @@ class PlannerClient:
         op = f"renew assignment {assignment_id}"
         return self._call("POST", f"/v1/assignments/{assignment_id}/renew", op, LeaseRenewal)
 
+    # ---- anchors (admin) ---------------------------------------------------------------------
+    def put_anchor(self, body: AnchorUpload | Mapping[str, Any]) -> AnchorView:
+        """Set (or replace) an identity's rank anchor from a checkpoint's digests (`rfork digest` bodies)."""
+        with _checked("put anchor"):
+            upload = body if isinstance(body, AnchorUpload) else AnchorUpload.model_validate(body)
+        return self._call("PUT", "/v1/anchors", f"put anchor rank {upload.rank}", AnchorView, body=upload)
+
+    def list_anchors(
+        self, *, identity_key: str | None = None, limit: int = 1000, offset: int = 0
+    ) -> AnchorsPage:
+        """One page of anchors, oldest first (optionally of one identity)."""
+        params = {
+            "limit": limit,
+            "offset": offset,
+            **({"identity_key": identity_key} if identity_key else {}),
+        }
+        return self._call("GET", "/v1/anchors", "list anchors", AnchorsPage, params=params)
+
+    def revoke_anchor(self, identity_key: str, rank: int, checksum_algorithm: str) -> None:
+        """Revoke an anchor: nobody serves that rank until one is set again (NotFound if there is none)."""
+        op = f"revoke anchor {identity_key[:12]} rank {rank}"
+        self._call("DELETE", f"/v1/anchors/{identity_key}/{rank}/{checksum_algorithm}", op, None)
+
     # ---- views -------------------------------------------------------------------------------
     def models(self) -> ModelsPage:
         """Identities with their instance and READY counts."""
@@ -352,6 +381,8 @@ def _error(op: str, resp: httpx.Response) -> PlannerError:
         cls = NotFound
     elif code == 409:
         cls = Conflict
+    elif code == 400 and reason == protocol.REASON:
+        cls = ProtocolMismatch
     elif code in (400, 413, 422):
         cls = BadRequest
     elif code >= 500:

@@ -16,6 +16,11 @@ class BadRequest(PlannerError):
     """The planner refused the request's content (400/413/422); the message names the field."""
 
 
+class ProtocolMismatch(BadRequest):
+    """The planner does not speak this client's wire protocol (400 `protocol_version`,
+    planner.contract.protocol): no retry helps; run releases of one protocol."""
+
+
 class AuthError(PlannerError):
     """Missing or wrong token (401), or a token without the right (403)."""
 

@@ -296,6 +296,18 @@ class Anchor(BaseModel):
     instance_id: str
 
 
+class CandidateReason(BaseModel):
+    """Why a candidate has its place in the answer (planner.selection.rank_reason): what the policy
+    ranked it by, so a loader can say why it pulls from where it does."""
+
+    policy: str  # the selection policy that ranked it (load_aware, random, rendezvous)
+    tier: Literal["node", "rack", "zone", "elsewhere"]  # topology distance from the requester
+    active_leases: int  # its live pulls of this rank when the decision was made (this lease not counted)
+    max_concurrent_pulls: int
+    rack_hold: bool = False  # the rack-hold rule applied: this requester's rack holds seeds it must wait for
+    summary: str  # one line for logs, e.g. "same rack, 0/2 pulls busy: nearest tier, least loaded"
+
+
 class Candidate(BaseModel):
     """One ranked source for a rank: where to pull from, how, and what (its manifest)."""
 
@@ -309,6 +321,8 @@ class Candidate(BaseModel):
     anchor: Anchor
     # leased candidate only: present it to its control endpoint
     control_token: str | None = Field(default=None, repr=False)
+    # why it is ranked where it is; None from a planner before the field (older clients ignore it)
+    reason: CandidateReason | None = None
     manifest: Annotated[RankManifest | StoredManifest, ManifestOrStored] = Field(repr=False)
 
     def address_bytes(self) -> bytes:

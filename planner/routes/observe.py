@@ -7,7 +7,6 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
 from planner.auth import Principal
@@ -64,4 +63,5 @@ def metrics(request: Request, planner: Planner = Depends(get_planner)) -> Respon
     for status in ("INITIALIZING", "LOADING", "READY", "DRAINING", "STALE"):
         m.instances.labels(status=status).set(counts.get(status, 0))
     m.live_leases.set(planner.live_leases(time.time()))
-    return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+    body, content_type = m.exposition()
+    return Response(body, media_type=content_type)

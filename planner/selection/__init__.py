@@ -35,9 +35,11 @@ import random
 from collections.abc import Callable
 
 from planner.selection.base import (
+    RankReason,
     Requester,
     SeedView,
     SelectionPolicy,
+    rank_reason,
     rendezvous_score,
     tier_key,
     topology_distance,
@@ -60,6 +62,7 @@ __all__ = [
     "POLICY_NAMES",
     "LoadAwarePolicy",
     "RandomPolicy",
+    "RankReason",
     "RendezvousPolicy",
     "Requester",
     "SeedView",
@@ -67,6 +70,7 @@ __all__ = [
     "choose_provider",
     "make_policy",
     "policy_name",
+    "rank_reason",
     "rendezvous_score",
     "tier_key",
     "topology_distance",

@@ -74,3 +74,50 @@ class SelectionPolicy(Protocol):
     def rank(self, req: Requester, seeds: Sequence[SeedView]) -> list[SeedView]:
         """Best-first list of the seeds that are not busy."""
         ...
+
+
+TIERS = ("node", "rack", "zone", "elsewhere")  # topology_distance 0..3, as a CandidateReason names it
+_WHERE = ("same node", "same rack", "same zone", "another zone")
+# what each policy ranks by, for the candidate's reason (a policy not listed is named alone)
+POLICY_ORDER = {
+    "load_aware": "nearest tier, then least loaded, then a hash spreads ties",
+    "random": "random order of the free seeds",
+    "rendezvous": "rendezvous hash of the requester and the seed",
+}
+
+
+@dataclass(frozen=True)
+class RankReason:
+    """Why a seed is where it is in a decision (the wire's CandidateReason, as plain data)."""
+
+    policy: str
+    tier: str
+    active_leases: int
+    max_concurrent_pulls: int
+    rack_hold: bool
+    summary: str
+
+
+def rank_reason(policy: str, req: Requester, seed: SeedView, *, rack_hold: bool = False) -> RankReason:
+    """The reason for `seed`'s place in `policy`'s order for `req`. `rack_hold`: the rack-hold rule
+    applied to this decision (the requester's rack is checked for seeds first)."""
+    distance = topology_distance(req, seed)
+    summary = (
+        f"{_WHERE[distance]} (node {seed.node or '?'}, rack {seed.rack or '?'}), "
+        f"{seed.active_leases}/{seed.max_concurrent_pulls} pulls busy; "
+        f"{policy}: {POLICY_ORDER.get(policy, 'its own order')}"
+    )
+    if rack_hold:
+        summary += (
+            "; rack hold: a seed in the requester's rack"
+            if req.rack and req.rack == seed.rack
+            else "; rack hold: the requester's rack has no seed that could serve it"
+        )
+    return RankReason(
+        policy=policy,
+        tier=TIERS[distance],
+        active_leases=seed.active_leases,
+        max_concurrent_pulls=seed.max_concurrent_pulls,
+        rack_hold=rack_hold,
+        summary=summary,
+    )

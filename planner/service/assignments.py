@@ -7,6 +7,7 @@ The hot path: Core statements (planner.queries) in the caller's transaction, the
 from __future__ import annotations
 
 import base64
+import dataclasses
 import datetime as dt
 import functools
 import logging
@@ -20,7 +21,7 @@ from sqlalchemy import Connection
 
 from planner.contract import control_token, wire
 from planner.contract.errors import NoSource
-from planner.selection import Requester, SeedView, choose_provider, tier_key
+from planner.selection import RankReason, Requester, SeedView, choose_provider, rank_reason, tier_key
 from planner.service.base import now_or_clock
 from planner.service.busy import BusyOps, decisions, waiter_tie
 
@@ -137,7 +138,8 @@ class AssignmentOps(BusyOps):
             },
         )
         self._note_lease(lease_id, body.labels.node, body.labels.rack, body.serves_after > 0)
-        chosen = [v.instance_id for v in ranked]
+        reasons = {v.instance_id: rank_reason(self.policy.name, req, v, rack_hold=hold) for v in ranked}
+        chosen = list(reasons)
         if decisions.isEnabledFor(logging.DEBUG):
             decisions.debug(
                 "lease node=%s rank=%d waited=%.2f seed=%s (node %s, %d active) of %d free",
@@ -151,7 +153,7 @@ class AssignmentOps(BusyOps):
             )
         details = {d.id: d for d in sql.chosen_details.rows(s, {"b_ids": chosen, "b_rank": body.rank})}
         return functools.partial(
-            self._assignment, key, now, body, chosen, by_id, details, lease_id, expires_at
+            self._assignment, key, now, body, reasons, by_id, details, lease_id, expires_at
         )
 
     def _rack_busy(
@@ -178,13 +180,15 @@ class AssignmentOps(BusyOps):
         key: str,
         now: float,
         body: wire.AssignmentRequest,
-        chosen: Sequence[str],
+        reasons: dict[str, RankReason],
         by_id: dict[str, Any],
         details: dict[str, Any],
         lease_id: str,
         expires_at: float,
     ) -> wire.Assignment:
-        """The 201's body: the chosen candidates, a control token for the first."""
+        """The 201's body: the chosen candidates in their order, each with its reason, a control token
+        for the first."""
+        chosen = list(reasons)
         candidates = []
         for iid in chosen:
             r, provider = by_id[iid]
@@ -215,6 +219,7 @@ class AssignmentOps(BusyOps):
                         instance_id=r.anchored_by,
                     ),
                     control_token=token,
+                    reason=wire.CandidateReason(**dataclasses.asdict(reasons[iid])),
                     manifest=wire.StoredManifest(d.body),  # as stored: never parsed here
                 )
             )

@@ -228,20 +228,29 @@ function hide() {
   for (const id of ["tree", "plot"]) document.getElementById(id).replaceChildren();
 }
 
+// Why the last token was refused: shown until the user gives another token (a poll without one
+// would otherwise replace it with the generic prompt a second later).
+let refused = null;
+
 async function poll() {
   const token = sessionStorage.getItem(TOKEN_KEY);
-  if (!token) { hide(); setStatus("Paste a reader token to see the fleet.", false); return; }
   let resp;
   try {
-    resp = await fetch("/v1/fleet", { headers: { Authorization: "Bearer " + token }, cache: "no-store" });
+    // without a token too: an insecure planner (planner serve --insecure) answers anyone
+    const headers = token ? { Authorization: "Bearer " + token } : {};
+    resp = await fetch("/v1/fleet", { headers: headers, cache: "no-store" });
   } catch (err) {
     setStatus("planner unreachable: " + err, true);
     return;
   }
   if (resp.status === 401 || resp.status === 403) {
-    sessionStorage.removeItem(TOKEN_KEY);
+    if (token) {
+      sessionStorage.removeItem(TOKEN_KEY);
+      refused = "The planner refused this token (" + resp.status + "). Paste a reader token.";
+    }
     hide();
-    setStatus("The planner refused this token (" + resp.status + "). Paste a reader token.", true);
+    document.getElementById("login").hidden = false;
+    setStatus(refused || "Paste a reader token to see the fleet.", refused !== null);
     return;
   }
   if (!resp.ok) { setStatus("planner answered " + resp.status, true); return; }
@@ -252,8 +261,10 @@ async function poll() {
   drawTransfers(view);
   drawRefusals(view);
   document.getElementById("fleet").hidden = false;
+  document.getElementById("login").hidden = !token;  // no token and an answer: the planner needs none
   const live = view.edges.filter((e) => e.live).length;
-  setStatus("updated " + clock(view.now) + " · " + view.instances.length + " instances · " + live + " pulls in progress", false);
+  const open = token ? "" : " · this planner runs without auth (no token needed)";
+  setStatus("updated " + clock(view.now) + " · " + view.instances.length + " instances · " + live + " pulls in progress" + open, false);
   document.body.setAttribute("data-updated", String(view.now));
 }
 
@@ -268,11 +279,15 @@ document.addEventListener("DOMContentLoaded", () => {
     const input = document.getElementById("token");
     const token = input.value.trim();
     input.value = "";
-    if (token) sessionStorage.setItem(TOKEN_KEY, token);
+    if (token) {
+      sessionStorage.setItem(TOKEN_KEY, token);
+      refused = null;  // a new token: the old refusal no longer applies
+    }
     schedule();
   });
   document.getElementById("forget").addEventListener("click", () => {
     sessionStorage.removeItem(TOKEN_KEY);
+    refused = null;
     hide();
     setStatus("Token forgotten. Paste a reader token to see the fleet.", false);
   });

@@ -5,15 +5,44 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from rfork.cli import signals
+from rfork.cli.logs import human_bytes, progress_bar
+from rfork.cli.options import (
+    add_insecure,
+    add_max_pulls,
+    add_metrics,
+    add_planner,
+    add_provider,
+    env,
+    providers_of,
+)
 from rfork.cli.tokens import add_token_file, read_token
+from rfork.errors import ConfigurationError
 
 log = logging.getLogger("rfork.load")
+
+DESCRIPTION = """Start an instance by pulling its weights from a seed (else NCCL, else disk), then
+serve as a seed.
+
+A wrong setting (a planner URL that is not one, an unknown or absent provider, a missing or refused
+token) stops at once with one line and status 2. An outage (planner unreachable, no seed, every seed
+busy, failed pulls) loads from disk with a WARNING saying why, unless --require-seed. SIGINT/SIGTERM
+during the pull releases the lease and exits 130/143. Topology labels: $RFORK_NODE, $RFORK_RACK,
+$RFORK_ZONE (default: the hostname, rack0, zone0)."""
+
+# what to change for each setting a ConfigurationError names (rfork.cli.main adds it to the line)
+FIXES = {
+    "token": "the load token: --token-file, $RFORK_TOKEN or $RFORK_TOKEN_FILE; or --insecure for a planner "
+    "without auth",
+    "register_token": "a token with the register role: --register-token-file, $RFORK_REGISTER_TOKEN or "
+    "$RFORK_REGISTER_TOKEN_FILE; or --no-serve",
+}
+INTERRUPTED = "the pull's lease was released and nothing is served"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +50,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--checkpoint-id",
         default=None,
-        help="MODEL[@REVISION]: take the identity from a READY seed of that model on the planner",
+        metavar="MODEL[@REVISION]",
+        help="take the identity from a READY seed of that model on the planner",
     )
     parser.add_argument(
         "--checkpoint",
@@ -29,13 +59,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="local checkpoint directory: gives the identity and the disk fallback",
     )
-    parser.add_argument("--planner", default=None, help="planner base URL (without one: disk only)")
-    parser.add_argument(
-        "--provider",
-        action="append",
-        default=None,
-        help="transport provider(s) this instance speaks (default tcp)",
-    )
+    add_planner(parser, what="planner base URL (without one: disk only)")
+    add_provider(parser, what="transport provider(s) this instance speaks")
     parser.add_argument(
         "--tp", type=int, default=None, help="tensor-parallel size (default: identity's or 1)"
     )
@@ -43,19 +68,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_token_file(
         parser, "--register-token-file", env=("RFORK_REGISTER_TOKEN",), role="register (to become a seed)"
     )
-    parser.add_argument(
-        "--insecure-ok", action="store_true", help="allow talking to the planner without a token"
-    )
+    add_insecure(parser)
     parser.add_argument("--exclude", action="append", default=[], help="never pull from this instance id")
     parser.add_argument(
-        "--then",
-        choices=("serve", "exit"),
-        default="serve",
-        help="after loading: serve as a seed until SIGTERM (default), or exit",
+        "--no-serve",
+        action="store_true",
+        help="exit after loading instead of serving as a seed until SIGTERM",
     )
-    parser.add_argument("--timeout", type=float, default=5.0, help="dead-peer timeout for transfers, seconds")
-    parser.add_argument("--chunk-mib", type=int, default=8, help="bytes per read (MiB, default 8)")
-    parser.add_argument("--inflight", type=int, default=8, help="reads in flight (default 8)")
+    parser.add_argument(
+        "--then", choices=("serve", "exit"), default=None, help=argparse.SUPPRESS
+    )  # old spelling
+    parser.add_argument(
+        "--require-seed",
+        action="store_true",
+        default=(env("RFORK_REQUIRE_SEED", "") or "").lower() in ("1", "true", "yes", "on"),
+        help="fail (status 1) instead of loading from disk when no seed serves a rank "
+        "(default: $RFORK_REQUIRE_SEED, else off)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=5.0, metavar="SECONDS", help="dead-peer timeout for transfers"
+    )
+    parser.add_argument("--chunk-mib", type=int, default=8, help="bytes per read, MiB")
+    parser.add_argument("--inflight", type=int, default=8, help="reads in flight")
     parser.add_argument(
         "--fallback-gbps",
         type=float,
@@ -63,11 +97,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="checkpoint read rate, GB/s, that the planner weighs against waiting for a busy seed "
         "(0: never fall back while seeds are busy; default 2)",
     )
-    parser.add_argument(
-        "--max-concurrent-pulls", type=int, default=2, help="pull limit once this instance is a seed"
-    )
+    add_max_pulls(parser)
     parser.add_argument("--json", type=Path, default=None, help="write the outcome as JSON here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_metrics(parser)
 
 
 def resolve_identity(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -100,19 +133,39 @@ def resolve_identity(args: argparse.Namespace) -> tuple[Any, Any]:
     raise ValueError(f"no READY seed of {args.checkpoint_id!r} on {args.planner} and no --checkpoint to load")
 
 
+def check_settings(args: argparse.Namespace) -> list[str]:
+    """Every setting that no fallback can fix, checked before anything starts; the provider names."""
+    # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    from rfork.pull.checks import check_planner_url, check_provider_names, check_providers_present
+
+    args.token = read_token(args.token_file, env=("RFORK_TOKEN",))
+    args.register_token = read_token(args.register_token_file, env=("RFORK_REGISTER_TOKEN",))
+    args.planner = check_planner_url(args.planner)
+    providers = check_provider_names(providers_of(args.provider))
+    if args.planner and not args.token and not args.insecure:
+        raise ConfigurationError("no planner token given", setting="token")
+    if args.require_seed and not args.planner:
+        raise ConfigurationError("--require-seed needs a planner to ask for a seed", setting="planner_url")
+    if args.planner:
+        check_providers_present(providers)  # probes libfabric on this (main) thread, which ...
+        signals.install()  # ... replaced our handlers with its own: put them back
+    return providers
+
+
 def run(args: argparse.Namespace) -> int:
     """Load (R-Fork, NCCL or disk), verify, report; then serve or exit."""
     started = time.time()
-    args.token = read_token(args.token_file, env=("RFORK_TOKEN",))
-    args.register_token = read_token(args.register_token_file, env=("RFORK_REGISTER_TOKEN",))
-    if args.planner and not args.token and not args.insecure_ok:
-        raise ValueError("no planner token: set $RFORK_TOKEN (or pass --token-file), or --insecure-ok")
+    signals.install()  # from here a signal unwinds the load: lease released, engine closed
+    serve = not args.no_serve and args.then != "exit"
+    providers = check_settings(args)
     # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+    from rfork import metrics
     from rfork.pull.loader import Loader
     from rfork.pull.one_sided import warm_transport
     from rfork.pull.result import LoadOptions
 
-    providers = [p.strip() for v in (args.provider or ["tcp"]) for p in v.split(",") if p.strip()]
+    if args.metrics_port is not None:
+        metrics.serve_metrics(args.metrics_port, args.metrics_host)
     if args.planner:
         warm_transport(providers)  # while the identity is resolved below
     identity, info = resolve_identity(args)
@@ -122,49 +175,50 @@ def run(args: argparse.Namespace) -> int:
         max_inflight=args.inflight,
         transfer_timeout_s=args.timeout,
         exclude=args.exclude,
-        become_seed=args.then == "serve",
+        become_seed=serve,
         fallback_gbps=args.fallback_gbps or None,
         max_concurrent_pulls=args.max_concurrent_pulls,
+        require_seed=args.require_seed,
     )
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        stop.set()
-
-    progress, finish = _progress_bar(enabled=not args.no_progress)
-    loader = Loader(
-        identity=identity,
-        planner_url=args.planner,
-        token=args.token or None,
-        register_token=args.register_token or None,
-        checkpoint=info,
-        options=options,
-        progress=progress,
-    )
-    # The engine opens on a helper thread and the planner client is built now, as a framework hook
-    # would do while it builds its model; `seconds` in the output counts from the load call on.
-    loader.prepare()
-    try:
+    with progress_bar("loading weights", enabled=not args.no_progress) as update:
+        loader = Loader(
+            identity=identity,
+            planner_url=args.planner,
+            token=args.token or None,
+            register_token=args.register_token or None,
+            checkpoint=info,
+            options=options,
+            progress=update,
+        )
+        # The engine opens on a helper thread and the planner client is built now, as a framework hook
+        # would do while it builds its model; `seconds` in the output counts from the load call on.
+        loader.prepare()
         result = loader.load()
-    finally:
-        finish()
     try:
-        _report_and_serve(args, result, started, stop, on_signal)
-    except KeyboardInterrupt:
-        log.info("interrupted: draining")
+        _check_seed(result, serve)
+        _report_and_serve(args, result, started)
     finally:
         result.close()  # also on an error (e.g. a full disk for --json): drain, never leave a stray seed
     return 0
 
 
-def _report_and_serve(
-    args: argparse.Namespace, result: Any, started: float, stop: Any, on_signal: Any
-) -> None:
-    """Write --json, print the outcome, then serve as a seed until told to stop."""
+def _check_seed(result: Any, serve: bool) -> None:
+    """The load asked to serve but could not become a seed: a refused token is a setting; else an error."""
+    if not serve or result.seed_error is None:
+        return
+    if result.seed_error.startswith("AuthError"):
+        raise ConfigurationError(
+            f"loaded, but the planner refused to register this instance as a seed ({result.seed_error})",
+            setting="register_token",
+        )
+    raise RuntimeError(f"loaded, but could not become a seed: {result.seed_error}")
+
+
+def _report_and_serve(args: argparse.Namespace, result: Any, started: float) -> None:
+    """Write --json, print the outcome, then serve as a seed until SIGTERM/SIGINT."""
     verified_at = time.time()
-    # after the engine opened: libfabric may have replaced the handlers (see rfork.cli.seed)
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = threading.Event()
+    signals.install(lambda _signum, _frame: stop.set())  # serving: a signal drains, status 0
     out = {
         "source": result.source,
         "bytes": result.bytes,
@@ -186,33 +240,18 @@ def _report_and_serve(
             tmp.unlink(missing_ok=True)
             raise
     print(
-        f"loaded {result.bytes} bytes from {result.source} in {result.seconds:.2f} s "
+        f"loaded {human_bytes(result.bytes)} from {result.source} in {result.seconds:.2f} s "
         f"({out['gb_per_s']:.2f} GB/s), "
         + ("checksums verified" if result.verified else "not verified (disk: no digests to compare)"),
         flush=True,
     )
     if result.seed is not None:
+        # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
+        from rfork import metrics
+
+        metrics.SEED_BYTES.set(result.bytes)
+        metrics.SEED_INSTANCES.set(len(result.seed.instance_ids))
         print(f"serving as seed {', '.join(result.seed.instance_ids)}; Ctrl-C to stop", flush=True)
         while not stop.wait(0.5):
             pass
-
-
-def _progress_bar(*, enabled: bool) -> tuple[Any, Any]:
-    if not enabled:
-        return None, lambda: None
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
-    bar = Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        transient=True,
-    )
-    task = bar.add_task("pulling weights", total=None)
-    bar.start()
-
-    def update(done: int, total: int) -> None:
-        bar.update(task, completed=done, total=total)
-
-    return update, bar.stop
+        log.info("draining")

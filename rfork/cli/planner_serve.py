@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+DESCRIPTION = """Serve the planner REST API (migrates the database first), printing its address once bound.
+
+Settings also come from the environment (docs/operations.md): $RFORK_DB_URL, the tokens
+$RFORK_ADMIN_TOKEN, $RFORK_REGISTER_TOKEN, $RFORK_ANCHOR_TOKEN, $RFORK_LOAD_TOKEN, $RFORK_READER_TOKEN
+(each also as a file: $RFORK_ADMIN_TOKEN_FILE, ...), $RFORK_CONTROL_SECRET(_FILE),
+$RFORK_SELECTION_POLICY, $RFORK_RACK_HOLD, $RFORK_HEARTBEAT_TTL_S, $RFORK_LEASE_TTL_S,
+$RFORK_MAX_CANDIDATES and the rest of planner/settings.py (RFORK_<FIELD>)."""
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Options: --db, --host, --port, --insecure, --no-migrate, --policy, --workers."""
@@ -15,7 +23,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--db", default=None, help="SQLAlchemy URL (default: RFORK_DB_URL or sqlite:///rfork-planner.db)"
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8470, help="port (default 8470; 0 picks a free one)")
+    parser.add_argument(
+        "--port", type=int, default=8470, help="port (default 8470; 0 picks a free one, printed once bound)"
+    )
     parser.add_argument(
         "--insecure", action="store_true", help="run without bearer-token auth (logs a warning)"
     )
@@ -40,15 +50,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Migrate (or check the schema, --no-migrate), then serve until interrupted."""
+    """Migrate (or check the schema, --no-migrate), bind, print the real address, then serve until
+    interrupted."""
     import logging
     import os
 
-    import uvicorn
+    import sqlalchemy.exc
 
     # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from planner import PlannerSettings, check_schema, migrate
     from planner.app import create_app
+    from rfork.cli.serving import address, bind, database_problem, serve
 
     overrides: dict[str, object] = {}
     if args.db:
@@ -60,34 +72,25 @@ def run(args: argparse.Namespace) -> int:
     if args.no_migrate:
         overrides["no_migrate"] = True
     settings = PlannerSettings(**overrides)  # type: ignore[arg-type]
-    app = create_app(settings)  # refuses early when no token is configured and not --insecure
-    if settings.no_migrate:
-        check_schema(settings.db_url)
-    else:
-        migrate(settings.db_url)  # under a lock: any number of planners may start at once
+    try:
+        app = create_app(settings)  # refuses early when no token is configured and not --insecure
+        sock = bind(args.host, args.port)  # a taken port is said before a migration runs
+        if settings.no_migrate:
+            check_schema(settings.db_url)
+        else:
+            migrate(settings.db_url)  # under a lock: any number of planners may start at once
+    except sqlalchemy.exc.SQLAlchemyError as exc:
+        raise database_problem(exc, settings.db_url) from exc
     logging.getLogger("planner").setLevel(logging.INFO)
-    print(
-        f"planner listening on http://{args.host}:{args.port} (db {settings.db_url.split('@')[-1]},"
-        f" policy {settings.selection_policy})",
-        flush=True,
-    )
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"fleet page: http://{host}:{args.port}/ui (paste a token with the reader role)", flush=True)
-    if args.workers <= 1:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
-        return 0
-    # several processes: each builds its app from the environment (RFORK_*), like a fresh `serve`
-    os.environ["RFORK_DB_URL"] = settings.db_url
-    os.environ["RFORK_SELECTION_POLICY"] = settings.selection_policy
-    if settings.insecure:
-        os.environ["RFORK_INSECURE"] = "1"
-    uvicorn.run(
-        "planner.app:app_from_env",
-        factory=True,
-        workers=args.workers,
-        host=args.host,
-        port=args.port,
-        log_level="warning",
-        access_log=False,
-    )
+    url = address(sock)
+    db = settings.db_url.split("@")[-1]
+    print(f"planner listening on {url} (db {db}, policy {settings.selection_policy})")
+    who = "no token needed: --insecure" if settings.insecure else "paste a token with the reader role"
+    print(f"fleet page: {url}/ui ({who}); API docs: {url}/docs", flush=True)
+    if args.workers > 1:  # each worker builds its app from the environment (RFORK_*), like a fresh `serve`
+        os.environ["RFORK_DB_URL"] = settings.db_url
+        os.environ["RFORK_SELECTION_POLICY"] = settings.selection_policy
+        if settings.insecure:
+            os.environ["RFORK_INSECURE"] = "1"
+    serve(app, sock=sock, workers=args.workers)
     return 0

@@ -13,6 +13,7 @@ from rfork.integrations.hook.launch import (
     exec_server,
     flag_values,
     server_args,
+    token_environment,
     with_plugin_enabled,
     with_rfork_load_format,
 )
@@ -70,7 +71,7 @@ def build_command(
     command, rest = ([sys.executable, "-m", _SERVER_MODULE], rest) if rest[0].startswith("-") else ([], rest)
     check_sglang_args(rest)
     argv = [*command, *with_rfork_load_format(args, rest, environ)]
-    return argv, with_plugin_enabled(environ, "SGLANG_PLUGINS")
+    return argv, with_plugin_enabled(token_environment(args, environ), "SGLANG_PLUGINS")
 
 
 def run(args: argparse.Namespace) -> int:

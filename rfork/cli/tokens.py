@@ -10,13 +10,15 @@ from rfork.env_secrets import env_secret
 
 
 def add_token_file(parser: argparse.ArgumentParser, flag: str, *, env: tuple[str, ...], role: str) -> None:
-    """`flag` PATH: read the token with `role` from that file (default: the first of `env` that is set)."""
+    """`flag` PATH: read the token with `role` from that file (default: the first of `env`, or of their
+    `_FILE` forms, that is set)."""
+    names = ", ".join(f"${n} or ${n}_FILE" for n in env)
     parser.add_argument(
         flag,
         type=Path,
         default=None,
         metavar="PATH",
-        help=f"file holding the planner token with the {role} role (default ${', $'.join(env)})",
+        help=f"file holding the planner token with the {role} role (default: {names})",
     )
 
 

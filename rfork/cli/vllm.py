@@ -15,6 +15,7 @@ from rfork.integrations.hook.launch import (
     exec_server,
     flag_values,
     server_args,
+    token_environment,
     with_plugin_enabled,
     with_rfork_load_format,
 )
@@ -76,7 +77,7 @@ def build_command(
             rest = ["--model", *rest]  # `vllm serve MODEL` spells it as a positional
     check_vllm_args(rest)
     argv = [*command, *with_rfork_load_format(args, rest, environ)]
-    return argv, with_plugin_enabled(environ, "VLLM_PLUGINS")
+    return argv, with_plugin_enabled(token_environment(args, environ), "VLLM_PLUGINS")
 
 
 def run(args: argparse.Namespace) -> int:

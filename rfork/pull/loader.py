@@ -27,8 +27,11 @@ from pathlib import Path
 
 import torch
 
-from rfork.errors import DestinationMismatch, PullError
+from backends.errors import BackendUnavailable
+from rfork import metrics
+from rfork.errors import ConfigurationError, DestinationMismatch, PullError, SeedRequired
 from rfork.identity import SourceIdentity
+from rfork.pull.checks import check_planner_url, check_provider_names
 from rfork.pull.disk import load_from_disk
 from rfork.pull.nccl import pull_nccl
 from rfork.pull.one_sided import OneSidedReader
@@ -61,12 +64,13 @@ class Loader:
         register_token: str | None = None,
     ) -> None:
         self.identity = identity
-        self.planner_url = planner_url
+        self.planner_url = planner_url = check_planner_url(planner_url)  # a typo is fatal, not a disk load
         self.register_token = register_token or token
         if checkpoint is not None and not isinstance(checkpoint, CheckpointInfo):
             checkpoint = read_checkpoint_info(checkpoint)
         self.checkpoint = checkpoint
         self.options = options or LoadOptions()
+        check_provider_names(self.options.providers)
         self.progress = progress
         self.planner = PlannerSession(
             planner_url=planner_url,
@@ -132,7 +136,7 @@ class Loader:
             attempts=attempts,
             phases=_phases(attempts, self.planner.seconds, seconds),
         )
-        log.info("load phases (s): %s", ", ".join(f"{k} {v:.3f}" for k, v in result.phases.items()))
+        log.debug("load phases (s): %s", ", ".join(f"{k} {v:.3f}" for k, v in result.phases.items()))
         log.info(
             "loaded %d rank(s), %d bytes, from %s in %.3f s (%.2f GB/s), %s",
             len(ranks),
@@ -157,7 +161,8 @@ class Loader:
             result.seed_error = f"{type(exc).__name__}: {exc}"
             result.close()
             self.reader.close()
-            log.exception("loaded, but could not become a seed; serving nothing")
+            log.warning("loaded, but could not become a seed (serving nothing): %s", result.seed_error)
+            log.debug("becoming a seed failed", exc_info=True)
         return result
 
     def _load_rank(
@@ -176,8 +181,12 @@ class Loader:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure moves on to the next candidate
                 seconds = time.perf_counter() - started
+                metrics.pull_finished(source=source.name, outcome="failure")
+                if isinstance(exc, ConfigurationError):  # this machine cannot speak the provider
+                    source.failed(exc, seconds)
+                    raise
                 log.warning(
-                    "rank %d from %s (%s) failed after %.3f s: %s",
+                    "rank %d from seed %s (%s) failed after %.3f s, trying the next source: %s",
                     rank,
                     source.instance_id,
                     source.name,
@@ -198,6 +207,10 @@ class Loader:
                 source.failed(exc, seconds)
                 self.reader.fence()  # before anything else writes into the same memory
                 continue
+            except BaseException as exc:  # a signal (Interrupted, KeyboardInterrupt): free the slot now
+                source.aborted(exc, time.perf_counter() - started)
+                metrics.pull_finished(source=source.name, outcome="aborted")
+                raise
             seconds = time.perf_counter() - started
             nbytes = served.weights.layout.total_bytes
             attempts.append(
@@ -212,6 +225,9 @@ class Loader:
                 )
             )
             source.succeeded(nbytes, seconds)
+            metrics.pull_finished(source=source.name, outcome="success", nbytes=nbytes, seconds=seconds)
+            if "verify" in phases:
+                metrics.VERIFY_SECONDS.observe(phases["verify"] + phases.get("verify_tail", 0.0))
             log.info(
                 "rank %d: %d bytes from %s via %s in %.3f s, verified",
                 rank,
@@ -222,6 +238,17 @@ class Loader:
             )
             served.weights.origin = "peer"
             return served, source.name
+        kind, why = self.planner.miss or ("no_seed", "no seed served it")
+        metrics.fell_back(kind)
+        if self.options.require_seed:
+            raise SeedRequired(
+                f"rank {rank}: no seed served it ({why}); require_seed forbids loading from disk"
+            )
+        if self.planner_url is None:
+            log.info("rank %d: loading from disk (no planner given)", rank)
+        else:
+            log.warning("rank %d: loading from disk: %s", rank, why)
+        t_disk = time.perf_counter()
         weights = load_from_disk(
             self.checkpoint,
             rank=rank,
@@ -229,6 +256,12 @@ class Loader:
             dest=dest,
             attempts=attempts,
             progress=self.progress,
+        )
+        metrics.pull_finished(
+            source="disk",
+            outcome="success",
+            nbytes=weights.layout.total_bytes,
+            seconds=time.perf_counter() - t_disk,
         )
         return ServedRank(weights=weights), "disk"
 
@@ -252,6 +285,15 @@ class Loader:
         if source.name == "nccl":
             pull_nccl(source.candidate, manifest, dest, timeout_s=self.options.rank_deadline_s)
             return ServedRank(weights=dest)
+        try:
+            self.reader.engine()  # opened on a helper thread since prepare()
+        except (
+            BackendUnavailable
+        ) as exc:  # this machine cannot open the provider: a setting, not a seed fault
+            raise ConfigurationError(
+                f"transport provider {self.options.one_sided[0]} cannot open on this machine: {exc}",
+                setting="providers",
+            ) from exc
         client = self.planner.client
         reporter = (
             None

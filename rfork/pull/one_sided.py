@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -447,7 +448,11 @@ class _ReadPipeline:
             faulted.finish()
             for fut, _ in inflight:
                 fut.cancel()
-            if not ok:
+            # a signal (Ctrl-C, SIGTERM): no waiting out reads stuck on a stalled seed (up to the transfer
+            # timeout); the caller closes the engine next, which keeps whatever is still posted to open
+            # memory, and the lease is reported at once
+            stopping = isinstance(sys.exc_info()[1], KeyboardInterrupt)
+            if not ok and not stopping:
                 # outstanding reads may still land in these buffers: wait them out before releasing
                 for fut, _ in inflight:
                     with contextlib.suppress(Exception):

@@ -32,13 +32,17 @@ from planner.contract import (
     AllBusy,
     Anchor,
     Assignment,
+    AuthError,
+    BadRequest,
     Candidate,
+    NotFound,
     PlannerClient,
     PlannerUnavailable,
+    ProtocolMismatch,
     RankManifest,
     digest_set,
 )
-from rfork.errors import ChecksumMismatch, ManifestError, PullError
+from rfork.errors import ChecksumMismatch, ConfigurationError, ManifestError, PullError
 from rfork.identity import SourceIdentity, default_labels
 from rfork.pull.result import BusyWait, LoadOptions
 
@@ -183,6 +187,14 @@ class Source:
             self.renewer.stop()
         self.session.report(self, ok=False, nbytes=0, seconds=seconds, error=error)
 
+    def aborted(self, error: BaseException, seconds: float) -> None:
+        """Report that this loader stopped the pull (a signal): the lease ends now, so the seed's slot is
+        free at once, and the reason `aborted` is never held against the seed."""
+        self.outcome = False
+        if self.renewer is not None:
+            self.renewer.stop()
+        self.session.report(self, ok=False, nbytes=0, seconds=seconds, error=error, reason="aborted")
+
 
 def check_anchor(seed_id: str, anchor: Anchor | None, manifest: RankManifest) -> None:
     """ChecksumMismatch unless `manifest`'s digest set is the anchored one for its algorithm."""
@@ -234,6 +246,9 @@ class PlannerSession:
         # waited since then, so it keeps its place in the planner's line instead of queueing behind
         # everyone who started with it (a cut seed's loader lost a whole generation on the emulated fleet)
         self._first_ask: dict[int, float] = {}
+        # why the last `sources(rank)` ended without a pull that worked: (kind, one line); kind is the
+        # fallback's metric label (rfork.metrics.FALLBACKS)
+        self.miss: tuple[str, str] | None = None
 
     @property
     def client(self) -> PlannerClient | None:
@@ -245,17 +260,25 @@ class PlannerSession:
         return self._client
 
     def sources(self, rank: int) -> Iterator[Source]:
-        """Sources for `rank` until one succeeds, the attempts run out or no seed is left."""
+        """Sources for `rank` until one succeeds, the attempts run out or no seed is left; when the
+        sequence ends without a success, `miss` says why. A setting the planner refuses (token, wire
+        protocol, URL) raises ConfigurationError instead: no fallback can fix it."""
+        self.miss = ("no_planner", "no planner URL given")
         client = self.client
         if client is None:
             return
         one_sided = self.options.one_sided
         excluded = list(self.options.exclude)
+        failures: list[str] = []
         for _ in range(self.options.max_attempts):
+            self.miss = None
             assignment = self._ask(rank, excluded, one_sided) if one_sided else None
-            if assignment is None and self.options.nccl:
+            unreachable = self.miss is not None and self.miss[0] == "planner_unreachable"
+            if assignment is None and self.options.nccl and not unreachable:
                 assignment = self._ask(rank, excluded, [*one_sided, "nccl"])
             if assignment is None:
+                if failures and self.miss is not None and self.miss[0] == "no_seed":
+                    self.miss = ("pulls_failed", f"every seed tried failed ({'; '.join(failures)})")
                 return
             cand = assignment.candidates[0]
             if cand.provider in one_sided or "nccl" not in (cand.backends or ()):
@@ -270,16 +293,28 @@ class PlannerSession:
                 renewer.stop()
             if source.outcome:
                 return
+            failures.append(f"{cand.instance_id[:8]} over {name}")
             excluded.append(cand.instance_id)
+        self.miss = (
+            "pulls_failed",
+            f"{len(failures)} pull(s) failed ({'; '.join(failures)}), no attempt left",
+        )
 
     def report(
-        self, source: Source, *, ok: bool, nbytes: int, seconds: float, error: BaseException | None
+        self,
+        source: Source,
+        *,
+        ok: bool,
+        nbytes: int,
+        seconds: float,
+        error: BaseException | None,
+        reason: str | None = None,
     ) -> None:
-        """End the lease with the pull's outcome; a lost report never fails the load."""
+        """End the lease with the pull's outcome; a lost report never fails the load. `reason`
+        overrides the one read from `error` (`aborted`)."""
         if ok:
-            reason = None
             self._pulled.append(source.assignment.id)
-        else:
+        elif reason is None:
             reason = None if error is None else fault_reason(error)
         t0 = time.perf_counter()
         try:
@@ -325,19 +360,29 @@ class PlannerSession:
             None if self._fallback_bytes is None else self._fallback_bytes // max(self.identity.world_size, 1)
         )
 
+        busy: list[AllBusy] = []  # the last 429, while the latest answer was one
+
         def ask(waited_s: float) -> Assignment | None:
-            return client.request_assignment(
-                identity=self.identity,
-                rank=rank,
-                labels=dict(options.labels or default_labels()),
-                providers=options.one_sided,
-                backends=backends,
-                requester_id=None,
-                exclude=excluded,
-                fallback_s=None if per_rank is None else fallback_seconds(per_rank, options.fallback_gbps),
-                serves_after=options.max_concurrent_pulls if options.become_seed else 0,
-                waited_s=waited_s,
-            )
+            try:
+                found = client.request_assignment(
+                    identity=self.identity,
+                    rank=rank,
+                    labels=dict(options.labels or default_labels()),
+                    providers=options.one_sided,
+                    backends=backends,
+                    requester_id=None,
+                    exclude=excluded,
+                    fallback_s=None
+                    if per_rank is None
+                    else fallback_seconds(per_rank, options.fallback_gbps),
+                    serves_after=options.max_concurrent_pulls if options.become_seed else 0,
+                    waited_s=waited_s,
+                )
+            except AllBusy as exc:
+                busy[:] = [exc]
+                raise
+            busy.clear()
+            return found
 
         t0 = time.perf_counter()
         since = self._first_ask.setdefault(rank, time.monotonic())
@@ -350,21 +395,60 @@ class PlannerSession:
                 outage_type=PlannerUnavailable,
                 since=since,
             )
-        except Exception as exc:  # noqa: BLE001 - a planner outage must still end in the disk fallback
-            log.warning("rank %d: planner assignment failed: %s", rank, exc)
+        except (AuthError, ProtocolMismatch, BadRequest, NotFound) as exc:
+            raise refused_setting(exc, self.planner_url) from exc
+        except Exception as exc:  # noqa: BLE001 - an outage falls back (the caller says so, once)
+            self.miss = ("planner_unreachable", f"planner unreachable or failing: {exc}")
             return None
         finally:
             self.seconds += time.perf_counter() - t0
         if found is None:
-            log.info("rank %d: no seed for identity %s (or waiting loses)", rank, self.identity.key()[:12])
-        else:
-            log.info(
-                "rank %d: assigned %s (%d candidate(s))",
+            if busy:
+                why = (
+                    "the planner says reading the checkpoint is sooner than waiting"
+                    if busy[0].fallback
+                    else f"waited the limit of {options.busy_wait.max_wait_s:.0f} s"
+                )
+                self.miss = ("all_busy", f"every seed of the identity is busy ({why})")
+            else:
+                self.miss = (
+                    "no_seed",
+                    f"no READY seed of {self.identity.model} (identity {self.identity.key()[:12]}) "
+                    f"shares a transport with this loader ({', '.join(backends)})",
+                )
+            return None
+        cand = found.candidates[0]
+        log.info(
+            "rank %d: pulling from seed %s over %s: %s",
+            rank,
+            cand.instance_id,
+            cand.provider,
+            cand.reason.summary
+            if cand.reason is not None
+            else "the planner gave no reason (an older planner)",
+        )
+        for other in found.candidates[1:]:
+            log.debug(
+                "rank %d: alternative %s: %s",
                 rank,
-                found.candidates[0].instance_id,
-                len(found.candidates),
+                other.instance_id,
+                other.reason.summary if other.reason else "?",
             )
         return found
+
+
+def refused_setting(exc: Exception, planner_url: str | None) -> ConfigurationError:
+    """The ConfigurationError for a planner answer that no retry can change: a refused token (401/403),
+    another wire protocol, a request the planner calls malformed, or a URL that is not the planner's."""
+    if isinstance(exc, AuthError):
+        return ConfigurationError(f"the planner refused the token: {exc}", setting="token")
+    if isinstance(exc, ProtocolMismatch):
+        return ConfigurationError(f"wire protocol: {exc}", setting="protocol")
+    if isinstance(exc, NotFound):
+        return ConfigurationError(
+            f"{planner_url} is not a planner's base URL (it answered {exc})", setting="planner_url"
+        )
+    return ConfigurationError(f"the planner refused the request: {exc}", setting="request")
 
 
 def fault_reason(error: BaseException) -> str:

@@ -111,6 +111,9 @@ class LoadOptions:
     busy_wait: BusyWait = field(default_factory=BusyWait)
     fallback_gbps: float | None = 2.0
     max_concurrent_pulls: int = 2  # the pull limit this instance publishes once it is a seed
+    # No fallback to the disk: a rank no seed serves (planner unreachable, no seed, all busy, every pull
+    # failed) raises rfork.SeedRequired naming why, for operators who would rather fail than cold-start
+    require_seed: bool = False
 
     @property
     def one_sided(self) -> list[str]:

@@ -25,6 +25,7 @@ from planner.contract import (
     RankEndpoint,
     RankManifest,
 )
+from rfork import metrics
 from rfork.identity import SourceIdentity, default_labels
 
 log = logging.getLogger(__name__)
@@ -158,12 +159,14 @@ class Publication:
                 # or a new database); anything else (e.g. 403) is a real refusal, retried like an outage
                 forgotten = self.instance_id is not None and (isinstance(exc, NotFound) or exc.status == 401)
                 log.warning("%s: %s", "planner forgot us; registering again" if forgotten else "refused", exc)
+                metrics.SEED_HEARTBEAT_FAILURES.inc()
                 if forgotten:
                     with self._lock:
                         self.instance_id = None
                 interval = 0.0 if forgotten else self._retry_interval_s
             except Exception as exc:  # noqa: BLE001 - keep beating; a planner restart must not kill the seed
                 log.warning("heartbeat/publish for %s failed: %s", self.instance_id, exc)
+                metrics.SEED_HEARTBEAT_FAILURES.inc()
                 interval = self._retry_interval_s
                 if self._on_error is not None:
                     self._on_error(exc)

@@ -27,9 +27,8 @@ from backends.layout import (
     views,
 )
 from backends.sharding import shard_shape, shard_tensor, split_dim
-from rfork import __version__
 from rfork.errors import CheckpointError
-from rfork.identity import SourceIdentity, fingerprint
+from rfork.identity import CHECKPOINT_LAYOUT, SourceIdentity, fingerprint
 from rfork.weights.memory import allocate
 
 log = logging.getLogger(__name__)
@@ -101,7 +100,7 @@ class CheckpointInfo:
             ep=1,
             dp=1,
             framework="rfork",
-            framework_version=__version__,
+            framework_version=CHECKPOINT_LAYOUT,  # the bytes' layout, not this release (rfork.identity)
             device_kind=device_kind,
         )
 
@@ -141,12 +140,18 @@ def _read_header(path: Path, file_index: int) -> list[Placement]:
 
 
 def read_checkpoint_info(directory: str | Path) -> CheckpointInfo:
-    """Headers only (no weight bytes): tensor names, dtypes, shapes and file offsets; plus config.json."""
+    """Headers only (no weight bytes): tensor names, dtypes, shapes and file offsets; plus config.json.
+    `directory` may also be one .safetensors file (its directory gives config.json and the name)."""
     d = Path(directory)
-    if not d.is_dir():
-        raise CheckpointError(f"checkpoint directory {d} does not exist")
+    single = d.is_file() and d.suffix == ".safetensors"
+    if single:
+        d, files = d.parent, [d.name]
+    elif not d.is_dir():
+        raise CheckpointError(f"checkpoint {d} is neither a directory nor a .safetensors file")
     index = d / INDEX_NAME
-    if index.exists():
+    if single:
+        pass  # that file alone
+    elif index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
         files = sorted(set(weight_map.values()))
     elif (d / SINGLE_NAME).exists():

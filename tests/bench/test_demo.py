@@ -18,7 +18,7 @@ def test_demo_runs_and_cleans_up(tmp_path, capsys, monkeypatch):
     out = tmp_path / "demo.json"
     before = set(Path("/tmp").glob("rfork-demo-*"))
     status, stdout, stderr = run_rfork(
-        ["demo", "--size-gib", "0.03", "--providers", "tcp", "--no-nccl", "--no-fleet", "--json", str(out)],
+        ["demo", "--size-gib", "0.03", "--provider", "tcp", "--no-nccl", "--no-fleet", "--json", str(out)],
         capsys,
     )
     assert status == 0, stdout + stderr

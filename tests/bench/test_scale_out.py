@@ -22,7 +22,7 @@ def test_bench_burst_of_six_loaders_against_one_seed_with_limit_two(tmp_path, ca
     out = tmp_path / "burst.json"
     status, _, stderr = run_rfork(
         ["bench", "scale-out", "--instances", "6", "--size-gib", "0.02",
-         "--max-pulls", "2", "--modes", "tree", "disk", "--json", str(out), "--timeout", "600"],
+         "--max-concurrent-pulls", "2", "--modes", "tree", "disk", "--json", str(out), "--timeout", "600"],
         capsys,
     )  # fmt: skip
     assert status == 0, stderr[-3000:]

@@ -175,6 +175,8 @@ def test_fleet_page_in_chromium(browser, fleet, small_ckpt, planner, tmp_path):
     browser.find_element(By.ID, "use").click()
     _wait("the refusal", lambda: "refused" in browser.find_element(By.ID, "status").text)
     assert not _page_state(browser)["visible"]
+    time.sleep(2.5)  # two more polls without a token: the refusal stays until the token changes
+    assert "refused" in browser.find_element(By.ID, "status").text
     loader.report_transfer(live.id, outcome="success", bytes=total, seconds=0.1)
     with PlannerClient(planner, token=ADMIN) as admin:
         admin.delete_instance(reg.id)
@@ -187,3 +189,29 @@ def _gb(n: int) -> str:
     while v >= 1000 and i < len(units) - 1:
         v, i = v / 1000, i + 1
     return (f"{v:.0f}" if i == 0 else f"{v:.2f}") + " " + units[i]
+
+
+def test_an_insecure_planner_needs_no_token_and_its_docs_render_offline(browser, sqlite_url):
+    """`planner serve --insecure`: the page shows the fleet without asking for a token (main: it asked),
+    and /docs renders from the planner's own files on this machine, which reaches no CDN (main: blank)."""
+    from selenium.webdriver.common.by import By
+
+    from planner import PlannerServer
+    from tests.planner.conftest import identity
+
+    with PlannerServer(db_url=sqlite_url, port=0, insecure=True) as srv:
+        reg = PlannerClient(srv.url).register_instance(identity=identity(), labels={"node": "n-open"})
+        browser.get(srv.url + "/ui")
+        state = _wait("the fleet without a token", lambda: (s := _page_state(browser))["visible"] and s)
+        assert reg.id in state["states"]
+        assert "without auth" in browser.find_element(By.ID, "status").text
+        assert not browser.find_element(By.ID, "login").is_displayed()
+        browser.get(srv.url + "/docs")
+        title = _wait(
+            "Swagger UI's title",
+            lambda: browser.execute_script(
+                "const t = document.querySelector('.swagger-ui .info .title'); return t && t.textContent"
+            ),
+        )
+        assert "rfork planner" in title
+        assert browser.find_elements(By.CSS_SELECTOR, ".opblock")  # the operations are listed

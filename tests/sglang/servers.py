@@ -86,6 +86,6 @@ class ServerFleet(Fleet[SglangServer]):
     def start_rfork(self, name: str, *, planner_url: str, mode: str = "checkpoint",
                     rfork_args: Sequence[str] = ()) -> SglangServer:
         port = free_port()
-        argv = [sys.executable, "-m", "rfork", "sglang", "--planner", planner_url, "--insecure-ok",
+        argv = [sys.executable, "-m", "rfork", "sglang", "--planner", planner_url, "--insecure",
                 "--mode", mode, "--timeout", "3", *rfork_args, "--", *cpu_server_args(self.model, port)]
         return self._start(name, argv, port)

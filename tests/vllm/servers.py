@@ -131,7 +131,7 @@ class ServerFleet(Fleet[VllmServer]):
     def start_rfork(self, name: str, *, planner_url: str, mode: str = "checkpoint",
                     rfork_args: Sequence[str] = (), model: Path | None = None) -> VllmServer:
         port = free_port()
-        argv = [sys.executable, "-m", "rfork", "vllm", "--planner", planner_url, "--insecure-ok",
+        argv = [sys.executable, "-m", "rfork", "vllm", "--planner", planner_url, "--insecure",
                 "--mode", mode, "--timeout", "3", *rfork_args, "--",
                 *cpu_server_args(model or self.model, port)]
         return self._start(name, argv, port)

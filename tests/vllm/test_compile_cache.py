@@ -44,7 +44,7 @@ def start(fleet: ServerFleet, name: str, planner_url: str, cache_root: Path, *ex
     fleet.env.pop("VLLM_CPU_CI_ENV", None)  # compile with inductor, as a real CPU server does
     port = free_port()
     argv = [
-        *VLLM_CMD[:1], "-m", "rfork", "vllm", "--planner", planner_url, "--insecure-ok", "--timeout", "3",
+        *VLLM_CMD[:1], "-m", "rfork", "vllm", "--planner", planner_url, "--insecure", "--timeout", "3",
         "--", *compiling_args(fleet.model, port, *extra),
     ]
     return fleet._start(name, argv, port)

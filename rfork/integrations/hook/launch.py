@@ -20,9 +20,13 @@ class LaunchError(ValueError):
 
 
 def add_hook_options(parser: argparse.ArgumentParser, *, framework: str) -> None:
-    """The launcher's own options (everything but the server's arguments); `framework` names the seed."""
+    """The launcher's own options (everything but the server's arguments); `framework` names the seed.
+    The spellings are rfork's one vocabulary (rfork.cli.options; old ones stay as hidden aliases)."""
     parser.add_argument(
-        "--planner", default=os.environ.get("RFORK_PLANNER_URL"), help="planner base URL ($RFORK_PLANNER_URL)"
+        "--planner",
+        default=os.environ.get("RFORK_PLANNER_URL") or None,
+        metavar="URL",
+        help="planner base URL (default: $RFORK_PLANNER_URL; none: load from disk, do not publish)",
     )
     parser.add_argument(
         "--mode",
@@ -33,25 +37,74 @@ def add_hook_options(parser: argparse.ArgumentParser, *, framework: str) -> None
     )
     parser.add_argument(
         "--provider",
+        "--providers",
+        dest="provider",
         action="append",
         default=None,
-        help="transport provider(s), repeat or comma-separate (default tcp)",
+        metavar="NAME",
+        help="transport provider(s), repeat or comma-separate (default: $RFORK_PROVIDERS, else tcp)",
     )
     parser.add_argument("--no-serve", action="store_true", help="load by R-Fork but do not become a seed")
+    parser.add_argument(
+        "--require-seed",
+        action="store_true",
+        help="fail the server's start instead of loading from disk when no seed serves the weights "
+        "(default: $RFORK_REQUIRE_SEED, else off)",
+    )
     parser.add_argument(
         "--no-compile-cache",
         action="store_true",
         help="neither fetch the engine's compile cache from a seed nor serve one's own (vLLM)",
     )
     parser.add_argument(
-        "--model-name", default=None, help="model name in the identity (default: from config.json)"
+        "--model-name",
+        "--model",
+        dest="model_name",
+        default=None,
+        metavar="NAME",
+        help="model name in the identity (default: from config.json)",
     )
     parser.add_argument("--revision", default="main", help="model revision in the identity (default main)")
     parser.add_argument("--timeout", type=float, default=5.0, help="dead-peer timeout for transfers, seconds")
     parser.add_argument(
-        "--insecure-ok", action="store_true", help="allow talking to the planner without $RFORK_TOKEN"
+        "--token-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the planner token (passed to the server as $RFORK_TOKEN_FILE; default: "
+        "$RFORK_TOKEN or $RFORK_TOKEN_FILE)",
+    )
+    parser.add_argument(
+        "--insecure",
+        "--insecure-ok",
+        dest="insecure",
+        action="store_true",
+        help="the planner runs without auth: send no token",
     )
     parser.add_argument("--dry-run", action="store_true", help="print the command, do not start it")
+
+
+def token_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:
+    """The server's environment with `--token-file` as $RFORK_TOKEN_FILE (the token itself stays out
+    of argv and the environment); LaunchError when a planner is given without any token."""
+    env = dict(environ)
+    if args.token_file:
+        path = os.path.abspath(args.token_file)
+        try:
+            with open(path, encoding="utf-8") as f:
+                readable = bool(f.read().strip())
+        except OSError as exc:
+            raise LaunchError(f"--token-file {args.token_file}: {exc.strerror or exc}") from exc
+        if not readable:
+            raise LaunchError(f"--token-file {args.token_file} is empty")
+        env.pop("RFORK_TOKEN", None)
+        env["RFORK_TOKEN_FILE"] = path
+    has_token = env.get("RFORK_TOKEN") or env.get("RFORK_TOKEN_FILE")
+    if args.planner and not has_token and not args.insecure:
+        raise LaunchError(
+            "no planner token: pass --token-file, set $RFORK_TOKEN or $RFORK_TOKEN_FILE, or --insecure for a "
+            "planner without auth"
+        )
+    return env
 
 
 def server_args(given: Sequence[str], usage: str) -> list[str]:
@@ -109,19 +162,15 @@ def with_rfork_load_format(
     # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from rfork.integrations.hook.settings import HookSettings
 
-    has_token = environ.get("RFORK_TOKEN") or environ.get("RFORK_TOKEN_FILE")
-    if args.planner and not has_token and not args.insecure_ok:
-        raise LaunchError(
-            "no planner token: set $RFORK_TOKEN or $RFORK_TOKEN_FILE, "
-            "or pass --insecure-ok for an insecure planner"
-        )
-    providers = [p.strip() for v in (args.provider or ["tcp"]) for p in v.split(",") if p.strip()]
+    given = args.provider or [environ.get("RFORK_PROVIDERS") or "tcp"]
+    providers = [p.strip() for v in given for p in v.split(",") if p.strip()]
     settings = HookSettings(
         planner_url=args.planner.rstrip("/") if args.planner else None,
         mode=args.mode,
         providers=tuple(providers),
         serve=not args.no_serve,
         compile_cache=not args.no_compile_cache,
+        require_seed=args.require_seed or _truthy(environ.get("RFORK_REQUIRE_SEED")),
         model=args.model_name,
         revision=args.revision,
         transfer_timeout_s=args.timeout,
@@ -139,6 +188,10 @@ def with_rfork_load_format(
     HookSettings.resolve(extra, {})  # the same check the server will run, before anything starts
     rest = without_flag(without_flag(server_args, "--load-format"), "--model-loader-extra-config")
     return [*rest, "--load-format", "rfork", "--model-loader-extra-config", json.dumps(extra)]
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def with_plugin_enabled(environ: Mapping[str, str], plugins_var: str) -> dict[str, str]:

@@ -132,15 +132,20 @@ class RforkLoaderBase:
         `self.outcome` (`served`: what load_weights is fed; `pulled`: the hand-off); the reason to fall
         back to the framework's loader, or None."""
         # imported here: the plugin is imported in every framework process (start-up time)
+        from rfork.errors import ConfigurationError, SeedRequired
         from rfork.integrations.hook.local_model import local_checkpoint
         from rfork.integrations.hook.pulling import pull_checkpoint
 
         info = local_checkpoint(self.model_path(model_config))
         if info is None:
+            if self.settings.require_seed:
+                raise SeedRequired("no local safetensors checkpoint to take the identity from (require_seed)")
             return "no local safetensors checkpoint"
         try:
             identity, result = pull_checkpoint(info, self.settings)
-        except Exception as exc:  # noqa: BLE001 - every failure ends in the framework's own loader
+        except (ConfigurationError, SeedRequired):
+            raise  # a wrong setting, or no fallback wanted: the server must not start quietly from disk
+        except Exception as exc:  # noqa: BLE001 - every other failure ends in the framework's own loader
             return f"rfork load failed: {exc}"
         self.record(
             LoadOutcome(
@@ -160,12 +165,15 @@ class RforkLoaderBase:
         first, verified) into `self.outcome`; the reason it did not (no planner, no seed, a failure:
         the parameters are undefined then), or None."""
         # imported here: the plugin is imported in every framework process (start-up time)
+        from rfork.errors import ConfigurationError, SeedRequired
         from rfork.integrations.hook.pulling import pull_parameters
 
         if self.settings.planner_url is None:
             return "no planner URL"
         try:
             result = pull_parameters(params, identity=identity, rank=rank, settings=self.settings)
+        except (ConfigurationError, SeedRequired):
+            raise  # a wrong setting, or no fallback wanted: the server must not start quietly from disk
         except Exception as exc:  # noqa: BLE001 - no source or a failed pull: the framework's loader
             return str(exc) or type(exc).__name__
         self.record(

@@ -1,8 +1,8 @@
 """Hook settings: `--model-loader-extra-config` keys first, then `RFORK_*` variables, then defaults.
 
-The planner token comes only from `$RFORK_TOKEN` (or the file `$RFORK_TOKEN_FILE` names): SGLang and
-vLLM log their whole argument list at startup, so a token in the extra config would end up in every
-log; it is refused with a message saying so.
+The planner token comes only from `$RFORK_TOKEN` or the file `$RFORK_TOKEN_FILE` names: SGLang and vLLM
+log their whole argument list at startup, so a token in the extra config would end up in every log; it
+is refused with a message saying so.
 The SGLang and vLLM hooks take the same settings (their DefaultModelLoaders take the same pass-through keys).
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rfork.env_secrets import env_secret
+from rfork.env_secrets import SecretFileError, env_secret
 from rfork.errors import RforkError
 
 if TYPE_CHECKING:
@@ -33,8 +33,10 @@ ENV_FOR_KEY = {
     "revision": "RFORK_REVISION",
     "transfer_timeout_s": "RFORK_TRANSFER_TIMEOUT_S",
     "compile_cache": "RFORK_COMPILE_CACHE",
+    "require_seed": "RFORK_REQUIRE_SEED",
 }
 TOKEN_ENV = "RFORK_TOKEN"
+TOKEN_FILE_ENV = "RFORK_TOKEN_FILE"
 
 
 class SettingsError(RforkError, ValueError):
@@ -54,6 +56,7 @@ class HookSettings:
     revision: str = "main"
     transfer_timeout_s: float = 5.0
     compile_cache: bool = True  # fetch the engine's compile cache from a seed, and serve one's own
+    require_seed: bool = False  # no seed served the weights: fail the load instead of the disk fallback
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -62,6 +65,8 @@ class HookSettings:
             raise SettingsError("rfork providers: give at least one (tcp, shm, efa, verbs, nccl)")
         if self.transfer_timeout_s <= 0:
             raise SettingsError(f"rfork transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        if self.planner_url is not None:
+            _planner_url(self.planner_url)
 
     @classmethod
     def resolve(
@@ -87,9 +92,9 @@ class HookSettings:
                 raw[key] = extra[key]
             elif env.get(var):
                 raw[key] = env[var]
-        kwargs: dict[str, Any] = {"token": env_secret(TOKEN_ENV, env)}
+        kwargs: dict[str, Any] = {"token": _token(env)}
         if "planner_url" in raw:
-            kwargs["planner_url"] = _text(raw["planner_url"], "planner_url").rstrip("/") or None
+            kwargs["planner_url"] = _planner_url(_text(raw["planner_url"], "planner_url"))
         if "mode" in raw:
             kwargs["mode"] = _text(raw["mode"], "mode").lower()
         if "providers" in raw:
@@ -98,6 +103,8 @@ class HookSettings:
             kwargs["serve"] = _flag(raw["serve"], "serve")
         if "compile_cache" in raw:
             kwargs["compile_cache"] = _flag(raw["compile_cache"], "compile_cache")
+        if "require_seed" in raw:
+            kwargs["require_seed"] = _flag(raw["require_seed"], "require_seed")
         if "model" in raw:
             kwargs["model"] = _text(raw["model"], "model")
         if "revision" in raw:
@@ -121,6 +128,8 @@ class HookSettings:
             "transfer_timeout_s": self.transfer_timeout_s,
             "compile_cache": self.compile_cache,
         }
+        if self.require_seed:
+            out["require_seed"] = True
         if self.planner_url:
             out["planner_url"] = self.planner_url
         if self.model:
@@ -139,6 +148,7 @@ class HookSettings:
             become_seed=False,
             seed_later=self.serve,
             pull_torch_threads=None,
+            require_seed=self.require_seed,
         )
 
 
@@ -155,6 +165,28 @@ def default_loader_config(load_config: Any, load_format: Any) -> Any:
 def default_loader_extra(extra_config: Mapping[str, Any] | None) -> dict[str, Any]:
     """The part of the extra config the framework's DefaultModelLoader understands (it rejects the rest)."""
     return {k: v for k, v in (extra_config or {}).items() if k in DEFAULT_LOADER_KEYS}
+
+
+def _token(env: Mapping[str, str]) -> str | None:
+    """$RFORK_TOKEN, else the contents of the file $RFORK_TOKEN_FILE names (rfork.env_secrets);
+    SettingsError when that file is unreadable or empty, or both are set."""
+    try:
+        return env_secret(TOKEN_ENV, env)
+    except SecretFileError as exc:
+        raise SettingsError(str(exc)) from exc
+
+
+def _planner_url(value: str) -> str | None:
+    """The planner URL checked (rfork.pull.checks): a typo is a SettingsError, never a disk load."""
+    if not value:
+        return None
+    # imported here: the frameworks import the plugin in each of their processes (start-up time)
+    from rfork.pull.checks import check_planner_url
+
+    try:
+        return check_planner_url(value)
+    except ValueError as exc:
+        raise SettingsError(f"rfork planner_url: {exc}") from exc
 
 
 def _text(value: Any, key: str) -> str:

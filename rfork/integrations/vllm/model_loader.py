@@ -33,6 +33,7 @@ import torch
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
+from rfork.errors import ConfigurationError, SeedRequired
 from rfork.integrations.hook.loader_base import Parallel, RforkLoaderBase
 from rfork.integrations.hook.outcome import LoadOutcome
 from rfork.integrations.hook.settings import default_loader_config
@@ -75,7 +76,10 @@ class RforkModelLoader(RforkLoaderBase, BaseModelLoader):
                 assert self.outcome is not None
                 self._pulled = self.outcome.pulled
             model = super().load_model(vllm_config, model_config, prefix)
-        except Exception as exc:  # noqa: BLE001 - every failure ends in vLLM's own loader
+        except (ConfigurationError, SeedRequired):
+            self.release()
+            raise  # a wrong setting, or no fallback wanted: the server must not start quietly from disk
+        except Exception as exc:  # noqa: BLE001 - every other failure ends in vLLM's own loader
             if self._built:  # a second model would clash with the first's layer names: vLLM's error
                 self.release()
                 raise

@@ -103,3 +103,28 @@ def test_flag_values_maps_aliases_to_the_canonical_flag():
     assert flag_values(words, "--speculative-draft-model-path") == ["/e"]
     aliases = {"--speculative-draft-model": "--speculative-draft-model-path"}
     assert flag_values(words, "--speculative-draft-model-path", aliases) == ["/d", "/e"]
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCHERS))
+def test_the_token_file_goes_to_the_server_as_a_path_never_as_the_token(name, tmp_path):
+    secret = tmp_path / "token"
+    secret.write_text("s3cret\n")
+    argv, env = _build(
+        name, ["--planner", "http://p:9", "--token-file", str(secret)], [], {"RFORK_TOKEN": "old"}
+    )
+    assert env["RFORK_TOKEN_FILE"] == str(secret)
+    assert "RFORK_TOKEN" not in env
+    assert "s3cret" not in " ".join(argv)
+
+
+def test_hook_settings_read_the_token_file_and_require_seed(tmp_path):
+    from rfork.integrations.hook.settings import HookSettings, SettingsError
+
+    secret = tmp_path / "token"
+    secret.write_text("s3cret\n")
+    env = {"RFORK_TOKEN_FILE": str(secret), "RFORK_REQUIRE_SEED": "1", "RFORK_PLANNER_URL": "http://p:9"}
+    s = HookSettings.resolve({}, env)
+    assert (s.token, s.require_seed, s.planner_url) == ("s3cret", True, "http://p:9")
+    assert s.load_options().require_seed
+    with pytest.raises(SettingsError, match="planner_url"):
+        HookSettings.resolve({"planner_url": "p:9"}, {})

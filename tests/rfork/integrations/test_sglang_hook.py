@@ -73,7 +73,7 @@ def test_default_loader_keys_pass_through_to_sglangs_loader():
 
 
 @given(
-    planner=st.one_of(st.none(), st.from_regex(r"http://[a-z]{1,8}:[1-9][0-9]{0,4}", fullmatch=True)),
+    planner=st.one_of(st.none(), st.from_regex(r"http://[a-z]{1,8}:[1-9][0-9]{0,3}", fullmatch=True)),
     mode=st.sampled_from(["checkpoint", "parameters"]),
     providers=st.lists(st.sampled_from(["tcp", "shm", "efa", "verbs", "nccl"]), min_size=1, max_size=3),
     serve=st.booleans(),

@@ -1,0 +1,138 @@
+"""`rfork planner serve` as an operator starts it: the real address once bound, one line for a taken
+port or an unreachable database, and /metrics that count every worker of `--workers N`."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+
+@contextmanager
+def serving(*args: str, timeout_s: float = 60.0) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """`rfork planner serve ARGS` until it prints its address; (the address, the process)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rfork", "planner", "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + timeout_s
+        seen: list[str] = []
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                raise AssertionError("planner exited:\n" + "".join(seen))
+            seen.append(line)
+            found = re.search(r"planner listening on (http://\S+)", line)
+            if found:
+                yield found.group(1), proc
+                return
+        raise AssertionError("no address printed:\n" + "".join(seen))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _wait_ready(url: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/healthz", timeout=2, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise AssertionError(f"{url} never answered")
+
+
+def test_port_0_prints_the_bound_port_and_a_taken_port_is_one_line(tmp_path):
+    # main: "listening on http://127.0.0.1:0" before the bind; a taken port ended in Errno 98, status 3
+    with serving("--insecure", "--port", "0", "--db", f"sqlite:///{tmp_path / 'a.db'}") as (url, _proc):
+        port = int(url.rsplit(":", 1)[1])
+        assert port != 0
+        _wait_ready(url)
+        taken = subprocess.run(
+            [sys.executable, "-m", "rfork", "planner", "serve", "--insecure", "--port", str(port),
+             "--db", f"sqlite:///{tmp_path / 'b.db'}"],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    assert taken.returncode == 1
+    errors = [ln for ln in taken.stderr.splitlines() if ln.startswith("rfork: error:")]
+    assert len(errors) == 1, taken.stderr
+    assert f"port {port}" in errors[0]
+    assert "already in use" in errors[0]
+    assert "Traceback" not in taken.stderr
+    assert "listening" not in taken.stdout
+
+
+def test_an_unreachable_database_is_one_line_without_the_password():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "rfork", "planner", "serve", "--insecure", "--port", "0",
+         "--db", f"postgresql+psycopg://rfork:sekrit@127.0.0.1:{port}/rfork"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode == 1
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("rfork: error:")]
+    assert len(errors) == 1, out.stderr
+    assert "Connection refused" in errors[0] or "connection" in errors[0].lower()
+    assert "RFORK_DB_URL" in errors[0]
+    assert "sekrit" not in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def _samples(text: str, name: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.startswith(name)]
+
+
+@pytest.mark.slow
+def test_metrics_count_every_worker_and_have_no_duplicate_series(tmp_path):
+    # main: each process counted its own requests (6 /healthz calls showed 2), with duplicate `_created`
+    with serving("--insecure", "--port", "0", "--workers", "2", "--db", f"sqlite:///{tmp_path / 'w.db'}") as (
+        url,
+        _proc,
+    ):
+        _wait_ready(url)
+        before = _healthz_count(url)
+        for _ in range(6):
+            with httpx.Client(trust_env=False) as fresh:  # a new connection each: both workers answer some
+                assert fresh.get(url + "/healthz").status_code == 200
+        for _ in range(4):  # whichever worker answers the scrape says the same
+            text = httpx.get(url + "/metrics", trust_env=False).text
+            assert _healthz_count_in(text) == before + 6
+            series = [ln.rsplit(" ", 1)[0] for ln in text.splitlines() if ln and not ln.startswith("#")]
+            assert len(series) == len(set(series)), "duplicate series"
+            assert not [s for s in series if "_created" in s]
+
+
+def _healthz_count(url: str) -> float:
+    return _healthz_count_in(httpx.get(url + "/metrics", trust_env=False).text)
+
+
+def _healthz_count_in(text: str) -> float:
+    return sum(
+        float(ln.rsplit(" ", 1)[1])
+        for ln in _samples(text, "rfork_planner_requests_total")
+        if 'route="/healthz"' in ln
+    )
