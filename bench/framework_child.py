@@ -100,7 +100,7 @@ def runai_read_into(info: Any, tensors: dict[str, Any]) -> None:
     `--load-format runai_streamer` does before moving them to the device)."""
     from runai_model_streamer import SafetensorsStreamer
 
-    files = sorted({str(t.file) for t in info.tensors})
+    files = [str(f) for f in info.files]
     with SafetensorsStreamer() as streamer:
         streamer.stream_files(files)
         for name, tensor in streamer.get_tensors():

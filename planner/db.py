@@ -36,7 +36,7 @@ from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
 from sqlalchemy import Connection, Engine, create_engine, event, pool, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 log = logging.getLogger(__name__)
@@ -335,7 +335,8 @@ def _one_line_errors(url: str, doing: str) -> Iterator[None]:
         yield
     except DBAPIError as exc:
         first = (str(exc.orig).strip() or type(exc.orig).__name__).splitlines()[0]
-        raise DatabaseError(f"{doing} the planner database {_redact(url)}: {first}") from None
+        hint = " (check --db or $RFORK_DB_URL, and that the database is up)" if isinstance(exc, OperationalError) else ""
+        raise DatabaseError(f"{doing} the planner database {_redact(url)}: {first}{hint}") from None
 
 
 def _connect_args(url: str) -> dict[str, Any]:

@@ -151,7 +151,7 @@ def test_the_wheel_installs_and_loads_outside_the_checkout(tmp_path: Path) -> No
 
         write_synthetic_checkpoint(ckpt, size_bytes=16 << 20, model_name="wheel-llama")
         load = [rfork, "load", "--checkpoint", str(ckpt), "--planner", url, "--provider", "tcp",
-                "--then", "exit", "--no-progress", "--json", str(work / "load.json")]
+                "--no-serve", "--no-progress", "--json", str(work / "load.json")]
         load_env = {**env, "RFORK_TOKEN_FILE": str(secrets / "load")}
         refused = subprocess.run(load, cwd=work, env=load_env, capture_output=True, text=True, timeout=120)
         assert refused.returncode == 1

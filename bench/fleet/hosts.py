@@ -286,7 +286,7 @@ class Hosts:
             self.planner_url,
             "--provider",
             ",".join(providers),
-            "--insecure-ok",
+            "--insecure",
             "--ready-file",
             str(ready),
             "--max-concurrent-pulls",

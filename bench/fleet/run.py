@@ -327,17 +327,16 @@ def planner_env(cfg: FleetConfig) -> dict[str, str]:
 def loader_args(cfg: FleetConfig, mode: str, hosts: Hosts, checkpoint: Path) -> list[str]:
     """`rfork load` arguments of an instance in `mode`."""
     if mode == "storage":
-        return ["--checkpoint", "FETCHED", "--then", "exit"]
+        return ["--checkpoint", "FETCHED", "--no-serve"]
     return [
         "--planner",
         hosts.planner_url,
-        "--insecure-ok",
+        "--insecure",
         "--checkpoint-id",
         model_name(checkpoint),
         "--provider",
         "tcp",
-        "--then",
-        "serve" if mode == "tree" else "exit",
+        *([] if mode == "tree" else ["--no-serve"]),
         "--fallback-gbps",
         "0",
         "--max-concurrent-pulls",

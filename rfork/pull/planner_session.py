@@ -98,10 +98,17 @@ def ask_with_wait(
             if outage_type is None or not isinstance(exc, outage_type):
                 raise
             now = clock()
+            first = down_since is None
             down_since = now if down_since is None else down_since
             if now - down_since >= policy.planner_outage_s:
                 raise
-            log.warning("%s: planner unreachable for %.1f s (%s); asking again", what, now - down_since, exc)
+            if first:  # said once; the fallback that may follow is the warning
+                log.info(
+                    "%s: planner unreachable (%s); asking again every %.1f s for up to %.0f s",
+                    what, exc, policy.outage_retry_s, policy.planner_outage_s,
+                )  # fmt: skip
+            else:
+                log.debug("%s: planner unreachable for %.1f s (%s)", what, now - down_since, exc)
             sleep(min(policy.outage_retry_s, policy.planner_outage_s - (now - down_since)))
         else:
             return answer

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from pydantic import ValidationError
-
 from planner import PlannerSettings
-from planner.settings import SECRET_FIELDS
+from planner.settings import SECRET_FIELDS, SettingsError
 
 
 @pytest.mark.parametrize("field", SECRET_FIELDS)
@@ -16,16 +14,17 @@ def test_a_secret_comes_from_its_file_variable(field, tmp_path, monkeypatch):
     monkeypatch.delenv(f"RFORK_{field.upper()}", raising=False)
     monkeypatch.setenv(f"RFORK_{field.upper()}_FILE", str(secret))
     assert getattr(PlannerSettings(), field) == f"from-file-{field}"
-    monkeypatch.setenv(f"RFORK_{field.upper()}", "from-variable")  # the variable itself wins
-    assert getattr(PlannerSettings(), field) == "from-variable"
+    monkeypatch.setenv(f"RFORK_{field.upper()}", "from-variable")  # both forms: ambiguous, refused
+    with pytest.raises(SettingsError, match=f"both \\$RFORK_{field.upper()} and"):
+        PlannerSettings()
 
 
 def test_an_unreadable_or_empty_secret_file_is_refused_naming_it(tmp_path, monkeypatch):
     monkeypatch.delenv("RFORK_ADMIN_TOKEN", raising=False)
     monkeypatch.setenv("RFORK_ADMIN_TOKEN_FILE", str(tmp_path / "missing"))
-    with pytest.raises(ValidationError, match="RFORK_ADMIN_TOKEN_FILE"):
+    with pytest.raises(SettingsError, match="RFORK_ADMIN_TOKEN_FILE"):
         PlannerSettings()
     (tmp_path / "empty").write_text("\n")
     monkeypatch.setenv("RFORK_ADMIN_TOKEN_FILE", str(tmp_path / "empty"))
-    with pytest.raises(ValidationError, match="is empty"):
+    with pytest.raises(SettingsError, match="is empty"):
         PlannerSettings()
