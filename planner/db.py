@@ -335,7 +335,8 @@ def _one_line_errors(url: str, doing: str) -> Iterator[None]:
         yield
     except DBAPIError as exc:
         first = (str(exc.orig).strip() or type(exc.orig).__name__).splitlines()[0]
-        hint = " (check --db or $RFORK_DB_URL, and that the database is up)" if isinstance(exc, OperationalError) else ""
+        unreachable = isinstance(exc, OperationalError)
+        hint = " (check --db or $RFORK_DB_URL, and that the database is up)" if unreachable else ""
         raise DatabaseError(f"{doing} the planner database {_redact(url)}: {first}{hint}") from None
 
 

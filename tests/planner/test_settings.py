@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from planner import PlannerSettings
 from planner.settings import SECRET_FIELDS, SettingsError
 
