@@ -99,4 +99,14 @@ ffibuilder.set_source(
 )
 
 if __name__ == "__main__":
-    ffibuilder.compile(verbose=True)
+    # A direct build (scripts/gpu_check.sh): the extension alone, in place. Not ffibuilder.compile():
+    # its setuptools Distribution names no packages, so setuptools' discovery refuses this repository's
+    # several top-level packages.
+    from setuptools import Distribution
+
+    dist = Distribution(
+        {"name": "rfork-binding", "ext_modules": [ffibuilder.distutils_extension(tmpdir="build/cffi")],
+         "packages": [], "py_modules": []}
+    )  # fmt: skip
+    dist.get_command_obj("build_ext").inplace = True  # type: ignore[attr-defined]
+    dist.run_command("build_ext")
