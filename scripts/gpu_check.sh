@@ -99,12 +99,13 @@ setup() {
   local ver; ver=$("$PY" -c 'import sys; print("%d%d" % sys.version_info[:2])')
   echo "python $ver at $(command -v "$PY")"
   local wheels=("$CARRY"/.whl/*.whl)
-  if [ -f "$SITE/.installed" ]; then
+  local stamp; stamp="$SITE/.installed-$(ls "$CARRY"/.whl | cksum | cut -d' ' -f1)"  # a new carry installs again
+  if [ -f "$stamp" ]; then
     echo "wheels installed by an earlier run on this machine: $SITE"
   elif [ -e "${wheels[0]}" ]; then
     if [ "$ver" = 312 ]; then
       "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "${wheels[@]}"
-      touch "$SITE/.installed"
+      touch "$stamp"
       echo "installed ${#wheels[@]} wheels into $SITE"
     else
       # rehearsal on another Python: prove the cp312 set installs (resolution only), use this env's packages
@@ -144,8 +145,16 @@ EOF
     echo "binding built by an earlier run on this machine: $(ls backends/providers/_libfabric*.so)"
     return 0
   fi
+  if [ "$SKIP_CUDA" != 0 ] && ls backends/providers/_libfabric*.so >/dev/null 2>&1; then
+    # a rehearsal in a working checkout keeps its binding (its test suite may be using it): rehearse
+    # the build itself from a copy of the tree (git ls-files | tar), where there is none
+    echo "rehearsal: keeping this checkout's binding $(ls backends/providers/_libfabric*.so)"
+    return 0
+  fi
   rm -f backends/providers/_libfabric*.so
-  PATH=$WORK/bin:$PATH RFORK_LIBFABRIC_PREFIX=$FAB/prefix "$PY" backends/providers/_libfabric_build.py \
+  # cffi, pycparser and setuptools may come from the carried wheels: the scratch site goes first
+  PATH=$WORK/bin:$PATH RFORK_LIBFABRIC_PREFIX=$FAB/prefix PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} \
+    "$PY" backends/providers/_libfabric_build.py \
     >"$R/build.log" 2>&1 || { tail -n 30 "$R/build.log"; return 1; }
   ls backends/providers/_libfabric*.so
   touch "$WORK/.built"

@@ -295,6 +295,9 @@ class DriverCudaIpc:
 
     def open(self, desc: CudaIpcDescriptor, index: int) -> Bytes:
         x = desc.ipc
+        if desc.exporter != "driver":  # torch's handle string is torch's own format (66 bytes on 2.11)
+            raise TransferError(f"a {desc.exporter} export is opened by that backend: open it with "
+                                f"CudaIpcEngine(backend={desc.exporter!r})")
         with self.driver.on(index):
             base = self.driver.ipc_open(x.handle)
         mapping = _Mapping(base)

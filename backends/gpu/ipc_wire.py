@@ -4,7 +4,8 @@ Wire format (version 3), little-endian: a fixed header (magic ``RFCI``, version,
 opener must wait on the exporter's event, the exporting backend, the exporter's device ordinal, its
 pid, a random 63-bit key, the region's length and its offset inside the shared storage, the storage's
 size and its offset inside the CUDA allocation, the ref-counter offset, a reserved word), then five
-length-prefixed blobs: the host name, the 64-byte ``cudaIpcMemHandle`` of the allocation's base, torch's
+length-prefixed blobs: the host name, the allocation's IPC handle (the 64-byte ``cudaIpcMemHandle``
+from the driver exporter; torch's own handle string from torch's, 66 bytes on torch 2.11), torch's
 ref-counter handle, the exporter's IPC event handle, and the GPU's UUID.
 
 Two exporters write it: ``torch`` (``UntypedStorage._share_cuda_``: handle, ref counter, event) and
@@ -141,8 +142,12 @@ class CudaIpcDescriptor:
             pos += n
         if pos != len(blob):
             raise bad("length mismatch")
-        if len(fields[1]) != IPC_HANDLE_BYTES:
+        # a driver export is the bare cudaIpcMemHandle; torch's is its own opaque string (torch 2.11:
+        # a version and a kind byte before the 64-byte handle), which only torch opens
+        if EXPORTERS[exporter] == "driver" and len(fields[1]) != IPC_HANDLE_BYTES:
             raise bad(f"IPC handle of {len(fields[1])} bytes, not {IPC_HANDLE_BYTES}")
+        if not fields[1]:
+            raise bad("empty IPC handle")
         try:
             host, uuid = fields[0].decode(), fields[4].decode()
         except UnicodeDecodeError as exc:

@@ -49,6 +49,16 @@ def test_descriptor_round_trip(access: str) -> None:
     assert CudaIpcDescriptor.from_bytes(empty_event.to_bytes()) == empty_event
 
 
+def test_a_torch_handle_is_opaque_a_driver_handle_is_64_bytes() -> None:
+    # torch 2.11's _share_cuda_ handle is 66 bytes (a version and a kind byte, then the 64-byte handle):
+    # the first GPU run refused every torch export as "not 64 bytes"
+    torch_style = _desc(ipc=_desc().ipc._replace(handle=b"\x01c" + b"\x01" * 64))
+    assert CudaIpcDescriptor.from_bytes(torch_style.to_bytes()) == torch_style
+    driver_style = dataclasses.replace(torch_style, exporter="driver")
+    with pytest.raises(TransferError, match="IPC handle of 66 bytes, not 64"):
+        CudaIpcDescriptor.from_bytes(driver_style.to_bytes())
+
+
 def test_descriptor_rejects_garbage() -> None:
     blob = _desc().to_bytes()
     for bad in (b"", b"RFMR" + blob[4:], blob[:-1], blob + b"x", blob[:40]):
@@ -286,7 +296,9 @@ def _gpu_seed(conn: Connection, nbytes: int, backend: str, linger: bool) -> None
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     _fill(src, 11)
     region = eng.register(src[4096:], "read")  # a view: the region starts inside the allocation
-    windows = [(o, src[4096 + o:4096 + o + 4096].cpu()) for o in (0, nbytes // 3, nbytes - 8192)]
+    # plain bytes: a CPU tensor would travel as a shared-memory fd that dies with this process
+    offsets = (0, nbytes // 3, nbytes - 8192)
+    windows = [(o, src[4096 + o:4096 + o + 4096].cpu().numpy().tobytes()) for o in offsets]
     conn.send((region.descriptor.to_bytes(), digest(src[4096:].cpu().numpy()), windows))
     if linger:
         conn.recv()  # the loader is done: only now may the seed's memory go away
@@ -317,7 +329,7 @@ def test_gpu_conformance_two_processes_1gib(backend: str) -> None:
             eng.read(reg, n // 2, n - n // 2, blob, n // 2).result(120)  # two ops, one open
             assert digest(dst.cpu().numpy()) == want
             for off, cpu in windows:
-                assert torch.equal(dst[off:off + 4096].cpu(), cpu)
+                assert dst[off:off + 4096].cpu().numpy().tobytes() == cpu
             with pytest.raises(RemoteAccessError):
                 eng.read(reg, 0, 4096, blob, n - 100)
             with pytest.raises(RemoteAccessError, match="not write"):
