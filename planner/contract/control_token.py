@@ -58,6 +58,12 @@ def issue_compile_cache(key: str, *, instance_id: str, expires_at: float) -> str
     return issue_control_token(key, lease_id=lease_id, instance_id=instance_id, rank=0, expires_at=expires_at)
 
 
+def claimed_rank(token: str) -> int | None:
+    """The rank a token names, unchecked (the seed needs it before verifying); None when malformed."""
+    parts = token.split(".")
+    return _uint(parts[3]) if len(parts) == 6 else None
+
+
 def verify_control_token(
     token: str, key: str, *, instance_ids: Collection[str], rank: int, now: float
 ) -> ControlGrant:
@@ -66,19 +72,28 @@ def verify_control_token(
     if len(parts) != 6 or parts[0] != VERSION:
         raise ControlTokenError("control token: malformed")
     _, lease_id, instance_id, rank_s, expires_s, mac = parts
-    if not hmac.compare_digest(mac, _mac(key, ".".join(parts[:5]))):
+    # bytes: compare_digest raises TypeError for a str with non-ASCII characters
+    if not hmac.compare_digest(mac.encode("utf-8", "surrogatepass"), _mac(key, ".".join(parts[:5])).encode()):
         raise ControlTokenError("control token: signature does not match this seed's key")
     if instance_id not in instance_ids:
         raise ControlTokenError(f"control token: issued for instance {instance_id}, not this seed")
-    if not rank_s.isdigit() or int(rank_s) != rank:
-        raise ControlTokenError(f"control token: issued for rank {rank_s}, not rank {rank}")
-    if not expires_s.isdigit() or int(expires_s) < now:
-        raise ControlTokenError(f"control token: lease {lease_id} has expired")
-    return ControlGrant(lease_id=lease_id, instance_id=instance_id, rank=rank, expires_at=int(expires_s))
+    if _uint(rank_s) != rank:
+        raise ControlTokenError(f"control token: issued for rank {rank_s!r}, not rank {rank}")
+    expires = _uint(expires_s)
+    if expires is None or expires < now:
+        raise ControlTokenError(f"control token: lease {lease_id!r} has expired or names no expiry")
+    return ControlGrant(lease_id=lease_id, instance_id=instance_id, rank=rank, expires_at=expires)
+
+
+def _uint(text: str) -> int | None:
+    """ASCII digits only (str.isdigit also accepts '²' and other digits int() refuses); at most 19."""
+    if not text or len(text) > 19 or not (text.isascii() and text.isdigit()):
+        return None
+    return int(text)
 
 
 def _mac(key: str, text: str) -> str:
-    return hmac.new(key.encode(), text.encode(), hashlib.sha256).hexdigest()
+    return hmac.new(key.encode(), text.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
 
 
 _HEX = "0123456789abcdef"

@@ -48,6 +48,7 @@ from backends.nccl import (
     send_tensors,
 )
 from planner.contract import ControlGrant, ControlTokenError, verify_control_token
+from planner.contract.control_token import claimed_rank
 from rfork.compile_cache.archive import CompileCacheError, PackedCache
 from rfork.compile_cache.shelf import CacheNotReady, CacheShelf
 from rfork.seed.control_http import ControlHttpServer, HttpError
@@ -207,11 +208,11 @@ class ControlServer:
             raise HttpError(
                 HTTPStatus.UNAUTHORIZED, "Authorization: a per-assignment bearer token is required"
             )
-        parts = token.split(".")
-        claimed_rank = int(parts[3]) if len(parts) == 6 and parts[3].isdigit() else -1
+        rank = claimed_rank(token)
         try:
             grant = verify_control_token(
-                token, self.control_key, instance_ids=self.instance_ids(), rank=claimed_rank, now=time.time()
+                token, self.control_key, instance_ids=self.instance_ids(), rank=-1 if rank is None else rank,
+                now=time.time(),
             )
         except ControlTokenError as exc:
             raise HttpError(HTTPStatus.FORBIDDEN, str(exc)) from exc
