@@ -17,8 +17,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 VERSION = "v1"
-# lease-id prefix of compile-cache grants (planner.service.compile_caches): they fetch a
-# compile cache and never open a weight session; weight leases are plain uuid hex
+# lease-id prefix of compile-cache grants (planner.service.compile_caches): they fetch one compile
+# cache, once, and never open a weight session; weight leases are plain uuid hex. The lease id is
+# `cc-<cache key, 64 hex>-<16 random hex>`, so the MAC binds the grant to its key.
 COMPILE_CACHE_LEASE = "cc-"
 
 
@@ -40,6 +41,14 @@ class ControlGrant:
         """A compile-cache grant (rank 0 by convention: the cache key names the rank)."""
         return self.lease_id.startswith(COMPILE_CACHE_LEASE)
 
+    @property
+    def cache_key(self) -> str | None:
+        """The one compile-cache key a compile-cache grant fetches (None for a weight lease)."""
+        if not self.compile_cache:
+            return None
+        key = self.lease_id[len(COMPILE_CACHE_LEASE) :].partition("-")[0]
+        return key if len(key) == 64 else None
+
 
 def new_control_key() -> str:
     """A fresh 256-bit key, hex."""
@@ -52,9 +61,10 @@ def issue_control_token(key: str, *, lease_id: str, instance_id: str, rank: int,
     return f"{head}.{_mac(key, head)}"
 
 
-def issue_compile_cache(key: str, *, instance_id: str, expires_at: float) -> str:
-    """A token to fetch a compile cache from one instance until `expires_at` (no weight session)."""
-    lease_id = COMPILE_CACHE_LEASE + secrets.token_hex(16)
+def issue_compile_cache(key: str, *, instance_id: str, cache_key: str, expires_at: float) -> str:
+    """A token to fetch compile cache `cache_key` once from one instance until `expires_at` (no weight
+    session)."""
+    lease_id = f"{COMPILE_CACHE_LEASE}{cache_key}-{secrets.token_hex(8)}"
     return issue_control_token(key, lease_id=lease_id, instance_id=instance_id, rank=0, expires_at=expires_at)
 
 

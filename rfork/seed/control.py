@@ -10,10 +10,11 @@ Endpoints (JSON):
                                         expired, replayed or other-rank token.
   GET  /v1/nccl/sessions/{id}        -> 200 {"session_id", "rank", "state", "bytes", "error"}
   GET  /v1/compile-caches/{key}      -> 200 the compile cache's tar (rfork.compile_cache.archive), its
-                                        digest in ``X-Rfork-Archive-Digest``; only for a planner-issued
-                                        compile-cache token (issue_compile_cache in
-                                        planner.contract.control_token), which in turn opens no NCCL
-                                        session. 404: not a key of this seed; 409: nothing compiled
+                                        digest in ``X-Rfork-Archive-Digest`` (informational: loaders
+                                        check the planner's anchored digest); only for a planner-issued
+                                        compile-cache token of that key (issue_compile_cache in
+                                        planner.contract.control_token), spent by one fetch; it opens
+                                        no NCCL session. 404: not a key of this seed; 409: nothing compiled
                                         yet, or still being written.
 Bad input answers 4xx with {"error": message}; a full seed answers 429 {"reason": "busy", ...}.
 Requests are parsed and bounded in `rfork.seed.control_http`; this module decides what they mean.
@@ -243,9 +244,16 @@ class ControlServer:
             self._used_leases[grant.lease_id] = grant.expires_at
 
     def compile_cache(self, grant: ControlGrant | None, key: str) -> PackedCache:
-        """The archive of compile cache `key` for a compile-cache grant (may block: it may pack)."""
+        """The archive of compile cache `key` for a compile-cache grant of that key, spent here (one fetch
+        per grant); may block: it may pack."""
         if grant is not None and not grant.compile_cache:
             raise HttpError(HTTPStatus.FORBIDDEN, "control token: not a compile-cache grant")
+        if grant is not None and grant.cache_key != key:
+            raise HttpError(HTTPStatus.FORBIDDEN, f"control token: not a grant for compile cache {key[:12]}")
+        if grant is not None:
+            with self._lock:
+                self._check_lease_unused(grant.lease_id)
+                self._used_leases[grant.lease_id] = grant.expires_at
         if self.compile_caches is None:
             raise HttpError(HTTPStatus.NOT_FOUND, "this seed serves no compile caches")
         try:

@@ -1,12 +1,13 @@
 """vLLM's torch.compile cache by R-Fork: the key, the directory, and the fetch before vLLM compiles.
 
-vLLM compiles after the model is loaded (its profiling run), into
-`VLLM_CACHE_ROOT/torch_compile_cache/` (`<10 hex>/rank_<r>_<dp>/` for the backend's graphs and
-inductor code, `torch_aot_compile/<hash>/` for the AOT artifact). The loader calls `prepare` at the
-end of `load_model`: it computes the rfork key, installs a seed's archive for that key into the
-local directory (existing files are kept), and returns the shelf this instance serves once it has
-compiled. vLLM then finds (or not) its own cache entry; the log says which (compile_log).
-Any failure is logged and vLLM compiles as usual.
+vLLM compiles after the model is loaded (its profiling run), into one cache entry: the config's
+`compilation_config.cache_dir`, or else `VLLM_CACHE_ROOT/torch_compile_cache/<10 hex>/` (graphs and
+inductor code under `rank_<r>_<dp>/`). The loader calls `prepare` at the end of `load_model`: it
+computes the rfork key, selects the entry (`cache_entry`: the config's own cache_dir, else one named
+by the key, which it sets in the config so vLLM compiles there), installs a seed's archive for that key
+into that entry only (existing files are kept; an archive cannot reach another entry or the root), and
+returns the shelf this instance serves once it has compiled. vLLM then finds (or not) its own cache
+files; the log says which (compile_log). Any failure is logged and vLLM compiles as usual.
 """
 
 from __future__ import annotations
@@ -27,11 +28,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def cache_dir() -> Path:
-    """vLLM's torch.compile cache directory (all of it: vLLM names its entries by its own hashes)."""
+def cache_entry(vllm_config: Any, key_digest: str) -> Path:
+    """The one cache entry this worker compiles into, set in its config: the config's cache_dir when the
+    user gave one, else `VLLM_CACHE_ROOT/torch_compile_cache/rfork-<key>` (never the root: an archive
+    unpacked there could write any entry, i.e. code another configuration imports)."""
     from vllm import envs
 
-    return Path(envs.VLLM_CACHE_ROOT) / "torch_compile_cache"
+    compilation = vllm_config.compilation_config
+    if not compilation.cache_dir:
+        entry = Path(envs.VLLM_CACHE_ROOT) / "torch_compile_cache" / f"rfork-{key_digest[:20]}"
+        compilation.cache_dir = str(entry)
+    return Path(compilation.cache_dir)
 
 
 def compile_cache_key(vllm_config: Any, identity: SourceIdentity, rank: int) -> CompileCacheKey | None:
@@ -79,7 +86,8 @@ def prepare(
     if key is None:
         log.info("rfork: vLLM will not compile (eager or cache disabled): no compile cache")
         return None
-    digest, root = key.digest(), cache_dir()
+    digest = key.digest()
+    root = cache_entry(vllm_config, digest)
     out = fetch_compile_cache(
         planner_url=settings.planner_url,
         token=settings.token,
