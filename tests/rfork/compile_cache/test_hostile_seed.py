@@ -258,15 +258,17 @@ def test_a_planted_archive_never_lands(
         max_size=4,
     ),
     body=st.one_of(st.binary(max_size=4096), st.sampled_from([b"", b"\x1f\x8b", b"ustar" * 200])),
-    planted_body=st.booleans(),
+    planted=st.sampled_from(["no", "with its own digest header", "under any headers"]),
 )
 def test_whatever_a_hostile_seed_answers_only_the_anchored_archive_lands(
-    fleet: Fleet, status: int, headers: dict[str, str], body: bytes, planted_body: bool
+    fleet: Fleet, status: int, headers: dict[str, str], body: bytes, planted: str
 ) -> None:
     if not fleet.hostile_id:
         fleet.anchor()
-    if planted_body:  # the planted tar, under any headers (its digest among them or not)
+    if planted != "no":
         body = fleet.planted.data
+    if planted == "with its own digest header":
+        headers = {**headers, "X-Rfork-Archive-Digest": fleet.planted.digest}
     fleet.hostile.respond = answer(status, {**headers, "Connection": "close"}, body)
     with tempfile.TemporaryDirectory() as tmp:
         out = fleet.fetch(Path(tmp) / "dest", timeout_s=3.0)
