@@ -12,6 +12,7 @@ import logging
 import socket
 import threading
 from collections.abc import Iterator
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -81,10 +82,11 @@ def relayed(postgres_url: str) -> Iterator[tuple[str, Relay]]:
     relay.stop()
 
 
+RANK0 = {"rank": 0, "provider": "tcp", "address": "YWI="}
 ROUTES = [
     ("GET", "/readyz", None),
     ("GET", "/v1/instances", None),
-    ("POST", "/v1/instances", {"identity": identity(), "ranks": [{"rank": 0, "provider": "tcp", "address": "YQ=="}]}),
+    ("POST", "/v1/instances", {"identity": identity(), "ranks": [RANK0]}),
     ("POST", "/v1/assignments", {"identity": identity(), "rank": 0}),
     ("POST", "/v1/instances/0123456789abcdef0123456789abcdef/heartbeat", None),
     ("GET", "/v1/anchors", None),
@@ -93,13 +95,16 @@ ROUTES = [
 ]
 
 
-@pytest.mark.parametrize("token", [None, "down-admin", "rfi_" + "x" * 43], ids=["insecure", "admin", "instance"])
+TOKENS = [None, "down-admin", "rfi_" + "x" * 43]  # rfi_: an instance token, looked up in the database
+
+
+@pytest.mark.parametrize("token", TOKENS, ids=["insecure", "admin", "instance"])
 def test_every_route_answers_503_while_the_database_is_down(
     relayed: tuple[str, Relay], caplog: pytest.LogCaptureFixture, token: str | None
 ) -> None:
     url, relay = relayed
-    auth = {} if token is None else {"admin_token": "down-admin", "insecure": False}
-    headers = {} if token is None else {"Authorization": f"Bearer {token}"}  # rfi_: looked up in the database
+    auth: dict[str, Any] = {} if token is None else {"admin_token": "down-admin", "insecure": False}
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
     with PlannerServer(db_url=url, port=0, reaper_interval_s=3600, **auth) as srv, httpx.Client(
         base_url=srv.url, timeout=60, headers=headers
     ) as http:
