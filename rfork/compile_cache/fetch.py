@@ -20,6 +20,7 @@ from pathlib import Path
 from planner.contract import CompileCacheSource, PlannerClient, PlannerError
 from rfork.compile_cache.archive import CompileCacheError, Limits, unpack
 from rfork.seed_http import SeedRequestError, seed_request
+from rfork.seed_networks import allowed_networks
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,10 @@ def fetch_compile_cache(
     limits: Limits = Limits(),
     timeout_s: float = 30.0,
 ) -> FetchOutcome:
-    """Install the compile cache `key` into `dest` from the first seed that serves a valid archive."""
+    """Install the compile cache `key` into `dest` from the first seed that serves a valid archive.
+
+    ValueError for a malformed RFORK_SEED_NETWORKS (a setting, not a peer's failure)."""
+    allowed_networks()
     t0 = time.perf_counter()
     try:
         with PlannerClient(planner_url, token=token, timeout_s=timeout_s) as client:
