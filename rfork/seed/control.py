@@ -48,8 +48,7 @@ from backends.nccl import (
     backend_for,
     send_tensors,
 )
-from planner.contract import ControlGrant, ControlTokenError, verify_control_token
-from planner.contract.control_token import claimed_rank
+from planner.contract import ControlGrant, ControlTokenError, claimed_rank, verify_control_token
 from rfork.compile_cache.archive import CompileCacheError, PackedCache
 from rfork.compile_cache.shelf import CacheNotReady, CacheShelf
 from rfork.seed.control_http import ControlHttpServer, HttpError
