@@ -18,6 +18,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StringConstraints,
     field_validator,
 )
@@ -381,7 +382,7 @@ class CompileCacheAnchorUpload(Strict):
 
     archive_digest: ArchiveDigest
     identity_key: IdentityKey | None = None  # an admin's upload needs it; an instance's is its own
-    replace: bool = False  # admin only: replace an anchored digest
+    replace: StrictBool = False  # admin only: replace an anchored digest
 
 
 class TransferReport(Strict):
