@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from planner import migrate
 from planner.contract import PlannerClient, control_token
 from planner.contract.wire import identity_key as wire_identity_key
-from rfork.compile_cache.archive import PackedCache, pack
+from rfork.compile_cache.archive import Limits, PackedCache, pack
 from rfork.compile_cache.fetch import FetchOutcome, fetch_compile_cache
 from tests.planner.conftest import identity, manifest, ranks
 from tests.planner.test_concurrency import free_port
@@ -193,10 +193,10 @@ class Fleet:
         admin = PlannerClient(self.planner, token=ADMIN)
         admin.anchor_compile_cache(self.key, self.honest.digest, identity_key=wire_identity_key(IDENT))
 
-    def fetch(self, dest: Path, timeout_s: float = 10.0) -> FetchOutcome:
+    def fetch(self, dest: Path, timeout_s: float = 10.0, limits: Limits = Limits()) -> FetchOutcome:
         return fetch_compile_cache(
             planner_url=self.planner, token=LOAD, key=self.key, dest=dest, labels={"node": NEAR},
-            timeout_s=timeout_s,
+            timeout_s=timeout_s, limits=limits,
         )
 
 
@@ -295,6 +295,20 @@ def test_a_dripping_seed_fails_within_the_deadline(fleet: Fleet, tmp_path: Path,
     assert "deadline" in (out.reason or "")
     # each read comes quickly; the whole never ends (main held the loader for as long as the seed dripped)
     assert elapsed < 6.0, f"held {elapsed:.1f} s at timeout_s=2"
+
+
+@pytest.mark.parametrize(
+    "head",
+    [b"HTTP/1.1 200 OK\r\nContent-Length: 2000000\r\n\r\n", b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n"],
+    ids=["declared", "undeclared"],
+)
+def test_an_oversized_answer_is_cut_at_the_cap(fleet: Fleet, tmp_path: Path, head: bytes) -> None:
+    fleet.anchor()
+    fleet.hostile.respond = lambda conn: conn.sendall(head + b"x" * 2_000_000)
+    fleet.honest_seed.respond = answer(404, {"Content-Length": "2"}, b"{}")
+    out = fleet.fetch(tmp_path / "o", limits=Limits(max_archive_bytes=1 << 20))
+    assert not out.installed
+    assert "over the 1048576-byte limit" in (out.reason or "")
 
 
 def test_seed_endpoints_outside_rfork_seed_networks_are_never_connected(
