@@ -23,6 +23,7 @@ from planner.answers import error_response, planner_error_response
 from planner.auth import Authenticator
 from planner.contract.errors import PlannerError
 from planner.contract.manifest import RankManifest
+from planner.database_down import DatabaseDown
 from planner.db import Database
 from planner.docs_page import add_offline_docs
 from planner.fleet import ProgressBoard, RefusalLog
@@ -134,6 +135,7 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
         body_limit=settings.max_body_bytes,
     )
     app.add_middleware(ProtocolGuard)  # outside the hot path: another protocol is refused everywhere
+    app.add_middleware(DatabaseDown)  # around all of it: a database that went away is a 503 anywhere
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # added last: outermost, so it counts both
     return app
 

@@ -107,6 +107,21 @@ class CompileCache(Base):
     instance: Mapped[Instance] = relationship(back_populates="compile_caches")
 
 
+class CompileCacheAnchor(Base):
+    """The archive digest a compile-cache key must have, set by an authority: an admin upload, or the
+    first publication of an instance registered with the `anchor` role that serves the key. Loaders
+    install only an archive with this digest (rfork.compile_cache.fetch); kept when instances go."""
+
+    __tablename__ = "compile_cache_anchors"
+
+    cache_key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    identity_key: Mapped[str] = mapped_column(String(64))  # the identity whose instances may serve it
+    archive_digest: Mapped[str] = mapped_column(String(80))  # rfork.compile_cache.archive.archive_digest
+    instance_id: Mapped[str] = mapped_column(String(32))  # the anchoring instance, or "" for an upload
+    created_at: Mapped[float] = mapped_column(Float)
+    set_by: Mapped[str] = mapped_column(String(80))  # Principal.holder of the authority
+
+
 class Manifest(Base):
     """A rank manifest, stored verbatim as the JSON text the seed sent."""
 

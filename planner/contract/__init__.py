@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from planner.contract.control_token import (
     ControlGrant,
     ControlTokenError,
+    claimed_rank,
     issue_control_token,
     new_control_key,
     verify_control_token,
@@ -124,6 +125,7 @@ __all__ = [
     "TransfersPage",
     "digest_set",
     "identity_key",
+    "claimed_rank",
     "issue_control_token",
     "new_control_key",
     "verify_control_token",

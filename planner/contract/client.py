@@ -26,11 +26,20 @@ from planner.contract.errors import (
     PlannerUnavailable,
     ProtocolMismatch,
 )
-from planner.contract.views import AnchorsPage, AnchorView, FleetView, InstancePage, ModelsPage, TransfersPage
+from planner.contract.views import (
+    AnchorsPage,
+    AnchorView,
+    CompileCacheAnchorView,
+    FleetView,
+    InstancePage,
+    ModelsPage,
+    TransfersPage,
+)
 from planner.contract.wire import (
     AnchorUpload,
     Assignment,
     AssignmentRequest,
+    CompileCacheAnchorUpload,
     CompileCacheRequest,
     CompileCacheSources,
     HeartbeatAnswer,
@@ -214,7 +223,8 @@ class PlannerClient:
     def compile_cache_sources(
         self, cache_key: str, *, labels: Mapping[str, str] | None = None
     ) -> CompileCacheSources | None:
-        """Instances serving a compile cache, nearest first, with fetch tokens; None = no source (compile)."""
+        """The key's anchored archive digest and the instances serving it, nearest first, with fetch tokens;
+        None = no source (compile). NotFound `not_anchored`: no authority set the key's digest."""
         op = f"compile cache sources {cache_key[:12]}"
         with _checked(op):
             body = CompileCacheRequest(labels=Labels(**dict(labels or {})))
@@ -225,6 +235,18 @@ class PlannerClient:
             if exc.reason == "no_source":
                 return None
             raise
+
+    def anchor_compile_cache(
+        self, cache_key: str, archive_digest: str, *, identity_key: str | None = None, replace: bool = False
+    ) -> CompileCacheAnchorView:
+        """Set a compile-cache key's archive digest (an admin, or an anchor-role instance serving it)."""
+        op = f"anchor compile cache {cache_key[:12]}"
+        with _checked(op):
+            body = CompileCacheAnchorUpload(
+                archive_digest=archive_digest, identity_key=identity_key, replace=replace
+            )
+        path = f"/v1/compile-caches/{cache_key}/anchor"
+        return self._call("PUT", path, op, CompileCacheAnchorView, body=body)
 
     def report_transfer(
         self,

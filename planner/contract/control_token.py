@@ -17,8 +17,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 VERSION = "v1"
-# lease-id prefix of compile-cache grants (planner.service.compile_caches): they fetch a
-# compile cache and never open a weight session; weight leases are plain uuid hex
+# lease-id prefix of compile-cache grants (planner.service.compile_caches): they fetch one compile
+# cache, once, and never open a weight session; weight leases are plain uuid hex. The lease id is
+# `cc-<cache key, 64 hex>-<16 random hex>`, so the MAC binds the grant to its key.
 COMPILE_CACHE_LEASE = "cc-"
 
 
@@ -40,6 +41,14 @@ class ControlGrant:
         """A compile-cache grant (rank 0 by convention: the cache key names the rank)."""
         return self.lease_id.startswith(COMPILE_CACHE_LEASE)
 
+    @property
+    def cache_key(self) -> str | None:
+        """The one compile-cache key a compile-cache grant fetches (None for a weight lease)."""
+        if not self.compile_cache:
+            return None
+        key = self.lease_id[len(COMPILE_CACHE_LEASE) :].partition("-")[0]
+        return key if len(key) == 64 else None
+
 
 def new_control_key() -> str:
     """A fresh 256-bit key, hex."""
@@ -52,10 +61,17 @@ def issue_control_token(key: str, *, lease_id: str, instance_id: str, rank: int,
     return f"{head}.{_mac(key, head)}"
 
 
-def issue_compile_cache(key: str, *, instance_id: str, expires_at: float) -> str:
-    """A token to fetch a compile cache from one instance until `expires_at` (no weight session)."""
-    lease_id = COMPILE_CACHE_LEASE + secrets.token_hex(16)
+def issue_compile_cache(key: str, *, instance_id: str, cache_key: str, expires_at: float) -> str:
+    """A token to fetch compile cache `cache_key` once from one instance until `expires_at` (no weight
+    session)."""
+    lease_id = f"{COMPILE_CACHE_LEASE}{cache_key}-{secrets.token_hex(8)}"
     return issue_control_token(key, lease_id=lease_id, instance_id=instance_id, rank=0, expires_at=expires_at)
+
+
+def claimed_rank(token: str) -> int | None:
+    """The rank a token names, unchecked (the seed needs it before verifying); None when malformed."""
+    parts = token.split(".")
+    return _uint(parts[3]) if len(parts) == 6 else None
 
 
 def verify_control_token(
@@ -66,19 +82,28 @@ def verify_control_token(
     if len(parts) != 6 or parts[0] != VERSION:
         raise ControlTokenError("control token: malformed")
     _, lease_id, instance_id, rank_s, expires_s, mac = parts
-    if not hmac.compare_digest(mac, _mac(key, ".".join(parts[:5]))):
+    # bytes: compare_digest raises TypeError for a str with non-ASCII characters
+    if not hmac.compare_digest(mac.encode("utf-8", "surrogatepass"), _mac(key, ".".join(parts[:5])).encode()):
         raise ControlTokenError("control token: signature does not match this seed's key")
     if instance_id not in instance_ids:
         raise ControlTokenError(f"control token: issued for instance {instance_id}, not this seed")
-    if not rank_s.isdigit() or int(rank_s) != rank:
-        raise ControlTokenError(f"control token: issued for rank {rank_s}, not rank {rank}")
-    if not expires_s.isdigit() or int(expires_s) < now:
-        raise ControlTokenError(f"control token: lease {lease_id} has expired")
-    return ControlGrant(lease_id=lease_id, instance_id=instance_id, rank=rank, expires_at=int(expires_s))
+    if _uint(rank_s) != rank:
+        raise ControlTokenError(f"control token: issued for rank {rank_s!r}, not rank {rank}")
+    expires = _uint(expires_s)
+    if expires is None or expires < now:
+        raise ControlTokenError(f"control token: lease {lease_id!r} has expired or names no expiry")
+    return ControlGrant(lease_id=lease_id, instance_id=instance_id, rank=rank, expires_at=expires)
+
+
+def _uint(text: str) -> int | None:
+    """ASCII digits only (str.isdigit also accepts '²' and other digits int() refuses); at most 19."""
+    if not text or len(text) > 19 or not (text.isascii() and text.isdigit()):
+        return None
+    return int(text)
 
 
 def _mac(key: str, text: str) -> str:
-    return hmac.new(key.encode(), text.encode(), hashlib.sha256).hexdigest()
+    return hmac.new(key.encode(), text.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
 
 
 _HEX = "0123456789abcdef"

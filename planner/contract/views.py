@@ -26,6 +26,17 @@ class AnchorView(BaseModel):
     created_at: float
 
 
+class CompileCacheAnchorView(BaseModel):
+    """A compile-cache key's anchored archive digest, the identity that may serve it, and who set it."""
+
+    cache_key: str
+    identity_key: str
+    archive_digest: str
+    instance_id: str
+    set_by: str
+    created_at: float
+
+
 class AnchorsPage(BaseModel):
     """GET /v1/anchors (admin)."""
 

@@ -18,6 +18,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StringConstraints,
     field_validator,
 )
@@ -29,9 +30,11 @@ from planner.contract.fields import (
     JSON_NUMBER,
     MAX_BYTES,
     NO_NUL,
+    ArchiveDigest,
     Bytes,
     CompileCacheKey,
     ControlKey,
+    IdentityKey,
     Label,
     Name,
     ParallelSize,
@@ -361,10 +364,25 @@ class CompileCacheSource(BaseModel):
 
 
 class CompileCacheSources(BaseModel):
-    """Answer to POST /v1/compile-caches/{key}/sources: who serves that key, nearest first."""
+    """Answer to POST /v1/compile-caches/{key}/sources: who serves that key, nearest first, and the digest
+    an authority anchored for it (the only archive a loader installs; never the seed's own claim)."""
 
     cache_key: str
+    archive_digest: str
     sources: list[CompileCacheSource]
+
+
+class CompileCacheAnchorUpload(Strict):
+    """PUT /v1/compile-caches/{key}/anchor: the archive digest the key must have.
+
+    The first authority wins: an admin (naming the identity whose instances may serve the key), or an
+    instance registered with the anchor role, for a key it serves and its own identity. The same digest
+    again is a no-op, another one a 409, unless an admin sets `replace`.
+    """
+
+    archive_digest: ArchiveDigest
+    identity_key: IdentityKey | None = None  # an admin's upload needs it; an instance's is its own
+    replace: StrictBool = False  # admin only: replace an anchored digest
 
 
 class TransferReport(Strict):

@@ -1,4 +1,5 @@
-"""/v1/compile-caches: which READY instances serve a compile cache, with a token to fetch it."""
+"""/v1/compile-caches: a key's anchored archive digest, and which READY instances serve it, with a token to
+fetch it."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path
 
 from planner.auth import Principal
-from planner.contract import wire
-from planner.deps import get_planner, leaser
+from planner.contract import views, wire
+from planner.deps import get_planner, leaser, writer
 from planner.service import Planner
 
 router = APIRouter(prefix="/v1/compile-caches", tags=["compile caches"])
@@ -27,7 +28,10 @@ KeyPath = Annotated[
         403: {},
         413: {"description": "the body exceeds the size limit"},
         422: {},
-        404: {"description": 'no READY instance serves this key: `{"reason": "no_source"}` (compile)'},
+        404: {
+            "description": 'no anchored archive digest for this key: `{"reason": "not_anchored"}`; no READY'
+            ' instance of its identity with anchored weights serves it: `{"reason": "no_source"}` (compile)'
+        },
     },
     operation_id="compile_cache_sources",
 )
@@ -37,10 +41,36 @@ def compile_cache_sources(
     planner: Planner = Depends(get_planner),
     principal: Principal = Depends(leaser),
 ) -> wire.CompileCacheSources:
-    """Instances serving `cache_key`, nearest first, each with a one-fetch token for its control endpoint.
+    """The key's anchored archive digest and the instances serving it, nearest first, each with a token
+    for one fetch of this key from its control endpoint.
 
-    An instance token sees only instances of its own identity (as for assignments).
+    Only instances of the key's identity whose manifests all match their anchors are offered; an
+    instance token sees only its own identity (as for assignments).
     """
     return planner.compile_cache_sources(
         cache_key, time.time(), may_lease=principal.may_lease_identity, labels=body.labels
     )
+
+
+@router.put(
+    "/{cache_key}/anchor",
+    response_model=views.CompileCacheAnchorView,
+    responses={
+        400: {"description": "the body is not JSON"},
+        401: {},
+        403: {"description": "neither an admin nor an anchor-role instance serving this key"},
+        409: {"description": "anchored with another digest (an admin may `replace`), or a foreign identity"},
+        413: {"description": "the body exceeds the size limit"},
+        422: {},
+    },
+    operation_id="anchor_compile_cache",
+)
+def anchor_compile_cache(
+    cache_key: KeyPath,
+    body: wire.CompileCacheAnchorUpload,
+    planner: Planner = Depends(get_planner),
+    principal: Principal = Depends(writer),
+) -> views.CompileCacheAnchorView:
+    """Set the archive digest loaders install for `cache_key`: an admin's upload, or the first
+    publication of an instance registered with the anchor role that serves the key."""
+    return planner.anchor_compile_cache(cache_key, body, time.time(), principal=principal)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Annotated, Literal
 
@@ -11,9 +12,11 @@ from sqlalchemy import text
 
 from planner.auth import Principal
 from planner.contract.views import ModelsPage, TransfersPage
+from planner.database_down import RETRY_AFTER_S, UNAVAILABLE, database_unavailable
 from planner.deps import get_planner, get_principal
 from planner.service import Planner
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["views"])
 
 
@@ -51,17 +54,28 @@ def readyz(planner: Planner = Depends(get_planner)) -> Response:
         with planner.db.read() as s:
             s.execute(text("SELECT 1"))
     except Exception as exc:  # noqa: BLE001 - any database failure means not ready
-        return JSONResponse({"status": "unavailable", "detail": f"database: {type(exc).__name__}"}, 503)
+        return JSONResponse(
+            {"status": "unavailable", "detail": f"database: {type(exc).__name__}"},
+            503,
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
     return JSONResponse({"status": "ready"})
 
 
 @router.get("/metrics", tags=["ops"], response_class=Response)
 def metrics(request: Request, planner: Planner = Depends(get_planner)) -> Response:
-    """Prometheus text exposition."""
+    """Prometheus text exposition; with the database unreachable, the gauges it feeds keep their last
+    values (the request counters show the 503s)."""
     m = request.app.state.metrics
-    counts = planner.status_counts()
-    for status in ("INITIALIZING", "LOADING", "READY", "DRAINING", "STALE"):
-        m.instances.labels(status=status).set(counts.get(status, 0))
-    m.live_leases.set(planner.live_leases(time.time()))
+    try:
+        counts = planner.status_counts()
+        live = planner.live_leases(time.time())
+    except UNAVAILABLE as exc:
+        log.warning("/metrics: database unavailable, instance and lease gauges not updated: %s",
+                    database_unavailable(exc))
+    else:
+        for status in ("INITIALIZING", "LOADING", "READY", "DRAINING", "STALE"):
+            m.instances.labels(status=status).set(counts.get(status, 0))
+        m.live_leases.set(live)
     body, content_type = m.exposition()
     return Response(body, media_type=content_type)

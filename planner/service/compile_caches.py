@@ -1,50 +1,140 @@
-"""Compile caches: which READY instances serve a compiled artifact, with a fetch token each
-(routes/compile_caches.py)."""
+"""Compile caches: the archive digest an authority anchored per key, and which READY instances of the
+key's identity serve it, with a one-fetch token each (routes/compile_caches.py).
+
+An archive holds code the engine imports (inductor `.py`/`.so`), so it is trusted like weights: a key
+is offered only once an authority set its archive digest (an admin upload, or the first publication of
+an anchor-role instance that serves the key), only from instances of the key's identity whose every
+manifest matches its anchor, and the loader installs only an archive with that digest.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
-from sqlalchemy import or_, select
+from sqlalchemy import and_, delete, exists, or_, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from planner.contract import control_token, wire
-from planner.contract.errors import NoSource
-from planner.models import CompileCache, Instance
+from planner.auth import Principal
+from planner.contract import control_token, views, wire
+from planner.contract.errors import AuthError, Conflict, NoSource, NotFound
+from planner.models import Anchor, CompileCache, CompileCacheAnchor, Instance, Manifest
 from planner.service.base import ServiceState
+
+log = logging.getLogger(__name__)
 
 
 class CompileCacheOps(ServiceState):
-    """Planner's compile-cache sources."""
+    """Planner's compile-cache anchors and sources."""
+
+    def anchor_compile_cache(
+        self, cache_key: str, body: wire.CompileCacheAnchorUpload, now: float, *, principal: Principal
+    ) -> views.CompileCacheAnchorView:
+        """Set the archive digest of `cache_key`; the first authority wins (see CompileCacheAnchorUpload).
+
+        AuthError 403 for a caller that is neither an admin nor an anchor-role instance serving the key;
+        Conflict for a digest other than the anchored one, or a missing or foreign identity.
+        """
+        with self.db.write() as s:
+            if principal.has("admin"):
+                if body.identity_key is None:
+                    raise Conflict("identity_key: an upload names the identity whose instances serve the key")
+                identity_key, instance_id = body.identity_key, principal.instance_id or ""
+            else:
+                inst = None if principal.instance_id is None else s.get(Instance, principal.instance_id)
+                if inst is None or not inst.may_anchor or body.replace:
+                    raise AuthError(
+                        f"compile cache {cache_key[:12]}: only an admin, or an instance registered with the"
+                        " anchor role (once), sets an archive digest",
+                        status=403,
+                    )
+                if cache_key not in {c.cache_key for c in inst.compile_caches}:
+                    raise Conflict(f"compile cache {cache_key[:12]}: instance {inst.id} does not serve it")
+                if body.identity_key not in (None, inst.identity_key):
+                    raise Conflict("identity_key: an instance anchors keys of its own identity only")
+                identity_key, instance_id = inst.identity_key, inst.id
+            values = {
+                "cache_key": cache_key,
+                "identity_key": identity_key,
+                "archive_digest": body.archive_digest,
+                "instance_id": instance_id,
+                "created_at": now,
+                "set_by": principal.holder,
+            }
+            if body.replace:
+                s.execute(delete(CompileCacheAnchor).where(CompileCacheAnchor.cache_key == cache_key))
+            stmt = (sqlite_insert if self.db.sqlite else pg_insert)(CompileCacheAnchor).values(**values)
+            won = stmt.on_conflict_do_nothing().returning(CompileCacheAnchor.cache_key)
+            inserted = s.connection().execute(won).first() is not None
+            row = s.execute(
+                select(CompileCacheAnchor)
+                .where(CompileCacheAnchor.cache_key == cache_key)
+                .execution_options(populate_existing=True)
+            ).scalar_one()
+            if (row.identity_key, row.archive_digest) != (identity_key, body.archive_digest):
+                raise Conflict(
+                    f"compile cache {cache_key[:12]} is anchored with another archive digest or identity"
+                    f" (set by {row.set_by}); an admin may replace it"
+                )
+            view = _view(row)
+        if inserted:
+            log.info("compile cache %s anchored by %s", cache_key[:12], principal.holder)
+        return view
 
     def compile_cache_sources(
         self, cache_key: str, now: float, *, may_lease: Callable[[str], bool], labels: wire.Labels
     ) -> wire.CompileCacheSources:
-        """READY, unquarantined instances serving `cache_key` (same node, rack, zone first), each with a
-        control token for one fetch (planner.contract.control_token, a compile-cache grant: no weight
-        session).
+        """The anchored digest of `cache_key` and the READY, unquarantined instances serving it (same
+        node, rack, zone first) that hold the key's identity with every manifest anchored, each with a
+        control token for one fetch of this key (planner.contract.control_token: no weight session).
 
         `may_lease(identity_key)`: whether the caller may have that identity's artifacts (an instance
-        token: its own identity only). Raises NoSource (404) when none is left.
+        token: its own identity only). NotFound `not_anchored` when no authority set the key's digest;
+        NoSource (404) when no instance is left.
         """
-        q = (
-            select(Instance)
-            .join(CompileCache, CompileCache.instance_id == Instance.id)
-            .where(
-                CompileCache.cache_key == cache_key,
-                Instance.status == "READY",
-                Instance.last_heartbeat >= now - self.settings.heartbeat_ttl_s,
-                or_(Instance.quarantined_until.is_(None), Instance.quarantined_until <= now),
-                Instance.reverify_since.is_(None),
-                Instance.integrity_failed.is_(False),
-                Instance.control_url.is_not(None),
-                Instance.control_key.is_not(None),
-            )
-            .order_by(Instance.id)
-        )
         with self.db.read() as s:
-            rows = [i for i in s.execute(q).scalars().all() if may_lease(i.identity_key)]
+            anchor = s.get(CompileCacheAnchor, cache_key)
+            if anchor is None:
+                raise NotFound(
+                    f"compile cache {cache_key[:12]} has no anchored archive digest (an anchor-role seed"
+                    " publishes it once it compiled, or an admin uploads it): nothing to fetch",
+                    status=404,
+                    reason="not_anchored",
+                )
+            if not may_lease(anchor.identity_key):
+                raise NoSource(f"no READY instance serves compile cache {cache_key[:12]} to this token")
+            identity_key, digest = anchor.identity_key, anchor.archive_digest
+            matches_anchor = and_(
+                Anchor.identity_key == Instance.identity_key,
+                Anchor.rank == Manifest.rank,
+                Anchor.checksum_algorithm == Manifest.checksum_algorithm,
+                Anchor.digest_set == Manifest.digest_set,
+            )
+            anchored = exists().where(Manifest.instance_id == Instance.id, matches_anchor)
+            unanchored = exists().where(Manifest.instance_id == Instance.id, ~exists().where(matches_anchor))
+            q = (
+                select(Instance)
+                .join(CompileCache, CompileCache.instance_id == Instance.id)
+                .where(
+                    CompileCache.cache_key == cache_key,
+                    Instance.identity_key == identity_key,
+                    Instance.status == "READY",
+                    Instance.last_heartbeat >= now - self.settings.heartbeat_ttl_s,
+                    or_(Instance.quarantined_until.is_(None), Instance.quarantined_until <= now),
+                    Instance.reverify_since.is_(None),
+                    Instance.integrity_failed.is_(False),
+                    Instance.control_url.is_not(None),
+                    Instance.control_key.is_not(None),
+                    anchored,
+                    ~unanchored,
+                )
+                .order_by(Instance.id)
+            )
+            rows = list(s.execute(q).scalars().all())
         if not rows:
-            raise NoSource(f"no READY instance serves compile cache {cache_key[:12]}")
+            raise NoSource(f"no READY instance of its identity with anchored weights serves compile cache"
+                           f" {cache_key[:12]}")
         rows.sort(key=lambda i: (i.node != labels.node, i.rack != labels.rack, i.zone != labels.zone))
         expires_at = now + self.settings.lease_ttl_s
         sources = [
@@ -55,9 +145,21 @@ class CompileCacheOps(ServiceState):
                 control_token=control_token.issue_compile_cache(
                     control_token.unseal(self._control_secret, i.id, str(i.control_key)),
                     instance_id=i.id,
+                    cache_key=cache_key,
                     expires_at=expires_at,
                 ),
             )
             for i in rows[:8]
         ]
-        return wire.CompileCacheSources(cache_key=cache_key, sources=sources)
+        return wire.CompileCacheSources(cache_key=cache_key, archive_digest=digest, sources=sources)
+
+
+def _view(row: CompileCacheAnchor) -> views.CompileCacheAnchorView:
+    return views.CompileCacheAnchorView(
+        cache_key=row.cache_key,
+        identity_key=row.identity_key,
+        archive_digest=row.archive_digest,
+        instance_id=row.instance_id,
+        set_by=row.set_by,
+        created_at=row.created_at,
+    )

@@ -1,10 +1,12 @@
 """Fetch a compile cache before the engine compiles: ask the planner, download, verify, install.
 
-The story: the planner names READY seeds that serve the key (nearest first) with a compile-cache
-token each; the first seed whose archive downloads within the size cap, matches its digest and was
-packed under the same key is installed (rfork.compile_cache.archive.unpack). Nothing here raises for
-a peer's or the network's failure: the outcome says why nothing was installed and the engine simply
-compiles, as it would without rfork.
+The story: the planner answers the key's anchored archive digest (set by an authority, never by the
+seed that serves it) and the READY seeds of the key's identity that serve it, nearest first, with a
+one-fetch token each; the first seed whose archive downloads within the deadline and size cap, has
+the anchored digest and was packed under the same key is installed (rfork.compile_cache.archive.unpack).
+A key no authority anchored is not fetched at all. Nothing here raises for a peer's or the network's
+failure: the outcome says why nothing was installed (logged) and the engine simply compiles, as it
+would without rfork.
 """
 
 from __future__ import annotations
@@ -15,14 +17,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from planner.contract import CompileCacheSource, PlannerClient, PlannerError
 from rfork.compile_cache.archive import CompileCacheError, Limits, unpack
+from rfork.seed_http import SeedRequestError, seed_request
+from rfork.seed_networks import allowed_networks
 
 log = logging.getLogger(__name__)
-
-DIGEST_HEADER = "x-rfork-archive-digest"
 
 
 @dataclass(kw_only=True)
@@ -47,7 +47,10 @@ def fetch_compile_cache(
     limits: Limits = Limits(),
     timeout_s: float = 30.0,
 ) -> FetchOutcome:
-    """Install the compile cache `key` into `dest` from the first seed that serves a valid archive."""
+    """Install the compile cache `key` into `dest` from the first seed that serves a valid archive.
+
+    ValueError for a malformed RFORK_SEED_NETWORKS (a setting, not a peer's failure)."""
+    allowed_networks()
     t0 = time.perf_counter()
     try:
         with PlannerClient(planner_url, token=token, timeout_s=timeout_s) as client:
@@ -59,9 +62,9 @@ def fetch_compile_cache(
     reasons = []
     for source in found.sources:
         try:
-            data, digest = _download(source, key, limits=limits, timeout_s=timeout_s)
-            files = unpack(data, dest, key=key, digest=digest, limits=limits)
-        except (CompileCacheError, httpx.HTTPError, OSError, ValueError) as exc:  # a peer's failure
+            data = _download(source, key, limits=limits, timeout_s=timeout_s)
+            files = unpack(data, dest, key=key, digest=found.archive_digest, limits=limits)
+        except (CompileCacheError, SeedRequestError, OSError, ValueError) as exc:  # a peer's failure
             log.info("compile cache %s from %s refused: %s", key[:12], source.instance_id, exc)
             reasons.append(f"{source.instance_id}: {exc}")
             continue
@@ -80,29 +83,22 @@ def fetch_compile_cache(
     return _nothing(t0, "; ".join(reasons))
 
 
-def _download(source: CompileCacheSource, key: str, *, limits: Limits, timeout_s: float) -> tuple[bytes, str]:
-    """The archive and the digest its seed announced; CompileCacheError for a refusal or an oversize."""
+def _download(source: CompileCacheSource, key: str, *, limits: Limits, timeout_s: float) -> bytes:
+    """The archive, within `timeout_s` in all and `limits.max_archive_bytes`; CompileCacheError for a
+    refusal, SeedRequestError for a deadline, an oversize or a network outside RFORK_SEED_NETWORKS."""
     url = f"{source.control_url.rstrip('/')}/v1/compile-caches/{key}"
-    headers = {"Authorization": f"Bearer {source.control_token}"}
-    with httpx.stream("GET", url, headers=headers, timeout=timeout_s) as resp:
-        if resp.status_code != 200:
-            resp.read()
-            raise CompileCacheError(f"GET {url}: {resp.status_code} {resp.text[:300]}")
-        digest = resp.headers.get(DIGEST_HEADER)
-        if not digest:
-            raise CompileCacheError(f"GET {url}: no {DIGEST_HEADER} header")
-        declared = int(resp.headers.get("content-length") or 0)
-        if declared > limits.max_archive_bytes:
-            raise CompileCacheError(f"GET {url}: archive of {declared} bytes over the limit")
-        parts, size = [], 0
-        for chunk in resp.iter_bytes():
-            size += len(chunk)
-            if size > limits.max_archive_bytes:
-                raise CompileCacheError(f"GET {url}: archive over {limits.max_archive_bytes} bytes")
-            parts.append(chunk)
-    return b"".join(parts), digest
+    resp = seed_request(
+        "GET",
+        url,
+        headers={"Authorization": f"Bearer {source.control_token}"},
+        timeout_s=timeout_s,
+        max_body_bytes=limits.max_archive_bytes,
+    )
+    if resp.status != 200:
+        raise CompileCacheError(f"GET {url}: {resp.status} {resp.body[:300].decode('utf-8', 'replace')}")
+    return resp.body
 
 
 def _nothing(t0: float, reason: str) -> FetchOutcome:
-    log.debug("compile cache not installed: %s", reason)
+    log.info("compile cache not installed: %s", reason)
     return FetchOutcome(installed=False, seconds=time.perf_counter() - t0, reason=reason)

@@ -10,10 +10,11 @@ Endpoints (JSON):
                                         expired, replayed or other-rank token.
   GET  /v1/nccl/sessions/{id}        -> 200 {"session_id", "rank", "state", "bytes", "error"}
   GET  /v1/compile-caches/{key}      -> 200 the compile cache's tar (rfork.compile_cache.archive), its
-                                        digest in ``X-Rfork-Archive-Digest``; only for a planner-issued
-                                        compile-cache token (issue_compile_cache in
-                                        planner.contract.control_token), which in turn opens no NCCL
-                                        session. 404: not a key of this seed; 409: nothing compiled
+                                        digest in ``X-Rfork-Archive-Digest`` (informational: loaders
+                                        check the planner's anchored digest); only for a planner-issued
+                                        compile-cache token of that key (issue_compile_cache in
+                                        planner.contract.control_token), spent by one fetch; it opens
+                                        no NCCL session. 404: not a key of this seed; 409: nothing compiled
                                         yet, or still being written.
 Bad input answers 4xx with {"error": message}; a full seed answers 429 {"reason": "busy", ...}.
 Requests are parsed and bounded in `rfork.seed.control_http`; this module decides what they mean.
@@ -47,7 +48,7 @@ from backends.nccl import (
     backend_for,
     send_tensors,
 )
-from planner.contract import ControlGrant, ControlTokenError, verify_control_token
+from planner.contract import ControlGrant, ControlTokenError, claimed_rank, verify_control_token
 from rfork.compile_cache.archive import CompileCacheError, PackedCache
 from rfork.compile_cache.shelf import CacheNotReady, CacheShelf
 from rfork.seed.control_http import ControlHttpServer, HttpError
@@ -207,11 +208,11 @@ class ControlServer:
             raise HttpError(
                 HTTPStatus.UNAUTHORIZED, "Authorization: a per-assignment bearer token is required"
             )
-        parts = token.split(".")
-        claimed_rank = int(parts[3]) if len(parts) == 6 and parts[3].isdigit() else -1
+        rank = claimed_rank(token)
         try:
             grant = verify_control_token(
-                token, self.control_key, instance_ids=self.instance_ids(), rank=claimed_rank, now=time.time()
+                token, self.control_key, instance_ids=self.instance_ids(), rank=-1 if rank is None else rank,
+                now=time.time(),
             )
         except ControlTokenError as exc:
             raise HttpError(HTTPStatus.FORBIDDEN, str(exc)) from exc
@@ -242,9 +243,16 @@ class ControlServer:
             self._used_leases[grant.lease_id] = grant.expires_at
 
     def compile_cache(self, grant: ControlGrant | None, key: str) -> PackedCache:
-        """The archive of compile cache `key` for a compile-cache grant (may block: it may pack)."""
+        """The archive of compile cache `key` for a compile-cache grant of that key, spent here (one fetch
+        per grant); may block: it may pack."""
         if grant is not None and not grant.compile_cache:
             raise HttpError(HTTPStatus.FORBIDDEN, "control token: not a compile-cache grant")
+        if grant is not None and grant.cache_key != key:
+            raise HttpError(HTTPStatus.FORBIDDEN, f"control token: not a grant for compile cache {key[:12]}")
+        if grant is not None:
+            with self._lock:
+                self._check_lease_unused(grant.lease_id)
+                self._used_leases[grant.lease_id] = grant.expires_at
         if self.compile_caches is None:
             raise HttpError(HTTPStatus.NOT_FOUND, "this seed serves no compile caches")
         try:

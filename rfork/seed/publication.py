@@ -26,6 +26,7 @@ from planner.contract import (
     RankManifest,
 )
 from rfork import metrics
+from rfork.compile_cache.anchor import CacheAnchoring
 from rfork.identity import SourceIdentity, default_labels
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class Publication:
         control_url: str | None = None,
         control_key: str | None = None,
         compile_cache_keys: Sequence[str] = (),
+        anchoring: CacheAnchoring | None = None,
         max_concurrent_pulls: int = 2,
         status: str = "READY",
         retry: bool = False,
@@ -73,7 +75,8 @@ class Publication:
         rehash: Callable[[], Mapping[int, RankManifest]] | None = None,
         client: PlannerClient | None = None,
     ) -> None:
-        """`client`: share this client's connections (a loader's) instead of opening a second pool."""
+        """`client`: share this client's connections (a loader's) instead of opening a second pool.
+        `anchoring`: publishes the compile caches' archive digests from the heartbeat thread."""
         self.client = PlannerClient(planner_url, token=token) if client is None else client.with_token(token)
         self._register_token = token
         self._identity = identity
@@ -83,6 +86,8 @@ class Publication:
         self._control_url = control_url
         self._control_key = control_key
         self._compile_cache_keys = list(compile_cache_keys)
+        self._anchoring = anchoring
+        self._identity_key = ""
         self._max_pulls = max_concurrent_pulls
         self._status = status
         self._retry_interval_s = retry_interval_s
@@ -137,6 +142,7 @@ class Publication:
         with self._lock:
             self.instance_id = str(reg.id)
             self.instance_token = reg.token
+            self._identity_key = reg.identity_key
         log.info("published instance %s (%d rank(s)) as %s", reg.id, len(self._manifests), self._status)
 
     def _beat(self) -> None:
@@ -154,6 +160,8 @@ class Publication:
                 if beat.status == InstanceStatus.STALE and not self._stop.is_set():
                     self.client.set_status(self.instance_id, self._status)
                     log.warning("instance %s was STALE; set %s again", self.instance_id, self._status)
+                if self._anchoring is not None and not self._stop.is_set():
+                    self._anchoring.publish(self.client, self._identity_key)
             except (NotFound, AuthError) as exc:
                 # 404, or 401 for our instance token: the planner no longer knows this instance (deleted,
                 # or a new database); anything else (e.g. 403) is a real refusal, retried like an outage

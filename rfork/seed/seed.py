@@ -28,6 +28,7 @@ import torch
 
 from backends import Region, TransferEngine
 from planner.contract import PlannerClient, RankEndpoint, RankManifest, new_control_key
+from rfork.compile_cache.anchor import CacheAnchoring
 from rfork.compile_cache.shelf import CacheShelf
 from rfork.identity import SourceIdentity, default_labels
 from rfork.seed.control import ControlServer
@@ -234,6 +235,8 @@ class Seed:
                     compile_caches=self.compile_caches,
                 )
             control_url = self.control_server.url if self.control_server is not None else None
+            shelf = self.compile_caches if control_url else None
+            anchoring = CacheAnchoring(shelf) if shelf is not None else None
             for server in self.servers:
                 address = base64.b64encode(server.address_bytes()).decode("ascii")
                 backends = [server.provider] + (["nccl"] if control_url else [])
@@ -252,9 +255,8 @@ class Seed:
                         labels=self.labels,
                         control_url=control_url,
                         control_key=control_key if control_url else None,
-                        compile_cache_keys=self.compile_caches.keys()
-                        if control_url and self.compile_caches is not None
-                        else (),
+                        compile_cache_keys=shelf.keys() if shelf is not None else (),
+                        anchoring=anchoring,
                         max_concurrent_pulls=self.max_concurrent_pulls,
                         retry=self.retry_publish,
                         rehash=functools.partial(_rehash, server),

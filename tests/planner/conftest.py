@@ -11,7 +11,7 @@ from sqlalchemy import create_engine, text
 
 from planner import Planner, PlannerServer, PlannerSettings, migrate
 
-TABLES = ("manifests", "instance_ranks", "leases", "instances", "anchors")
+TABLES = ("manifests", "instance_ranks", "leases", "instances", "anchors", "compile_cache_anchors")
 
 
 def identity(**over: Any) -> dict[str, Any]:

@@ -1,50 +1,91 @@
-"""/v1/compile-caches: which READY instances serve a compile-cache key, with compile-cache-only tokens."""
+"""/v1/compile-caches: a key is offered only once an authority anchored its archive digest, only from
+READY instances of the key's identity whose manifests match their anchors, with one-fetch tokens bound
+to the key."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from planner.contract import AuthError, BadRequest, Conflict, PlannerClient, control_token
+from planner.contract import (
+    AuthError,
+    BadRequest,
+    Conflict,
+    NotFound,
+    PlannerClient,
+    control_token,
+)
+from planner.contract.wire import identity_key
 from planner.server import PlannerServer
-from tests.planner.conftest import identity, ranks
+from tests.planner.conftest import identity, manifest, ranks
 from tests.planner.test_auth import TOKENS
 
 KEY, OTHER = "a" * 64, "b" * 64
+DIGEST, FORGED = "sha256:" + "1" * 64, "sha256:" + "2" * 64
+IDENT = identity()
 
 
-def _serving(c: PlannerClient, *, node: str, ident: dict | None = None, keys: tuple[str, ...] = (KEY,)):
+def _serving(
+    c: PlannerClient,
+    *,
+    node: str,
+    ident: dict[str, Any] | None = None,
+    keys: tuple[str, ...] = (KEY,),
+    manifests: bool = True,
+    ready: bool = True,
+) -> tuple[Any, str]:
+    """An instance serving `keys`, with its rank-0 manifest published (from disk) and READY."""
     key = control_token.new_control_key()
     reg = c.register_instance(
-        identity=ident or identity(),
+        identity=ident or IDENT,
         labels={"node": node},
         ranks=ranks(0),
         control_url=f"http://{node}:9",
         control_key=key,
         compile_cache_keys=keys,
     )
+    own = c.with_token(reg.token) if reg.token else c
+    if manifests:
+        own.put_manifest(reg.id, 0, manifest(0))
+    if ready:
+        own.set_status(reg.id, "READY")
     return reg, key
 
 
-def test_ready_instances_serving_a_key_come_with_a_compile_cache_token(server):
+@pytest.fixture
+def secure(planner_url: str) -> Iterator[PlannerServer]:
+    with PlannerServer(db_url=planner_url, port=0, insecure=False, reaper_interval_s=3600, **TOKENS) as srv:
+        yield srv
+
+
+def test_ready_instances_of_the_anchored_identity_come_with_a_one_key_token(server: PlannerServer) -> None:
     c = PlannerClient(server.url)
-    far, far_key = _serving(c, node="n2")
-    near, near_key = _serving(c, node="n1")
+    far, _ = _serving(c, node="n2", ready=False)
+    near, near_key = _serving(c, node="n1", ready=False)
     assert near.compile_cache_keys == [KEY]
+    with pytest.raises(NotFound) as nothing:
+        c.compile_cache_sources(KEY)  # no authority set its digest: nothing to fetch
+    assert nothing.value.reason == "not_anchored"
+    c.anchor_compile_cache(KEY, DIGEST, identity_key=identity_key(IDENT))
     assert c.compile_cache_sources(KEY) is None  # INITIALIZING: not yet
     c.set_status(far.id, "READY")
     c.set_status(near.id, "READY")
     found = c.compile_cache_sources(KEY, labels={"node": "n1"})
     assert found is not None
+    assert found.archive_digest == DIGEST
     assert [s.instance_id for s in found.sources] == [near.id, far.id]  # same node first
     assert found.sources[0].control_url == "http://n1:9"
     grant = control_token.verify_control_token(
         found.sources[0].control_token, near_key, instance_ids=[near.id], rank=0, now=time.time()
     )
     assert grant.compile_cache  # never a weight lease: the seed opens no NCCL session with it
+    assert grant.cache_key == KEY  # and it fetches this key only
     assert "control_token" not in repr(found.sources[0])
-    assert c.compile_cache_sources(OTHER) is None
+    with pytest.raises(NotFound):
+        c.compile_cache_sources(OTHER)
     c.delete_instance(near.id)
     found = c.compile_cache_sources(KEY)
     assert found is not None
@@ -53,7 +94,71 @@ def test_ready_instances_serving_a_key_come_with_a_compile_cache_token(server):
     assert c.compile_cache_sources(KEY) is None
 
 
-def test_registration_with_keys_needs_a_control_endpoint_and_valid_keys(server):
+def test_a_register_token_cannot_get_its_own_seed_offered(secure: PlannerServer) -> None:
+    """The attack: a register token declares a key and its own control_url, goes READY, and waits."""
+    reg = PlannerClient(secure.url, token="reg-secret")
+    load = PlannerClient(secure.url, token="load-secret")
+    admin = PlannerClient(secure.url, token="adm-secret")
+    no_manifest, _ = _serving(reg, node="victim-node", manifests=False)
+    with pytest.raises(NotFound, match="no anchored archive digest"):
+        load.compile_cache_sources(KEY)
+    honest, _ = _serving(PlannerClient(secure.url, token="anc-secret"), node="n1")  # anchors the weights
+    admin.anchor_compile_cache(KEY, DIGEST, identity_key=identity_key(IDENT))
+    other_identity, _ = _serving(reg, node="victim-node", ident=identity(fingerprint="attacker"))
+    forged = manifest(0)
+    forged["tensors"][0]["checksum"] = "cd"
+    liar = reg.register_instance(
+        identity=IDENT, ranks=ranks(0), control_url="http://victim-node:9",
+        control_key=control_token.new_control_key(), compile_cache_keys=[KEY],
+    )
+    with pytest.raises(Conflict, match="differ from the identity's anchored set"):
+        reg.with_token(liar.token).put_manifest(liar.id, 0, forged)
+    found = load.compile_cache_sources(KEY, labels={"node": "victim-node"})
+    assert found is not None
+    assert [s.instance_id for s in found.sources] == [honest.id]
+    assert {no_manifest.id, other_identity.id, liar.id}.isdisjoint(s.instance_id for s in found.sources)
+    # nor can it set the digest: only an admin or an anchor-role instance serving the key
+    with pytest.raises(AuthError) as refused:
+        reg.with_token(no_manifest.token).anchor_compile_cache(KEY, FORGED)
+    assert refused.value.status == 403
+    again = load.compile_cache_sources(KEY)
+    assert again is not None
+    assert again.archive_digest == DIGEST
+
+
+def test_who_may_set_a_digest_and_when(secure: PlannerServer) -> None:
+    anchor = PlannerClient(secure.url, token="anc-secret")
+    admin = PlannerClient(secure.url, token="adm-secret")
+    mine, _ = _serving(anchor, node="n1")
+    own = anchor.with_token(mine.token)
+    for token in ("load-secret", "read-secret", "reg-secret"):
+        c = PlannerClient(secure.url, token=token)
+        with pytest.raises(AuthError) as refused:
+            c.anchor_compile_cache(KEY, DIGEST, identity_key=mine.identity_key)
+        assert refused.value.status == 403
+    with pytest.raises(Conflict, match="does not serve"):
+        own.anchor_compile_cache(OTHER, DIGEST)
+    with pytest.raises(Conflict, match="own identity"):
+        own.anchor_compile_cache(KEY, DIGEST, identity_key="f" * 64)
+    with pytest.raises(AuthError):
+        own.anchor_compile_cache(KEY, DIGEST, replace=True)  # replacing is an admin's
+    first = own.anchor_compile_cache(KEY, DIGEST)
+    assert (first.identity_key, first.instance_id) == (mine.identity_key, mine.id)
+    assert first.archive_digest == DIGEST
+    assert own.anchor_compile_cache(KEY, DIGEST).created_at == first.created_at  # the same again: a no-op
+    with pytest.raises(Conflict, match="another archive digest"):
+        own.anchor_compile_cache(KEY, FORGED)  # the first authority wins
+    with pytest.raises(Conflict, match="another archive digest"):
+        admin.anchor_compile_cache(KEY, FORGED, identity_key=mine.identity_key)
+    with pytest.raises(Conflict, match="identity_key"):
+        admin.anchor_compile_cache(OTHER, DIGEST)
+    replaced = admin.anchor_compile_cache(KEY, FORGED, identity_key=mine.identity_key, replace=True)
+    assert (replaced.archive_digest, replaced.instance_id) == (FORGED, "")
+    with pytest.raises(BadRequest):
+        admin.anchor_compile_cache(KEY, "sha256:xyz", identity_key=mine.identity_key)
+
+
+def test_registration_with_keys_needs_a_control_endpoint_and_valid_keys(server: PlannerServer) -> None:
     c = PlannerClient(server.url)
     with pytest.raises(Conflict, match="control_url"):
         c.register_instance(identity=identity(), ranks=ranks(0), compile_cache_keys=[KEY])
@@ -63,12 +168,14 @@ def test_registration_with_keys_needs_a_control_endpoint_and_valid_keys(server):
         _serving(c, node="n1", keys=(KEY, KEY))
 
 
-def test_an_instance_token_sees_only_its_own_identity(planner_url):
+def test_an_instance_token_sees_only_its_own_identity(planner_url: str) -> None:
     tokens = {**TOKENS, "instance_token": "reg-load-secret"}  # register + load: its instances may lease
     with PlannerServer(db_url=planner_url, port=0, insecure=False, reaper_interval_s=3600, **tokens) as srv:
         reg = PlannerClient(srv.url, token="reg-load-secret")
+        anchor_seed, _ = _serving(PlannerClient(srv.url, token="anc-secret"), node="n0")  # anchors weights
+        admin = PlannerClient(srv.url, token="adm-secret")
+        admin.anchor_compile_cache(KEY, DIGEST, identity_key=anchor_seed.identity_key)
         mine, _ = _serving(reg, node="n1")
-        PlannerClient(srv.url, token=mine.token).set_status(mine.id, "READY")
         other = reg.register_instance(identity=identity(fingerprint="other"), ranks=ranks(0))
         assert PlannerClient(srv.url, token="load-secret").compile_cache_sources(KEY) is not None
         assert PlannerClient(srv.url, token=other.token).compile_cache_sources(KEY) is None

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from planner.contract import NotFound, PlannerClient
 from rfork.compile_cache.vllm_log import CompileEvidence, kernels_built_since
 from tests.integrations.servers import free_port
 from tests.vllm.servers import VLLM_CMD, ServerFleet, VllmServer, cpu_server_args
@@ -37,6 +38,21 @@ def _settled(root: Path, quiet_s: float) -> bool:
         with contextlib.suppress(FileNotFoundError):  # a temporary file renamed meanwhile
             mtimes.append(entry.lstat().st_mtime)
     return bool(mtimes) and time.time() - max(mtimes) >= quiet_s
+
+
+def _wait_anchored(planner_url: str, deadline: float) -> None:
+    """Until every compile-cache key a READY instance serves has an anchored archive digest (S1's
+    heartbeat publishes it once the cache has settled)."""
+    client = PlannerClient(planner_url)
+    while True:
+        keys = {k for i in client.list_instances().items if i.status == "READY" for k in i.compile_cache_keys}
+        try:
+            if keys and all(client.compile_cache_sources(k) is not None for k in keys):
+                return
+        except NotFound:
+            pass
+        assert time.monotonic() < deadline, f"compile caches {sorted(keys)} not anchored after 120 s"
+        time.sleep(0.5)
 
 
 def start(fleet: ServerFleet, name: str, planner_url: str, cache_root: Path, *extra: str) -> VllmServer:
@@ -62,6 +78,7 @@ def test_a_second_server_uses_the_first_ones_compile_cache(planner, server_fleet
     while not _settled(tmp_path / "s1", 2.0):  # the seed packs its cache once nothing was written for 2 s
         assert time.monotonic() < deadline, "S1's compile cache is still being written after 120 s"
         time.sleep(0.1)
+    _wait_anchored(planner.url, deadline)  # S1 (anchor role: the planner is --insecure) publishes its digest
 
     t2 = time.time()
     s2 = start(server_fleet, "S2", planner.url, tmp_path / "s2")
@@ -77,7 +94,7 @@ def test_a_second_server_uses_the_first_ones_compile_cache(planner, server_fleet
     assert s2.generate() == reference
 
     third = CompileEvidence.from_log(s3.log())
-    assert "no READY seed serves compile cache" in s3.log(), s3.tail()
+    assert "no anchored archive digest" in s3.log(), s3.tail()
     assert third.compiled
     assert third.aot_loaded + third.aot_load_failures == 0
     assert built["s3"] > 0, built

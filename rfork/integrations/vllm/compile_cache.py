@@ -1,17 +1,19 @@
 """vLLM's torch.compile cache by R-Fork: the key, the directory, and the fetch before vLLM compiles.
 
-vLLM compiles after the model is loaded (its profiling run), into
+vLLM compiles after the model is loaded (its profiling run), under
 `VLLM_CACHE_ROOT/torch_compile_cache/` (`<10 hex>/rank_<r>_<dp>/` for the backend's graphs and
-inductor code, `torch_aot_compile/<hash>/` for the AOT artifact). The loader calls `prepare` at the
-end of `load_model`: it computes the rfork key, installs a seed's archive for that key into the
-local directory (existing files are kept), and returns the shelf this instance serves once it has
-compiled. vLLM then finds (or not) its own cache entry; the log says which (compile_log).
-Any failure is logged and vLLM compiles as usual.
+inductor code, `torch_aot_compile/<hash>/` for the AOT artifact and its inductor cache). The loader
+calls `prepare` at the end of `load_model`: it computes the rfork key, gives this worker a cache root
+of that key alone (`cache_entry`), installs a seed's archive for that key into it (existing files are
+kept; an archive cannot reach the shared root, hence no other configuration's entries), and returns
+the shelf this instance serves once it has compiled. vLLM then finds (or not) its own cache files;
+the log says which (compile_log). Any failure is logged and vLLM compiles as usual.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,11 +29,35 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def cache_dir() -> Path:
-    """vLLM's torch.compile cache directory (all of it: vLLM names its entries by its own hashes)."""
+def cache_entry(key_digest: str) -> Path | None:
+    """This worker's own cache root for `key_digest`, made vLLM's: `<VLLM_CACHE_ROOT>/rfork/<key>`.
+
+    vLLM names its entries by hashes it computes while tracing (`torch_compile_cache/<10 hex>/`,
+    `torch_aot_compile/<sha256>/` with its inductor cache), under VLLM_CACHE_ROOT, after the load. So
+    the worker points VLLM_CACHE_ROOT at a root of this key alone, read by no other configuration,
+    and an archive is installed into its `torch_compile_cache` only: never the shared root, where an
+    archive could write the entry of any configuration. None (no cache) when vLLM no longer reads
+    the variable (its environment cache is on).
+    """
     from vllm import envs
 
-    return Path(envs.VLLM_CACHE_ROOT) / "torch_compile_cache"
+    global _BASE_ROOT
+    if _BASE_ROOT is None:
+        _BASE_ROOT = Path(envs.VLLM_CACHE_ROOT)
+    root = _BASE_ROOT / "rfork" / key_digest[:24]
+    before = os.environ.get("VLLM_CACHE_ROOT")
+    os.environ["VLLM_CACHE_ROOT"] = str(root)
+    if Path(envs.VLLM_CACHE_ROOT) != root:
+        if before is None:
+            os.environ.pop("VLLM_CACHE_ROOT")
+        else:
+            os.environ["VLLM_CACHE_ROOT"] = before
+        log.warning("rfork: vLLM caches VLLM_CACHE_ROOT already; no compile cache for %s", key_digest[:12])
+        return None
+    return root / "torch_compile_cache"
+
+
+_BASE_ROOT: Path | None = None  # VLLM_CACHE_ROOT as this process found it (cache_entry)
 
 
 def compile_cache_key(vllm_config: Any, identity: SourceIdentity, rank: int) -> CompileCacheKey | None:
@@ -79,7 +105,10 @@ def prepare(
     if key is None:
         log.info("rfork: vLLM will not compile (eager or cache disabled): no compile cache")
         return None
-    digest, root = key.digest(), cache_dir()
+    digest = key.digest()
+    root = cache_entry(digest)
+    if root is None:
+        return None
     out = fetch_compile_cache(
         planner_url=settings.planner_url,
         token=settings.token,

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from planner.contract import PlannerClient
+from planner.contract import NotFound, PlannerClient
 from rfork import SourceIdentity
 from rfork.compile_cache.archive import PackedCache, pack
 from rfork.compile_cache.fetch import fetch_compile_cache
@@ -22,7 +22,7 @@ from rfork.compile_cache.shelf import CacheShelf
 from rfork.identity import fingerprint
 from rfork.seed.seed import Seed
 from rfork.weights.rank_weights import RankWeights
-from tests.rfork.conftest import LOAD, REGISTER
+from tests.rfork.conftest import ADMIN, LOAD, REGISTER
 
 KEY, OTHER = "c" * 64, "d" * 64
 
@@ -55,6 +55,20 @@ def _seed(planner: str, shelf: CacheShelf) -> Seed:
     )
 
 
+def _wait_anchored(planner: str, key: str = KEY) -> None:
+    """Until the seed's heartbeat has anchored `key` (it packs the settled cache and publishes the digest)."""
+    client = PlannerClient(planner, token=LOAD)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if client.compile_cache_sources(key) is not None:
+                return
+        except NotFound:
+            pass
+        assert time.monotonic() < deadline, f"compile cache {key[:12]} never anchored"
+        time.sleep(0.2)
+
+
 def _files(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
@@ -64,6 +78,7 @@ def test_a_new_instance_fetches_verifies_and_installs_the_seeds_cache(planner: s
     with _seed(planner, CacheShelf({KEY: src})) as seed:
         (iid,) = seed.instance_ids
         assert PlannerClient(planner, token=LOAD).get_instance(iid).compile_cache_keys == [KEY]
+        _wait_anchored(planner)  # an anchor-role seed: the first authority for its own compile
         dest = tmp_path / "new" / "torch_compile_cache"
         out = fetch_compile_cache(planner_url=planner, token=LOAD, key=KEY, dest=dest)
         assert out.installed, out.reason
@@ -72,7 +87,7 @@ def test_a_new_instance_fetches_verifies_and_installs_the_seeds_cache(planner: s
         # another key: no seed serves it, nothing installed
         other = fetch_compile_cache(planner_url=planner, token=LOAD, key=OTHER, dest=tmp_path / "o")
         assert not other.installed
-        assert "no READY seed" in (other.reason or "")
+        assert "no anchored archive digest" in (other.reason or "")
         assert not (tmp_path / "o").exists()
 
 
@@ -84,21 +99,34 @@ def test_the_endpoint_wants_a_compile_cache_token_and_a_settled_cache(planner: s
         url = f"{seed.control_server.url}/v1/compile-caches/{KEY}"
         assert httpx.get(url).status_code == 401
         assert httpx.get(url, headers={"Authorization": "Bearer v1.x.y.0.1.z"}).status_code == 403
-        found = PlannerClient(planner, token=LOAD).compile_cache_sources(KEY)
-        assert found is not None
-        auth = {"Authorization": f"Bearer {found.sources[0].control_token}"}
+        # never settled, so the seed anchors nothing: an admin uploads the digest
+        identity_key = PlannerClient(planner, token=LOAD).get_instance(seed.instance_ids[0]).identity_key
+        digest = pack(src, key=KEY).digest
+        PlannerClient(planner, token=ADMIN).anchor_compile_cache(KEY, digest, identity_key=identity_key)
+
+        def grant() -> dict[str, str]:
+            found = PlannerClient(planner, token=LOAD).compile_cache_sources(KEY)
+            assert found is not None
+            assert found.archive_digest == digest
+            return {"Authorization": f"Bearer {found.sources[0].control_token}"}
+
+        auth = grant()
         busy = httpx.get(url, headers=auth)
         assert (busy.status_code, busy.json()["reason"]) == (409, "not_ready")
-        assert httpx.get(url.replace(KEY, OTHER), headers=auth).status_code == 404
-        assert httpx.get(url[:-1] + "/", headers=auth).status_code == 404  # not 64 hex
+        spent = httpx.get(url, headers=auth)  # one fetch per grant, even one that found nothing
+        assert (spent.status_code, "already used" in spent.json()["error"]) == (403, True)
+        other = httpx.get(url.replace(KEY, OTHER), headers=grant())  # a grant names its key
+        assert (other.status_code, "not a grant for" in other.json()["error"]) == (403, True)
+        assert httpx.get(url[:-1] + "/", headers=grant()).status_code == 404  # not 64 hex
         # a compile-cache grant opens no weight session
+        auth = grant()
         session = httpx.post(f"{seed.control_server.url}/v1/nccl/sessions", json={"rank": 0}, headers=auth)
         assert session.status_code == 403
         assert "compile-cache grant" in session.json()["error"]
         shelf.settle_s = 0.0
         ok = httpx.get(url, headers=auth)
         assert ok.status_code == 200
-        assert ok.headers["x-rfork-archive-digest"].startswith("sha256:")
+        assert ok.headers["x-rfork-archive-digest"] == digest
         assert ok.headers["content-type"] == "application/x-tar"
 
 
@@ -124,6 +152,7 @@ def test_tampered_or_foreign_archives_are_not_installed(
     planner: str, tmp_path: Path, shelf_type: type[CacheShelf], why: str
 ) -> None:
     with _seed(planner, shelf_type({KEY: _compiled(tmp_path / "seed")})):
+        _wait_anchored(planner)  # the seed anchors what it packs; it serves other bytes
         dest = tmp_path / "new" / "torch_compile_cache"
         out = fetch_compile_cache(planner_url=planner, token=LOAD, key=KEY, dest=dest)
         assert not out.installed

@@ -1,0 +1,53 @@
+"""A seed anchors its compile caches at the planner once they are settled (the anchor role's half).
+
+Loaders install only an archive whose digest an authority set (planner.service.compile_caches). A seed
+registered with the anchor role is such an authority for the keys it serves: once the engine has
+compiled and the directory settled, it packs it and publishes the digest; the first authority wins. A
+seed without the role is refused (403) and stops trying: its caches are fetched only if an admin or an
+anchor seed anchored the same key with the same bytes. Called from the heartbeat thread; thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from planner.contract import AuthError, Conflict, PlannerClient
+from rfork.compile_cache.archive import CompileCacheError
+from rfork.compile_cache.shelf import CacheShelf
+
+log = logging.getLogger(__name__)
+
+
+class CacheAnchoring:
+    """Publishes each key's archive digest once (per process), when the shelf can pack it."""
+
+    def __init__(self, shelf: CacheShelf) -> None:
+        self.shelf = shelf
+        self._done: set[str] = set()
+        self._refused = False
+        self._lock = threading.Lock()
+
+    def publish(self, client: PlannerClient, identity_key: str) -> None:
+        """Anchor every settled key not anchored yet; PlannerError other than 403/409 propagates (retry)."""
+        with self._lock:
+            if self._refused:
+                return
+            for key in [k for k in self.shelf.dirs if k not in self._done]:
+                try:
+                    digest = self.shelf.archive(key).digest
+                except CompileCacheError:
+                    continue  # nothing compiled yet, still being written, or over the limits
+                try:
+                    client.anchor_compile_cache(key, digest, identity_key=identity_key)
+                except AuthError as exc:
+                    if exc.status != 403:
+                        raise
+                    log.info("compile cache %s not anchored: %s", key[:12], exc)
+                    self._refused = True
+                    return
+                except Conflict as exc:
+                    log.warning("compile cache %s: %s; loaders will not install this archive", key[:12], exc)
+                else:
+                    log.info("compile cache %s anchored with archive %s", key[:12], digest)
+                self._done.add(key)
