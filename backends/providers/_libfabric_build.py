@@ -108,5 +108,5 @@ if __name__ == "__main__":
         {"name": "rfork-binding", "ext_modules": [ffibuilder.distutils_extension(tmpdir="build/cffi")],
          "packages": [], "py_modules": []}
     )  # fmt: skip
-    dist.get_command_obj("build_ext").inplace = True  # type: ignore[attr-defined]
+    dist.get_command_obj("build_ext").inplace = True
     dist.run_command("build_ext")
