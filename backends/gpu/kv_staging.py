@@ -38,9 +38,10 @@ __all__ = ["DeviceIncoming", "DeviceKvPool", "DeviceKvReceiver", "DeviceKvSender
 SLICE_RUNS = 8  # up to this many runs of pages per layer half: slice copies; more: gather/scatter
 
 
-def _scratch(halves: int, n: int, page_bytes: int, device: torch.device, *, pinned: bool) -> torch.Tensor:
+def _scratch(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device, *,
+             pinned: bool) -> torch.Tensor:
     pin = pinned and device.type == "cpu" and torch.cuda.is_available()
-    return torch.empty((halves, n, page_bytes), dtype=torch.uint8, device=device, pin_memory=pin)
+    return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
 
 
 class DeviceKvPool:
@@ -70,9 +71,14 @@ class DeviceKvPool:
         return self.pool.descriptor
 
     def _layer(self, flat: torch.Tensor, layer: int) -> torch.Tensor:
+        """Layer's K and V halves as [2, pages, words]: 8-byte words where pages allow (torch's index
+        kernels copy element by element, so uint8 elements are ~50x slower)."""
         g = self.geometry
         start = g.offset(layer, 0, 0)
-        return flat[start:start + 2 * g.pages * g.page_bytes].view(2, g.pages, g.page_bytes)
+        block = flat[start:start + 2 * g.pages * g.page_bytes]
+        if g.page_bytes % 8 == 0 and start % 8 == 0:
+            return block.view(torch.int64).view(2, g.pages, g.page_bytes // 8)
+        return block.view(2, g.pages, g.page_bytes)
 
     def _copy_pages(self, dst: torch.Tensor, src: torch.Tensor, layer: int, pages: Sequence[int]) -> None:
         d, s = self._layer(dst, layer), self._layer(src, layer)
@@ -82,14 +88,19 @@ class DeviceKvPool:
                 d[:, first:first + n].copy_(s[:, first:first + n], non_blocking=True)
         else:
             idx = torch.tensor(list(pages), dtype=torch.int64)
-            # one gather where the bytes are (into pinned memory when that is the host side) ...
-            picked = _scratch(s.shape[0], len(idx), s.shape[2], s.device, pinned=d.device.type == "cuda")
-            torch.index_select(s, 1, idx.to(s.device), out=picked)
+            shape = (2, len(idx), s.shape[2])
+            # one gather per half where the bytes are (into pinned memory when that is the host side) ...
+            picked = _scratch(shape, s.dtype, s.device, pinned=d.device.type == "cuda")
+            s_idx = idx.to(s.device)
+            for half in (0, 1):
+                torch.index_select(s[half], 0, s_idx, out=picked[half])
             if picked.device != d.device:  # ... one contiguous copy across ...
-                landed = _scratch(s.shape[0], len(idx), s.shape[2], d.device, pinned=s.device.type == "cuda")
+                landed = _scratch(shape, s.dtype, d.device, pinned=s.device.type == "cuda")
                 landed.copy_(picked, non_blocking=True)
                 picked = landed
-            d.index_copy_(1, idx.to(d.device), picked)  # ... and one scatter where they go
+            d_idx = idx.to(d.device)
+            for half in (0, 1):  # ... and one scatter per half where they go
+                d[half].index_copy_(0, d_idx, picked[half])
         synchronize(d, s)
 
     def stage_out(self, layer: int, pages: Sequence[int]) -> None:
