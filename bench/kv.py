@@ -135,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
     from backends.gpu.host_copy import copy_now, pinned_empty
     from backends.gpu.kv_staging import DeviceKvPool, DeviceKvSender
     from backends.kv import KvPool, KvSender
+    from bench.device_facts import machine_facts
 
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -300,27 +301,3 @@ def run(args: argparse.Namespace) -> int:
             )
     return 0
 
-
-def machine_facts(device: str | None) -> dict[str, Any]:
-    """What a device figure needs beside it: GPU, torch, CUDA, libfabric, CPUs, load average."""
-    import torch
-
-    facts: dict[str, Any] = {
-        "cpus": os.cpu_count(),
-        "load_average": round(os.getloadavg()[0], 2),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-    }
-    try:
-        from backends.providers import _native
-
-        facts["libfabric"] = "{}.{}".format(*_native.VERSION)
-        facts["libfabric_library"] = _native.LIBRARY or "system"
-    except (ImportError, AttributeError) as exc:
-        facts["libfabric"] = f"unknown ({exc})"
-    if device == "cuda" and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        facts["gpu"] = props.name
-        facts["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
-        facts["processes_on_one_gpu"] = True
-    return facts
