@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -136,6 +137,7 @@ class DeviceRLReceiver:
         self.layout = self.receiver.layout
         self.index = self.receiver.index
         self.applied = 0
+        self.applied_at = 0.0  # time.time() when the device last flipped to a new version
         self._thread = threading.Thread(target=self._stage_loop, name=f"rl-device-receiver-{self.index}",
                                         daemon=True)
         self._thread.start()
@@ -195,6 +197,7 @@ class DeviceRLReceiver:
             self._active = free
             self._version = snap.version
             self.applied += 1
+            self.applied_at = time.time()
             self._cond.notify_all()
         log.debug("receiver %d: device now on version %d", self.index, snap.version)
 
