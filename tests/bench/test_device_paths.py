@@ -15,8 +15,8 @@ from rfork.cli import main
 
 TINY = {
     "kv": ["--layers", "2", "--kv-heads", "4", "--prompts", "64", "--seconds", "0.01"],
-    "moe": ["--ranks", "2", "--tokens", "8", "--hidden", "32", "--topk", "2", "--experts", "4", "--iters", "3",
-            "--warmup", "1", "--provider", "shm"],
+    "moe": ["--ranks", "2", "--tokens", "8", "--hidden", "32", "--topk", "2", "--experts", "4",
+            "--iters", "3", "--warmup", "1", "--provider", "shm"],
     "rl": ["--receivers", "2", "--size-gib", "0.002", "--repeat", "1", "--provider", "shm"],
 }
 
