@@ -8,7 +8,7 @@ from typing import Any
 
 def machine_facts(device: str | None) -> dict[str, Any]:
     """What a device figure needs beside it: GPU, torch, CUDA, libfabric, CPUs, load average."""
-    import torch
+    import torch  # imported here: `rfork bench --help` imports every benchmark (start-up time)
 
     facts: dict[str, Any] = {
         "cpus": os.cpu_count(),
@@ -17,6 +17,7 @@ def machine_facts(device: str | None) -> dict[str, Any]:
         "cuda": torch.version.cuda,
     }
     try:
+        # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
         from backends.providers import _native
 
         facts["libfabric"] = "{}.{}".format(*_native.VERSION)
