@@ -85,7 +85,8 @@ class DeviceKvPool:
         runs = page_runs(pages)
         if len(runs) <= SLICE_RUNS:
             for first, n in runs:
-                d[:, first:first + n].copy_(s[:, first:first + n], non_blocking=True)
+                for half in (0, 1):  # contiguous on both sides: one DMA each
+                    d[half, first:first + n].copy_(s[half, first:first + n], non_blocking=True)
         else:
             idx = torch.tensor(list(pages), dtype=torch.int64)
             shape = (2, len(idx), s.shape[2])
@@ -97,6 +98,8 @@ class DeviceKvPool:
             if picked.device != d.device:  # ... one contiguous copy across ...
                 landed = _scratch(shape, s.dtype, d.device, pinned=s.device.type == "cuda")
                 landed.copy_(picked, non_blocking=True)
+                if d.device.type == "cpu":
+                    synchronize(picked)  # the host scatter below reads what the DMA writes
                 picked = landed
             d_idx = idx.to(d.device)
             for half in (0, 1):  # ... and one scatter per half where they go
