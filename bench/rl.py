@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import logging
 import multiprocessing as mp
 import os
 import platform
@@ -45,6 +46,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="one-sided providers to measure, each against its own gloo run (default tcp shm)",
     )
     parser.add_argument("--domains", type=int, default=1, help="engine domains per process (default 1)")
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="weights in device memory (every process on GPU 0; cpu: the same code with CPU tensors), "
+        "rfork staged through pinned host memory; gloo broadcasts the device tensors; adds a "
+        "device-to-device copy bound",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
 
 
@@ -57,7 +66,14 @@ def _specs(size_bytes: int) -> Any:  # noqa: ANN401
 
 
 def _worker(
-    conn: Connection, role: str, index: int, size_bytes: int, provider: str, domains: int, store_port: int
+    conn: Connection,
+    role: str,
+    index: int,
+    size_bytes: int,
+    provider: str,
+    domains: int,
+    store_port: int,
+    device: str | None = None,
 ) -> None:
     """A trainer or receiver process: rfork session first, then the gloo group, driven by commands."""
     import torch
@@ -65,37 +81,57 @@ def _worker(
 
     # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from backends import TransferEngine
+    from backends.gpu.rl_staging import DeviceRLReceiver, DeviceRLTrainer
     from backends.rl import RLReceiver, RLTrainer, shard_layout
     from rfork.weights.memory import allocate
 
     torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(0)  # every process on the one GPU
     specs = _specs(size_bytes)
     layout = shard_layout(specs, tp_size=1, tp_rank=0)
-    buffers = allocate(layout)
+    buffers = allocate(layout, device=device or "cpu")
     for b in buffers:
         b.fill_(0)  # pre-fault
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
     eng = TransferEngine(provider, domains, timeout_s=30.0, host="127.0.0.1" if provider == "tcp" else None)
     conn.send(eng.address)
     roster, n_trainers, n_receivers = conn.recv()
     node: Any
-    if role == "trainer":
-        node = RLTrainer(
-            eng, session=SESSION, specs=specs, trainers=roster, index=index, buffers=buffers, timeout_s=300
-        )
+    common: dict[str, Any] = {"session": SESSION, "specs": specs, "trainers": roster, "index": index}
+    if role == "trainer" and device is None:
+        node = RLTrainer(eng, buffers=buffers, timeout_s=300, **common)
+    elif role == "trainer":
+        node = DeviceRLTrainer(eng, device_buffers=buffers, timeout_s=300, **common)
+    elif device is None:
+        node = RLReceiver(eng, buffers=buffers, update_timeout_s=300, **common)
     else:
-        node = RLReceiver(
-            eng,
-            session=SESSION,
-            specs=specs,
-            trainers=roster,
-            index=index,
-            buffers=buffers,
-            update_timeout_s=300,
-        )
+        node = DeviceRLReceiver(eng, device=device, buffers=buffers, update_timeout_s=300, **common)
     conn.send("ready")
     world = n_trainers + n_receivers
     rank = index if role == "trainer" else n_trainers + index
     gloo_bufs = [torch.zeros_like(b) for b in buffers] if role == "receiver" else buffers
+    gloo_device = ["native" if device == "cuda" else "host tensors"]
+
+    def broadcast(buf: torch.Tensor, src: int) -> None:
+        if gloo_device[0] == "native":
+            try:
+                dist.broadcast(buf, src=src)
+                return
+            except RuntimeError as exc:
+                logging.getLogger(__name__).warning("gloo broadcast refuses CUDA tensors (%s)", exc)
+                gloo_device[0] = "host copies"
+        if buf.device.type == "cuda":
+            host = buf.cpu()
+            dist.broadcast(host, src=src)
+            buf.copy_(host)
+        else:
+            dist.broadcast(buf, src=src)
+
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=datetime.timedelta(seconds=300))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
@@ -110,8 +146,27 @@ def _worker(
                 (version,) = args
                 for b in buffers:
                     b.fill_(version & 0xFF)
+                sync()
+                start = time.time()
                 res = node.update(version)
-                conn.send({"seconds": res.seconds, "applied": len(res.applied), "bytes": res.bytes_posted})
+                conn.send({"seconds": res.seconds, "applied": len(res.applied), "bytes": res.bytes_posted,
+                           "start": start})
+            elif cmd == "device_wait":  # a device receiver: when its device slots flipped to the version
+                (version,) = args
+                ok = node.wait_version(version, 300)
+                conn.send(node.applied_at if ok else None)
+            elif cmd == "d2d":  # the bound: device-to-device copies of the bytes of n receivers' updates
+                (n,) = args
+                most = max(b.numel() for b in buffers)
+                scratch = torch.empty(most, dtype=torch.uint8, device=buffers[0].device)
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    for b in buffers:
+                        scratch[: b.numel()].copy_(b)
+                sync()
+                conn.send(time.perf_counter() - t0)
+                del scratch
             elif cmd == "check":
                 (version,) = args
                 with node.acquire() as snap:
@@ -128,9 +183,10 @@ def _worker(
                     n = buf.numel()
                     for j in range(n_trainers):
                         lo, hi = n * j // n_trainers, n * (j + 1) // n_trainers
-                        dist.broadcast(buf[lo:hi], src=j)
+                        broadcast(buf[lo:hi], src=j)
+                sync()
                 dist.barrier()
-                conn.send(time.perf_counter() - t0)
+                conn.send((time.perf_counter() - t0, gloo_device[0]))
     finally:
         dist.destroy_process_group()
         node.close()
@@ -158,7 +214,7 @@ def _measure(
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_worker,
-                args=(child, role, index, target_bytes, provider, args.domains, store.port),
+                args=(child, role, index, target_bytes, provider, args.domains, store.port, args.device),
                 daemon=True,
             )
             p.start()
@@ -181,21 +237,40 @@ def _measure(
         schedule_s = max(_recv(c, 600) for c in trainers)
         setup_s = time.perf_counter() - t0
         updates: list[float] = []
+        receivers = [c for _, c in procs[args.trainers :]]
         for version in range(1, args.repeat + 2):
             for c in trainers:
                 c.send(("update", version))
             replies = [_recv(c, 600) for c in trainers]
             if any(r["applied"] != n for r in replies):
                 raise RuntimeError(f"update {version} did not reach all {n} receivers: {replies}")
-            updates.append(max(r["seconds"] for r in replies))
+            if args.device is None:
+                updates.append(max(r["seconds"] for r in replies))
+                continue
+            # on the device: from the first trainer's start (device -> pinned first) until the last
+            # receiver's device slots flipped (same host: one wall clock)
+            for c in receivers:
+                c.send(("device_wait", version))
+            flipped = [_recv(c, 600) for c in receivers]
+            if any(f is None for f in flipped):
+                raise RuntimeError(f"update {version}: a receiver's device did not reach it")
+            updates.append(max(flipped) - min(r["start"] for r in replies))
         for _, c in procs[args.trainers :]:
             c.send(("check", args.repeat + 1))
         verified = all(_recv(c, 600) for _, c in procs[args.trainers :])
         gloo: list[float] = []
+        gloo_how = ""
         for _ in range(args.repeat + 1):
             for _, c in procs:
                 c.send(("broadcast",))
-            gloo.append(max(_recv(c, 600) for _, c in procs))
+            answers = [_recv(c, 600) for _, c in procs]
+            gloo.append(max(a[0] for a in answers))
+            gloo_how = answers[0][1]
+        d2d: list[float] = []
+        if args.device is not None:
+            for _ in range(args.repeat + 1):
+                trainers[0].send(("d2d", n))
+                d2d.append(_recv(trainers[0], 600))
     finally:
         for p, c in procs:
             if p.is_alive():
@@ -224,6 +299,18 @@ def _measure(
         "gloo_gb_per_s": round(n * size_bytes / base / 1e9, 3),
         "speedup_vs_gloo": round(base / steady, 3),
         "verified": verified,
+    } | ({} if args.device is None else _device_row(n, size_bytes, steady, base, d2d, gloo_how))
+
+
+def _device_row(
+    n: int, size_bytes: int, steady: float, gloo: float, d2d: list[float], how: str
+) -> dict[str, Any]:
+    bound = statistics.median(d2d[1:])
+    return {
+        "d2d_s": round(bound, 4),
+        "d2d_gb_per_s": round(n * size_bytes / bound / 1e9, 3),
+        "x_of_d2d": round(steady / bound, 2),
+        "gloo_on_device": how,
     }
 
 
@@ -242,8 +329,14 @@ def run(args: argparse.Namespace) -> int:
 
     # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from backends.rl import shard_layout
+    from bench.device_facts import machine_facts
 
     os.environ.setdefault("FI_TCP_IFACE", "lo")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("rfork bench rl --device cuda needs a CUDA GPU (torch sees none)")
     console = Console()
     target = int(args.size_gib * (1 << 30))
     size_bytes = shard_layout(_specs(target), tp_size=1, tp_rank=0).total_bytes
@@ -256,6 +349,7 @@ def run(args: argparse.Namespace) -> int:
     table = Table(
         title=f"RL weight update: {size_bytes / 1e9:.2f} GB per receiver, {args.trainers} trainer(s), "
         f"{args.domains} domain(s), median of {args.repeat}; load average {load[0]:.1f}"
+        + ("" if args.device is None else f"; weights on {args.device}, rfork staged through pinned host")
     )
     cols = (
         "provider",
@@ -268,10 +362,11 @@ def run(args: argparse.Namespace) -> int:
         "gloo s",
         "gloo GB/s",
         "× gloo",
-    )
+    ) + (() if args.device is None else ("d2d s", "× of d2d"))
     for col in cols:
         table.add_column(col, justify="right")
     for r in rows:
+        extra = [] if args.device is None else [f"{r['d2d_s']:.3f}", f"{r['x_of_d2d']:.1f}"]
         table.add_row(
             r["provider"],
             str(r["receivers"]),
@@ -283,21 +378,40 @@ def run(args: argparse.Namespace) -> int:
             f"{r['gloo_broadcast_s']:.3f}",
             f"{r['gloo_gb_per_s']:.2f}",
             f"{r['speedup_vs_gloo']:.2f}" + ("" if r["verified"] else " UNVERIFIED"),
+            *extra,
         )
     console.print(table)
     console.print(
         "update: first post until every receiver serves the new version; gloo: broadcast of the same "
         "bytes between barriers; × gloo = gloo s / update s (higher: rfork faster); "
         "sched: schedule build, once per session (not in update)"
+        + ("" if args.device is None else "; on a device, update runs from the trainer's device->pinned "
+           "copy until every receiver's device slots flipped; d2d: device copies of the same bytes")
     )
+    goals = []
+    if args.device is not None:
+        for r in rows:
+            gib = r["bytes_per_receiver"] / 2**30
+            what = f"{r['provider']}: update of {gib:.2f} GiB to {r['receivers']} receiver(s)"
+            speedup = r["speedup_vs_gloo"]
+            goals.append({"goal": f"{what} >= 1.5x faster than gloo broadcast", "figure": speedup,
+                          "unit": "x gloo", "met": speedup >= 1.5 and r["verified"]})
+            goals.append({"goal": f"{what} within 3x of the d2d bound", "figure": r["x_of_d2d"],
+                          "unit": "x of d2d", "met": r["x_of_d2d"] <= 3.0 and r["verified"]})
+        for goal in goals:
+            console.print(f"goal: {goal['goal']}: {goal['figure']} {goal['unit']} -> "
+                          f"{'met' if goal['met'] else 'NOT met'}")
     doc = {
         "providers": args.providers,
         "trainers": args.trainers,
         "domains": args.domains,
         "repeat": args.repeat,
         "load_average": [round(x, 2) for x in load],
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}
+        | ({} if args.device is None else machine_facts(args.device)),
+        "device": args.device,
         "rows": rows,
+        "goals": goals,
     }
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))

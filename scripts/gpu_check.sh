@@ -18,7 +18,8 @@
 #   env     nvidia-smi, driver, torch/CUDA/cuda-python versions, libfabric and providers found
 #   bench   python3 -m rfork bench gpu --size-gib $GPU_CHECK_SIZE_GIB (default 8) --json bench-gpu.json
 #   tests   pytest -m gpu over the GPU test files (CUDA IPC, staging, the staged pull)
-#   paths   scripts/gpu/paths.sh RESULTS_DIR BUDGET_S, if present (KV/MoE/RL on device buffers)
+#   paths   scripts/gpu/paths.sh RESULTS_DIR BUDGET_S, if present (KV/MoE/RL on device buffers; its
+#           budget: min(time left - 60 s, GPU_CHECK_PATHS_S, default 130 s))
 #   digest  python3 -m rfork bench digest --device cuda, if that option exists
 #   cpu     the CPU tests of the GPU files, with whatever time is left
 # GPU_CHECK_SECTIONS="bench tests" runs only those (after setup); on a warm machine setup then takes
@@ -271,7 +272,8 @@ if [[ "$SECTIONS" != *" paths "* ]]; then
   :
 elif [ -f scripts/gpu/paths.sh ]; then
   mkdir -p "$R/paths"
-  budget=$(( $(left) - 60 )); [ "$budget" -gt 130 ] && budget=130
+  paths_cap=${GPU_CHECK_PATHS_S:-130}  # the KV/MoE/RL benches at their goal sizes want ~420 s
+  budget=$(( $(left) - 60 )); [ "$budget" -gt "$paths_cap" ] && budget=$paths_cap
   export GPU_CHECK_RESULTS=$R/paths GPU_CHECK_BUDGET_S=$budget
   section paths $(( budget + 10 )) bash scripts/gpu/paths.sh "$R/paths" "$budget"
 else
@@ -297,6 +299,9 @@ section cpu 90 "$PY" -m pytest -p no:cacheprovider -m "not gpu" -q --timeout 60 
   echo "--- pytest -m gpu"; grep -sE "passed|failed|error" "$R/tests.log" | tail -n 3
   grep -sE "^(PASSED|FAILED|ERROR|SKIPPED)" "$R/tests.log" | head -n 40
   echo "--- cpu tests"; grep -sE "passed|failed|error" "$R/cpu.log" | tail -n 2
+  if [ -f "$R/paths/paths-summary.txt" ]; then
+    echo "--- paths (KV/MoE/RL on the device: paths/paths-summary.txt)"; cat "$R/paths/paths-summary.txt"
+  fi
   if [ -f "$R/bench-gpu.json" ]; then
     echo "--- bench gpu (bench-gpu.json)"
     "$PY" - "$R/bench-gpu.json" <<'PYEOF'
@@ -319,6 +324,7 @@ PYEOF
 } >>"$SUMMARY" 2>&1
 cp "$SUMMARY" "$OUT/summary.txt"
 [ -f "$R/bench-gpu.json" ] && cp "$R/bench-gpu.json" "$OUT/bench-gpu.json"
+for f in "$R"/paths/bench-*.json; do [ -f "$f" ] && cp "$f" "$OUT/paths-$(basename "$f")"; done
 tar czf "$OUT/gpu-results.tar.gz" -C "$WORK" results
 cat "$OUT/summary.txt"
 echo "results: $OUT/gpu-results.tar.gz ($(du -h "$OUT/gpu-results.tar.gz" | cut -f1))"

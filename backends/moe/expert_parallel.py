@@ -163,6 +163,7 @@ class ExpertParallel:
         wire: str = "bf16",
         group: str = "moe",
         timeout_s: float = 30.0,
+        pin_memory: bool = False,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a world of {world_size}")
@@ -196,11 +197,14 @@ class ExpertParallel:
         max_pairs_in = world_size * max_tokens * min(topk, max(self.num_local_experts, 1))
 
         p = world_size
-        self._send_buf = torch.zeros(p * self._slot_bytes, dtype=torch.uint8)
-        self._recv_buf = torch.zeros(p * self._slot_bytes, dtype=torch.uint8)
+        # pin_memory: page-locked buffers, for a caller that copies them to and from a GPU
+        self._send_buf = torch.zeros(p * self._slot_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        self._recv_buf = torch.zeros(p * self._slot_bytes, dtype=torch.uint8, pin_memory=pin_memory)
         # Expert outputs we send (out) and those we get back (back) share one tensor, registered as
         # two regions, so the reduction reads our own experts' outputs in place instead of copying them.
-        self._pair_rows = torch.zeros(max_pairs_in + max_tokens * topk, hidden, dtype=torch.bfloat16)
+        self._pair_rows = torch.zeros(
+            max_pairs_in + max_tokens * topk, hidden, dtype=torch.bfloat16, pin_memory=pin_memory
+        )
         self._out_buf = self._pair_rows[:max_pairs_in]
         self._back_buf = self._pair_rows[max_pairs_in:]
         self._self_block = (0, 0, 0)  # (offset in back, start in out, rows) of our pairs for ourselves

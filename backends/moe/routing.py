@@ -174,21 +174,23 @@ def combine_reduce(
 ) -> torch.Tensor:
     """out[t] = sum over j of weights[t, j] * rows[pair_slot[t, j]], fp32, j in order; skips masked.
 
-    Works through blocks of tokens with reused scratch, in place; each step rounds exactly as
+    Runs on rows' device (pair_slot and weights are moved there). Works through blocks of tokens
+    with reused scratch, in place; each step rounds exactly as
     `acc + w * y.float()` does, so the result matches moe_reference bit for bit.
     """
     t_count, k = pair_slot.shape
     hidden = rows.shape[1]
-    w = weights.to(torch.float32)
+    pair_slot = pair_slot.to(rows.device)
+    w = weights.to(device=rows.device, dtype=torch.float32)
     valid = pair_slot >= 0
     all_valid = bool(valid.all())
     if rows.shape[0] == 0:  # every slot masked
-        return torch.zeros(t_count, hidden, dtype=out_dtype)
-    out = torch.empty(t_count, hidden, dtype=out_dtype)
+        return torch.zeros(t_count, hidden, dtype=out_dtype, device=rows.device)
+    out = torch.empty(t_count, hidden, dtype=out_dtype, device=rows.device)
     block = min(REDUCE_BLOCK_TOKENS, max(t_count, 1))
-    acc = torch.empty(block, hidden, dtype=torch.float32)
-    y = torch.empty(block, hidden, dtype=rows.dtype)
-    term = torch.empty(block, hidden, dtype=torch.float32)
+    acc = torch.empty(block, hidden, dtype=torch.float32, device=rows.device)
+    y = torch.empty(block, hidden, dtype=rows.dtype, device=rows.device)
+    term = torch.empty(block, hidden, dtype=torch.float32, device=rows.device)
     slots = pair_slot.clamp(min=0)
     for b0 in range(0, t_count, block):
         n = min(block, t_count - b0)

@@ -121,7 +121,8 @@ class RLReceiver:
         self.schedule_seconds = time.perf_counter() - t0
         self.contributors = self.schedule.contributors
         slot0 = self._check_buffers(buffers)
-        self._slots = (slot0, [b.clone() for b in slot0])  # the clone also pre-faults slot 1
+        # the copy also pre-faults slot 1; page-locked where slot 0 is (a GPU receiver stages through both)
+        self._slots = (slot0, [torch.empty_like(b, pin_memory=b.is_pinned()).copy_(b) for b in slot0])
         self._views = tuple(views(self.layout, s) for s in self._slots)
         self._regions: list[list[Region]] = []
         try:
