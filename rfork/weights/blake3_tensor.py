@@ -22,6 +22,7 @@ Not constant-time, not keyed, no extendable output: a content digest only.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -173,11 +174,26 @@ def _words(data: torch.Tensor, n_chunks: int) -> torch.Tensor:
     return data.view(torch.int32).view(n_chunks, 16, 16).permute(1, 2, 0).contiguous()
 
 
-def blake3_hex(data: torch.Tensor, *, chunks_per_pass: int | None = None) -> str:
+KERNELS = ("torch", "triton")
+
+
+def kernel_setting() -> str:
+    """$RFORK_BLAKE3_KERNEL: `torch` (the default: torch ops, checked here on CPU) or `triton` (one fused
+    kernel per level, rfork.weights.blake3_triton; opt-in until checked on a GPU)."""
+    chosen = os.environ.get("RFORK_BLAKE3_KERNEL") or "torch"
+    if chosen not in KERNELS:
+        raise ValueError(f"RFORK_BLAKE3_KERNEL: {chosen!r} is not one of {', '.join(KERNELS)}")
+    return chosen
+
+
+def blake3_hex(data: torch.Tensor, *, chunks_per_pass: int | None = None, kernel: str | None = None) -> str:
     """BLAKE3 (64 hex digits) of a flat uint8 tensor, computed on its device; equal to
-    `blake3.blake3(bytes).hexdigest()`. Only the 32-byte result is copied to the host."""
+    `blake3.blake3(bytes).hexdigest()`. Only the 32-byte result is copied to the host. `kernel`:
+    "torch" or "triton" (default kernel_setting())."""
     if data.dim() != 1 or data.dtype != torch.uint8:
         raise ValueError(f"blake3_hex: a flat uint8 tensor, not {data.dtype}{list(data.shape)}")
+    if (kernel or kernel_setting()) == "triton":
+        return _blake3_triton(data)
     device = data.device
     nbytes = data.numel()
     n_full = nbytes // CHUNK_LEN
@@ -222,3 +238,62 @@ def blake3_hex(data: torch.Tensor, *, chunks_per_pass: int | None = None) -> str
         cvs = parents
     root = cvs[:, 0].cpu().numpy().astype("<u4").tobytes()  # 32 bytes: the only device-to-host copy
     return root.hex()
+
+
+def _blake3_triton(data: torch.Tensor) -> str:
+    """blake3_hex with the chunks and every tree level compressed by one Triton kernel launch each
+    (item-major chaining values [n, 8], so a level's pairs are contiguous 16-word blocks)."""
+    from rfork.weights import blake3_triton as bt
+
+    device = data.device
+    nbytes = data.numel()
+    n_full = nbytes // CHUNK_LEN
+    tail = nbytes - n_full * CHUNK_LEN
+    n_chunks = n_full + (1 if tail or n_full == 0 else 0)
+    root = ROOT if n_chunks == 1 else 0
+    parts = []
+    if n_full:
+        words = data[: n_full * CHUNK_LEN]
+        if words.data_ptr() % 4:
+            words = words.clone()
+        parts.append(
+            bt.compress_items(
+                words.view(torch.int32),
+                n_items=n_full,
+                item_stride=CHUNK_LEN // 4,
+                n_blocks=16,
+                counter_step=1,
+                base_flags=0,
+                first_flags=CHUNK_START,
+                last_flags=CHUNK_END | root,
+            )
+        )
+    if n_chunks > n_full:  # the partial last chunk: a single item, through the torch ops
+        padded = torch.zeros(CHUNK_LEN, dtype=torch.uint8, device=device)
+        padded[:tail] = data[n_full * CHUNK_LEN :]
+        n_blocks = max(1, -(-tail // BLOCK_LEN))
+        comp = _Compressor(1, device)
+        cv = _chunk_cvs(
+            _words(padded, 1),
+            n_full,
+            n_blocks=n_blocks,
+            last_len=tail - (n_blocks - 1) * BLOCK_LEN,
+            root=n_chunks == 1,
+            comp=comp,
+        )
+        parts.append(cv.t().contiguous())
+    cvs = torch.cat(parts) if len(parts) > 1 else parts[0]
+    while cvs.shape[0] > 1:
+        n = cvs.shape[0]
+        parents = bt.compress_items(
+            cvs,
+            n_items=n // 2,
+            item_stride=16,
+            n_blocks=1,
+            counter_step=0,
+            base_flags=PARENT,
+            first_flags=0,
+            last_flags=ROOT if n == 2 else 0,
+        )
+        cvs = torch.cat([parents, cvs[n - 1 :]]) if n % 2 else parents
+    return cvs[0].cpu().numpy().astype("<u4").tobytes().hex()

@@ -39,8 +39,8 @@ def test_a_small_cpu_run_writes_every_figure(tmp_path: Path, capsys: pytest.Capt
     )
     doc = json.loads(out.read_text())
     (row,) = doc["rows"]
-    assert row["device_blake3_agrees"] is True
-    assert set(row["gbps"]) == {*digest.HOST, *digest.DEVICE}
+    assert row["device_blake3_agrees"] == {"torch": True}
+    assert set(row["gbps"]) == {*digest.HOST, "blake3 torch", "pmix64-v1"}  # triton: CUDA only
     assert all(v > 0 for v in row["gbps"].values())
     assert "blake3 torch" in capsys.readouterr().out
 

@@ -87,5 +87,52 @@ def test_cuda_matches_the_package(n):
     raw = _pattern(n, 7)
     t = _tensor(raw, "cuda")
     assert blake3_hex(t) == blake3.blake3(raw).hexdigest()
+    assert blake3_hex(t[1:], kernel="torch") == blake3.blake3(raw[1:]).hexdigest()  # unaligned
     if n < 1 << 22:  # small passes: many launches each
         assert blake3_hex(t, chunks_per_pass=1000) == blake3.blake3(raw).hexdigest()
+
+
+INTERPRETED = """
+import blake3, torch
+from rfork.weights.blake3_tensor import blake3_hex
+for n in (0, 1, 1024, 1025, 3 * 1024, 5 * 1024 + 63, 13 * 1024):
+    g = torch.Generator().manual_seed(n)
+    t = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    assert blake3_hex(t, kernel="triton") == blake3.blake3(t.numpy().tobytes()).hexdigest(), n
+print("triton kernel ok")
+"""
+
+
+@pytest.mark.slow
+def test_the_triton_kernel_in_the_interpreter_matches_the_package():
+    """The optional Triton kernel, run by Triton's interpreter on CPU tensors (the GPU test compiles it)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "triton kernel ok" in out.stdout
+
+
+def test_an_unknown_kernel_setting_is_refused(monkeypatch):
+    from rfork.weights.blake3_tensor import kernel_setting
+
+    monkeypatch.setenv("RFORK_BLAKE3_KERNEL", "cuda")
+    with pytest.raises(ValueError, match="RFORK_BLAKE3_KERNEL"):
+        kernel_setting()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [0, 1, 1024, 1025, 64 * CHUNK_LEN + 5, (1 << 20) * 3 + 12345, (1 << 28) + 1000])
+def test_cuda_triton_kernel_matches_the_package(n):
+    pytest.importorskip("triton")
+    raw = _pattern(n, 8)
+    t = _tensor(raw, "cuda")
+    assert blake3_hex(t, kernel="triton") == blake3.blake3(raw).hexdigest()
+    assert blake3_hex(t[3:], kernel="triton") == blake3.blake3(raw[3:]).hexdigest()  # unaligned
