@@ -82,7 +82,7 @@ def test_a_flat_uint8_tensor_is_required():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("n", [0, 1, 1025, 64 * CHUNK_LEN, (1 << 20) * 3 + 12345, (1 << 28) + 1000])
+@pytest.mark.parametrize("n", [0, 1, 1025, 64 * CHUNK_LEN, (1 << 20) * 3 + 12345, (1 << 26) + 1000])
 def test_cuda_matches_the_package(n):
     raw = _pattern(n, 7)
     t = _tensor(raw, "cuda")
@@ -129,7 +129,7 @@ def test_an_unknown_kernel_setting_is_refused(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("n", [0, 1, 1024, 1025, 64 * CHUNK_LEN + 5, (1 << 20) * 3 + 12345, (1 << 28) + 1000])
+@pytest.mark.parametrize("n", [0, 1, 1024, 1025, 64 * CHUNK_LEN + 5, (1 << 20) * 3 + 12345, (1 << 26) + 1000])
 def test_cuda_triton_kernel_matches_the_package(n):
     pytest.importorskip("triton")
     raw = _pattern(n, 8)
