@@ -6,17 +6,19 @@ to the host. BLAKE3 splits the input into 1 KiB chunks, each hashed independentl
 of 64-byte blocks, chained) into a chaining value; the chaining values are then merged pairwise into
 a binary tree. Both steps vectorise:
 
-- chunks: every 1 KiB chunk of one pass is a row of an int32 tensor viewed in place
-  ([chunks, 16 blocks, 16 words], little-endian, no copy); the compression function runs once per
-  block over all rows at once. Python loops only over the 16 blocks, the 7 rounds and the two
-  half-rounds (column, diagonal); each step is a few elementwise ops over [chunks, 4] tensors.
+- chunks: the 1 KiB chunks of one pass are int32 words (little-endian) laid out as [16 blocks,
+  16 words, chunks]; the compression function runs once per block over all chunks at once. Python
+  loops only over the 16 blocks, the 7 rounds and the two half-rounds (column, diagonal); each step
+  is a few elementwise ops over [4, chunks] tensors.
 - tree: each level compresses all adjacent pairs at once; an odd last node moves up unchanged,
   which yields BLAKE3's left-balanced tree.
 
 int32 arithmetic wraps modulo 2**32 (two's complement on CPU and CUDA); right shifts are arithmetic
-in torch, so the rotations mask the sign's copies off. A pass covers up to `chunks_per_pass` chunks:
-1 GiB of input on a GPU (enough to fill it; temporaries stay ~10 % of the pass), a cache-sized
-slice on CPU (the same ops run much faster while their [chunks, 4] operands stay in cache).
+in torch, so the rotations mask the sign's copies off. The state is lane-major ([16 words, chunks]), so
+every operand is a set of contiguous rows; the input is transposed into that layout once per pass. A
+pass covers up to `chunks_per_pass` chunks: 256 MiB on a GPU (enough to fill it; about 0.4 GiB of
+scratch), 2 MiB on CPU (small operands stay in cache). The CPU path exists to test the same ops
+bit for bit here; host tensors are hashed with the `blake3` package (rfork.weights.checksum).
 Not constant-time, not keyed, no extendable output: a content digest only.
 """
 
@@ -33,7 +35,7 @@ CHUNK_START, CHUNK_END, PARENT, ROOT = 1, 2, 4, 8
 IV = (0x6A09E667, 0xBB67AE85, 0x3C6EF372, 0xA54FF53A, 0x510E527F, 0x9B05688C, 0x1F83D9AB, 0x5BE0CD19)
 MSG_PERMUTATION = (2, 6, 3, 10, 7, 0, 4, 13, 1, 11, 12, 5, 9, 14, 15, 8)
 CUDA_CHUNKS_PER_PASS = 1 << 18  # 256 MiB of input per pass on a GPU: ~0.4 GiB of scratch
-CPU_CHUNKS_PER_PASS = 1 << 13  # 8 MiB per pass on CPU: the [4, chunks] operands (128 KiB) stay in L2
+CPU_CHUNKS_PER_PASS = 1 << 11  # 2 MiB per pass on CPU: operands stay in L2, below torch's threading grain
 
 
 def _i32(v: int) -> int:
