@@ -9,11 +9,11 @@
 - `RFORK_DIGEST=blake3` (hostile seeds: any holder of a register token may serve crafted bytes):
   BLAKE3 (64 hex digits) for every tensor on every device: on the host with the `blake3` package
   (multi-threaded, `RFORK_DIGEST_THREADS`, default min(4, CPUs)); on a GPU with torch ops on the
-  device (rfork.weights.blake3_tensor, the same output). Every verification path takes its digest
-  from here (the one-sided verifier, staged GPU reads, NCCL, a seed's re-verification, the
-  manifests a loader publishes when it becomes a seed, `rfork digest` anchors), and a loader
-  refuses a manifest whose algorithm is not its own, so a pmix64 or xxh3 manifest from a seed is
-  refused. Host and GPU digests agree, so one anchor covers both.
+  device (rfork.weights.blake3_tensor, the same output; tensors under 1 MiB from a host copy). Every
+  verification path takes its digest from here (the one-sided verifier, staged GPU reads, NCCL, a
+  seed's re-verification, the manifests a loader publishes when it becomes a seed, `rfork digest`
+  anchors), and a loader refuses a manifest whose algorithm is not its own, so a pmix64 or xxh3
+  manifest from a seed is refused. Host and GPU digests agree, so one anchor covers both.
 
 `StreamingDigest` computes a host digest chunk by chunk as the bytes arrive, so the loader hashes
 each chunk while it is still in cache.
@@ -171,14 +171,24 @@ def blake3_threads() -> int:
     return int(raw)
 
 
+# Device tensors smaller than this are copied to the host for BLAKE3: the torch-ops path costs about
+# 6,000 kernel launches per tensor whatever its size, more than copying a small tensor out.
+BLAKE3_DEVICE_MIN_BYTES = 1 << 20
+
+
 def tensor_checksum(tensor: torch.Tensor) -> str:
-    """Digest of a tensor's raw bytes under algorithm_for(tensor.device), computed where it lies."""
+    """Digest of a tensor's raw bytes under algorithm_for(tensor.device), computed where it lies (BLAKE3
+    of a device tensor under BLAKE3_DEVICE_MIN_BYTES: on a host copy)."""
     algorithm = algorithm_for(tensor.device)
     data = _as_bytes(tensor)
     if algorithm == XXH3_128:
         return xxh3_bytes(data)
     if algorithm == BLAKE3:
-        return blake3_bytes(data) if data.device.type == "cpu" else blake3_hex(data)
+        if data.device.type == "cpu":
+            return blake3_bytes(data)
+        if data.numel() < BLAKE3_DEVICE_MIN_BYTES:
+            return blake3_bytes(data.cpu())
+        return blake3_hex(data)
     return checksum_bytes(data)
 
 

@@ -58,6 +58,11 @@ def test_a_cuda_tensor_is_hashed_with_blake3_on_its_device(use_blake3):
     on_gpu = host.to("cuda").to(torch.bfloat16)
     want = blake3.blake3(on_gpu.cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
     assert ck.tensor_checksum(on_gpu) == want == ck.tensor_checksum(on_gpu.cpu())
+    small = on_gpu[:1000]  # under BLAKE3_DEVICE_MIN_BYTES: hashed from a host copy, the same value
+    assert (
+        ck.tensor_checksum(small)
+        == blake3.blake3(small.cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
+    )
 
 
 def test_an_unknown_digest_is_refused(monkeypatch):
