@@ -284,7 +284,7 @@ fi
 if [[ "$SECTIONS" != *" digest "* ]]; then
   :
 elif "$PY" -m rfork bench digest --help 2>/dev/null | grep -q -- "--device"; then
-  section digest 45 "$PY" -m rfork bench digest --device cuda --sizes-gib 1 2 4 --json "$R/bench-digest-device.json"
+  section digest 90 "$PY" -m rfork bench digest --device cuda --sizes-gib 1 2 4 --json "$R/bench-digest-device.json"
 else
   note "[digest] rfork bench digest has no --device option in this tree: skipped"
 fi

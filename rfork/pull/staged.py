@@ -1,8 +1,10 @@
 """Pulling into GPU tensors over a provider that cannot register device memory (tcp, shm here).
 
 Each distinct destination tensor is read through a `StagedReader` (pinned host bounce slots, then a
-copy to the device on a side stream) and verified on its device as it lands (the device digest,
-computed by the GPU; see rfork.weights.checksum) while the next tensor is on the wire. Nothing of the
+copy to the device on a side stream) and verified on its device (the device digest, computed by the
+GPU; see rfork.weights.checksum) while the next tensor is on the wire. Destination tensors may overlap
+(views of one buffer): a span is verified once, when the last read that overlaps it has landed, so
+the digest covers its final bytes and no later read can change a verified tensor. Nothing of the
 destination is registered, so a seed this loader becomes registers (or mirrors) afresh. On a failure
 (deadline, digest) the reads not yet started are cancelled, the running one is waited for, and the
 error is raised: nothing lands in the destination after this returns.
@@ -44,6 +46,7 @@ def pull_staged(
         if p.nbytes:
             spans.setdefault((p.region, p.offset, p.nbytes), []).append(p.name)
     total = sum(key[2] for key in spans)
+    verify_after = _final_reads(list(spans))
     reader = StagedReader(engine, device=dest.device)
     t_first = time.perf_counter()
     verify_s = 0.0
@@ -56,13 +59,15 @@ def pull_staged(
             )
             futs.append((names, nbytes, fut))
         done = 0
-        for names, nbytes, fut in futs:
+        for j, (_names, nbytes, fut) in enumerate(futs):
             fut.result(timeout=max(deadline - time.monotonic(), 0.0))
             done += nbytes
             if progress is not None:
                 progress(done, total)
             t = time.perf_counter()
-            dest.accept_digest(names, ck.tensor_checksum(dest.tensors[names[0]]), expected)
+            for i in verify_after.get(j, ()):
+                names = futs[i][0]
+                dest.accept_digest(names, ck.tensor_checksum(dest.tensors[names[0]]), expected)
             verify_s += time.perf_counter() - t
     except TimeoutError as exc:
         raise PullError(f"rank {dest.rank}: deadline passed") from exc
@@ -71,3 +76,26 @@ def pull_staged(
             fut.cancel()  # a no-op for reads done or running; after a failure, the rest never start
         reader.close()  # waits out the read still running: the bounce slots and destination are quiet after
     phases.update(transfer=time.perf_counter() - t_first - verify_s, verify=verify_s)
+
+
+def _final_reads(spans: list[tuple[int, int, int]]) -> dict[int, list[int]]:
+    """For spans (region, offset, nbytes) read in list order: {read j: the spans whose bytes are final
+    once reads 0..j have landed}. A span is final after the last read of its group of overlapping
+    spans (connected through overlaps; a sweep in offset order, O(n log n)); a lone span, at once."""
+    after: dict[int, list[int]] = {}
+    group: list[int] = []
+    group_region, group_end = -1, -1
+
+    def close() -> None:
+        if group:
+            after.setdefault(max(group), []).extend(sorted(group))
+
+    for i in sorted(range(len(spans)), key=lambda k: spans[k][:2]):
+        region, offset, nbytes = spans[i]
+        if region != group_region or offset >= group_end:
+            close()
+            group, group_region, group_end = [], region, offset + nbytes
+        group.append(i)
+        group_end = max(group_end, offset + nbytes)
+    close()
+    return after

@@ -105,7 +105,25 @@ class CheckpointInfo:
         )
 
 
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise CheckpointError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _is_count(v: object) -> bool:
+    """A non-negative JSON integer (not a bool, which Python counts as an int)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def _read_header(path: Path, file_index: int) -> list[Placement]:
+    """One file's tensors, checked strictly: a JSON object without duplicate keys; per tensor a known
+    dtype, a shape of non-negative integers, `data_offsets` [begin, end] with begin <= end <= the data
+    size and end - begin == numel * itemsize; spans that overlap must be identical (tied: the same
+    dtype and shape too). CheckpointError names the file and the tensor."""
     with path.open("rb") as f:
         head = f.read(8)
         if len(head) != 8:
@@ -113,30 +131,95 @@ def _read_header(path: Path, file_index: int) -> list[Placement]:
         (hlen,) = struct.unpack("<Q", head)
         if hlen > 100 << 20:
             raise CheckpointError(f"{path}: header of {hlen} bytes is implausible")
-        try:
-            header = json.loads(f.read(hlen))
-        except ValueError as exc:
-            raise CheckpointError(f"{path}: bad safetensors header: {exc}") from exc
+        raw = f.read(hlen)
+        size = os.fstat(f.fileno()).st_size
+    if len(raw) != hlen:
+        raise CheckpointError(f"{path}: header of {hlen} bytes, but the file holds {len(raw)}")
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except (ValueError, CheckpointError) as exc:
+        raise CheckpointError(f"{path}: bad safetensors header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
+    data_size = size - 8 - hlen
     base = 8 + hlen
     out = []
     for name, meta in header.items():
         if name == "__metadata__":
+            if not isinstance(meta, dict):
+                raise CheckpointError(f"{path}: __metadata__ is not a JSON object")
             continue
-        st = meta["dtype"]
-        if st not in _ST_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {st}")
-        begin, end = meta["data_offsets"]
-        out.append(
-            Placement(
-                name=name,
-                dtype=_ST_DTYPES[st],
-                shape=tuple(meta["shape"]),
-                nbytes=end - begin,
-                region=file_index,
-                offset=base + begin,
-            )
-        )
+        out.append(_placement(path, file_index, name, meta, data_size, base))
+    _check_spans(path, out)
     return out
+
+
+def _placement(path: Path, file_index: int, name: str, meta: object, data_size: int, base: int) -> Placement:
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{where}: its entry is not a JSON object")
+    st, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+    if not isinstance(st, str) or st not in _ST_DTYPES:
+        raise CheckpointError(f"{where} has unsupported dtype {st!r}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(v) for v in offsets):
+        raise CheckpointError(
+            f"{where}: data_offsets {offsets!r} is not [begin, end] (non-negative integers)"
+        )
+    begin, end = offsets
+    if not begin <= end <= data_size:
+        raise CheckpointError(
+            f"{where}: data_offsets [{begin}, {end}] are not within the {data_size} data bytes"
+        )
+    numel = 1
+    for d in shape:
+        numel *= d
+    want = numel * dtype_from_name(_ST_DTYPES[st]).itemsize
+    if end - begin != want:
+        raise CheckpointError(
+            f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes, but {st}{shape} is {want}"
+        )
+    return Placement(
+        name=name, dtype=_ST_DTYPES[st], shape=tuple(shape), nbytes=end - begin, region=file_index,
+        offset=base + begin,
+    )
+
+
+def _check_spans(path: Path, tensors: list[Placement]) -> None:
+    """Spans of one file may not overlap unless identical in offset, size, dtype and shape (a tied
+    tensor stored once); zero-byte tensors overlap nothing."""
+    spans = sorted((t for t in tensors if t.nbytes), key=lambda t: (t.offset, t.nbytes, t.name))
+    prev: Placement | None = None
+    for t in spans:
+        if prev is not None and t.offset < prev.offset + prev.nbytes:
+            if (t.offset, t.nbytes, t.dtype, t.shape) != (prev.offset, prev.nbytes, prev.dtype, prev.shape):
+                raise CheckpointError(
+                    f"{path}: tensor {t.name!r} overlaps tensor {prev.name!r} (not the same span, dtype and "
+                    "shape: only a tied tensor may share bytes)"
+                )
+            continue  # keep the first of the tied group as the reference
+        prev = t
+
+
+def _index_files(d: Path, index: Path) -> tuple[list[str], dict[str, str]]:
+    """The files an index names, each a relative path inside `d` (no absolute paths, no `..`, no link
+    out of the directory), and its weight_map; CheckpointError naming the index and the entry."""
+    try:
+        doc = json.loads(index.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except (OSError, ValueError, CheckpointError) as exc:
+        raise CheckpointError(f"{index}: unreadable index: {exc}") from exc
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: no weight_map object")
+    root = d.resolve()
+    for name, fname in weight_map.items():
+        if not isinstance(fname, str) or not fname or "\0" in fname or Path(fname).is_absolute():
+            raise CheckpointError(f"{index}: tensor {name!r} maps to {fname!r}, not a relative file name")
+        resolved = (d / fname).resolve()
+        if ".." in Path(fname).parts or not resolved.is_relative_to(root) or resolved == root:
+            raise CheckpointError(f"{index}: tensor {name!r} maps to {fname!r}, outside {d}")
+    return sorted(set(weight_map.values())), weight_map
 
 
 def read_checkpoint_info(directory: str | Path) -> CheckpointInfo:
@@ -149,11 +232,11 @@ def read_checkpoint_info(directory: str | Path) -> CheckpointInfo:
     elif not d.is_dir():
         raise CheckpointError(f"checkpoint {d} is neither a directory nor a .safetensors file")
     index = d / INDEX_NAME
+    weight_map: dict[str, str] | None = None
     if single:
         pass  # that file alone
     elif index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
+        files, weight_map = _index_files(d, index)
     elif (d / SINGLE_NAME).exists():
         files = [SINGLE_NAME]
     else:
@@ -162,8 +245,18 @@ def read_checkpoint_info(directory: str | Path) -> CheckpointInfo:
             raise CheckpointError(f"{d}: no safetensors files")
     paths = sorted((d / fname for fname in files), key=str)
     tensors: list[Placement] = []
+    seen: dict[str, Path] = {}
     for i, path in enumerate(paths):
-        tensors += _read_header(path, i)
+        if not path.is_file():
+            raise CheckpointError(f"{d}: {path.name} is named by the index but is not a file")
+        for t in _read_header(path, i):
+            if t.name in seen:
+                raise CheckpointError(f"{path}: tensor {t.name!r} is also in {seen[t.name]}")
+            mapped = weight_map.get(t.name) if weight_map is not None else None
+            if mapped is not None and (d / mapped).resolve() != path.resolve():
+                raise CheckpointError(f"{path}: tensor {t.name!r} is mapped to {mapped!r} by the index")
+            seen[t.name] = path
+            tensors.append(t)
     tensors.sort(key=lambda t: (t.region, t.offset))
     config = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}
     return CheckpointInfo(directory=d, files=tuple(paths), tensors=tuple(tensors), config=config)

@@ -1,29 +1,37 @@
-"""Per-tensor weight digests: xxh3-128 (or BLAKE3) for host tensors, pmix64 on the GPU.
+"""Per-tensor weight digests, chosen per threat model by `RFORK_DIGEST` (the same on every process).
 
-Host (CPU) tensors use `xxh3-128` (the xxHash library's XXH3 128-bit hash of the tensor's raw bytes,
-32 hex digits). It is non-linear (no combination of changed words cancels out, unlike a sum) and runs
-at memory speed; `StreamingDigest` computes the same value chunk by chunk as the bytes arrive, so
-the loader hashes each chunk while it is still in cache. It resists accidents, not a crafted
-collision: a fleet that must resist one sets `RFORK_DIGEST=blake3` on every seed and loader (the
-BLAKE3 hash, 64 hex digits; its anchors are recorded under that name). Its cost is measured in
-docs/reliability.md.
+- `RFORK_DIGEST=xxh3-128` (the default; a trusted fleet, where every holder of a register token is
+  an operator's own machine): it guards against accidents (bit flips, torn or misdirected reads, a
+  stale or wrong checkpoint), not against a crafted collision. Host (CPU) tensors use `xxh3-128`
+  (XXH3 128-bit of the raw bytes, 32 hex digits), at memory speed; CUDA tensors use `pmix64-v1`
+  (below), computed on the device. Neither is cryptographic: pmix64-v1 is a sum of per-word mixes
+  and admits generalized-birthday (Wagner) collisions in seconds of CPU time.
+- `RFORK_DIGEST=blake3` (hostile seeds: any holder of a register token may serve crafted bytes):
+  BLAKE3 (64 hex digits) for every tensor on every device: on the host with the `blake3` package
+  (multi-threaded, `RFORK_DIGEST_THREADS`, default min(4, CPUs)); on a GPU with torch ops on the
+  device (rfork.weights.blake3_tensor, the same output; tensors under 1 MiB from a host copy). Every
+  verification path takes its digest from here (the one-sided verifier, staged GPU reads, NCCL, a
+  seed's re-verification, the manifests a loader publishes when it becomes a seed, `rfork digest`
+  anchors), and a loader refuses a manifest whose algorithm is not its own, so a pmix64 or xxh3
+  manifest from a seed is refused. Host and GPU digests agree, so one anchor covers both.
 
-CUDA tensors keep a device-side digest so no weight byte crosses to the host. Algorithm `pmix64-v1`
-(it replaced `pwsum64-v1`, a position-weighted sum: linear, so a zeroed quarter of a tensor plus two
-compensating words kept its digest, issue #21). The tensor's bytes are read as little-endian 64-bit
-words w_0 .. w_{n-1} (a final partial word is zero-padded); all arithmetic is modulo 2**64 and `>>>`
-is a logical shift. Each word is mixed with its position through two splitmix64-style finalisers:
+`StreamingDigest` computes a host digest chunk by chunk as the bytes arrive, so the loader hashes
+each chunk while it is still in cache.
+
+pmix64-v1 (it replaced `pwsum64-v1`, a position-weighted sum: linear, so a zeroed quarter of a
+tensor plus two compensating words kept its digest). The tensor's bytes are read as little-endian
+64-bit words w_0 .. w_{n-1} (a final partial word is zero-padded); all arithmetic is modulo 2**64 and
+`>>>` is a logical shift. Each word is mixed with its position through two splitmix64-style
+finalisers:
 
     x_i = mix(w_i XOR (i + 1) * K0, K1, K2)      mix(v, a, b) = ((v * a) ^ (.. >>> 32)) * b ^ (.. >>> 29)
     y_i = (x_i XOR K3) * K4;  y_i ^= y_i >>> 32
     digest = (sum_i x_i, sum_i y_i)  written as 32 hex digits
 
-A change to any word changes its x_i unpredictably (the mix is a bijection with full avalanche), so
-changes no longer cancel by solving a linear system. The sums keep the reduction order free (CPU
-vector lanes, CUDA blocks, chunks). It is not a cryptographic hash: the sums of per-word mixes admit
-generalized-birthday collisions for an attacker with much compute; where that matters, anchor a
-cryptographic digest (docs/reliability.md). Only elementwise integer tensor ops: the same code runs on
-CPU, so it is tested here, and on the tensor's own device with no weight byte copied to the host.
+A change to any word changes its x_i unpredictably, so accidental changes do not cancel; but the
+sums admit crafted collisions (a k-tree search over candidate word edits finds one for a 2 MiB tensor
+in seconds), so pmix64-v1 is for the trusted-fleet setting only. Only elementwise integer tensor ops:
+the same code runs on CPU, so it is tested here.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ from typing import Any
 import blake3
 import torch
 import xxhash
+
+from rfork.weights.blake3_tensor import blake3_hex
 
 DEVICE_DIGEST = "pmix64-v1"
 XXH3_128 = "xxh3-128"
@@ -135,7 +145,7 @@ def checksum_bytes(data: torch.Tensor) -> str:
 
 
 def host_algorithm() -> str:
-    """The host digest this process uses: $RFORK_DIGEST (xxh3-128 unless set; ValueError if unknown)."""
+    """The digest setting of this process: $RFORK_DIGEST (xxh3-128 unless set; ValueError if unknown)."""
     chosen = os.environ.get("RFORK_DIGEST") or XXH3_128
     if chosen not in HOST_ALGORITHMS:
         raise ValueError(f"RFORK_DIGEST: {chosen!r} is not one of {', '.join(HOST_ALGORITHMS)}")
@@ -143,25 +153,52 @@ def host_algorithm() -> str:
 
 
 def algorithm_for(device: torch.device | str) -> str:
-    """The digest used for tensors on `device`: host_algorithm() on the host, pmix64 on a GPU."""
-    return DEVICE_DIGEST if torch.device(device).type == "cuda" else host_algorithm()
+    """The digest used for tensors on `device`: BLAKE3 everywhere under RFORK_DIGEST=blake3; else
+    xxh3-128 on the host and pmix64-v1 on a GPU (the trusted-fleet setting)."""
+    chosen = host_algorithm()
+    if chosen == BLAKE3:
+        return BLAKE3
+    return DEVICE_DIGEST if torch.device(device).type == "cuda" else chosen
+
+
+def blake3_threads() -> int:
+    """Threads for one host BLAKE3 digest: $RFORK_DIGEST_THREADS, default min(4, CPUs)."""
+    raw = os.environ.get("RFORK_DIGEST_THREADS")
+    if not raw:
+        return min(4, os.cpu_count() or 1)
+    if not raw.isascii() or not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"RFORK_DIGEST_THREADS: {raw!r} is not a positive integer")
+    return int(raw)
+
+
+# Device tensors smaller than this are copied to the host for BLAKE3: the torch-ops path costs about
+# 6,000 kernel launches per tensor whatever its size, more than copying a small tensor out.
+BLAKE3_DEVICE_MIN_BYTES = 1 << 20
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
-    """Digest of a tensor's raw bytes under algorithm_for(tensor.device)."""
+    """Digest of a tensor's raw bytes under algorithm_for(tensor.device), computed where it lies (BLAKE3
+    of a device tensor under BLAKE3_DEVICE_MIN_BYTES: on a host copy)."""
     algorithm = algorithm_for(tensor.device)
+    data = _as_bytes(tensor)
     if algorithm == XXH3_128:
-        return xxh3_bytes(_as_bytes(tensor))
+        return xxh3_bytes(data)
     if algorithm == BLAKE3:
-        return blake3_bytes(_as_bytes(tensor))
-    return checksum_bytes(_as_bytes(tensor))
+        if data.device.type == "cpu":
+            return blake3_bytes(data)
+        if data.numel() < BLAKE3_DEVICE_MIN_BYTES:
+            return blake3_bytes(data.cpu())
+        return blake3_hex(data)
+    return checksum_bytes(data)
 
 
-def blake3_bytes(data: torch.Tensor) -> str:
-    """BLAKE3 of a flat uint8 host tensor (zero-copy: hashed where it lies)."""
-    if data.numel() == 0:
-        return str(blake3.blake3(b"").hexdigest())
-    return str(blake3.blake3(_host_view(int(data.data_ptr()), data.numel())).hexdigest())
+def blake3_bytes(data: torch.Tensor, *, threads: int | None = None) -> str:
+    """BLAKE3 of a flat uint8 host tensor (zero-copy: hashed where it lies) on `threads` threads
+    (default blake3_threads())."""
+    hasher = blake3.blake3(max_threads=threads or blake3_threads())
+    if data.numel():
+        hasher.update(_host_view(int(data.data_ptr()), data.numel()))
+    return str(hasher.hexdigest())
 
 
 def xxh3_bytes(data: torch.Tensor) -> str:
@@ -198,7 +235,9 @@ class StreamingDigest:
             raise ValueError(
                 f"StreamingDigest: {algorithm!r} is not a host digest ({', '.join(HOST_ALGORITHMS)})"
             )
-        self._hasher: Any = xxhash.xxh3_128() if algorithm == XXH3_128 else blake3.blake3()
+        self._hasher: Any = (
+            xxhash.xxh3_128() if algorithm == XXH3_128 else blake3.blake3(max_threads=blake3_threads())
+        )
         self.fed = 0
 
     def update(self, ptr: int, nbytes: int) -> None:

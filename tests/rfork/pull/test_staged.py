@@ -92,3 +92,49 @@ def test_a_staged_pull_lands_and_verifies(engines: tuple) -> None:
     assert set(dest.checksums) == set(tensors)
     assert done[-1][0] == done[-1][1] == sum(t.numel() * 2 for t in tensors.values())
     assert set(phases) == {"transfer", "verify"}
+
+
+def _overlapping(buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Two views of one buffer that share half their bytes (a fused parameter and a slice of it, say)."""
+    return {"a": buf[0:1024], "b": buf[512:1536]}
+
+
+@pytest.mark.timeout(60)
+def test_a_later_overlapping_read_cannot_change_a_verified_tensor(engines: tuple) -> None:
+    """The seed lays `a` and `b` out apart (each verifies on its own); the loader's views overlap, so
+    reading `b` rewrites half of `a`. Each span is verified once, after the last read that overlaps it."""
+    seed, loader = engines
+    g = torch.Generator().manual_seed(9)
+    apart = {n: torch.randn(1024, generator=g).to(torch.bfloat16) for n in ("a", "b")}
+    served = RankWeights.from_tensors(tensors=apart)
+    regions = [seed.register(t, "read") for t in served.registrables()]
+    manifest = served.manifest([r.descriptor.to_bytes() for r in regions])
+    manifest.check()
+    dest = RankWeights.from_tensors(tensors=_overlapping(torch.zeros(1536, dtype=torch.bfloat16)))
+    with pytest.raises(ChecksumMismatch, match="'a'"):
+        pull_staged(loader, manifest, dest, deadline=time.monotonic() + 30, progress=None, phases={})
+    assert "a" not in dest.checksums
+
+
+@pytest.mark.timeout(60)
+def test_overlapping_views_that_agree_with_the_seed_verify(engines: tuple) -> None:
+    seed, loader = engines
+    g = torch.Generator().manual_seed(10)
+    source = torch.randn(1536, generator=g).to(torch.bfloat16)
+    served = RankWeights.from_tensors(tensors=_overlapping(source))
+    regions = [seed.register(t, "read") for t in served.registrables()]
+    manifest = served.manifest([r.descriptor.to_bytes() for r in regions])
+    manifest.check()
+    buf = torch.zeros(1536, dtype=torch.bfloat16)
+    dest = RankWeights.from_tensors(tensors=_overlapping(buf))
+    pull_staged(loader, manifest, dest, deadline=time.monotonic() + 30, progress=None, phases={})
+    assert set(dest.checksums) == {"a", "b"}
+    assert torch.equal(buf, source)
+
+
+def test_final_reads_groups_overlapping_spans():
+    from rfork.pull.staged import _final_reads
+
+    # region 0: [0,10) and [5,15) overlap, [15,20) only touches; region 1: [0,10) alone
+    spans = [(0, 5, 10), (0, 15, 5), (1, 0, 10), (0, 0, 10)]
+    assert _final_reads(spans) == {3: [0, 3], 1: [1], 2: [2]}

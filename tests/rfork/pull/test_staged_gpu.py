@@ -22,11 +22,17 @@ pytestmark = [
 
 
 @pytest.mark.timeout(90)
-def test_gpu_weights_pulled_staged_over_tcp_then_served_again(planner: str) -> None:
+@pytest.mark.parametrize("digest", [ck.XXH3_128, ck.BLAKE3])
+def test_gpu_weights_pulled_staged_over_tcp_then_served_again(
+    planner: str, digest: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under either setting; with RFORK_DIGEST=blake3 the seed, the loader and the chained third pull
+    hash the CUDA tensors with BLAKE3 on the device."""
+    monkeypatch.setenv("RFORK_DIGEST", digest)
     model = tied_model(0).to(device="cuda", dtype=torch.bfloat16)
     ident = identity_for(model)
     served = RankWeights.from_tensors(tensors=model.state_dict())
-    assert served.checksum_algorithm == ck.DEVICE_DIGEST
+    assert served.checksum_algorithm == (ck.BLAKE3 if digest == ck.BLAKE3 else ck.DEVICE_DIGEST)
     with Seed(weights=[served], identity=ident, planner_url=planner, token=REGISTER) as seed:
         target = tied_model(2).to(device="cuda", dtype=torch.bfloat16)
         a = Loader(identity=ident, planner_url=planner, options=opts(), **AUTH).load_into(target)
