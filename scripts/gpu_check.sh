@@ -17,10 +17,11 @@
 #   setup   wheels into a scratch site (--target), debs unpacked, the cffi binding built
 #   env     nvidia-smi, driver, torch/CUDA/cuda-python versions, libfabric and providers found
 #   bench   python3 -m rfork bench gpu --size-gib $GPU_CHECK_SIZE_GIB (default 8) --json bench-gpu.json
-#   tests   pytest -m gpu over the GPU test files (CUDA IPC, staging, the staged pull)
+#   tests   pytest -m gpu over the GPU test files (CUDA IPC, staging, the staged pull, the device digest),
+#           at most GPU_CHECK_TESTS_S (default 150 s)
+#   digest  python3 -m rfork bench digest --device cuda, if that option exists (GPU_CHECK_DIGEST_S, 90 s)
 #   paths   scripts/gpu/paths.sh RESULTS_DIR BUDGET_S, if present (KV/MoE/RL on device buffers; its
-#           budget: min(time left - 60 s, GPU_CHECK_PATHS_S, default 130 s))
-#   digest  python3 -m rfork bench digest --device cuda, if that option exists
+#           budget: min(time left - 30 s, GPU_CHECK_PATHS_S, default 130 s))
 #   cpu     the CPU tests of the GPU files, with whatever time is left
 # GPU_CHECK_SECTIONS="bench tests" runs only those (after setup); on a warm machine setup then takes
 # seconds (the scratch folder /tmp/gpu-check and the built binding stay between calls).
@@ -262,10 +263,20 @@ fi
 # paths (paths.sh runs those) and the framework suites (their own venvs)
 mapfile -t OTHER_GPU_TESTS < <(grep -rlE "pytest\.mark\.gpu|mark\.gpu" tests --include='test_*.py' 2>/dev/null \
   | grep -vE "^tests/(backends/gpu|backends/(kv|moe|rl)|sglang|vllm)/|test_staged_gpu|tests/bench/test_gpu" | sort)
-GPU_TESTS=(tests/backends/gpu tests/rfork/pull/test_staged_gpu.py tests/bench/test_gpu.py "${OTHER_GPU_TESTS[@]}")
+GPU_TESTS=(tests/backends/gpu/test_cuda_ipc.py tests/backends/gpu/test_ipc_driver.py tests/backends/gpu/test_staging.py
+           tests/rfork/pull/test_staged_gpu.py tests/bench/test_gpu.py "${OTHER_GPU_TESTS[@]}")
 note "[tests] files: ${GPU_TESTS[*]}"
-section tests 150 "$PY" -m pytest -p no:cacheprovider -m gpu -q -rA --timeout 60 \
+section tests "${GPU_CHECK_TESTS_S:-150}" "$PY" -m pytest -p no:cacheprovider -m gpu -q -rA --timeout 60 \
   --junitxml="$R/pytest-gpu.xml" "${GPU_TESTS[@]}"
+
+# ---------------------------------------------------------------- device digest (if the option exists)
+if [[ "$SECTIONS" != *" digest "* ]]; then
+  :
+elif "$PY" -m rfork bench digest --help 2>/dev/null | grep -q -- "--device"; then
+  section digest "${GPU_CHECK_DIGEST_S:-90}" "$PY" -m rfork bench digest --device cuda --sizes-gib 1 2 4 --json "$R/bench-digest-device.json"
+else
+  note "[digest] rfork bench digest has no --device option in this tree: skipped"
+fi
 
 # ---------------------------------------------------------------- KV / MoE / RL device paths
 if [[ "$SECTIONS" != *" paths "* ]]; then
@@ -273,20 +284,11 @@ if [[ "$SECTIONS" != *" paths "* ]]; then
 elif [ -f scripts/gpu/paths.sh ]; then
   mkdir -p "$R/paths"
   paths_cap=${GPU_CHECK_PATHS_S:-130}  # the KV/MoE/RL benches at their goal sizes want ~420 s
-  budget=$(( $(left) - 60 )); [ "$budget" -gt "$paths_cap" ] && budget=$paths_cap
+  budget=$(( $(left) - 30 )); [ "$budget" -gt "$paths_cap" ] && budget=$paths_cap
   export GPU_CHECK_RESULTS=$R/paths GPU_CHECK_BUDGET_S=$budget
   section paths $(( budget + 10 )) bash scripts/gpu/paths.sh "$R/paths" "$budget"
 else
   note "[paths] scripts/gpu/paths.sh is not in this tree: skipped"
-fi
-
-# ---------------------------------------------------------------- device digest (if the option exists)
-if [[ "$SECTIONS" != *" digest "* ]]; then
-  :
-elif "$PY" -m rfork bench digest --help 2>/dev/null | grep -q -- "--device"; then
-  section digest 90 "$PY" -m rfork bench digest --device cuda --sizes-gib 1 2 4 --json "$R/bench-digest-device.json"
-else
-  note "[digest] rfork bench digest has no --device option in this tree: skipped"
 fi
 
 # ---------------------------------------------------------------- the CPU tests of the GPU files
