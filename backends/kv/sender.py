@@ -37,6 +37,7 @@ class _Receiver:
     geometry: KvGeometry
     imms: ImmRange
     label: str
+    layer_descs: list[MemoryRegionDescriptor] | None = None  # a pool with one region per layer
     requests: set[str] = field(default_factory=set)
     held: int = 0  # partial page lists and unpaired wants this receiver has here (capped at slots)
 
@@ -48,6 +49,12 @@ class _Receiver:
     def imm(self, slot: int, layer: int) -> int:
         """The immediate announcing `layer` of the request in `slot` (layer == layers: complete)."""
         return self.imms.value(wire.imm_index(slot, layer, self.geometry.layers))
+
+    def layer_target(self, layer: int) -> tuple[MemoryRegionDescriptor, int]:
+        """(descriptor, byte offset of the layer's first page in it) to write `layer` into."""
+        if self.layer_descs is not None:
+            return self.layer_descs[layer], 0
+        return self.desc, self.geometry.offset(layer, 0, 0)
 
 
 @dataclass
@@ -102,6 +109,15 @@ class OutgoingRequest:
         for layer in range(self.sender.pool.geometry.layers):
             self.sender._layer_ready(self, layer)
         return self
+
+    def abort(self, reason: str) -> None:
+        """Give up on this request (e.g. its decode side never asked): `done` fails with reason, and a
+        receiver that already asked is told, so neither side holds the request's pages for it."""
+        err = KvError(f"KV request {self.request_id}: {reason}")
+        want = self._want
+        fail(self.done, err)
+        if want is not None:
+            self.sender._reply(want.receiver, wire.FAILED, rid=self.request_id, reason=str(err))
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until delivered; raises the request's error, or TransferTimeout.
@@ -205,12 +221,14 @@ class KvSender:
                     f"geometry {geo.layers} layers x {geo.page_bytes} B pages does not match the sender's "
                     f"{mine.layers} x {mine.page_bytes} B"
                 )
-            if not desc.writable or desc.length < geo.nbytes or desc.address != address:
+            whole = geo.nbytes if msg.get("descs") is None else 2 * geo.pages * geo.page_bytes
+            if not desc.writable or desc.length < whole or desc.address != address:
                 raise KvError(  # noqa: TRY301
                     "pool descriptor is not writable, smaller than its geometry, or not the receiver's"
                 )
             if imms.count < geo.layers + 1:
                 raise KvError(f"immediate range of {imms.count} values holds no request slot")  # noqa: TRY301
+            layer_descs = self._layer_descs(address, geo, msg.get("descs"))
         except (KvError, ValueError, KeyError, TypeError, TransferError) as exc:
             log.warning("KV sender: rejected a receiver: %s", exc)
             self._reply(address, wire.REJECT, reason=str(exc))
@@ -218,12 +236,30 @@ class KvSender:
         label = str(msg.get("name") or desc.address[-8:].hex())
         with self._lock:
             old = self._receivers.get(address)
-            rec = _Receiver(address, desc, geo, imms, label)
+            rec = _Receiver(address, desc, geo, imms, label, layer_descs)
             if old is not None:
                 rec.requests, rec.held = old.requests, old.held
             self._receivers[address] = rec
         log.info("KV sender: receiver %s joined (%d pages of %d B)", label, geo.pages, geo.page_bytes)
         self._reply(address, wire.WELCOME, layers=self.pool.geometry.layers)
+
+    @staticmethod
+    def _layer_descs(
+        address: bytes, geo: KvGeometry, descs: object
+    ) -> list[MemoryRegionDescriptor] | None:
+        """hello's optional per-layer descriptors, checked: one per layer, each writable, large
+        enough for a layer and owned by the receiver that sent the hello."""
+        if descs is None:
+            return None
+        if not isinstance(descs, list) or len(descs) != geo.layers:
+            raise KvError(f"descs must list one descriptor per layer ({geo.layers})")
+        if not all(isinstance(d, str) and len(d) <= 4096 for d in descs):
+            raise KvError("a layer descriptor is a base64 string of at most 4096 characters")
+        out = [MemoryRegionDescriptor.from_bytes(wire.unb64(d)) for d in descs]
+        layer_bytes = 2 * geo.pages * geo.page_bytes
+        if any(not d.writable or d.length < layer_bytes or d.address != address for d in out):
+            raise KvError("a layer descriptor is not writable, smaller than a layer, or not the receiver's")
+        return out
 
     def _bye(self, address: bytes) -> None:
         with self._lock:
@@ -392,10 +428,15 @@ class KvSender:
             return
         geo = self.pool.geometry
         for layer in todo:
-            spans = layer_spans(geo, req.src_pages, rec.geometry, want.pages, layer)
+            region, src_base = self.pool.layer_region(layer)
+            desc, dst_base = rec.layer_target(layer)
+            spans = layer_spans(
+                geo, req.src_pages, rec.geometry, want.pages, layer,
+                src_layer_base=src_base, dst_layer_base=dst_base,
+            )
             try:
                 imm = rec.imm(want.slot, layer)
-                fut = self.engine.write_spans(self.pool.region, spans, rec.desc, imm=imm)
+                fut = self.engine.write_spans(region, spans, desc, imm=imm)
             except TransferError as exc:
                 fail(req.done, KvError(f"KV request {req.request_id} layer {layer} to {rec.label}: {exc}"))
                 return

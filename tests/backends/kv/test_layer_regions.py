@@ -1,0 +1,88 @@
+"""Pools with one region per layer (how vLLM allocates its cache): a request moves byte for byte between
+a per-layer pool and a whole pool, in both directions, and a hello with bad per-layer descriptors is
+refused."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from backends import TransferEngine
+from backends.kv import KvError, KvPool, KvReceiver, KvSender
+from tests.backends.conftest import skip_unless_pairs_within_process
+from tests.backends.peer import engine_kwargs
+
+LAYERS, PAGES, PAGE = 3, 8, 64
+LAYER_BYTES = 2 * PAGES * PAGE
+
+
+@pytest.fixture
+def engines(provider: str) -> Iterator[tuple[TransferEngine, TransferEngine]]:
+    skip_unless_pairs_within_process(provider)
+    kw = engine_kwargs(provider)
+    with TransferEngine(provider, 1, timeout_s=5.0, **kw) as a, TransferEngine(
+        provider, 1, timeout_s=5.0, **kw
+    ) as b:
+        yield a, b
+
+
+def _pool(eng: TransferEngine, layer_buffers: list[np.ndarray] | None, whole: np.ndarray | None) -> KvPool:
+    return KvPool(eng, layers=LAYERS, pages=PAGES, page_bytes=PAGE, buffer=whole, layer_buffers=layer_buffers)
+
+
+@pytest.mark.parametrize(("src_per_layer", "dst_per_layer"), [(True, False), (False, True), (True, True)])
+def test_request_moves_between_per_layer_and_whole_pools(
+    engines: tuple[TransferEngine, TransferEngine], src_per_layer: bool, dst_per_layer: bool
+) -> None:
+    a, b = engines
+    src_bufs = [np.random.default_rng(i).integers(0, 255, LAYER_BYTES, dtype=np.uint8) for i in range(LAYERS)]
+    dst_bufs = [np.zeros(LAYER_BYTES, np.uint8) for _ in range(LAYERS)]
+    src_whole, dst_whole = np.concatenate(src_bufs), np.zeros(LAYERS * 2 * PAGES * PAGE, np.uint8)
+    src = _pool(a, src_bufs if src_per_layer else None, None if src_per_layer else src_whole)
+    dst = _pool(b, dst_bufs if dst_per_layer else None, None if dst_per_layer else dst_whole)
+    sender, receiver = KvSender(src), KvReceiver(dst, name="per-layer")
+    receiver.join(sender.address)
+    src_pages, dst_pages = [5, 1, 2, 3], [0, 6, 7, 2]
+    inc = receiver.request(sender.address, "r1", dst_pages)
+    sender.start("r1", src_pages).send_all().wait(10)
+    inc.wait(10)
+
+    def layer_of(bufs: list[np.ndarray], whole: np.ndarray, per_layer: bool, layer: int) -> np.ndarray:
+        n = LAYER_BYTES
+        return bufs[layer] if per_layer else whole[layer * n : (layer + 1) * n]
+
+    for layer in range(LAYERS):
+        s = layer_of(src_bufs, src_whole, src_per_layer, layer).reshape(2, PAGES, PAGE)
+        d = layer_of(dst_bufs, dst_whole, dst_per_layer, layer).reshape(2, PAGES, PAGE)
+        want = np.zeros_like(d)
+        want[:, dst_pages] = s[:, src_pages]
+        assert np.array_equal(d, want), f"layer {layer}"
+    sender.close()
+    receiver.close()
+
+
+def test_per_layer_pool_checks_its_buffers(engines: tuple[TransferEngine, TransferEngine]) -> None:
+    a, _ = engines
+    with pytest.raises(ValueError, match="2 layer buffers for 3 layers"):
+        KvPool(a, layers=3, pages=PAGES, page_bytes=PAGE, layer_buffers=[np.zeros(LAYER_BYTES, np.uint8)] * 2)
+    bufs = [np.zeros(LAYER_BYTES, np.uint8), np.zeros(10, np.uint8), np.zeros(LAYER_BYTES, np.uint8)]
+    with pytest.raises(ValueError, match="layer 1 buffer has"):
+        KvPool(a, layers=3, pages=PAGES, page_bytes=PAGE, layer_buffers=bufs)
+
+
+def test_hello_with_too_few_layer_descriptors_is_refused(
+    engines: tuple[TransferEngine, TransferEngine],
+) -> None:
+    a, b = engines
+    sender = KvSender(KvPool(a, layers=LAYERS, pages=PAGES, page_bytes=PAGE))
+    dst = KvPool(b, layers=LAYERS, pages=PAGES, page_bytes=PAGE,
+                 layer_buffers=[np.zeros(LAYER_BYTES, np.uint8) for _ in range(LAYERS)])
+    receiver = KvReceiver(dst)
+    one = receiver._layer_descs()["descs"][:1]
+    receiver._layer_descs = lambda: {"descs": one}  # type: ignore[method-assign]
+    with pytest.raises(KvError, match="one descriptor per layer"):
+        receiver.join(sender.address)
+    sender.close()
+    receiver.close()
