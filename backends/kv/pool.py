@@ -4,7 +4,9 @@ A pool is one registered buffer of `layers x (K, V) x pages x page_bytes`: page 
 kv (0 = K, 1 = V) starts at byte ((l * 2 + kv) * pages + p) * page_bytes. It is registered once.
 Engines that allocate each layer's cache on its own (vLLM: one `(2, blocks, ...)` tensor per layer)
 give one buffer per layer instead (`layer_buffers`): the same layout, with layer l's bytes in its own
-region, at offset (kv * pages + p) * page_bytes.
+region, at offset (kv * pages + p) * page_bytes. A pool with `halves=1` keeps each page's K and V
+together (vLLM's CPU cache: `(blocks, kv_heads, block_size, 2 * head_size)` per layer): page p of
+layer l is at (l * pages + p) * page_bytes and holds both.
 """
 
 from __future__ import annotations
@@ -27,26 +29,37 @@ class KvError(TransferError):
 
 @dataclass(frozen=True, slots=True)
 class KvGeometry:
-    """Shape of a paged pool in bytes: layers x (K, V) x pages x page_bytes."""
+    """Shape of a paged pool in bytes: layers x halves x pages x page_bytes.
+
+    halves: 2 when a layer's K pages come before its V pages, 1 when each page holds both.
+    """
 
     layers: int
     pages: int
     page_bytes: int
+    halves: int = 2
 
     def __post_init__(self) -> None:
         if not 0 < self.layers <= MAX_LAYERS:
             raise ValueError(f"layers must be in 1..{MAX_LAYERS}, not {self.layers}")
         if self.pages <= 0 or self.page_bytes <= 0:
             raise ValueError(f"pages and page_bytes must be positive, not {self.pages}, {self.page_bytes}")
+        if self.halves not in (1, 2):
+            raise ValueError(f"halves must be 1 or 2, not {self.halves}")
 
     @property
     def nbytes(self) -> int:
         """Bytes of the whole pool."""
-        return self.layers * 2 * self.pages * self.page_bytes
+        return self.layers * self.layer_nbytes
+
+    @property
+    def layer_nbytes(self) -> int:
+        """Bytes of one layer's pages (K and V)."""
+        return self.halves * self.pages * self.page_bytes
 
     def offset(self, layer: int, kv: int, page: int) -> int:
         """Byte offset of page `page` of layer `layer`, half kv (0 = K, 1 = V)."""
-        return ((layer * 2 + kv) * self.pages + page) * self.page_bytes
+        return ((layer * self.halves + kv) * self.pages + page) * self.page_bytes
 
     def check_pages(self, pages: Sequence[int], what: str) -> list[int]:
         """The pages as ints; KvError naming `what` when one is out of range."""
@@ -58,12 +71,15 @@ class KvGeometry:
 
     def to_dict(self) -> dict[str, int]:
         """JSON form for the handshake."""
-        return {"layers": self.layers, "pages": self.pages, "page_bytes": self.page_bytes}
+        d = {"layers": self.layers, "pages": self.pages, "page_bytes": self.page_bytes}
+        if self.halves != 2:  # peers that predate halves read the default
+            d["halves"] = self.halves
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KvGeometry:
         """Inverse of to_dict; ValueError on missing or bad fields."""
-        return cls(int(d["layers"]), int(d["pages"]), int(d["page_bytes"]))
+        return cls(int(d["layers"]), int(d["pages"]), int(d["page_bytes"]), int(d.get("halves", 2)))
 
 
 class KvPool:
@@ -71,8 +87,8 @@ class KvPool:
 
     buffer: a contiguous CPU tensor or writable buffer of exactly geometry.nbytes (e.g. the
     model's cache viewed as bytes); by default a zeroed numpy array is allocated.
-    layer_buffers: instead of buffer, one buffer per layer of exactly 2 * pages * page_bytes each
-    (K pages, then V pages), each registered as its own region.
+    layer_buffers: instead of buffer, one buffer per layer of exactly halves * pages * page_bytes
+    each, each registered as its own region. halves: see KvGeometry.
     """
 
     def __init__(
@@ -82,12 +98,13 @@ class KvPool:
         layers: int,
         pages: int,
         page_bytes: int,
+        halves: int = 2,
         buffer: Any = None,
         layer_buffers: Sequence[Any] | None = None,
         access: str = "rw",
     ) -> None:
         self.engine = engine
-        self.geometry = KvGeometry(layers, pages, page_bytes)
+        self.geometry = KvGeometry(layers, pages, page_bytes, halves)
         if layer_buffers is not None:
             if buffer is not None:
                 raise ValueError("give a pool buffer or layer_buffers, not both")
@@ -118,7 +135,7 @@ class KvPool:
     @property
     def layer_nbytes(self) -> int:
         """Bytes of one layer's K and V pages."""
-        return 2 * self.geometry.pages * self.geometry.page_bytes
+        return self.geometry.layer_nbytes
 
     @property
     def descriptor(self) -> MemoryRegionDescriptor:
@@ -160,7 +177,7 @@ def layer_spans(
     s_layer = src.offset(layer, 0, 0) if src_layer_base is None else src_layer_base
     d_layer = dst.offset(layer, 0, 0) if dst_layer_base is None else dst_layer_base
     spans: list[tuple[int, int, int]] = []
-    for kv in (0, 1):
+    for kv in range(src.halves):
         s_base = s_layer + kv * src.pages * page
         d_base = d_layer + kv * dst.pages * page
         spans += page_spans(src_pages, s_base, page, dst_pages, d_base, page, page)

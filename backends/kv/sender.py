@@ -86,10 +86,13 @@ class OutgoingRequest:
     an error naming the request and the receiver.
     """
 
-    def __init__(self, sender: KvSender, request_id: str, src_pages: list[int]) -> None:
+    def __init__(
+        self, sender: KvSender, request_id: str, src_pages: list[int], *, suffix_ok: bool = False
+    ) -> None:
         self.sender = sender
         self.request_id = request_id
         self.src_pages = src_pages
+        self.suffix_ok = suffix_ok
         self.done: Future[None] = Future()
         self.done.set_running_or_notify_cancel()
         self._ready: set[int] = set()
@@ -163,10 +166,14 @@ class KvSender:
         with self._lock:
             return [r.label for r in self._receivers.values()]
 
-    def start(self, request_id: str, src_pages: Sequence[int]) -> OutgoingRequest:
-        """Begin a request whose K/V lives in src_pages of every layer; then send_layer/send_all."""
+    def start(self, request_id: str, src_pages: Sequence[int], *, suffix_ok: bool = False) -> OutgoingRequest:
+        """Begin a request whose K/V lives in src_pages of every layer; then send_layer/send_all.
+
+        suffix_ok: a receiver may ask for fewer pages (it already holds the prompt's first pages, e.g.
+        from its prefix cache): it gets the last ones. Otherwise the counts must be equal.
+        """
         pages = self.pool.geometry.check_pages(src_pages, f"KV request {request_id}")
-        req = OutgoingRequest(self, request_id, pages)
+        req = OutgoingRequest(self, request_id, pages, suffix_ok=suffix_ok)
         with self._lock:
             if request_id in self._outgoing:
                 raise KvError(f"KV request {request_id} is already being sent")
@@ -216,12 +223,12 @@ class KvSender:
             geo = KvGeometry.from_dict(msg["geometry"])
             imms = ImmRange.from_json(msg["imms"])
             mine = self.pool.geometry
-            if geo.layers != mine.layers or geo.page_bytes != mine.page_bytes:
+            if (geo.layers, geo.page_bytes, geo.halves) != (mine.layers, mine.page_bytes, mine.halves):
                 raise KvError(  # noqa: TRY301 - answered to the peer below
-                    f"geometry {geo.layers} layers x {geo.page_bytes} B pages does not match the sender's "
-                    f"{mine.layers} x {mine.page_bytes} B"
+                    f"geometry {geo.layers} layers x {geo.page_bytes} B pages ({geo.halves} halves) does not "
+                    f"match the sender's {mine.layers} x {mine.page_bytes} B ({mine.halves} halves)"
                 )
-            whole = geo.nbytes if msg.get("descs") is None else 2 * geo.pages * geo.page_bytes
+            whole = geo.nbytes if msg.get("descs") is None else geo.layer_nbytes
             if not desc.writable or desc.length < whole or desc.address != address:
                 raise KvError(  # noqa: TRY301
                     "pool descriptor is not writable, smaller than its geometry, or not the receiver's"
@@ -256,8 +263,7 @@ class KvSender:
         if not all(isinstance(d, str) and len(d) <= 4096 for d in descs):
             raise KvError("a layer descriptor is a base64 string of at most 4096 characters")
         out = [MemoryRegionDescriptor.from_bytes(wire.unb64(d)) for d in descs]
-        layer_bytes = 2 * geo.pages * geo.page_bytes
-        if any(not d.writable or d.length < layer_bytes or d.address != address for d in out):
+        if any(not d.writable or d.length < geo.layer_nbytes or d.address != address for d in out):
             raise KvError("a layer descriptor is not writable, smaller than a layer, or not the receiver's")
         return out
 
@@ -398,6 +404,8 @@ class KvSender:
         if rec is None:
             fail(req.done, KvError(f"KV request {req.request_id}: its receiver left before the transfer"))
             return
+        if req.suffix_ok and 0 < len(want.pages) < len(req.src_pages):
+            req.src_pages = req.src_pages[len(req.src_pages) - len(want.pages):]
         if len(want.pages) != len(req.src_pages):
             err = KvError(
                 f"KV request {req.request_id}: receiver {rec.label} asked for {len(want.pages)} pages, "

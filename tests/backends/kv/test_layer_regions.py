@@ -86,3 +86,54 @@ def test_hello_with_too_few_layer_descriptors_is_refused(
         receiver.join(sender.address)
     sender.close()
     receiver.close()
+
+
+def test_a_receiver_holding_a_prefix_gets_the_last_pages_when_the_sender_allows_it(
+    engines: tuple[TransferEngine, TransferEngine],
+) -> None:
+    """vLLM's decode server may have the prompt's first blocks cached: it asks for the rest only."""
+    a, b = engines
+    src_bufs = [np.random.default_rng(i).integers(0, 255, LAYER_BYTES, dtype=np.uint8) for i in range(LAYERS)]
+    dst_bufs = [np.zeros(LAYER_BYTES, np.uint8) for _ in range(LAYERS)]
+    sender, receiver = KvSender(_pool(a, src_bufs, None)), KvReceiver(_pool(b, dst_bufs, None))
+    receiver.join(sender.address)
+    inc = receiver.request(sender.address, "tail", [6, 7])
+    sender.start("tail", [0, 1, 2, 3], suffix_ok=True).send_all().wait(10)
+    inc.wait(10)
+    for layer in range(LAYERS):
+        s, d = src_bufs[layer].reshape(2, PAGES, PAGE), dst_bufs[layer].reshape(2, PAGES, PAGE)
+        assert np.array_equal(d[:, [6, 7]], s[:, [2, 3]])
+    strict = receiver.request(sender.address, "strict", [6, 7])
+    with pytest.raises(KvError, match="asked for 2 pages, the sender has 4"):
+        sender.start("strict", [0, 1, 2, 3]).send_all().wait(10)
+    with pytest.raises(KvError):
+        strict.wait(10)
+    sender.close()
+    receiver.close()
+
+
+def test_pages_that_hold_k_and_v_together_move_whole(engines: tuple[TransferEngine, TransferEngine]) -> None:
+    """halves=1 (vLLM's CPU cache: a block holds its K and V): a page moves as one piece; a receiver
+    whose pages are split in halves is refused at join."""
+    a, b = engines
+    page = 2 * PAGE
+    rng = np.random.default_rng(9)
+    src_bufs = [rng.integers(0, 255, PAGES * page, dtype=np.uint8) for _ in range(LAYERS)]
+    dst_bufs = [np.zeros(PAGES * page, np.uint8) for _ in range(LAYERS)]
+    src = KvPool(a, layers=LAYERS, pages=PAGES, page_bytes=page, halves=1, layer_buffers=src_bufs)
+    dst = KvPool(b, layers=LAYERS, pages=PAGES, page_bytes=page, halves=1, layer_buffers=dst_bufs)
+    sender, receiver = KvSender(src), KvReceiver(dst)
+    receiver.join(sender.address)
+    inc = receiver.request(sender.address, "whole", [3, 4, 0])
+    sender.start("whole", [7, 1, 2]).send_all().wait(10)
+    inc.wait(10)
+    for layer in range(LAYERS):
+        s, d = src_bufs[layer].reshape(PAGES, page), dst_bufs[layer].reshape(PAGES, page)
+        assert np.array_equal(d[[3, 4, 0]], s[[7, 1, 2]])
+        assert not d[[1, 2, 5, 6, 7]].any()
+    receiver.close()
+    halves = KvReceiver(KvPool(b, layers=LAYERS, pages=PAGES, page_bytes=page))
+    with pytest.raises(KvError, match="2 halves"):
+        halves.join(sender.address)
+    halves.close()
+    sender.close()
