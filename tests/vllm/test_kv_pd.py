@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 ABORT_TIMEOUT_S = 6.0  # how long prefill keeps blocks nobody collects (short, for the test)
 NEW = 8
+BLOCK = 32  # tokens per KV block: prompts span several blocks, and the decode server caches full ones
 # prompts of different lengths (token ids of the tiny word tokenizer), across block boundaries
 PROMPTS = [
     [5 + (i * 7) % 500 for i in range(n)] for n in (3, 16, 17, 40, 63, 90)
@@ -48,7 +49,7 @@ def pd(server_fleet: ServerFleet) -> tuple[VllmServer, VllmServer]:
     servers = []
     for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
         port = free_port()
-        argv = [*VLLM_CMD, *cpu_server_args(server_fleet.model, port),
+        argv = [*VLLM_CMD, *cpu_server_args(server_fleet.model, port), "--block-size", str(BLOCK),
                 "--kv-transfer-config", kv_config(role)]
         servers.append(server_fleet._start(name, argv, port))
     for s in servers:
@@ -56,13 +57,25 @@ def pd(server_fleet: ServerFleet) -> tuple[VllmServer, VllmServer]:
     return servers[0], servers[1]
 
 
-def kv_usage(server: VllmServer) -> float:
-    """vLLM's own gauge of KV cache blocks in use (0..1)."""
+def metric(server: VllmServer, name: str, labels: str = "") -> float:
+    """One of vLLM's own Prometheus figures (the first series whose labels contain `labels`)."""
     with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as resp:
         text = resp.read().decode()
-    found = re.findall(r"^vllm:kv_cache_usage_perc\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
-    assert found, "no vllm:kv_cache_usage_perc in /metrics"
-    return float(found[0])
+    found = [float(v) for lab, v in re.findall(rf"^{re.escape(name)}\{{([^}}]*)\}} ([0-9.e+-]+)$", text, re.M)
+             if labels in lab]
+    assert found, f"no {name}{{{labels}}} in /metrics"
+    return found[0]
+
+
+def kv_usage(server: VllmServer) -> float:
+    """vLLM's gauge of KV cache blocks in use (0..1)."""
+    return metric(server, "vllm:kv_cache_usage_perc")
+
+
+def prompt_tokens(server: VllmServer, source: str) -> float:
+    """Prompt tokens by where their KV came from: external_kv_transfer (received), local_cache_hit,
+    local_compute."""
+    return metric(server, "vllm:prompt_tokens_by_source_total", f'source="{source}"')
 
 
 def wait_for(cond: Callable[[], bool], timeout_s: float) -> bool:
@@ -77,15 +90,24 @@ def wait_for(cond: Callable[[], bool], timeout_s: float) -> bool:
 def test_disaggregated_outputs_equal_one_servers(pd: tuple[VllmServer, VllmServer]) -> None:
     p, d = pd
     reference = [tokens(completion(p.url, prompt, NEW)) for prompt in PROMPTS]
+    sources = ("external_kv_transfer", "local_cache_hit", "local_compute")
+    before = {s: prompt_tokens(d, s) for s in sources}
     for prompt, want in zip(PROMPTS, reference, strict=True):
         assert disaggregated(p.url, d.url, prompt, NEW) == want, f"prompt of {len(prompt)} tokens"
-    # concurrent requests (the decode server's prefix cache now holds some of these prompts' blocks:
-    # it asks the prefill server only for the rest)
+    moved = {s: prompt_tokens(d, s) - before[s] for s in sources}
+    # the prompts share a prefix: the decode server had the full blocks of the shorter ones cached and
+    # asked the prefill server only for the rest; no prompt token was computed on the decode server
+    assert moved["local_cache_hit"] > 0, moved
+    assert moved["external_kv_transfer"] + moved["local_cache_hit"] == sum(map(len, PROMPTS)), moved
+    assert moved["local_compute"] == 0, moved
+    # the same prompts again, concurrently
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         got = list(pool.map(lambda prompt: disaggregated(p.url, d.url, prompt, NEW), PROMPTS))
     assert got == reference
     assert "rfork KV connector: prefill (sender)" in p.log()
     assert "rfork KV connector: decode (receiver)" in d.log()
+    assert "KV not received" not in d.log()
+    assert "not delivered" not in p.log()
     assert wait_for(lambda: kv_usage(p) == 0.0, 30), "prefill kept blocks after every transfer"
 
 

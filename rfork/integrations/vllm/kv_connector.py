@@ -205,7 +205,7 @@ class RforkKvConnector(KVConnectorBase_V1):
         first = metadata.get(0)
         if isinstance(first, RforkKvHandshake):
             self._address = first.address
-            log.info("rfork KV: prefill worker engine %s", first.address.hex()[:16])
+            log.info("rfork KV: worker engine %s", first.address[-8:].hex())
 
     # ---------------- worker side ----------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -158,7 +158,7 @@ class KvWorker:
         log.info(
             "rfork KV connector: %s on %s, %d layers x %d blocks x %d B, engine %s",
             "prefill (sender)" if producer else "decode (receiver)", provider, len(buffers),
-            layout.blocks, layout.block_bytes, self.engine.address.hex()[:16],
+            layout.blocks, layout.block_bytes, self.engine.address[-8:].hex(),
         )
 
     @property
