@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -139,6 +140,22 @@ def test_a_prefill_server_that_is_gone_means_recompute_on_the_decode_server(
     params = RemotePrefill(dead, "never-prefilled", tuple(range(1, 9)), block_size).to_params()
     assert tokens(completion(d.url, prompt, NEW, params)) == want
     assert "vLLM's failure policy applies" in d.log()
+
+
+def test_a_decode_request_aborted_while_its_kv_is_awaited_frees_its_blocks(
+    pd: tuple[VllmServer, VllmServer],
+) -> None:
+    """The client gives up while the decode server waits for KV that will never come (the prefill
+    server holds no such request): vLLM aborts the request, the worker cancels the fetch (the prefill
+    server drops the want), and the blocks are freed once the transfer's quarantine passed."""
+    p, d = pd
+    prompt = PROMPTS[4]
+    params = dict(prefill(p.url, prompt), remote_request_id="nobody-prefilled-this")
+    with pytest.raises((TimeoutError, urllib.error.URLError)):
+        completion(d.url, prompt, NEW, params, timeout_s=3)
+    assert wait_for(lambda: "vLLM aborted the request" in d.log(), 30), "the fetch was not cancelled"
+    assert wait_for(lambda: kv_usage(d) == 0.0, 60), "the aborted request's blocks leaked"
+    assert disaggregated(p.url, d.url, prompt, NEW) == tokens(completion(p.url, prompt, NEW))
 
 
 def test_settings_the_connector_refuses_are_named() -> None:

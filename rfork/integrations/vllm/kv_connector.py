@@ -127,6 +127,7 @@ class RforkKvConnector(KVConnectorBase_V1):
         self._to_send: dict[str, list[int]] = {}
         self._to_recv: dict[str, tuple[list[int], RemotePrefill]] = {}
         self._offered: set[str] = set()  # prefill: requests whose blocks wait for their decode server
+        self._fetching: set[str] = set()  # decode: requests whose KV the worker is fetching
 
     # ---------------- scheduler side ----------------
     def get_num_new_matched_tokens(
@@ -162,6 +163,7 @@ class RforkKvConnector(KVConnectorBase_V1):
             remote = RemotePrefill(b"", request.request_id, (), self.block_size)
         local = list(blocks.get_unhashed_block_ids())
         self._to_recv[request.request_id] = (local, remote)
+        self._fetching.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = RforkKvMetadata(self._to_send, self._to_recv)
@@ -193,12 +195,14 @@ class RforkKvConnector(KVConnectorBase_V1):
         return True, remote.to_params()
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Prefill: offers the worker finished (delivered, failed or expired) no longer keep vLLM busy."""
+        """Transfers the worker finished (delivered, failed or expired) no longer keep vLLM busy."""
         self._offered.difference_update(connector_output.finished_sending or ())
+        self._fetching.difference_update(connector_output.finished_recving or ())
 
     def has_pending_push_work(self) -> bool:
-        """Keep vLLM's engine loop stepping while offers wait (an idle engine would never free them)."""
-        return bool(self._offered)
+        """Keep vLLM's engine loop stepping while transfers are open: an idle engine would never ask
+        the worker again, so neither an offer's blocks nor an aborted fetch's would be freed."""
+        return bool(self._offered or self._fetching)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         """The workers' handshake metadata (rank 0's engine address: TP is 1)."""
@@ -246,6 +250,7 @@ class RforkKvConnector(KVConnectorBase_V1):
             return None, None
         if worker.producer:
             return worker.finished_sending() or None, None
+        worker.cancel(finished_req_ids)  # finished while still fetching: aborted
         return None, worker.finished_receiving() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

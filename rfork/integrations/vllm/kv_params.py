@@ -46,12 +46,15 @@ class RemotePrefill:
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> RemotePrefill:
         """Checked inverse of to_params; KvParamsError naming the bad field."""
-        try:
-            address = base64.b64decode(str(params["rfork_address"]).encode(), validate=True)
-        except KeyError as exc:
+        if "rfork_address" not in params:
             raise KvParamsError(
                 "kv_transfer_params has no rfork_address: it did not come from an rfork prefill server"
-            ) from exc
+            )
+        encoded = params["rfork_address"]
+        if not isinstance(encoded, str) or len(encoded) > 2 * MAX_ADDRESS:
+            raise KvParamsError("kv_transfer_params.rfork_address must be a base64 string")
+        try:
+            address = base64.b64decode(encoded.encode(), validate=True)
         except (binascii.Error, ValueError) as exc:
             raise KvParamsError(f"kv_transfer_params.rfork_address is not base64 ({exc})") from exc
         if not 0 < len(address) <= MAX_ADDRESS:

@@ -104,6 +104,8 @@ def _init_amx_before_threads() -> None:
 class _Receiving:
     local_blocks: list[int]
     started: Future[IncomingRequest]
+    failed_at: float | None = None  # when a request whose want went out failed
+    error: BaseException | None = None
 
 
 class KvWorker:
@@ -231,25 +233,51 @@ class KvWorker:
         # the prefill server may hold more blocks (a prefix this server had cached): take the last ones
         return self._receiver.request(remote.address, remote.request_id, local)
 
+    def cancel(self, request_ids: set[str]) -> None:
+        """vLLM finished (aborted) these requests: stop fetching their KV (the sender is told)."""
+        for rid in request_ids & self._receiving.keys():
+            started = self._receiving[rid].started
+            if started.done() and started.exception() is None:
+                started.result().cancel("vLLM aborted the request")
+
     def finished_receiving(self) -> set[str]:
-        """Requests whose KV landed, or failed (then their blocks are in take_failed_blocks())."""
+        """Requests whose KV landed, or failed (then their blocks are in take_failed_blocks()).
+
+        A request that failed after its want went out is held for the receiver's quarantine_s first:
+        writes its sender already posted may still land, and vLLM reuses the blocks once told.
+        """
         done: set[str] = set()
+        now = time.monotonic()
         for rid, r in list(self._receiving.items()):
             if not r.started.done():
                 continue
-            err = r.started.exception()
-            if err is None:
-                inc = r.started.result()
-                if not inc.poll():
-                    continue
-                err = inc.done.exception()
+            if r.failed_at is None:
+                err = r.started.exception()
+                if err is None:
+                    inc = r.started.result()
+                    if not inc.poll():
+                        continue
+                    err = inc.done.exception()
+                    if err is not None:  # its sender may still be writing: rest the blocks first
+                        r.failed_at, r.error = now, err
+                        log.warning("rfork KV: request %s: KV not received (%s); vLLM's failure policy "
+                                    "applies after %gs", rid, err, self._quarantine_s)
+                        continue
+                r.error = err
+            elif now < r.failed_at + self._quarantine_s:
+                continue
             del self._receiving[rid]
             done.add(rid)
-            if err is not None:
-                log.warning("rfork KV: request %s: KV not received (%s); vLLM's failure policy applies",
-                            rid, err)
+            if r.error is not None:
+                if r.failed_at is None:
+                    log.warning("rfork KV: request %s: KV not received (%s); vLLM's failure policy applies",
+                                rid, r.error)
                 self._failed_blocks.update(r.local_blocks)
         return done
+
+    @property
+    def _quarantine_s(self) -> float:
+        return self._receiver.quarantine_s if self._receiver is not None else 0.0
 
     def take_failed_blocks(self) -> set[int]:
         """Blocks of failed receives since the last call (vLLM recomputes or fails their requests)."""
