@@ -33,9 +33,11 @@ def test_any_bad_field_is_refused_by_name(field: str, value: Any) -> None:
     try:
         got = RemotePrefill.from_params(params)
     except KvParamsError as exc:
-        assert field in str(exc)
+        message = str(exc)
     else:  # the value happened to be valid: it is what was parsed
         assert got.to_params()[field] == value
+        return
+    assert field in message
 
 
 @pytest.mark.parametrize(("field", "value", "needle"), [
