@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from backends import TransferEngine
@@ -104,6 +104,7 @@ def _init_amx_before_threads() -> None:
 class _Receiving:
     local_blocks: list[int]
     started: Future[IncomingRequest]
+    since: float = field(default_factory=time.monotonic)
     failed_at: float | None = None  # when a request whose want went out failed
     error: BaseException | None = None
 
@@ -268,11 +269,16 @@ class KvWorker:
                 continue
             del self._receiving[rid]
             done.add(rid)
-            if r.error is not None:
-                if r.failed_at is None:
-                    log.warning("rfork KV: request %s: KV not received (%s); vLLM's failure policy applies",
-                                rid, r.error)
-                self._failed_blocks.update(r.local_blocks)
+            if r.error is None:
+                layout = self.layout
+                nbytes = len(r.local_blocks) * layout.block_bytes * layout.halves * len(layout.layer_names)
+                log.info("rfork KV: request %s: %d blocks, %d B received in %.2f ms",
+                         rid, len(r.local_blocks), nbytes, (now - r.since) * 1e3)
+                continue
+            if r.failed_at is None:
+                log.warning("rfork KV: request %s: KV not received (%s); vLLM's failure policy applies",
+                            rid, r.error)
+            self._failed_blocks.update(r.local_blocks)
         return done
 
     @property
