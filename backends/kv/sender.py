@@ -15,6 +15,7 @@ import functools
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -77,6 +78,7 @@ class _Partial:
 
 
 MAX_RID = 256  # characters of a request id
+ENDED_KEPT = 4096  # ids of requests that ended unsent, remembered to refuse late wants at once
 
 
 class OutgoingRequest:
@@ -153,6 +155,8 @@ class KvSender:
         self._wants: dict[str, _Want] = {}
         self._parts: dict[tuple[bytes, str], _Partial] = {}
         self._outgoing: dict[str, OutgoingRequest] = {}
+        # ids of requests that ended unsent (aborted, failed), so a late want is refused at once
+        self._ended: OrderedDict[str, str] = OrderedDict()
         self.channel = self.engine.channel(wire.CHANNEL, key=channel_key)
         self.channel.on_message(self._on_message)
 
@@ -337,6 +341,11 @@ class KvSender:
         pages = wire.unruns(page_runs)  # checked: at most geo.pages of them
         want = _Want(address, slot, pages)
         with self._lock:
+            ended = self._ended.pop(rid, None)
+        if ended is not None:
+            self._reply(address, wire.FAILED, rid=rid, reason=ended)
+            return
+        with self._lock:
             req = self._outgoing.get(rid)
             duplicate = rid in self._wants or (req is not None and req._want is not None)
             if req is None and not duplicate and rec.held < rec.slots:
@@ -472,6 +481,10 @@ class KvSender:
     def _forget(self, request_id: str) -> None:
         with self._lock:
             req = self._outgoing.pop(request_id, None)
+            if req is not None and req._want is None and req.done.exception() is not None:
+                self._ended[request_id] = str(req.done.exception())
+                while len(self._ended) > ENDED_KEPT:
+                    self._ended.popitem(last=False)
             if req is not None and req._want is not None:
                 rec = self._receivers.get(req._want.receiver)
                 if rec is not None:

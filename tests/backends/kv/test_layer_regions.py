@@ -137,3 +137,23 @@ def test_pages_that_hold_k_and_v_together_move_whole(engines: tuple[TransferEngi
         halves.join(sender.address)
     halves.close()
     sender.close()
+
+
+def test_a_want_for_a_request_the_sender_gave_up_on_is_refused_at_once(
+    engines: tuple[TransferEngine, TransferEngine],
+) -> None:
+    """A decode server that asks after the prefill server stopped waiting (abort) learns it at once,
+    instead of after want_ttl_s."""
+    a, b = engines
+    sender = KvSender(KvPool(a, layers=LAYERS, pages=PAGES, page_bytes=PAGE), want_ttl_s=300)
+    receiver = KvReceiver(KvPool(b, layers=LAYERS, pages=PAGES, page_bytes=PAGE))
+    receiver.join(sender.address)
+    out = sender.start("late", [1, 2])
+    out.abort("nobody collected it")
+    with pytest.raises(KvError, match="nobody collected it"):
+        out.wait(1)
+    inc = receiver.request(sender.address, "late", [3, 4])
+    with pytest.raises(KvError, match="sender refused: .*nobody collected it"):
+        inc.wait(5)
+    sender.close()
+    receiver.close()
