@@ -48,6 +48,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def _model(workdir: Path) -> Path:
     """A synthetic Llama big enough that KV moves megabytes: 8 layers, 8 KV heads x 64 dims, bf16."""
+    # imported here: `rfork bench --help` imports every benchmark (start-up time)
     from rfork.weights.synthetic import LlamaConfig
     from tests.sglang.tiny_model import write_tiny_llama  # a checkout tool: the test model writer
 
@@ -91,6 +92,7 @@ def _percentile(xs: list[float], q: float) -> float:
 
 
 def _drive(args: argparse.Namespace, prompts: list[list[int]], urls: tuple[str, ...]) -> dict[str, Any]:
+    # imported here: `rfork bench --help` imports every benchmark (start-up time)
     from tests.vllm.pd import prefill
 
     def one(prompt: list[int]) -> float:
@@ -132,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
     """Start each mode's servers, drive the prompts through them, print one row per mode."""
     import os
 
+    # imported here: `rfork bench --help` imports every benchmark (start-up time)
     from tests.integrations.servers import free_port
     from tests.vllm.servers import VLLM_CMD, VllmServer, cpu_env, cpu_server_args
 
