@@ -53,6 +53,7 @@ class IncomingRequest:
         self._sender = sender
         self.done: Future[None] = Future()
         self.done.set_running_or_notify_cancel()
+        self.landed_at: float | None = None  # time.monotonic() when the last immediate was counted
         self._lock = threading.Lock()
         channel, layers = receiver.channel, receiver.pool.geometry.layers
         self._layers = [channel.expect(wire.imm_index(slot, layer, layers)) for layer in range(layers)]
@@ -86,6 +87,7 @@ class IncomingRequest:
             self._outstanding -= 1
             last = self._outstanding == 0
         if last:
+            self.landed_at = time.monotonic()
             settle(self.done, fut, f"KV request {self.request_id}")
         elif fut is self._complete:
             log.debug(

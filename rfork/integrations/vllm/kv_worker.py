@@ -258,6 +258,7 @@ class KvWorker:
                     inc = r.started.result()
                     if not inc.poll():
                         continue
+                    landed = inc.landed_at or now
                     err = inc.done.exception()
                     if err is not None:  # its sender may still be writing: rest the blocks first
                         r.failed_at, r.error = now, err
@@ -272,8 +273,8 @@ class KvWorker:
             if r.error is None:
                 layout = self.layout
                 nbytes = len(r.local_blocks) * layout.block_bytes * layout.halves * len(layout.layer_names)
-                log.info("rfork KV: request %s: %d blocks, %d B received in %.2f ms",
-                         rid, len(r.local_blocks), nbytes, (now - r.since) * 1e3)
+                log.info("rfork KV: request %s: %d blocks, %d B received in %.2f ms (seen after %.2f ms)",
+                         rid, len(r.local_blocks), nbytes, (landed - r.since) * 1e3, (now - r.since) * 1e3)
                 continue
             if r.failed_at is None:
                 log.warning("rfork KV: request %s: KV not received (%s); vLLM's failure policy applies",
