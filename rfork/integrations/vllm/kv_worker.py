@@ -153,6 +153,7 @@ class KvWorker:
                 channel_key=channel_key,
             )
         self._sending: dict[str, tuple[OutgoingRequest, float]] = {}
+        self._unsent: set[str] = set()  # offers that could not start
         self._receiving: dict[str, _Receiving] = {}
         self._failed_blocks: set[int] = set()
         self._joined: dict[bytes, Future[None]] = {}
@@ -177,13 +178,14 @@ class KvWorker:
             out = self._sender.start(request_id, block_ids, suffix_ok=True)
         except (KvError, TransferError) as exc:
             log.warning("rfork KV: cannot offer request %s: %s", request_id, exc)
+            self._unsent.add(request_id)  # vLLM still waits to hear it finished: its blocks go back
             return
         out.send_all()
         self._sending[request_id] = (out, time.monotonic() + self.abort_timeout_s)
 
     def finished_sending(self) -> set[str]:
         """Requests whose blocks vLLM may free now: delivered, failed, or never collected in time."""
-        done: set[str] = set()
+        done, self._unsent = self._unsent, set()
         now = time.monotonic()
         for rid, (out, deadline) in list(self._sending.items()):
             if not out.done.done() and now >= deadline:
@@ -217,7 +219,7 @@ class KvWorker:
         assert self._receiver is not None
         with self._join_lock:
             joined = self._joined.get(remote.address)
-            if joined is None or (joined.done() and joined.exception() is not None):
+            if joined is None:
                 joined = self._joined[remote.address] = Future()
                 first = True
             else:
@@ -228,6 +230,9 @@ class KvWorker:
                 joined.set_result(None)
             except BaseException as exc:
                 joined.set_exception(exc)
+                with self._join_lock:  # the next request to it tries again; failed joins are not kept
+                    if self._joined.get(remote.address) is joined:
+                        del self._joined[remote.address]
                 raise
         else:
             joined.result(self._receiver.timeout_s)
