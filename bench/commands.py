@@ -9,7 +9,21 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from bench import api_ready, cold_start, demo, digest, gpu, kv, moe, nccl, planner, rl, scale_out, transport
+from bench import (
+    api_ready,
+    cold_start,
+    demo,
+    digest,
+    gpu,
+    kv,
+    moe,
+    nccl,
+    pd,
+    planner,
+    rl,
+    scale_out,
+    transport,
+)
 from bench.fleet import command as fleet
 from bench.simulate import scale_out as simulate_scale_out
 
@@ -23,6 +37,7 @@ COMMANDS: tuple[tuple[tuple[str, ...], ModuleType], ...] = (
     (("bench", "rl"), rl),
     (("bench", "moe"), moe),
     (("bench", "kv"), kv),
+    (("bench", "pd"), pd),
     (("bench", "nccl"), nccl),
     (("bench", "scale-out"), scale_out),
     (("bench", "digest"), digest),

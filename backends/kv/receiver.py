@@ -53,6 +53,7 @@ class IncomingRequest:
         self._sender = sender
         self.done: Future[None] = Future()
         self.done.set_running_or_notify_cancel()
+        self.landed_at: float | None = None  # time.monotonic() when the last immediate was counted
         self._lock = threading.Lock()
         channel, layers = receiver.channel, receiver.pool.geometry.layers
         self._layers = [channel.expect(wire.imm_index(slot, layer, layers)) for layer in range(layers)]
@@ -86,6 +87,7 @@ class IncomingRequest:
             self._outstanding -= 1
             last = self._outstanding == 0
         if last:
+            self.landed_at = time.monotonic()
             settle(self.done, fut, f"KV request {self.request_id}")
         elif fut is self._complete:
             log.debug(
@@ -132,6 +134,12 @@ class IncomingRequest:
                     f"KV request {self.request_id}: layer {layer} did not arrive from sender "
                     f"{_label(self._sender)} within {timeout:g}s"
                 )
+
+    def poll(self) -> bool:
+        """True once the request settled (landed or failed); fails it first if its request_timeout_s
+        passed, so an engine that only polls (never waits) still sees a silent sender's requests end."""
+        self._expire_if_due()
+        return self.done.done()
 
     def cancel(self, reason: str = "cancelled") -> None:
         """Give up on this request: its waiters fail, its sender is told to stop writing it."""
@@ -222,6 +230,7 @@ class KvReceiver:
                 geometry=self.pool.geometry.to_dict(),
                 name=self.name,
                 imms=self.channel.imms.to_json(),
+                **self._layer_descs(),
             ).result(timeout)
             fut.result(max(0.0, deadline - time.monotonic()))
         except TimeoutError as exc:
@@ -231,6 +240,12 @@ class KvReceiver:
             raise TransferTimeout(
                 f"KV join: sender {_label(sender)} did not answer within {timeout:g}s"
             ) from exc
+
+    def _layer_descs(self) -> dict[str, list[str]]:
+        """hello's `descs` field: one descriptor per layer, for a pool with a region per layer."""
+        if not self.pool.per_layer:
+            return {}
+        return {"descs": [wire.b64(d.to_bytes()) for d in self.pool.descriptors()]}
 
     def leave(self, sender: bytes) -> None:
         """Tell a sender this receiver is gone; its requests there fail on the sender side."""

@@ -15,6 +15,7 @@ import functools
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ class _Receiver:
     geometry: KvGeometry
     imms: ImmRange
     label: str
+    layer_descs: list[MemoryRegionDescriptor] | None = None  # a pool with one region per layer
     requests: set[str] = field(default_factory=set)
     held: int = 0  # partial page lists and unpaired wants this receiver has here (capped at slots)
 
@@ -48,6 +50,12 @@ class _Receiver:
     def imm(self, slot: int, layer: int) -> int:
         """The immediate announcing `layer` of the request in `slot` (layer == layers: complete)."""
         return self.imms.value(wire.imm_index(slot, layer, self.geometry.layers))
+
+    def layer_target(self, layer: int) -> tuple[MemoryRegionDescriptor, int]:
+        """(descriptor, byte offset of the layer's first page in it) to write `layer` into."""
+        if self.layer_descs is not None:
+            return self.layer_descs[layer], 0
+        return self.desc, self.geometry.offset(layer, 0, 0)
 
 
 @dataclass
@@ -70,6 +78,7 @@ class _Partial:
 
 
 MAX_RID = 256  # characters of a request id
+ENDED_KEPT = 4096  # ids of requests that ended unsent, remembered to refuse late wants at once
 
 
 class OutgoingRequest:
@@ -79,10 +88,13 @@ class OutgoingRequest:
     an error naming the request and the receiver.
     """
 
-    def __init__(self, sender: KvSender, request_id: str, src_pages: list[int]) -> None:
+    def __init__(
+        self, sender: KvSender, request_id: str, src_pages: list[int], *, suffix_ok: bool = False
+    ) -> None:
         self.sender = sender
         self.request_id = request_id
         self.src_pages = src_pages
+        self.suffix_ok = suffix_ok
         self.done: Future[None] = Future()
         self.done.set_running_or_notify_cancel()
         self._ready: set[int] = set()
@@ -102,6 +114,15 @@ class OutgoingRequest:
         for layer in range(self.sender.pool.geometry.layers):
             self.sender._layer_ready(self, layer)
         return self
+
+    def abort(self, reason: str) -> None:
+        """Give up on this request (e.g. its decode side never asked): `done` fails with reason, and a
+        receiver that already asked is told, so neither side holds the request's pages for it."""
+        err = KvError(f"KV request {self.request_id}: {reason}")
+        want = self._want
+        fail(self.done, err)
+        if want is not None:
+            self.sender._reply(want.receiver, wire.FAILED, rid=self.request_id, reason=str(err))
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until delivered; raises the request's error, or TransferTimeout.
@@ -134,6 +155,8 @@ class KvSender:
         self._wants: dict[str, _Want] = {}
         self._parts: dict[tuple[bytes, str], _Partial] = {}
         self._outgoing: dict[str, OutgoingRequest] = {}
+        # ids of requests that ended unsent (aborted, failed), so a late want is refused at once
+        self._ended: OrderedDict[str, str] = OrderedDict()
         self.channel = self.engine.channel(wire.CHANNEL, key=channel_key)
         self.channel.on_message(self._on_message)
 
@@ -147,10 +170,14 @@ class KvSender:
         with self._lock:
             return [r.label for r in self._receivers.values()]
 
-    def start(self, request_id: str, src_pages: Sequence[int]) -> OutgoingRequest:
-        """Begin a request whose K/V lives in src_pages of every layer; then send_layer/send_all."""
+    def start(self, request_id: str, src_pages: Sequence[int], *, suffix_ok: bool = False) -> OutgoingRequest:
+        """Begin a request whose K/V lives in src_pages of every layer; then send_layer/send_all.
+
+        suffix_ok: a receiver may ask for fewer pages (it already holds the prompt's first pages, e.g.
+        from its prefix cache): it gets the last ones. Otherwise the counts must be equal.
+        """
         pages = self.pool.geometry.check_pages(src_pages, f"KV request {request_id}")
-        req = OutgoingRequest(self, request_id, pages)
+        req = OutgoingRequest(self, request_id, pages, suffix_ok=suffix_ok)
         with self._lock:
             if request_id in self._outgoing:
                 raise KvError(f"KV request {request_id} is already being sent")
@@ -200,17 +227,19 @@ class KvSender:
             geo = KvGeometry.from_dict(msg["geometry"])
             imms = ImmRange.from_json(msg["imms"])
             mine = self.pool.geometry
-            if geo.layers != mine.layers or geo.page_bytes != mine.page_bytes:
+            if (geo.layers, geo.page_bytes, geo.halves) != (mine.layers, mine.page_bytes, mine.halves):
                 raise KvError(  # noqa: TRY301 - answered to the peer below
-                    f"geometry {geo.layers} layers x {geo.page_bytes} B pages does not match the sender's "
-                    f"{mine.layers} x {mine.page_bytes} B"
+                    f"geometry {geo.layers} layers x {geo.page_bytes} B pages ({geo.halves} halves) does not "
+                    f"match the sender's {mine.layers} x {mine.page_bytes} B ({mine.halves} halves)"
                 )
-            if not desc.writable or desc.length < geo.nbytes or desc.address != address:
+            whole = geo.nbytes if msg.get("descs") is None else geo.layer_nbytes
+            if not desc.writable or desc.length < whole or desc.address != address:
                 raise KvError(  # noqa: TRY301
                     "pool descriptor is not writable, smaller than its geometry, or not the receiver's"
                 )
             if imms.count < geo.layers + 1:
                 raise KvError(f"immediate range of {imms.count} values holds no request slot")  # noqa: TRY301
+            layer_descs = self._layer_descs(address, geo, msg.get("descs"))
         except (KvError, ValueError, KeyError, TypeError, TransferError) as exc:
             log.warning("KV sender: rejected a receiver: %s", exc)
             self._reply(address, wire.REJECT, reason=str(exc))
@@ -218,12 +247,29 @@ class KvSender:
         label = str(msg.get("name") or desc.address[-8:].hex())
         with self._lock:
             old = self._receivers.get(address)
-            rec = _Receiver(address, desc, geo, imms, label)
+            rec = _Receiver(address, desc, geo, imms, label, layer_descs)
             if old is not None:
                 rec.requests, rec.held = old.requests, old.held
             self._receivers[address] = rec
         log.info("KV sender: receiver %s joined (%d pages of %d B)", label, geo.pages, geo.page_bytes)
         self._reply(address, wire.WELCOME, layers=self.pool.geometry.layers)
+
+    @staticmethod
+    def _layer_descs(
+        address: bytes, geo: KvGeometry, descs: object
+    ) -> list[MemoryRegionDescriptor] | None:
+        """hello's optional per-layer descriptors, checked: one per layer, each writable, large
+        enough for a layer and owned by the receiver that sent the hello."""
+        if descs is None:
+            return None
+        if not isinstance(descs, list) or len(descs) != geo.layers:
+            raise KvError(f"descs must list one descriptor per layer ({geo.layers})")
+        if not all(isinstance(d, str) and len(d) <= 4096 for d in descs):
+            raise KvError("a layer descriptor is a base64 string of at most 4096 characters")
+        out = [MemoryRegionDescriptor.from_bytes(wire.unb64(d)) for d in descs]
+        if any(not d.writable or d.length < geo.layer_nbytes or d.address != address for d in out):
+            raise KvError("a layer descriptor is not writable, smaller than a layer, or not the receiver's")
+        return out
 
     def _bye(self, address: bytes) -> None:
         with self._lock:
@@ -295,6 +341,11 @@ class KvSender:
         pages = wire.unruns(page_runs)  # checked: at most geo.pages of them
         want = _Want(address, slot, pages)
         with self._lock:
+            ended = self._ended.pop(rid, None)
+        if ended is not None:
+            self._reply(address, wire.FAILED, rid=rid, reason=ended)
+            return
+        with self._lock:
             req = self._outgoing.get(rid)
             duplicate = rid in self._wants or (req is not None and req._want is not None)
             if req is None and not duplicate and rec.held < rec.slots:
@@ -362,6 +413,8 @@ class KvSender:
         if rec is None:
             fail(req.done, KvError(f"KV request {req.request_id}: its receiver left before the transfer"))
             return
+        if req.suffix_ok and 0 < len(want.pages) < len(req.src_pages):
+            req.src_pages = req.src_pages[len(req.src_pages) - len(want.pages):]
         if len(want.pages) != len(req.src_pages):
             err = KvError(
                 f"KV request {req.request_id}: receiver {rec.label} asked for {len(want.pages)} pages, "
@@ -392,10 +445,15 @@ class KvSender:
             return
         geo = self.pool.geometry
         for layer in todo:
-            spans = layer_spans(geo, req.src_pages, rec.geometry, want.pages, layer)
+            region, src_base = self.pool.layer_region(layer)
+            desc, dst_base = rec.layer_target(layer)
+            spans = layer_spans(
+                geo, req.src_pages, rec.geometry, want.pages, layer,
+                src_layer_base=src_base, dst_layer_base=dst_base,
+            )
             try:
                 imm = rec.imm(want.slot, layer)
-                fut = self.engine.write_spans(self.pool.region, spans, rec.desc, imm=imm)
+                fut = self.engine.write_spans(region, spans, desc, imm=imm)
             except TransferError as exc:
                 fail(req.done, KvError(f"KV request {req.request_id} layer {layer} to {rec.label}: {exc}"))
                 return
@@ -423,6 +481,10 @@ class KvSender:
     def _forget(self, request_id: str) -> None:
         with self._lock:
             req = self._outgoing.pop(request_id, None)
+            if req is not None and req._want is None and req.done.exception() is not None:
+                self._ended[request_id] = str(req.done.exception())
+                while len(self._ended) > ENDED_KEPT:
+                    self._ended.popitem(last=False)
             if req is not None and req._want is not None:
                 rec = self._receivers.get(req._want.receiver)
                 if rec is not None:

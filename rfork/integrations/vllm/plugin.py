@@ -25,8 +25,22 @@ def register() -> None:
 
     if model_loader._LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not RforkModelLoader:
         model_loader.register_model_loader(LOAD_FORMAT)(RforkModelLoader)
+    register_kv_connector()
     drain.arm_drain_in_main_process()
     show_rfork_logs()
+
+
+KV_CONNECTOR = "RforkKvConnector"
+
+
+def register_kv_connector() -> None:
+    """Make `"kv_connector": "RforkKvConnector"` resolve without kv_connector_module_path (lazily: the
+    connector module loads only when a server uses it)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if KV_CONNECTOR not in KVConnectorFactory._registry:
+        module = "rfork.integrations.vllm.kv_connector"
+        KVConnectorFactory.register_connector(KV_CONNECTOR, module, KV_CONNECTOR)
 
 
 def show_rfork_logs() -> None:
