@@ -110,8 +110,9 @@ class RawStatement:
         return int(self.cursor(conn, params).rowcount)
 
 
-def _serves(*, excluding: bool, sqlite: bool) -> list[Any]:
-    """Conditions of a seed that may serve (b_key, b_rank): READY, fresh, unquarantined, not re-verifying.
+def _serves(*, excluding: bool, sqlite: bool, accused: bool = False) -> list[Any]:
+    """Conditions of a seed that may serve (b_key, b_rank): READY, fresh, unquarantined, not re-verifying,
+    not accused (`accused`: only accused ones, for a probation pull; see planner.service.reports).
 
     On SQLite `status = 'READY'` is wrapped in likely(): without statistics SQLite walked
     ix_instances_status_updated (every READY instance of every identity: 10,000 rows per assignment at
@@ -126,6 +127,7 @@ def _serves(*, excluding: bool, sqlite: bool) -> list[Any]:
         or_(Instance.quarantined_until.is_(None), Instance.quarantined_until <= bindparam("b_now")),
         Instance.reverify_since.is_(None),
         Instance.integrity_failed.is_(False),
+        Instance.accused_since.is_not(None) if accused else Instance.accused_since.is_(None),
     ]
     if excluding:
         conds.append(Instance.id.not_in(bindparam("b_excluded", expanding=True)))
@@ -148,7 +150,7 @@ def _live_per_seed() -> Any:
     )
 
 
-def _candidates(*, excluding: bool, tiered: bool, sqlite: bool) -> Any:
+def _candidates(*, excluding: bool, tiered: bool, sqlite: bool, accused: bool = False) -> Any:
     """The seeds of (b_key, b_rank) whose manifest matches the identity's anchor, free ones first,
     with their live leases (`active`); at most b_limit rows.
 
@@ -200,7 +202,7 @@ def _candidates(*, excluding: bool, tiered: bool, sqlite: bool) -> Any:
             ),
         )
         .outerjoin(live, live.c.instance_id == Instance.id)
-        .where(*_serves(excluding=excluding, sqlite=sqlite))
+        .where(*_serves(excluding=excluding, sqlite=sqlite, accused=accused))
         .order_by(*order, Instance.id)
         .limit(bindparam("b_limit"))
     )
@@ -252,6 +254,7 @@ class HotStatements:
     candidates_excluding: RawStatement
     ranked: RawStatement
     ranked_excluding: RawStatement
+    accused: RawStatement
     lock_chosen: RawStatement
     in_rack: RawStatement
     live_leases: RawStatement
@@ -278,6 +281,8 @@ class HotStatements:
         live_lease = select(
             Lease.instance_id,
             Lease.holder,
+            Lease.requester_id,
+            Lease.created_at,
             Lease.outcome,
             Lease.ended_at,
             Lease.expires_at,
@@ -288,6 +293,8 @@ class HotStatements:
             candidates_excluding=raw(_candidates(excluding=True, tiered=False, sqlite=not lock)),
             ranked=raw(_candidates(excluding=False, tiered=True, sqlite=not lock)),
             ranked_excluding=raw(_candidates(excluding=True, tiered=True, sqlite=not lock)),
+            # accused seeds of (b_key, b_rank) that re-hashed clean: candidates for a probation pull
+            accused=raw(_candidates(excluding=True, tiered=False, sqlite=not lock, accused=True)),
             # the seeds of (b_key, b_rank) in the requester's rack (b_req_rack), free ones first: rack_hold
             in_rack=raw(
                 _candidates(excluding=True, tiered=False, sqlite=not lock).where(

@@ -62,6 +62,14 @@ def metrics(request: Request, planner: Planner = Depends(get_planner)) -> Respon
     counts = planner.status_counts()
     for status in ("INITIALIZING", "LOADING", "READY", "DRAINING", "STALE"):
         m.instances.labels(status=status).set(counts.get(status, 0))
-    m.live_leases.set(planner.live_leases(time.time()))
+    now = time.time()
+    m.live_leases.set(planner.live_leases(now))
+    for cause, n in planner.out_of_service(now).items():
+        m.quarantined.labels(cause=cause).set(n)
+    flagged = planner.flagged_reporters()
+    m.flagged_reporters.set(len(flagged))
+    m.reporter_disproved.clear()
+    for reporter, n in flagged.items():
+        m.reporter_disproved.labels(reporter=reporter).set(n)
     body, content_type = m.exposition()
     return Response(body, media_type=content_type)

@@ -24,13 +24,14 @@ from planner.service.compile_caches import CompileCacheOps
 from planner.service.instances import InstanceOps
 from planner.service.manifests import ManifestOps
 from planner.service.observe import ObserveOps
+from planner.service.probes import ProbeOps
 from planner.service.reports import ReportOps
 from planner.settings import PlannerSettings
 
 T = TypeVar("T")
 
 
-class Planner(InstanceOps, ManifestOps, AssignmentOps, CompileCacheOps, ReportOps, ObserveOps):
+class Planner(InstanceOps, ManifestOps, AssignmentOps, CompileCacheOps, ReportOps, ObserveOps, ProbeOps):
     """The service behind the routes: one per app, thread-safe (state lives in the database).
 
     Embedding it without HTTP (the simulator, tests): `Planner.open(settings)` on a migrated
@@ -53,6 +54,7 @@ class Planner(InstanceOps, ManifestOps, AssignmentOps, CompileCacheOps, ReportOp
         self._serving: dict[str, tuple[str, str] | None] = {}
         self._sql = HotStatements.build(db.engine.dialect)
         self._control_secret = settings.control_secret_bytes()
+        self.suspects = set()
 
     @classmethod
     def open(cls, settings: PlannerSettings, *, policy: SelectionPolicy | None = None) -> Planner:

@@ -28,6 +28,8 @@ class ServiceState:
     waiting: WaitingRoom
     _sql: HotStatements
     _control_secret: bytes
+    # seeds whose uncorroborated transport failures asked for a health probe (planner.service.probes)
+    suspects: set[str]
 
 
 def now_or_clock(now: float | None) -> float:
