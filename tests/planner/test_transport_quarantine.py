@@ -43,9 +43,9 @@ def test_one_load_token_cannot_quarantine_a_healthy_seed(planner_url):
         assert token.request_assignment(identity=identity(), rank=0) is not None
 
 
-def test_distinct_reporters_corroborate_and_a_healthy_probe_clears_the_quarantine(planner_url):
+def test_distinct_reporters_corroborate(planner_url):
     with (
-        planner(planner_url, failure_threshold=2, probe_interval_s=0.5, quarantine_s=3600) as srv,
+        planner(planner_url, failure_threshold=2, probe_interval_s=3600, quarantine_s=3600) as srv,
         seed_process(srv.url, SEED_CONTROL="1") as seed_id,
     ):
         a, _ = instance_loader(srv)
@@ -54,6 +54,22 @@ def test_distinct_reporters_corroborate_and_a_healthy_probe_clears_the_quarantin
         assert _fail(b, seed_id)  # a second instance corroborates: quarantined
         seed = next(i for i in fleet_json(srv)["instances"] if i["id"] == seed_id)
         assert "distinct reporters" in seed["quarantine_reason"]
+        assert re.search(
+            r'^rfork_planner_quarantined_seeds\{cause="reports"\} 1\.0$', metrics_text(srv), re.M
+        )
+        assert a.request_assignment(identity=identity(), rank=0) is None
+
+
+def test_a_healthy_probe_clears_a_quarantine(planner_url):
+    """On main a quarantine lasted quarantine_s (here an hour) whatever the seed's health."""
+    with (
+        planner(planner_url, failure_threshold=2, probe_interval_s=0.5, quarantine_s=3600) as srv,
+        seed_process(srv.url, SEED_CONTROL="1") as seed_id,
+    ):
+        a, _ = instance_loader(srv)
+        b, _ = instance_loader(srv)
+        assert not _fail(a, seed_id)
+        assert _fail(b, seed_id)
         # the seed's control endpoint answers: the next probe clears it, long before quarantine_s
         wait_until(lambda: admin(srv).get_instance(seed_id).quarantined_until is None, why="probe clears")
         assert a.request_assignment(identity=identity(), rank=0) is not None
