@@ -20,8 +20,8 @@ from tests.planner.trust_fleet import (
 )
 
 
-def _fail(loader: PlannerClient, seed_id: str, **ask: object) -> bool:
-    lease = loader.request_assignment(identity=identity(), rank=0, **ask)
+def _fail(loader: PlannerClient, seed_id: str, requester_id: str | None = None) -> bool:
+    lease = loader.request_assignment(identity=identity(), rank=0, requester_id=requester_id)
     assert lease is not None
     assert lease.candidates[0].instance_id == seed_id
     return loader.report_transfer(
