@@ -1,6 +1,6 @@
 """Transport reports quarantine a seed only on corroboration from distinct reporters, or when the
 planner's own health probe of the seed fails; a later successful probe clears a quarantine. Real
-planner server, the seed (with a real control endpoint) in its own process, SQLite and PostgreSQL."""
+planner server, the seed (with an HTTP health endpoint) in its own process, SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
