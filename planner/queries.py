@@ -150,7 +150,44 @@ def _live_per_seed() -> Any:
     )
 
 
-def _candidates(*, excluding: bool, tiered: bool, sqlite: bool, accused: bool = False) -> Any:
+def _accused(*, sqlite: bool) -> Any:
+    """Accused seeds of (b_key, b_rank) that may take a probation pull (planner.service.reports), their
+    manifests matching the anchor; at most b_limit rows. Read on every assignment, so it reads the
+    (identity, accused_since) index and no leases: the caller counts the few rows' live pulls."""
+    return (
+        select(
+            Instance.id,
+            Instance.node,
+            Instance.rack,
+            Instance.zone,
+            Instance.max_concurrent_pulls,
+            literal(0).label("active"),
+            InstanceRank.backends,
+            Anchor.checksum_algorithm,
+            Anchor.digest_set,
+            Anchor.instance_id.label("anchored_by"),
+        )
+        .join(
+            InstanceRank,
+            and_(InstanceRank.instance_id == Instance.id, InstanceRank.rank == bindparam("b_rank")),
+        )
+        .join(Manifest, and_(Manifest.instance_id == Instance.id, Manifest.rank == bindparam("b_rank")))
+        .join(
+            Anchor,
+            and_(
+                Anchor.identity_key == Instance.identity_key,
+                Anchor.rank == bindparam("b_rank"),
+                Anchor.checksum_algorithm == Manifest.checksum_algorithm,
+                Anchor.digest_set == Manifest.digest_set,
+            ),
+        )
+        .where(*_serves(excluding=True, sqlite=sqlite, accused=True))
+        .order_by(Instance.accused_since, Instance.id)
+        .limit(bindparam("b_limit"))
+    )
+
+
+def _candidates(*, excluding: bool, tiered: bool, sqlite: bool) -> Any:
     """The seeds of (b_key, b_rank) whose manifest matches the identity's anchor, free ones first,
     with their live leases (`active`); at most b_limit rows.
 
@@ -202,7 +239,7 @@ def _candidates(*, excluding: bool, tiered: bool, sqlite: bool, accused: bool = 
             ),
         )
         .outerjoin(live, live.c.instance_id == Instance.id)
-        .where(*_serves(excluding=excluding, sqlite=sqlite, accused=accused))
+        .where(*_serves(excluding=excluding, sqlite=sqlite))
         .order_by(*order, Instance.id)
         .limit(bindparam("b_limit"))
     )
@@ -294,7 +331,7 @@ class HotStatements:
             ranked=raw(_candidates(excluding=False, tiered=True, sqlite=not lock)),
             ranked_excluding=raw(_candidates(excluding=True, tiered=True, sqlite=not lock)),
             # accused seeds of (b_key, b_rank) that re-hashed clean: candidates for a probation pull
-            accused=raw(_candidates(excluding=True, tiered=False, sqlite=not lock, accused=True)),
+            accused=raw(_accused(sqlite=not lock)),
             # the seeds of (b_key, b_rank) in the requester's rack (b_req_rack), free ones first: rack_hold
             in_rack=raw(
                 _candidates(excluding=True, tiered=False, sqlite=not lock).where(

@@ -176,7 +176,7 @@ class AssignmentOps(BusyOps):
         me = reporter_key(holder, body.requester_id)
         for r in rows:
             provider = choose_provider(body.providers, body.backends, r.backends, same_node(body, r))
-            if r.active or provider is None:
+            if provider is None:
                 continue
             since = s.execute(select(Instance.accused_since).where(Instance.id == r.id)).scalar()
             claims = standing_claims(s, r.id, since or 0.0)
@@ -184,12 +184,12 @@ class AssignmentOps(BusyOps):
                 continue
             if len({witness_key(h) for h, _ in claims}) >= self.settings.checksum_witnesses:
                 continue  # corroborated: no more probation (its re-registration starts afresh)
-            if not self.db.sqlite:  # lock it, then count its live pulls again (the one lock order)
+            if not self.db.sqlite:  # lock it before counting its live pulls (the one lock order)
                 self._sql.lock_seed.run(s, {"b_seed": r.id})
-                if self._sql.live_leases.rows(
-                    s, {"b_ids": [r.id], "b_rank": body.rank, "b_now": params["b_now"]}
-                ):
-                    continue
+            if self._sql.live_leases.rows(
+                s, {"b_ids": [r.id], "b_rank": body.rank, "b_now": params["b_now"]}
+            ):
+                continue  # one probation pull at a time
             return r, provider
         return None
 
