@@ -31,6 +31,7 @@ class Instance(Base):
     __table_args__ = (
         Index("ix_instances_status_updated", "status", "updated_at"),
         Index("ix_instances_identity_accused", "identity_key", "accused_since"),
+        Index("ix_instances_accused", "accused_since"),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)

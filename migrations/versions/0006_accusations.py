@@ -22,9 +22,11 @@ def upgrade() -> None:
         batch.add_column(sa.Column("accused_since", sa.Float(), nullable=True))
         batch.add_column(sa.Column("quarantine_cause", sa.String(length=32), nullable=True))
     op.create_index("ix_instances_identity_accused", "instances", ["identity_key", "accused_since"])
+    op.create_index("ix_instances_accused", "instances", ["accused_since"])
 
 
 def downgrade() -> None:
+    op.drop_index("ix_instances_accused", table_name="instances")
     op.drop_index("ix_instances_identity_accused", table_name="instances")
     with op.batch_alter_table("instances") as batch:
         batch.drop_column("quarantine_cause")

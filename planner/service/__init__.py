@@ -55,6 +55,7 @@ class Planner(InstanceOps, ManifestOps, AssignmentOps, CompileCacheOps, ReportOp
         self._sql = HotStatements.build(db.engine.dialect)
         self._control_secret = settings.control_secret_bytes()
         self.suspects = set()
+        self.accused_seen, self.accused_checked_at = True, float("-inf")
 
     @classmethod
     def open(cls, settings: PlannerSettings, *, policy: SelectionPolicy | None = None) -> Planner:

@@ -11,6 +11,7 @@ import dataclasses
 import datetime as dt
 import functools
 import logging
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -26,6 +27,8 @@ from planner.selection import RankReason, Requester, SeedView, choose_provider, 
 from planner.service.base import now_or_clock
 from planner.service.busy import BusyOps, decisions, waiter_tie
 from planner.service.reports import identified, reporter_key, standing_claims, witness_key
+
+ACCUSED_CHECK_S = 1.0
 
 
 class AssignmentOps(BusyOps):
@@ -172,6 +175,8 @@ class AssignmentOps(BusyOps):
         Leasing it first is how the planner schedules the independent verification a checksum report
         needs (planner.service.reports): the loader verifies every byte as always, and a failed pull
         costs it one attempt before the next candidate."""
+        if not self._any_accused(s):
+            return None
         rows = self._sql.accused.rows(s, {**params, "b_excluded": params.get("b_excluded", []), "b_limit": 8})
         me = reporter_key(holder, body.requester_id)
         for r in rows:
@@ -192,6 +197,17 @@ class AssignmentOps(BusyOps):
                 continue  # one probation pull at a time
             return r, provider
         return None
+
+    def _any_accused(self, s: Connection) -> bool:
+        """Whether any seed is accused, read at most every ACCUSED_CHECK_S (this process's own
+        accusations at once): the probation query then costs a fleet with no accusation nothing. Another
+        process's accusation is seen within ACCUSED_CHECK_S; its seed waits that long for probation."""
+        clock = time.monotonic()
+        if self.accused_seen or clock - self.accused_checked_at >= ACCUSED_CHECK_S:
+            found = s.execute(select(Instance.id).where(Instance.accused_since.is_not(None)).limit(1)).first()
+            self.accused_seen = found is not None
+            self.accused_checked_at = clock
+        return self.accused_seen
 
     def _rack_busy(
         self, s: Connection, body: wire.AssignmentRequest, params: dict[str, Any], rack: str, solo: bool

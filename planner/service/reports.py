@@ -87,6 +87,7 @@ class ReportOps(ServiceState):
                 .where(Instance.id == lease.instance_id, Instance.accused_since.is_(None))
                 .values(accused_since=now)
             )
+            self.accused_seen = True  # this process's next assignment looks for probation at once
             # and asked to re-hash: a memory that changed convicts itself against the anchor
             s.execute(
                 update(Instance)
