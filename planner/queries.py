@@ -305,6 +305,7 @@ class HotStatements:
     live_lease: RawStatement
     end_lease: RawStatement
     seed_succeeded: RawStatement
+    seed_accused: RawStatement
     heartbeats: RawStatement
 
     @classmethod
@@ -401,6 +402,8 @@ class HotStatements:
                 .where(Instance.id == bindparam("b_seed"), Instance.consecutive_failures != 0)
                 .values(consecutive_failures=0)
             ),
+            # read on every successful report: is the seed accused (planner.service.reports._verified_by)
+            seed_accused=raw(select(Instance.accused_since).where(Instance.id == bindparam("b_seed"))),
             heartbeats=raw(
                 update(Instance)
                 .where(Instance.id.in_(bindparam("b_ids", expanding=True)))

@@ -153,7 +153,7 @@ class ReportOps(ServiceState):
         """A successful (verified) pull of an accused seed, leased after the accusation to a loader that
         did not accuse it, is the independent verification: the standing claims are disproved (they
         count against their reporters) and the seed serves again."""
-        seed = s.execute(select(Instance.accused_since).where(Instance.id == lease.instance_id)).first()
+        seed = self._sql.seed_accused.first(s, {"b_seed": lease.instance_id})
         if seed is None or seed.accused_since is None or lease.created_at < seed.accused_since:
             return
         me = reporter_key(lease.holder, lease.requester_id)
