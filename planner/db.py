@@ -275,9 +275,7 @@ def check_schema(url: str) -> None:
     except CommandError:
         log.warning(
             "planner database %s is at revision %s, newer than this planner's %s; serving anyway",
-            _redact(url),
-            current,
-            head,
+            _redact(url), current, head,
         )
         return
     raise DatabaseError(

@@ -62,7 +62,6 @@ ControlKey = Annotated[str, StringConstraints(min_length=32, max_length=128, pat
 # rfork.compile_cache.key.CompileCacheKey.digest(): sha256 of what a compiled artifact depends on
 CompileCacheKey = Annotated[str, StringConstraints(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]
 
-
 def b64decode(value: str, what: str) -> bytes:
     """Strict base64 (no stray characters), or a ValueError naming the field (a 422)."""
     try:

@@ -57,6 +57,8 @@ def identity_key(identity: Mapping[str, Any]) -> str:
     return hashlib.sha256(canon.encode()).hexdigest()
 
 
+
+
 # ---- identity, labels, ranks ------------------------------------------------------------------
 
 
