@@ -2,7 +2,7 @@
 
 `Planner` is the facade the routes, planner.hotpath, the simulator and tests call: it holds the state
 (planner.service.base) and is made of the resources' operations: instances, manifests (and anchors),
-assignments (and their 429s, busy), compile caches, reports (and leases) and observe; the reaper is
+assignments (and their 429s, busy), compile caches, reports (and leases), probes and observe; the reaper is
 a function (planner.service.reaper). Methods take `now` (UNIX seconds) so tests can move time; routes
 pass time.time().
 """
