@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -46,6 +47,9 @@ class InsecureRefused(PlannerError):
     """No token is configured and --insecure was not given."""
 
 
+PROBE_POLL_S = 0.2  # how soon a seed that reports asked about is probed
+
+
 def create_app(settings: PlannerSettings, *, db: Database | None = None, run_reaper: bool = True) -> FastAPI:
     """The planner app over `settings.db_url` (the schema must already be migrated)."""
     if not settings.has_tokens() and not settings.insecure:
@@ -66,11 +70,15 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
         anyio.to_thread.current_default_thread_limiter().total_tokens = threads
         if not settings.has_tokens():
             log.warning("planner running WITHOUT authentication (--insecure): every caller is admin")
-        task = asyncio.create_task(_reaper_loop(planner, metrics)) if run_reaper else None
+        tasks = (
+            [asyncio.create_task(_reaper_loop(planner, metrics)), asyncio.create_task(_prober_loop(planner))]
+            if run_reaper
+            else []
+        )
         try:
             yield
         finally:
-            if task is not None:
+            for task in tasks:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
@@ -156,6 +164,23 @@ async def _reaper_loop(planner: Planner, metrics: PlannerMetrics) -> None:
             metrics.reaped.labels(kind="expired").inc(res.expired)
         except Exception:  # noqa: BLE001 - a failed pass is retried next interval
             log.exception("reaper pass failed")
+
+
+async def _prober_loop(planner: Planner) -> None:
+    """Probe the seeds that reports asked about as they come (every PROBE_POLL_S), and the quarantined
+    ones every probe_interval_s (planner.service.probes)."""
+    last = time.monotonic()
+    while True:
+        await asyncio.sleep(PROBE_POLL_S)
+        due = time.monotonic() - last >= planner.settings.probe_interval_s
+        if not planner.suspects and not due:
+            continue
+        if due:
+            last = time.monotonic()
+        try:
+            await asyncio.to_thread(functools.partial(planner.probe_pass, time.time(), quarantined=due))
+        except Exception:  # noqa: BLE001 - a failed pass is retried next time
+            log.exception("probe pass failed")
 
 
 def _add_manifest_schema(app: FastAPI) -> None:

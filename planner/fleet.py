@@ -163,8 +163,11 @@ def fleet_view(
     board: ProgressBoard,
     refusals: RefusalLog,
     now: float,
+    flagged: dict[str, int] | None = None,
 ) -> views.FleetView:
-    """The page's data in one read transaction (no addresses, descriptors, keys or tokens)."""
+    """The page's data in one read transaction (no addresses, descriptors, keys or tokens); `flagged`:
+    the flagged reporters (Planner.flagged_reporters)."""
+    flagged = flagged or {}
     progress = board.snapshot(now)
     with db.read() as s:
         insts = s.execute(
@@ -181,6 +184,8 @@ def fleet_view(
                 Instance.quarantined_until,
                 Instance.reverify_since,
                 Instance.integrity_failed,
+                Instance.accused_since,
+                Instance.quarantine_cause,
                 Instance.created_at,
             ).order_by(Instance.created_at, Instance.id)
         ).all()
@@ -217,7 +222,11 @@ def fleet_view(
         )
         quarantined = [i.id for i in insts if i.quarantined_until is not None and i.quarantined_until > now]
         why: dict[str, str] = {}
+        cause = {i.id: i.quarantine_cause for i in insts}
         for iid in quarantined:
+            if cause[iid] == "probe":
+                why[iid] = "failed the planner's health probe"
+                continue
             why[iid] = (
                 s.scalar(
                     select(Lease.reason)
@@ -226,12 +235,14 @@ def fleet_view(
                     .limit(1)
                 )
                 or "failed pulls"
-            )
+            ) + (" (reports from distinct reporters)" if cause[iid] == "reports" else "")
     for i in insts:  # out of service until it re-hashes its memory against the anchor (a checksum report)
         if i.integrity_failed:
             why[i.id] = "failed re-verification: not offered until it republishes clean"
         elif i.reverify_since is not None:
             why[i.id] = "re-verifying its memory after a checksum report"
+        elif i.accused_since is not None:
+            why[i.id] = "accused by a checksum report: probation pulls only, until another loader verifies it"
     edge_views = []
     for lease in edges:
         live = lease.ended_at is None and lease.expires_at > now
@@ -302,6 +313,7 @@ def fleet_view(
                     else None
                 ),
                 quarantine_reason=why.get(i.id),
+                accused=i.accused_since is not None,
             )
             for i in insts
         ],
@@ -323,4 +335,7 @@ def fleet_view(
             for r in recent
         ],
         refusals=refusals.recent(),
+        flagged_reporters=[
+            views.FlaggedReporter(reporter=k, disproved=n) for k, n in sorted(flagged.items())
+        ],
     )

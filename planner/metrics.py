@@ -77,6 +77,27 @@ class PlannerMetrics:
             "digest sets anchored (first disk-loaded publication of an identity's rank)",
             registry=self.registry,
         )
+        self.quarantined = Gauge(
+            "rfork_planner_quarantined_seeds",
+            "seeds out of service: cause reports (distinct reporters), probe (failed health probe), "
+            "accused (a checksum report awaits an independent verification), integrity (refused digests)",
+            ["cause"],
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
+        )
+        self.flagged_reporters = Gauge(
+            "rfork_planner_flagged_reporters",
+            "reporters with false_report_threshold disproved checksum claims (their claims are ignored)",
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
+        )
+        self.reporter_disproved = Gauge(
+            "rfork_planner_reporter_disproved_claims",
+            "disproved checksum claims of each flagged reporter",
+            ["reporter"],
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
+        )
         self.reaped = Counter(
             "rfork_planner_reaped_total", "reaper actions", ["kind"], registry=self.registry
         )

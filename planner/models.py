@@ -28,7 +28,11 @@ class Instance(Base):
     """A registered inference instance (seed or loader). Times are UNIX seconds (float)."""
 
     __tablename__ = "instances"
-    __table_args__ = (Index("ix_instances_status_updated", "status", "updated_at"),)
+    __table_args__ = (
+        Index("ix_instances_status_updated", "status", "updated_at"),
+        Index("ix_instances_identity_accused", "identity_key", "accused_since"),
+        Index("ix_instances_accused", "accused_since"),
+    )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     identity_key: Mapped[str] = mapped_column(String(64), index=True)
@@ -57,6 +61,11 @@ class Instance(Base):
     reverify_since: Mapped[float | None] = mapped_column(Float, nullable=True)
     # its republication differed from the anchor: never offered until it republishes clean
     integrity_failed: Mapped[bool] = mapped_column(Boolean, server_default=false(), default=False)
+    # a checksum report stands against it: offered only for a probation pull (one at a time, to a loader
+    # that did not accuse it) until such a pull verifies; its own republication never clears it
+    accused_since: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # why quarantined_until was set: "reports" (transport failures from distinct reporters) or "probe"
+    quarantine_cause: Mapped[str | None] = mapped_column(String(32), nullable=True)
 
     ranks: Mapped[list[InstanceRank]] = relationship(
         back_populates="instance",

@@ -110,8 +110,9 @@ class RawStatement:
         return int(self.cursor(conn, params).rowcount)
 
 
-def _serves(*, excluding: bool, sqlite: bool) -> list[Any]:
-    """Conditions of a seed that may serve (b_key, b_rank): READY, fresh, unquarantined, not re-verifying.
+def _serves(*, excluding: bool, sqlite: bool, accused: bool = False) -> list[Any]:
+    """Conditions of a seed that may serve (b_key, b_rank): READY, fresh, unquarantined, not re-verifying,
+    not accused (`accused`: only accused ones, for a probation pull; see planner.service.reports).
 
     On SQLite `status = 'READY'` is wrapped in likely(): without statistics SQLite walked
     ix_instances_status_updated (every READY instance of every identity: 10,000 rows per assignment at
@@ -126,6 +127,7 @@ def _serves(*, excluding: bool, sqlite: bool) -> list[Any]:
         or_(Instance.quarantined_until.is_(None), Instance.quarantined_until <= bindparam("b_now")),
         Instance.reverify_since.is_(None),
         Instance.integrity_failed.is_(False),
+        Instance.accused_since.is_not(None) if accused else Instance.accused_since.is_(None),
     ]
     if excluding:
         conds.append(Instance.id.not_in(bindparam("b_excluded", expanding=True)))
@@ -145,6 +147,43 @@ def _live_per_seed() -> Any:
         )
         .group_by(Lease.instance_id)
         .subquery("live")
+    )
+
+
+def _accused(*, sqlite: bool) -> Any:
+    """Accused seeds of (b_key, b_rank) that may take a probation pull (planner.service.reports), their
+    manifests matching the anchor; at most b_limit rows. Read on every assignment, so it reads the
+    (identity, accused_since) index and no leases: the caller counts the few rows' live pulls."""
+    return (
+        select(
+            Instance.id,
+            Instance.node,
+            Instance.rack,
+            Instance.zone,
+            Instance.max_concurrent_pulls,
+            literal(0).label("active"),
+            InstanceRank.backends,
+            Anchor.checksum_algorithm,
+            Anchor.digest_set,
+            Anchor.instance_id.label("anchored_by"),
+        )
+        .join(
+            InstanceRank,
+            and_(InstanceRank.instance_id == Instance.id, InstanceRank.rank == bindparam("b_rank")),
+        )
+        .join(Manifest, and_(Manifest.instance_id == Instance.id, Manifest.rank == bindparam("b_rank")))
+        .join(
+            Anchor,
+            and_(
+                Anchor.identity_key == Instance.identity_key,
+                Anchor.rank == bindparam("b_rank"),
+                Anchor.checksum_algorithm == Manifest.checksum_algorithm,
+                Anchor.digest_set == Manifest.digest_set,
+            ),
+        )
+        .where(*_serves(excluding=True, sqlite=sqlite, accused=True))
+        .order_by(Instance.accused_since, Instance.id)
+        .limit(bindparam("b_limit"))
     )
 
 
@@ -252,6 +291,7 @@ class HotStatements:
     candidates_excluding: RawStatement
     ranked: RawStatement
     ranked_excluding: RawStatement
+    accused: RawStatement
     lock_chosen: RawStatement
     in_rack: RawStatement
     live_leases: RawStatement
@@ -265,6 +305,7 @@ class HotStatements:
     live_lease: RawStatement
     end_lease: RawStatement
     seed_succeeded: RawStatement
+    seed_accused: RawStatement
     heartbeats: RawStatement
 
     @classmethod
@@ -278,6 +319,8 @@ class HotStatements:
         live_lease = select(
             Lease.instance_id,
             Lease.holder,
+            Lease.requester_id,
+            Lease.created_at,
             Lease.outcome,
             Lease.ended_at,
             Lease.expires_at,
@@ -288,6 +331,8 @@ class HotStatements:
             candidates_excluding=raw(_candidates(excluding=True, tiered=False, sqlite=not lock)),
             ranked=raw(_candidates(excluding=False, tiered=True, sqlite=not lock)),
             ranked_excluding=raw(_candidates(excluding=True, tiered=True, sqlite=not lock)),
+            # accused seeds of (b_key, b_rank) that re-hashed clean: candidates for a probation pull
+            accused=raw(_accused(sqlite=not lock)),
             # the seeds of (b_key, b_rank) in the requester's rack (b_req_rack), free ones first: rack_hold
             in_rack=raw(
                 _candidates(excluding=True, tiered=False, sqlite=not lock).where(
@@ -357,6 +402,8 @@ class HotStatements:
                 .where(Instance.id == bindparam("b_seed"), Instance.consecutive_failures != 0)
                 .values(consecutive_failures=0)
             ),
+            # read on every successful report: is the seed accused (planner.service.reports._verified_by)
+            seed_accused=raw(select(Instance.accused_since).where(Instance.id == bindparam("b_seed"))),
             heartbeats=raw(
                 update(Instance)
                 .where(Instance.id.in_(bindparam("b_ids", expanding=True)))

@@ -43,6 +43,11 @@ from backends.errors import TransferError
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 64 << 20
+# what a receiver accepts from the seed's header: a bucket is one gloo/NCCL message and each planned
+# bucket a Python object, so a seed announcing 1-byte buckets would make a million of them per MiB
+MIN_BUCKET_BYTES = 64 << 10
+MAX_BUCKET_BYTES = 1 << 30
+MAX_BUCKETS = 1 << 18
 DEFAULT_MAX_IN_FLIGHT = 3
 _MAGIC = 0x52464F524B4E4343  # "RFORKNCC"
 _VERSION = 1
@@ -94,6 +99,19 @@ class Bucket:
     items: tuple[BucketItem, ...]
     nbytes: int
     direct: bool
+
+
+def bucket_bytes_refusal(bucket_bytes: int, total: int) -> str | None:
+    """Why a peer's announced ``bucket_bytes`` is refused for ``total`` payload bytes, or None.
+
+    Checked by the receiver before it plans (or allocates) anything from the peer's header: within
+    [MIN_BUCKET_BYTES, MAX_BUCKET_BYTES], and at most MAX_BUCKETS buckets for the whole payload.
+    """
+    if not MIN_BUCKET_BYTES <= bucket_bytes <= MAX_BUCKET_BYTES:
+        return f"bucket_bytes {bucket_bytes} is outside [{MIN_BUCKET_BYTES}, {MAX_BUCKET_BYTES}]"
+    if -(-total // bucket_bytes) > MAX_BUCKETS:
+        return f"bucket_bytes {bucket_bytes} would cut {total} bytes into more than {MAX_BUCKETS} buckets"
+    return None
 
 
 def plan_buckets(nbytes: Sequence[int], bucket_bytes: int) -> list[Bucket]:
@@ -394,10 +412,13 @@ def recv_tensors(store: Store, dest_tensors: Sequence[torch.Tensor], *, session_
                   phase="header receive")
         magic, version, count, their_total, digest, bucket_bytes = (int(v) for v in header.tolist())
         mine = (_MAGIC, _VERSION, sum(1 for s in sizes if s), total, plan_digest(dest_tensors))
-        agree = (magic, version, count, their_total, digest) == mine and bucket_bytes > 0
+        refused = bucket_bytes_refusal(bucket_bytes, total)
+        agree = (magic, version, count, their_total, digest) == mine and refused is None
         ack = torch.tensor([1 if agree else 0], dtype=torch.int64, device=device)
         _exchange(pg, "send", ack, _SEED_RANK, _TAG_ACK, timeout_s=timeout_s, peer=peer,
                   phase="header ack")
+        if refused is not None:
+            raise NcclPlanMismatchError(f"{peer} announced {refused} in session {session_id}")
         if not agree:
             raise NcclPlanMismatchError(
                 f"{peer} offers {count} tensors / {their_total} bytes, destination has {mine[2]} / {total} "

@@ -4,10 +4,11 @@ rfork (loader, seed, compile-cache fetch) imports the planner's client side from
 (tests/test_house.py; the in-process server comes from `planner`). The room holds the wire types
 (`wire`: what a loader and a seed exchange with the planner; `views`: what readers get back;
 `fields`: their bounds), the errors, `PlannerClient`, the digest set a manifest is anchored by
-(`integrity`) and the control tokens a seed checks offline (`control_token`). It imports nothing
-from the server room (SQLAlchemy, FastAPI, uvicorn, settings: tests/planner/contract/test_room.py),
-and `PlannerClient` loads httpx on first use only, so a module that needs a wire type pays for
-pydantic and no more.
+(`integrity`), the control tokens a seed checks offline (`control_token`) and the one bounded HTTP
+exchange with a seed's control endpoint that loaders and the planner's probe use (`seed_http`). It
+imports nothing from the server room (SQLAlchemy, FastAPI, uvicorn, settings:
+tests/planner/contract/test_room.py), and `PlannerClient` loads httpx on first use only, so a module
+that needs a wire type pays for pydantic and no more.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from planner.contract.wire import InstanceStatus, InstanceView, Labels
 
@@ -133,6 +133,8 @@ class FleetInstance(BaseModel):
     heartbeat_age_s: float
     quarantined_for_s: float | None  # seconds left; None when not quarantined
     quarantine_reason: str | None  # the reason of its latest failed pull, while quarantined
+    # a checksum report stands against it: served only to probation pulls until one verifies
+    accused: bool = False
 
 
 class FleetEdge(BaseModel):
@@ -177,6 +179,15 @@ class Refusal(BaseModel):
     detail: str
 
 
+class FlaggedReporter(BaseModel):
+    """A reporter whose checksum claims independent verifications disproved false_report_threshold times
+    or more: its checksum reports are ignored. `reporter` is `instance:<id>`, or `token:<hash>/<requester_id>`
+    for a static token's caller that named itself."""
+
+    reporter: str
+    disproved: int
+
+
 class FleetView(BaseModel):
     """GET /v1/fleet: everything the fleet page draws, for the reader role."""
 
@@ -186,3 +197,4 @@ class FleetView(BaseModel):
     edges: list[FleetEdge]
     transfers: list[FleetTransfer]
     refusals: list[Refusal]
+    flagged_reporters: list[FlaggedReporter] = Field(default_factory=list)

@@ -237,6 +237,8 @@ class InstanceView(BaseModel):
     reverifying: bool = False
     # its manifest differed from the anchor: offered to nobody until it republishes clean
     integrity_failed: bool = False
+    # a checksum report stands against it: probation pulls only, until another loader's pull verifies
+    accused: bool = False
     compile_cache_keys: list[str] = []
 
 

@@ -63,7 +63,9 @@ def fleet_view(
 ) -> views.FleetView:
     """Identities, instances, the fan-out tree, recent transfers and refusals (any role, reader included)."""
     st = request.app.state
-    return fleet.fleet_view(planner.db, planner.settings, st.progress, st.refusals, time.time())
+    return fleet.fleet_view(
+        planner.db, planner.settings, st.progress, st.refusals, time.time(), planner.flagged_reporters()
+    )
 
 
 @router.post(

@@ -67,9 +67,12 @@ def metrics(request: Request, planner: Planner = Depends(get_planner)) -> Respon
     """Prometheus text exposition; with the database unreachable, the gauges it feeds keep their last
     values (the request counters show the 503s)."""
     m = request.app.state.metrics
+    now = time.time()
     try:
         counts = planner.status_counts()
-        live = planner.live_leases(time.time())
+        live = planner.live_leases(now)
+        out_of_service = planner.out_of_service(now)
+        flagged = planner.flagged_reporters()
     except UNAVAILABLE as exc:
         log.warning("/metrics: database unavailable, instance and lease gauges not updated: %s",
                     database_unavailable(exc))
@@ -77,5 +80,11 @@ def metrics(request: Request, planner: Planner = Depends(get_planner)) -> Respon
         for status in ("INITIALIZING", "LOADING", "READY", "DRAINING", "STALE"):
             m.instances.labels(status=status).set(counts.get(status, 0))
         m.live_leases.set(live)
+        for cause, n in out_of_service.items():
+            m.quarantined.labels(cause=cause).set(n)
+        m.flagged_reporters.set(len(flagged))
+        m.reporter_disproved.clear()
+        for reporter, n in flagged.items():
+            m.reporter_disproved.labels(reporter=reporter).set(n)
     body, content_type = m.exposition()
     return Response(body, media_type=content_type)

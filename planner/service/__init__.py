@@ -2,7 +2,7 @@
 
 `Planner` is the facade the routes, planner.hotpath, the simulator and tests call: it holds the state
 (planner.service.base) and is made of the resources' operations: instances, manifests (and anchors),
-assignments (and their 429s, busy), compile caches, reports (and leases) and observe; the reaper is
+assignments (and their 429s, busy), compile caches, reports (and leases), probes and observe; the reaper is
 a function (planner.service.reaper). Methods take `now` (UNIX seconds) so tests can move time; routes
 pass time.time().
 """
@@ -24,13 +24,14 @@ from planner.service.compile_caches import CompileCacheOps
 from planner.service.instances import InstanceOps
 from planner.service.manifests import ManifestOps
 from planner.service.observe import ObserveOps
+from planner.service.probes import ProbeOps
 from planner.service.reports import ReportOps
 from planner.settings import PlannerSettings
 
 T = TypeVar("T")
 
 
-class Planner(InstanceOps, ManifestOps, AssignmentOps, CompileCacheOps, ReportOps, ObserveOps):
+class Planner(InstanceOps, ManifestOps, AssignmentOps, CompileCacheOps, ReportOps, ObserveOps, ProbeOps):
     """The service behind the routes: one per app, thread-safe (state lives in the database).
 
     Embedding it without HTTP (the simulator, tests): `Planner.open(settings)` on a migrated
@@ -53,6 +54,8 @@ class Planner(InstanceOps, ManifestOps, AssignmentOps, CompileCacheOps, ReportOp
         self._serving: dict[str, tuple[str, str] | None] = {}
         self._sql = HotStatements.build(db.engine.dialect)
         self._control_secret = settings.control_secret_bytes()
+        self.suspects = set()
+        self.accused_seen, self.accused_checked_at = True, float("-inf")
 
     @classmethod
     def open(cls, settings: PlannerSettings, *, policy: SelectionPolicy | None = None) -> Planner:

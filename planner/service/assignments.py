@@ -11,19 +11,24 @@ import dataclasses
 import datetime as dt
 import functools
 import logging
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, select
 
 from planner.contract import control_token, wire
 from planner.contract.errors import NoSource
+from planner.models import Instance
 from planner.selection import RankReason, Requester, SeedView, choose_provider, rank_reason, tier_key
 from planner.service.base import now_or_clock
 from planner.service.busy import BusyOps, decisions, waiter_tie
+from planner.service.reports import identified, reporter_key, standing_claims, witness_key
+
+ACCUSED_CHECK_S = 1.0
 
 
 class AssignmentOps(BusyOps):
@@ -112,6 +117,11 @@ class AssignmentOps(BusyOps):
             if ranked:
                 break
             busy_seed = busy_seed or next(iter(by_id))
+        probation = self._probation(s, body, params, holder)
+        if probation is not None:  # leased first: an independent loader verifies the accused seed
+            by_id[probation[0].id] = probation
+            others = [v for v in ranked if v.instance_id != probation[0].id]
+            ranked = [_seed_view(probation[0], solo), *others][: st.max_candidates]
         if held:
             busy_seed = held
         if not ranked:  # the 429's arithmetic runs after the write: heartbeats and other writes go on
@@ -155,6 +165,49 @@ class AssignmentOps(BusyOps):
         return functools.partial(
             self._assignment, key, now, body, reasons, by_id, details, lease_id, expires_at
         )
+
+    def _probation(
+        self, s: Connection, body: wire.AssignmentRequest, params: dict[str, Any], holder: str | None
+    ) -> tuple[Any, str] | None:
+        """An accused seed that re-hashed clean, has no live pull and was not accused by this requester
+        (nor by checksum_witnesses distinct reporters), with the transport for it; None (as a rule).
+
+        Leasing it first is how the planner schedules the independent verification a checksum report
+        needs (planner.service.reports): the loader verifies every byte as always, and a failed pull
+        costs it one attempt before the next candidate."""
+        if not self._any_accused(s):
+            return None
+        rows = self._sql.accused.rows(s, {**params, "b_excluded": params.get("b_excluded", []), "b_limit": 8})
+        me = reporter_key(holder, body.requester_id)
+        for r in rows:
+            provider = choose_provider(body.providers, body.backends, r.backends, same_node(body, r))
+            if provider is None:
+                continue
+            since = s.execute(select(Instance.accused_since).where(Instance.id == r.id)).scalar()
+            claims = standing_claims(s, r.id, since or 0.0)
+            if identified(me) and me in {reporter_key(*c) for c in claims}:
+                continue
+            if len({witness_key(h) for h, _ in claims}) >= self.settings.checksum_witnesses:
+                continue  # corroborated: no more probation (its re-registration starts afresh)
+            if not self.db.sqlite:  # lock it before counting its live pulls (the one lock order)
+                self._sql.lock_seed.run(s, {"b_seed": r.id})
+            if self._sql.live_leases.rows(
+                s, {"b_ids": [r.id], "b_rank": body.rank, "b_now": params["b_now"]}
+            ):
+                continue  # one probation pull at a time
+            return r, provider
+        return None
+
+    def _any_accused(self, s: Connection) -> bool:
+        """Whether any seed is accused, read at most every ACCUSED_CHECK_S (this process's own
+        accusations at once): the probation query then costs a fleet with no accusation nothing. Another
+        process's accusation is seen within ACCUSED_CHECK_S; its seed waits that long for probation."""
+        clock = time.monotonic()
+        if self.accused_seen or clock - self.accused_checked_at >= ACCUSED_CHECK_S:
+            found = s.execute(select(Instance.id).where(Instance.accused_since.is_not(None)).limit(1)).first()
+            self.accused_seen = found is not None
+            self.accused_checked_at = clock
+        return self.accused_seen
 
     def _rack_busy(
         self, s: Connection, body: wire.AssignmentRequest, params: dict[str, Any], rack: str, solo: bool

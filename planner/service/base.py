@@ -28,6 +28,11 @@ class ServiceState:
     waiting: WaitingRoom
     _sql: HotStatements
     _control_secret: bytes
+    # seeds whose uncorroborated transport failures asked for a health probe (planner.service.probes)
+    suspects: set[str]
+    # whether any seed was accused when last read (planner.service.assignments._any_accused), and when
+    accused_seen: bool
+    accused_checked_at: float
 
 
 def now_or_clock(now: float | None) -> float:

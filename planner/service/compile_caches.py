@@ -122,6 +122,7 @@ class CompileCacheOps(ServiceState):
                     Instance.status == "READY",
                     Instance.last_heartbeat >= now - self.settings.heartbeat_ttl_s,
                     or_(Instance.quarantined_until.is_(None), Instance.quarantined_until <= now),
+                    Instance.accused_since.is_(None),  # an accused seed serves no compile cache either
                     Instance.reverify_since.is_(None),
                     Instance.integrity_failed.is_(False),
                     Instance.control_url.is_not(None),

@@ -54,6 +54,7 @@ def _instance_fields(inst: Instance) -> dict[str, Any]:
         "quarantined_until": inst.quarantined_until,
         "reverifying": inst.reverify_since is not None,
         "integrity_failed": bool(inst.integrity_failed),
+        "accused": inst.accused_since is not None,
         "compile_cache_keys": [c.cache_key for c in inst.compile_caches],
     }
 

@@ -10,13 +10,13 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from planner.contract import integrity, views, wire
 from planner.contract.errors import Conflict, DigestMismatch, NotFound
-from planner.models import Anchor, Instance, Lease, Manifest
+from planner.models import Anchor, Instance, Manifest
 from planner.service.base import ServiceState, rowcount
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,8 @@ class ManifestOps(ServiceState):
         with the anchor role) sets the anchor, unless an admin uploaded one; a manifest whose set differs
         from the anchor is refused (DigestMismatch, 409) and the instance is offered to nobody until it
         republishes clean: its memory no longer holds the identity's weights. A clean republication
-        ends a re-verification (a disproved checksum report counts against its reporter).
+        ends a re-verification, not an accusation: only another loader's verified pull disproves a
+        checksum report (planner.service.reports).
         """
         if manifest is None:
             manifest = wire.RankManifest.model_validate_json(raw)
@@ -43,7 +44,7 @@ class ManifestOps(ServiceState):
         dset = integrity.digest_set(algo, tensors)
         refused: str | None = None
         anchored = False
-        disproved = 0
+        rehashed = False
         with self.db.write() as s:
             inst = s.get(Instance, instance_id, with_for_update=not self.db.sqlite)
             if inst is None:
@@ -78,19 +79,9 @@ class ManifestOps(ServiceState):
                 row.body, row.nbytes, row.updated_at = raw, len(raw), now
                 row.checksum_algorithm, row.digest_set = algo, dset
                 if anchor is not None and (inst.reverify_since is not None or inst.integrity_failed):
-                    if inst.reverify_since is not None:
-                        disproved = rowcount(
-                            s.execute(
-                                update(Lease)
-                                .where(
-                                    Lease.instance_id == instance_id,
-                                    Lease.reason == "checksum_mismatch",
-                                    Lease.ended_at >= inst.reverify_since,
-                                    Lease.disproved.is_(None),
-                                )
-                                .values(disproved=True)
-                            )
-                        )
+                    # re-hashed clean: it may take probation pulls again; an accusation stands until one
+                    # of them verifies (planner.service.reports), never on its own word
+                    rehashed = True
                     inst.reverify_since = None
                     inst.integrity_failed = False
         if refused is not None:
@@ -106,12 +97,8 @@ class ManifestOps(ServiceState):
                 f"manifest rank {rank}: digests differ from the identity's anchored set ({refused});"
                 f" instance {instance_id} is offered to nobody until it republishes clean"
             )
-        if disproved:
-            log.warning(
-                "integrity: instance %s re-verified clean; %d checksum report(s) disproved",
-                instance_id,
-                disproved,
-            )
+        if rehashed:
+            log.info("integrity: instance %s republished rank %d matching the anchor", instance_id, rank)
         if anchored:
             log.info("integrity: identity %s rank %d anchored by %s", ikey[:12], rank, instance_id)
         return anchored

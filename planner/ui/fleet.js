@@ -209,8 +209,14 @@ function drawRefusals(view) {
   for (const i of view.instances) {
     if (i.quarantine_reason === null) continue;
     rows.push(el("tr", { "data-quarantine": i.id },
-      cell(i.quarantined_for_s === null ? "until re-verified" : "for " + fmtSeconds(i.quarantined_for_s)), cell("quarantine", "bad"), cell(short(i.id), "id"), cell(""),
+      cell(i.quarantined_for_s === null ? "until re-verified" : "for " + fmtSeconds(i.quarantined_for_s)),
+      cell(i.accused ? "accused" : "quarantine", "bad"), cell(short(i.id), "id"), cell(""),
       cell(i.quarantine_reason || ""), cell(model[i.identity_key] || "")));
+  }
+  for (const f of view.flagged_reporters || []) {
+    rows.push(el("tr", { "data-flagged": f.reporter },
+      cell("ignored"), cell("flagged reporter", "bad"), cell(f.reporter, "id"), cell(""),
+      cell(f.disproved + " checksum claim(s) disproved"), cell("its checksum reports are ignored")));
   }
   for (const r of view.refusals) {
     rows.push(el("tr", { "data-refusal": r.reason },

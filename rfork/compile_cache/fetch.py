@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planner.contract import CompileCacheSource, PlannerClient, PlannerError
+from planner.contract.seed_http import SeedHttpError, exchange
 from rfork.compile_cache.archive import CompileCacheError, Limits, unpack
-from rfork.seed_http import SeedRequestError, seed_request
-from rfork.seed_networks import allowed_networks
+from rfork.seed_networks import allowed_networks, resolve_seed_host
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def fetch_compile_cache(
         try:
             data = _download(source, key, limits=limits, timeout_s=timeout_s)
             files = unpack(data, dest, key=key, digest=found.archive_digest, limits=limits)
-        except (CompileCacheError, SeedRequestError, OSError, ValueError) as exc:  # a peer's failure
+        except (CompileCacheError, SeedHttpError, OSError, ValueError) as exc:  # a peer's failure
             log.info("compile cache %s from %s refused: %s", key[:12], source.instance_id, exc)
             reasons.append(f"{source.instance_id}: {exc}")
             continue
@@ -85,14 +85,15 @@ def fetch_compile_cache(
 
 def _download(source: CompileCacheSource, key: str, *, limits: Limits, timeout_s: float) -> bytes:
     """The archive, within `timeout_s` in all and `limits.max_archive_bytes`; CompileCacheError for a
-    refusal, SeedRequestError for a deadline, an oversize or a network outside RFORK_SEED_NETWORKS."""
+    refusal, SeedHttpError for a deadline or an oversize, SeedNetworkRefused for a network outside
+    RFORK_SEED_NETWORKS."""
     url = f"{source.control_url.rstrip('/')}/v1/compile-caches/{key}"
-    resp = seed_request(
-        "GET",
+    resp = exchange(
         url,
         headers={"Authorization": f"Bearer {source.control_token}"},
-        timeout_s=timeout_s,
+        deadline_s=timeout_s,
         max_body_bytes=limits.max_archive_bytes,
+        resolve=resolve_seed_host,
     )
     if resp.status != 200:
         raise CompileCacheError(f"GET {url}: {resp.status} {resp.body[:300].decode('utf-8', 'replace')}")

@@ -3,11 +3,10 @@ the tensors in manifest order (backends.nccl), then verify every digest."""
 
 from __future__ import annotations
 
+import http
 import json
 import logging
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,11 +22,14 @@ from backends.nccl import (
     local_address_towards,
     recv_tensors,
 )
-from planner.contract import Candidate, RankManifest
+from planner.contract import Candidate, RankManifest, seed_http
 from rfork.errors import PullError
+from rfork.seed_networks import SeedNetworkRefused, resolve_seed_host
 from rfork.weights.rank_weights import RankWeights
 
 logger = logging.getLogger(__name__)
+
+SESSION_ANSWER_MAX_BYTES = 16 << 10  # {"session_id", "host", "port", "backend"}: a few hundred bytes
 
 
 class NcclSessionError(NcclSetupError):
@@ -44,37 +46,64 @@ class NcclSessionError(NcclSetupError):
 def request_session(
     control_url: str, rank: int, *, timeout_s: float, control_token: str | None = None
 ) -> dict[str, Any]:
-    """POST /v1/nccl/sessions (with the lease's control token); the seed's JSON answer or NcclSessionError."""
+    """POST /v1/nccl/sessions (with the lease's control token); the seed's JSON answer or NcclSessionError.
+
+    The whole answer must arrive within ``timeout_s`` (a total deadline, not per read) and its body
+    within SESSION_ANSWER_MAX_BYTES: a seed that drips or floods its answer fails the request in time.
+    """
     url = control_url.rstrip("/") + "/v1/nccl/sessions"
     headers = {"Content-Type": "application/json"}
     if control_token:
         headers["Authorization"] = f"Bearer {control_token}"
-    req = urllib.request.Request(
-        url, data=json.dumps({"rank": rank}).encode(), method="POST", headers=headers
-    )
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            body = json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        try:
-            detail = json.loads(exc.read())
-        except (json.JSONDecodeError, OSError):
-            detail = {}
-        retry = detail.get("retry_after_s") if isinstance(detail, dict) else None
-        msg = detail.get("error") if isinstance(detail, dict) else None
-        raise NcclSessionError(
-            f"seed {control_url} refused an nccl session for rank {rank}: "
-            f"HTTP {exc.code} {msg or exc.reason}",
-            status=exc.code,
-            retry_after_s=float(retry) if isinstance(retry, (int, float)) else None,
-        ) from exc
-    except (urllib.error.URLError, OSError, json.JSONDecodeError) as exc:
+        answer = seed_http.exchange(
+            url,
+            method="POST",
+            body=json.dumps({"rank": rank}).encode(),
+            headers=headers,
+            deadline_s=timeout_s,
+            max_body_bytes=SESSION_ANSWER_MAX_BYTES,
+            resolve=resolve_seed_host,  # RFORK_SEED_NETWORKS, when set
+        )
+    except (seed_http.SeedHttpError, SeedNetworkRefused) as exc:
         raise NcclSessionError(
             f"seed {control_url} unreachable for an nccl session (rank {rank}): {exc}"
         ) from exc
-    if not isinstance(body, dict) or not {"session_id", "host", "port", "backend"} <= body.keys():
-        raise NcclSessionError(f"seed {control_url} answered an unexpected session body: {body!r}")
+    try:
+        body = json.loads(answer.body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        body = None
+    if answer.status >= 400:
+        detail = body if isinstance(body, dict) else {}
+        retry = detail.get("retry_after_s")
+        msg = detail.get("error")
+        raise NcclSessionError(
+            f"seed {control_url} refused an nccl session for rank {rank}: "
+            f"HTTP {answer.status} {msg or _reason(answer.status)}",
+            status=answer.status,
+            retry_after_s=float(retry) if isinstance(retry, (int, float)) else None,
+        )
+    if not _is_session(body):
+        raise NcclSessionError(f"seed {control_url} answered an unexpected session body: {body!r:.200}")
+    assert isinstance(body, dict)
     return body
+
+
+def _is_session(body: Any) -> bool:
+    """A session answer: string id, host and backend, a TCP port."""
+    return (
+        isinstance(body, dict)
+        and all(isinstance(body.get(k), str) and body[k] for k in ("session_id", "host", "backend"))
+        and type(body.get("port")) is int
+        and 0 < body["port"] < 65536
+    )
+
+
+def _reason(status: int) -> str:
+    try:
+        return http.HTTPStatus(status).phrase
+    except ValueError:
+        return "error"
 
 
 def pull_over_nccl(
@@ -103,7 +132,12 @@ def pull_over_nccl(
             f"destination tensors need {want!r}"
         )
     host, port, sid = str(session["host"]), int(session["port"]), str(session["session_id"])
-    store = connect_rendezvous(host, port, timeout_s=timeout_s)
+    try:  # the session host a seed names is held to RFORK_SEED_NETWORKS like its control URL
+        address = resolve_seed_host(host, port)[0][0]
+    except OSError as exc:  # outside the networks (SeedNetworkRefused), or it does not resolve
+        why = f"seed {control_url} named session host {host} for rank {rank}: {exc}"
+        raise NcclSessionError(why) from exc
+    store = connect_rendezvous(address, port, timeout_s=timeout_s)
     peer = f"seed {host}:{port} rank {rank} (session {sid[:8]})"
     try:
         n = recv_tensors(

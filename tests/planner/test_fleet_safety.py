@@ -93,30 +93,39 @@ def test_loader_side_faults_never_count_against_the_seed(planner_url):
             assert not answer.seed_quarantined
         assert svc.get(seed).quarantined_until is None
         assert svc.assign(_ask(), now)  # still offered
-        for _ in range(2):  # transport failures still count
-            lease = svc.assign(_ask(), now).id
-            last = svc.report(lease, TransferReport(outcome="failure", reason="transport"), now)
+        for who in ("instance:a", "instance:b"):  # transport failures still count (two reporters)
+            lease = svc.assign(_ask(), now, holder=who).id
+            last = svc.report(lease, TransferReport(outcome="failure", reason="transport"), now, reporter=who)
         assert last.seed_quarantined
     finally:
         svc.close()
 
 
 def test_one_checksum_report_costs_a_healthy_seed_only_a_reverification(planner_url):
-    """A checksum_mismatch report stops offering the seed and asks it (heartbeat) to re-hash; a clean
-    republication brings it back at once (not after quarantine_s) and counts against the reporter."""
+    """A checksum_mismatch report stops offering the seed and asks it (heartbeat) to re-hash; its clean
+    republication alone does not bring it back: the next loader that did not accuse it gets it as a
+    probation pull, whose verified success disproves the claim (against the reporter) at once."""
     svc = make_planner(planner_url, quarantine_s=300)
     try:
         now = time.time()
         seed = _ready_seed(svc, now)
-        lease = svc.assign(_ask(requester_id="liar"), now, holder="liar").id
-        svc.report(lease, TransferReport(outcome="failure", reason="checksum_mismatch"), now, reporter="liar")
+        lease = svc.assign(_ask(requester_id="liar"), now, holder="load").id
+        svc.report(lease, TransferReport(outcome="failure", reason="checksum_mismatch"), now, reporter="load")
         with pytest.raises(NoSource):
             svc.assign(_ask(), now + 1)
         assert svc.heartbeat(seed, now + 1).reverify is True
         svc.put_manifest(seed, 0, RankManifest.model_validate(manifest(0)).model_dump_json(), now + 2)
         assert svc.heartbeat(seed, now + 2).reverify is False
-        assert svc.assign(_ask(), now + 2)  # back long before quarantine_s
-        assert svc.false_reports("liar") == 1
+        with pytest.raises(NoSource):  # the liar itself is never its verifier
+            svc.assign(_ask(requester_id="liar"), now + 2, holder="load")
+        probe = svc.assign(_ask(requester_id="honest"), now + 2, holder="load")
+        assert probe.candidates[0].instance_id == seed
+        with pytest.raises(NoSource):  # one probation pull at a time
+            svc.assign(_ask(requester_id="other"), now + 2, holder="load")
+        svc.report(probe.id, TransferReport(outcome="success", bytes=64), now + 3, reporter="load")
+        assert svc.assign(_ask(), now + 3)  # back long before quarantine_s
+        assert svc.false_reports("load/liar") == 1
+        assert svc.false_reports("load/honest") == 0
     finally:
         svc.close()
 

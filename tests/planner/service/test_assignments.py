@@ -63,10 +63,10 @@ def test_quarantine_after_repeated_failures(planner_url):
         now = time.time()
         seed = _ready_seed(svc, now, limit=5)
         fail = TransferReport(outcome="failure", reason="transport", error="peer reset")  # the seed's fault
-        first = svc.assign(_ask(), now).id
-        assert not svc.report(first, fail, now).seed_quarantined
-        second = svc.assign(_ask(), now).id
-        assert svc.report(second, fail, now).seed_quarantined
+        first = svc.assign(_ask(), now, holder="instance:a").id
+        assert not svc.report(first, fail, now, reporter="instance:a").seed_quarantined
+        second = svc.assign(_ask(), now, holder="instance:b").id  # a second reporter corroborates
+        assert svc.report(second, fail, now, reporter="instance:b").seed_quarantined
         with pytest.raises(NoSource):
             svc.assign(_ask(), now + 1)
         svc.heartbeat(seed, now + 61)

@@ -308,7 +308,7 @@ def test_an_oversized_answer_is_cut_at_the_cap(fleet: Fleet, tmp_path: Path, hea
     fleet.honest_seed.respond = answer(404, {"Content-Length": "2"}, b"{}")
     out = fleet.fetch(tmp_path / "o", limits=Limits(max_archive_bytes=1 << 20))
     assert not out.installed
-    assert "over the 1048576-byte limit" in (out.reason or "")
+    assert "exceeds the cap of 1048576" in (out.reason or "")
 
 
 def test_seed_endpoints_outside_rfork_seed_networks_are_never_connected(
