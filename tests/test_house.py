@@ -30,6 +30,7 @@ EDGES = (
     "rfork/integrations/hook/",
     "rfork/integrations/sglang/",
     "rfork/integrations/vllm/",
+    "rfork/weights/blake3_tensor.py",  # its Triton kernel needs triton, an optional package
 )
 ALLOWED_ARROWS = {
     "rfork": {"rfork", "planner", "backends"},
@@ -159,7 +160,7 @@ def test_project_code_is_imported_inside_functions_only_at_the_edges_with_a_reas
             said = [
                 ln
                 for ln in lines[fn.lineno - 1 : first - 1]
-                if ln.strip().startswith("#") and "start-up" in ln
+                if ln.strip().startswith("#") and ("start-up" in ln or "optional" in ln)
             ]
             if not said:
                 wrong.append(f"{rel}:{first} (no comment saying why)")

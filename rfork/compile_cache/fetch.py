@@ -17,8 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.contract import CompileCacheSource, PlannerClient, PlannerError
-from planner.contract.seed_http import SeedHttpError, exchange
+from planner.contract import CompileCacheSource, PlannerClient, PlannerError, seed_http
 from rfork.compile_cache.archive import CompileCacheError, Limits, unpack
 from rfork.seed_networks import allowed_networks, resolve_seed_host
 
@@ -64,7 +63,7 @@ def fetch_compile_cache(
         try:
             data = _download(source, key, limits=limits, timeout_s=timeout_s)
             files = unpack(data, dest, key=key, digest=found.archive_digest, limits=limits)
-        except (CompileCacheError, SeedHttpError, OSError, ValueError) as exc:  # a peer's failure
+        except (CompileCacheError, seed_http.SeedHttpError, OSError, ValueError) as exc:  # a peer's failure
             log.info("compile cache %s from %s refused: %s", key[:12], source.instance_id, exc)
             reasons.append(f"{source.instance_id}: {exc}")
             continue
@@ -88,7 +87,7 @@ def _download(source: CompileCacheSource, key: str, *, limits: Limits, timeout_s
     refusal, SeedHttpError for a deadline or an oversize, SeedNetworkRefused for a network outside
     RFORK_SEED_NETWORKS."""
     url = f"{source.control_url.rstrip('/')}/v1/compile-caches/{key}"
-    resp = exchange(
+    resp = seed_http.exchange(
         url,
         headers={"Authorization": f"Bearer {source.control_token}"},
         deadline_s=timeout_s,

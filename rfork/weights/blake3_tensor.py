@@ -245,6 +245,7 @@ def blake3_hex(data: torch.Tensor, *, chunks_per_pass: int | None = None, kernel
 def _blake3_triton(data: torch.Tensor) -> str:
     """blake3_hex with the chunks and every tree level compressed by one Triton kernel launch each
     (item-major chaining values [n, 8], so a level's pairs are contiguous 16-word blocks)."""
+    # triton is optional: its module is imported only when the kernel is asked for
     from rfork.weights import blake3_triton as bt
 
     device = data.device
