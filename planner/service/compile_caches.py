@@ -54,6 +54,14 @@ class CompileCacheOps(ServiceState):
                 if body.identity_key not in (None, inst.identity_key):
                     raise Conflict("identity_key: an instance anchors keys of its own identity only")
                 identity_key, instance_id = inst.identity_key, inst.id
+            held = s.get(CompileCacheAnchor, cache_key)
+            # the instance that anchored the key may move its anchor to its own newer archive: a cache
+            # keeps growing after it first settles (vLLM compiles more), and no one else may move it
+            mover = "" if principal.has("admin") else instance_id
+            moves_own = (
+                held is not None and mover != "" and held.instance_id == mover
+                and held.archive_digest != body.archive_digest  # the same digest again: a no-op
+            )
             values = {
                 "cache_key": cache_key,
                 "identity_key": identity_key,
@@ -62,7 +70,7 @@ class CompileCacheOps(ServiceState):
                 "created_at": now,
                 "set_by": principal.holder,
             }
-            if body.replace:
+            if body.replace or moves_own:
                 s.execute(delete(CompileCacheAnchor).where(CompileCacheAnchor.cache_key == cache_key))
             stmt = (sqlite_insert if self.db.sqlite else pg_insert)(CompileCacheAnchor).values(**values)
             won = stmt.on_conflict_do_nothing().returning(CompileCacheAnchor.cache_key)

@@ -20,11 +20,12 @@ log = logging.getLogger(__name__)
 
 
 class CacheAnchoring:
-    """Publishes each key's archive digest once (per process), when the shelf can pack it."""
+    """Publishes each key's archive digest when the shelf can pack it, and again when the packed archive
+    changed (the engine compiled more after the directory first settled)."""
 
     def __init__(self, shelf: CacheShelf) -> None:
         self.shelf = shelf
-        self._done: set[str] = set()
+        self._done: dict[str, str] = {}  # key -> the digest last published (or refused) for it
         self._refused = False
         self._lock = threading.Lock()
 
@@ -33,11 +34,13 @@ class CacheAnchoring:
         with self._lock:
             if self._refused:
                 return
-            for key in [k for k in self.shelf.dirs if k not in self._done]:
+            for key in list(self.shelf.dirs):
                 try:
-                    digest = self.shelf.archive(key).digest
+                    digest = self.shelf.archive(key).digest  # packed again only when the directory changed
                 except CompileCacheError:
                     continue  # nothing compiled yet, still being written, or over the limits
+                if self._done.get(key) == digest:
+                    continue
                 try:
                     client.anchor_compile_cache(key, digest, identity_key=identity_key)
                 except AuthError as exc:
@@ -50,4 +53,4 @@ class CacheAnchoring:
                     log.warning("compile cache %s: %s; loaders will not install this archive", key[:12], exc)
                 else:
                     log.info("compile cache %s anchored with archive %s", key[:12], digest)
-                self._done.add(key)
+                self._done[key] = digest

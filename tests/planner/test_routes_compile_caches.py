@@ -24,7 +24,7 @@ from tests.planner.conftest import identity, manifest, ranks
 from tests.planner.test_auth import TOKENS
 
 KEY, OTHER = "a" * 64, "b" * 64
-DIGEST, FORGED = "sha256:" + "1" * 64, "sha256:" + "2" * 64
+DIGEST, FORGED, GROWN = "sha256:" + "1" * 64, "sha256:" + "2" * 64, "sha256:" + "3" * 64
 IDENT = identity()
 
 
@@ -146,10 +146,14 @@ def test_who_may_set_a_digest_and_when(secure: PlannerServer) -> None:
     assert (first.identity_key, first.instance_id) == (mine.identity_key, mine.id)
     assert first.archive_digest == DIGEST
     assert own.anchor_compile_cache(KEY, DIGEST).created_at == first.created_at  # the same again: a no-op
-    with pytest.raises(Conflict, match="another archive digest"):
-        own.anchor_compile_cache(KEY, FORGED)  # the first authority wins
+    other_anchor, _ = _serving(anchor, node="n2")
+    with pytest.raises(Conflict, match="another archive digest"):  # the first authority wins
+        anchor.with_token(other_anchor.token).anchor_compile_cache(KEY, FORGED)
     with pytest.raises(Conflict, match="another archive digest"):
         admin.anchor_compile_cache(KEY, FORGED, identity_key=mine.identity_key)
+    grown = own.anchor_compile_cache(KEY, GROWN)  # its own cache grew after it first settled: it moves
+    assert (grown.archive_digest, grown.instance_id) == (GROWN, mine.id)
+    own.anchor_compile_cache(KEY, DIGEST)
     with pytest.raises(Conflict, match="identity_key"):
         admin.anchor_compile_cache(OTHER, DIGEST)
     replaced = admin.anchor_compile_cache(KEY, FORGED, identity_key=mine.identity_key, replace=True)
