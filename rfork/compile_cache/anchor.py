@@ -26,6 +26,7 @@ class CacheAnchoring:
     def __init__(self, shelf: CacheShelf) -> None:
         self.shelf = shelf
         self._done: dict[str, str] = {}  # key -> the digest last published (or refused) for it
+        self._anchored: set[str] = set()  # keys whose digest this process set
         self._refused = False
         self._lock = threading.Lock()
 
@@ -42,7 +43,7 @@ class CacheAnchoring:
                 if self._done.get(key) == digest:
                     continue
                 try:
-                    client.anchor_compile_cache(key, digest, identity_key=identity_key)
+                    self._anchor(client, key, digest, identity_key)
                 except AuthError as exc:
                     if exc.status != 403:
                         raise
@@ -53,4 +54,19 @@ class CacheAnchoring:
                     log.warning("compile cache %s: %s; loaders will not install this archive", key[:12], exc)
                 else:
                     log.info("compile cache %s anchored with archive %s", key[:12], digest)
+                    self._anchored.add(key)
                 self._done[key] = digest
+
+    def _anchor(self, client: PlannerClient, key: str, digest: str, identity_key: str) -> None:
+        """An anchor-role instance moves its own anchor when its cache grew (the planner allows it);
+        a seed holding an admin token (or any seed of an --insecure planner) replaces only a digest
+        this process set itself."""
+        try:
+            client.anchor_compile_cache(key, digest, identity_key=identity_key)
+        except Conflict as conflict:
+            if key not in self._anchored:
+                raise
+            try:
+                client.anchor_compile_cache(key, digest, identity_key=identity_key, replace=True)
+            except AuthError:  # not an admin: someone else moved it, and it stays theirs
+                raise conflict from None
