@@ -158,3 +158,22 @@ def test_tampered_or_foreign_archives_are_not_installed(
         assert not out.installed
         assert why in (out.reason or "")
         assert _files(tmp_path / "new") == {}
+
+
+def test_a_cache_that_grows_after_it_was_anchored_is_anchored_again(planner: str, tmp_path: Path) -> None:
+    # CI's vLLM run: the cache settled mid-compile, was anchored, then grew; the seed kept serving the
+    # grown archive under the old anchor, which every loader refused
+    src = _compiled(tmp_path / "seed")
+    with _seed(planner, CacheShelf({KEY: src})):
+        _wait_anchored(planner)
+        extra = src / "torch_aot_compile" / "cd" / "inductor_cache" / "k2.so"
+        extra.parent.mkdir(parents=True)
+        extra.write_bytes(os.urandom(3000))
+        old = time.time() - 60
+        os.utime(extra, (old, old))  # written long enough ago: settled
+        dest = tmp_path / "new" / "torch_compile_cache"
+        deadline = time.monotonic() + 30
+        while not (out := fetch_compile_cache(planner_url=planner, token=LOAD, key=KEY, dest=dest)).installed:
+            assert time.monotonic() < deadline, out.reason
+            time.sleep(0.3)
+        assert _files(dest) == _files(src)
