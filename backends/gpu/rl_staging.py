@@ -18,11 +18,10 @@ A CPU `device` runs the same code (the tests and the CPU rehearsal).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,7 +30,7 @@ from backends.engine import TransferEngine
 from backends.gpu.host_copy import device_of, pinned_empty, synchronize
 from backends.gpu.staging import byte_view
 from backends.layout import views
-from backends.rl.receiver import RLReceiver, Snapshot
+from backends.rl.receiver import RLReceiver, SlotReaders, Snapshot
 from backends.rl.spec import DEFAULT_MAX_REGION_BYTES, RLError, shard_layout
 from backends.rl.trainer import RLTrainer, UpdateResult
 
@@ -97,7 +96,7 @@ class DeviceRLTrainer:
         self.trainer.close()
 
 
-class DeviceRLReceiver:
+class DeviceRLReceiver(SlotReaders):
     """An inference rank whose served weights live in two device slots (see the module docstring).
 
     `buffers`: the rank's device parameter regions (slot 0; slot 1 is allocated beside them), or None
@@ -143,26 +142,6 @@ class DeviceRLReceiver:
         self._thread.start()
 
     # ----- reader side --------------------------------------------------------------------------
-    @property
-    def version(self) -> int:
-        """The version device readers get now."""
-        with self._cond:
-            return self._version
-
-    @contextlib.contextmanager
-    def acquire(self) -> Iterator[Snapshot]:
-        """Pin the active device slot for one computation: its bytes do not change until the block exits."""
-        with self._cond:
-            slot, version = self._active, self._version
-            self._readers[slot] += 1
-        try:
-            yield Snapshot(version, slot, self._views[slot])
-        finally:
-            with self._cond:
-                self._readers[slot] -= 1
-                if self._readers[slot] == 0:
-                    self._cond.notify_all()
-
     def wait_version(self, version: int, timeout_s: float) -> bool:
         """Block until device readers get `version` or later; False on timeout."""
         with self._cond:

@@ -61,7 +61,39 @@ class _Pending:
     deadline: float
 
 
-class RLReceiver:
+class SlotReaders:
+    """The reader side of two weight slots: readers pin the active slot, the writer fills the other and
+    flips (RLReceiver on host memory, backends.gpu.rl_staging's device slots). The owner sets
+    `_cond`, `_active`, `_version`, `_readers` (per slot) and `_views` (per slot)."""
+
+    _cond: threading.Condition
+    _active: int
+    _version: int
+    _readers: list[int]
+    _views: Any
+
+    @property
+    def version(self) -> int:
+        """The version readers get now."""
+        with self._cond:
+            return self._version
+
+    @contextlib.contextmanager
+    def acquire(self) -> Iterator[Snapshot]:
+        """Pin the active slot for one computation: its bytes do not change until the block exits."""
+        with self._cond:
+            slot, version = self._active, self._version
+            self._readers[slot] += 1
+        try:
+            yield Snapshot(version, slot, self._views[slot])
+        finally:
+            with self._cond:
+                self._readers[slot] -= 1
+                if self._readers[slot] == 0:
+                    self._cond.notify_all()
+
+
+class RLReceiver(SlotReaders):
     """One inference rank taking weight updates from the session's trainers.
 
     `buffers` are the rank's existing flat parameter regions (the `backends.layout` placement of its
@@ -156,26 +188,6 @@ class RLReceiver:
         self._hello()
 
     # ----- reader side --------------------------------------------------------------------------
-    @property
-    def version(self) -> int:
-        """The version readers get now."""
-        with self._cond:
-            return self._version
-
-    @contextlib.contextmanager
-    def acquire(self) -> Iterator[Snapshot]:
-        """Pin the active slot for one computation: its bytes do not change until the block exits."""
-        with self._cond:
-            slot, version = self._active, self._version
-            self._readers[slot] += 1
-        try:
-            yield Snapshot(version, slot, self._views[slot])
-        finally:
-            with self._cond:
-                self._readers[slot] -= 1
-                if self._readers[slot] == 0:
-                    self._cond.notify_all()
-
     def wait_version(self, version: int, timeout_s: float) -> bool:
         """Block until readers get `version` or later; False on timeout."""
         deadline = time.monotonic() + timeout_s
