@@ -150,10 +150,9 @@ def _live_per_seed() -> Any:
     )
 
 
-def _accused(*, sqlite: bool) -> Any:
-    """Accused seeds of (b_key, b_rank) that may take a probation pull (planner.service.reports), their
-    manifests matching the anchor; at most b_limit rows. Read on every assignment, so it reads the
-    (identity, accused_since) index and no leases: the caller counts the few rows' live pulls."""
+def _anchored_seeds(active: Any) -> Any:
+    """The seed rows a candidate query reads (`active`: its live-lease count), joined to the rank, its
+    manifest and the identity's anchor: only manifests matching the anchored digest set are served."""
     return (
         select(
             Instance.id,
@@ -161,7 +160,7 @@ def _accused(*, sqlite: bool) -> Any:
             Instance.rack,
             Instance.zone,
             Instance.max_concurrent_pulls,
-            literal(0).label("active"),
+            active.label("active"),
             InstanceRank.backends,
             Anchor.checksum_algorithm,
             Anchor.digest_set,
@@ -181,6 +180,15 @@ def _accused(*, sqlite: bool) -> Any:
                 Anchor.digest_set == Manifest.digest_set,
             ),
         )
+    )
+
+
+def _accused(*, sqlite: bool) -> Any:
+    """Accused seeds of (b_key, b_rank) that may take a probation pull (planner.service.reports), their
+    manifests matching the anchor; at most b_limit rows. Read on every assignment, so it reads the
+    (identity, accused_since) index and no leases: the caller counts the few rows' live pulls."""
+    return (
+        _anchored_seeds(literal(0))
         .where(*_serves(excluding=True, sqlite=sqlite, accused=True))
         .order_by(Instance.accused_since, Instance.id)
         .limit(bindparam("b_limit"))
@@ -211,33 +219,7 @@ def _candidates(*, excluding: bool, tiered: bool, sqlite: bool) -> Any:
         )
         order += [distance, cast(active, Float) / cast(Instance.max_concurrent_pulls, Float)]
     return (
-        select(
-            Instance.id,
-            Instance.node,
-            Instance.rack,
-            Instance.zone,
-            Instance.max_concurrent_pulls,
-            active.label("active"),
-            InstanceRank.backends,
-            Anchor.checksum_algorithm,
-            Anchor.digest_set,
-            Anchor.instance_id.label("anchored_by"),
-        )
-        .join(
-            InstanceRank,
-            and_(InstanceRank.instance_id == Instance.id, InstanceRank.rank == bindparam("b_rank")),
-        )
-        .join(Manifest, and_(Manifest.instance_id == Instance.id, Manifest.rank == bindparam("b_rank")))
-        # only manifests matching the identity's anchored digest set are served
-        .join(
-            Anchor,
-            and_(
-                Anchor.identity_key == Instance.identity_key,
-                Anchor.rank == bindparam("b_rank"),
-                Anchor.checksum_algorithm == Manifest.checksum_algorithm,
-                Anchor.digest_set == Manifest.digest_set,
-            ),
-        )
+        _anchored_seeds(active)
         .outerjoin(live, live.c.instance_id == Instance.id)
         .where(*_serves(excluding=excluding, sqlite=sqlite))
         .order_by(*order, Instance.id)
