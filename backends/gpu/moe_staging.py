@@ -98,17 +98,9 @@ class DeviceExpertParallel(ExpertParallel):
 
     def combine_recv(self, topk_weights: torch.Tensor) -> torch.Tensor:
         """Wait for every expert output of this rank's tokens, then reduce on the device: [T, hidden] bf16."""
-        self._enter("combine_recv", "combined")
-        plan = self._send_plan
-        assert plan is not None
-        if tuple(topk_weights.shape) != tuple(plan.pair_slot.shape):
-            raise ValueError(
-                f"topk_weights must be {list(plan.pair_slot.shape)}, not {list(topk_weights.shape)}"
-            )
+        plan = self._combine_plan(topk_weights)
         with self._step("combine_recv", "idle"):
-            self._wait(self._arrivals, "combine_recv", "expert outputs from")
-            self._wait(self._inflight, "combine_recv", "write of expert outputs to")
-            self._arrivals, self._inflight = [], []
+            self._combine_collect()
             # Our pairs served by ourselves (out rows [start, start + n)), then every peer's (back rows
             # [0, total)), as one device block; pair_slot re-based onto it.
             offset, start, n = self._self_block

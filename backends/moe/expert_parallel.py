@@ -439,11 +439,9 @@ class ExpertParallel:
                 self._inflight.append((src, fut))
             self._arrivals = self._expect_from_peers(self.world_size)
 
-    def combine_recv(self, topk_weights: torch.Tensor) -> torch.Tensor:
-        """Wait for every expert output of this rank's tokens, then reduce: [T, hidden] bf16.
-
-        y[t] = sum over j of topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), in fp32, j in order.
-        """
+    def _combine_plan(self, topk_weights: torch.Tensor) -> SendPlan:
+        """combine_recv's entry: the state check and this round's send plan, `topk_weights` checked
+        against it."""
         self._enter("combine_recv", "combined")
         plan = self._send_plan
         assert plan is not None
@@ -451,10 +449,22 @@ class ExpertParallel:
             raise ValueError(
                 f"topk_weights must be {list(plan.pair_slot.shape)}, not {list(topk_weights.shape)}"
             )
+        return plan
+
+    def _combine_collect(self) -> None:
+        """Every expert output for this rank's tokens has arrived, and our own writes of them landed."""
+        self._wait(self._arrivals, "combine_recv", "expert outputs from")
+        self._wait(self._inflight, "combine_recv", "write of expert outputs to")
+        self._arrivals, self._inflight = [], []
+
+    def combine_recv(self, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Wait for every expert output of this rank's tokens, then reduce: [T, hidden] bf16.
+
+        y[t] = sum over j of topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), in fp32, j in order.
+        """
+        plan = self._combine_plan(topk_weights)
         with self._step("combine_recv", "idle"):
-            self._wait(self._arrivals, "combine_recv", "expert outputs from")
-            self._wait(self._inflight, "combine_recv", "write of expert outputs to")
-            self._arrivals, self._inflight = [], []
+            self._combine_collect()
             # Pairs we served ourselves are read from out; the rest from back, behind it.
             slot = plan.pair_slot
             offset, start, n = self._self_block
