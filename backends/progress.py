@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from backends.errors import EngineClosed, PeerUnreachable, RemoteAccessError, TransferError, TransferTimeout
 from backends.providers.domain import POST_FAILED, RECV_BASE, Completion, Domain, LocalRegistration
+from backends.spans import write_groups
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,7 @@ class Chunk:
     ctx: int = 0
     region: LocalRegion | None = None  # the local region this chunk reads into / writes from
     hash_job: int = 0  # the native digest job fed when this read lands (0: none)
+    segs: tuple[tuple[int, int, int], ...] = ()  # a gathered write's (ptr, raddr, length)s; () for one span
 
     @property
     def group(self) -> int:
@@ -173,6 +175,9 @@ class Progress:
         self.on_imm = on_imm
         self.on_message = on_message
         self.threads = [ProgressThread(self, f"rfork-transfer-{label}-{i}", d) for i, d in enumerate(domains)]
+        # spans one posted write may gather, and whether their remote ends may lie apart
+        self.max_segs = min((d.max_segs for d in domains), default=1)
+        self.scatters = all(d.scatters for d in domains)
         self._rr = itertools.count()
 
     def start(self) -> None:
@@ -200,33 +205,32 @@ class Progress:
             t.close_domain_when_done()
 
     def submit(self, op: Op, parts: Sequence[Part]) -> Op:
-        """Split the parts' spans into chunks over the domains and queue them; returns op.
+        """Split the parts' spans into chunks (writes gathered, see _gather) over the domains and
+        queue them; returns op.
 
         An immediate rides on its part's data write when that is the op's only chunk and only
         immediate; otherwise immediates go as zero-byte writes once all the op's data landed.
         """
         nw = len(self.threads)
         start = next(self._rr)
-        csize = self.chunk_bytes
         imms = [p for p in parts if p.imm is not None]
-        pieces = [
-            (p, lo + k, ro + k, min(csize, n - k))
-            for p in parts
-            for lo, ro, n in p.spans
-            for k in range(0, n, csize)
-        ]
+        pieces = [(p, group) for p in parts for group in self._gather(p)]
         ride = len(pieces) == 1 and len(imms) == 1 and pieces[0][0] is imms[0]
         after = bool(imms) and not ride
         per_thread: list[list[Chunk]] = [[] for _ in range(nw)]
-        for j, (p, lo, ro, n) in enumerate(pieces):
+        for j, (p, group) in enumerate(pieces):
             region = p.region
             assert region is not None  # only an immediate alone has no data and no region
             w = (start + j) % nw
+            lo, ro, _ = group[0]
+            n = sum(length for _, _, length in group)
             small = after and n <= SHM_INJECT_BYTES
             dc = p.kind == WRITE and (self.delivery_complete or small)
             key = p.keys[w % p.route.remote_domains]
+            segs = () if len(group) == 1 else tuple((region.ptr + a, p.base + b, m) for a, b, m in group)
             chunk = Chunk(op, p.kind, region.ptr + lo, n, region.regs[w].desc, p.route.handles[w],
-                          p.base + ro, key, p.imm if ride else None, dc, region=region, hash_job=p.hash_job)
+                          p.base + ro, key, p.imm if ride else None, dc, region=region, hash_job=p.hash_job,
+                          segs=segs)
             per_thread[w].append(chunk)
         if after:
             for i, p in enumerate(imms):
@@ -247,6 +251,19 @@ class Progress:
         if not pieces and not imms:
             op.future.set_result(None)
         return op
+
+    def _gather(self, part: Part) -> list[list[tuple[int, int, int]]]:
+        """The part's spans as the groups to post (backends.spans.write_groups): a write's pages
+        gathered up to this provider's limits, a read's pieces one each."""
+        csize = self.chunk_bytes
+        if part.kind != WRITE:
+            return [
+                [(lo + k, ro + k, min(csize, n - k))] for lo, ro, n in part.spans for k in range(0, n, csize)
+            ]
+        # shm 1.17 does not complete multi-iov writes that must be delivery-complete, which a small
+        # write before an immediate is (SHM_INJECT_BYTES): those groups stay ungathered there
+        small = 0 if self.delivery_complete else SHM_INJECT_BYTES
+        return write_groups(part.spans, csize, self.max_segs, scatters=self.scatters, ungathered_upto=small)
 
     def send(self, route: Route, data: bytes) -> Future[None]:
         """Post data (<= MAX_MESSAGE bytes) as one two-sided message from domain 0."""

@@ -63,6 +63,8 @@ class RmaOp(Protocol):
     def group(self) -> int: ...  # the user-visible op it belongs to (0: none), for cancelling
     @property
     def hash_job(self) -> int: ...  # a read's native digest job (backends.digest_job), 0: none
+    @property
+    def segs(self) -> Sequence[tuple[int, int, int]]: ...  # a gathered write's (ptr, raddr, length)s, or ()
 
 
 class Domain(abc.ABC):
@@ -71,6 +73,10 @@ class Domain(abc.ABC):
     name: bytes
     mr_virt_addr: bool
     max_inflight: int
+    # spans one write may gather (a local iov each): 1 where the provider cannot; and whether their
+    # remote ends may lie apart (several remote iovs) or must follow each other (one remote iov)
+    max_segs: int = 1
+    scatters: bool = False
     can_wait: bool
     # False where closing the endpoint while ops are still posted to a stalled peer is known to crash
     # the provider (tcp's rxm in libfabric 1.17): the engine then leaves it, and their memory, open.

@@ -265,6 +265,11 @@ class LibfabricDomain(Domain):
         self.mr_endpoint = bool(self.mr_mode & lib.FI_MR_ENDPOINT)
         self.key_bytes = min(int(dattr.mr_key_size) or 8, 8)
         self.max_inflight = max(8, min(int(info.tx_attr.size) or 64, 64))
+        tx = info.tx_attr
+        self.max_segs = max(1, min(int(tx.iov_limit), int(tx.rma_iov_limit), int(lib.RF_MAX_SEGS)))
+        # shm copies a write with one remote iov itself, at once; with several it queues a command
+        # that the peer's progress must serve (on 1.17 a post then spun forever on a dead peer's lock)
+        self.scatters = self.provider != "shm"
         self.remote_cq_data_flag = int(lib.FI_REMOTE_CQ_DATA)
         self.recv_flag = int(lib.FI_RECV_FLAG)
         fab = ffi.new("struct fid_fabric **")
@@ -316,11 +321,12 @@ class LibfabricDomain(Domain):
         self._err = ffi.new("struct fi_cq_err_entry *")
         self._peers: dict[bytes, int] = {}
         log.debug(
-            "opened %s domain mr_mode=%#x wait=%s inflight=%d",
+            "opened %s domain mr_mode=%#x wait=%s inflight=%d segs=%d",
             self.provider,
             self.mr_mode,
             self.can_wait,
             self.max_inflight,
+            self.max_segs,
         )
 
     def straddr(self, raw: bytes) -> str:
@@ -507,6 +513,7 @@ class _Recv(NamedTuple):
     delivery_complete: bool = False
     group: int = 0
     hash_job: int = 0
+    segs: Sequence[tuple[int, int, int]] = ()
 
 
 def _fill(arr: Any, ops: Sequence[RmaOp], start: int, n: int) -> None:
@@ -525,6 +532,11 @@ def _fill(arr: Any, ops: Sequence[RmaOp], start: int, n: int) -> None:
         o.kind = op.kind
         o.group = op.group
         o.hjob = op.hash_job
+        segs = op.segs
+        o.nseg = len(segs)
+        for j, (sptr, sraddr, slen) in enumerate(segs):
+            seg = o.seg[j]
+            seg.buf, seg.raddr, seg.len = sptr, sraddr, slen
         imm = op.imm
         if imm is None:
             o.flags = 2 if op.delivery_complete else 0

@@ -32,6 +32,7 @@ from backends.providers.libfabric import (
     refuses_forged_reads,
     refuses_forged_writes,
 )
+from backends.spans import page_spans
 from tests.backends.conftest import SRC_BYTES, Peer, start_peer
 from tests.backends.peer import digest, engine_kwargs, host_buffer, pattern
 
@@ -120,6 +121,44 @@ def test_paged_writes_random_pages_and_strides(engine: TransferEngine, peer: Pee
             so, do = src_off + s * src_stride, dst_off + d * dst_stride
             remote[do : do + page_len] = local[so : so + page_len]
         assert peer.call("digest", "small", 0, 16 * MiB) == digest(remote), (page_len, src_stride, dst_stride)
+
+
+@pytest.mark.timeout(90)
+def test_scattered_pages_go_out_as_gathered_writes(engine: TransferEngine, peer: Peer, provider: str) -> None:
+    """64 pages of 16 KiB, apart on both sides, then apart only locally: the provider gets one write
+    per 4 pages where it scatters (tcp) and, where it does not (shm), per page, or per 4 pages when the
+    remote ends follow each other; every byte lands where it belongs and the immediate comes last."""
+    page, count = 16 << 10, 64
+    posted: list[tuple[int, int]] = []  # (kind, gathered spans) of every op the domains get
+    for dom in engine._domains:
+        submit = dom.submit
+
+        def counting(ops: Any, submit: Any = submit) -> None:
+            posted.extend((op.kind, len(op.segs) or 1) for op in ops if op.length)
+            submit(ops)
+
+        dom.submit = counting  # type: ignore[method-assign]
+    rng = random.Random(8)
+    peer.call("fill", "small", 0)
+    remote = pattern(0, 16 * MiB).copy()
+    local = pattern(9, 4 * MiB).copy()
+    region = engine.register(local, "read")
+    scattered = rng.sample(range(256), count), rng.sample(range(256), count)
+    local_only = rng.sample(range(256), count), [100 + i for i in range(count)]
+    for imm, (src_pages, dst_pages) in enumerate((scattered, local_only), 40):
+        assert peer.call("expect", f"g{imm}", imm, 1) is True
+        posted.clear()
+        dst = peer.descs["small"]
+        engine.write_paged(region, src_pages, page, dst, dst_pages, page, page, imm=imm).result(30)
+        assert peer.call("wait_expect", f"g{imm}", 10) is True
+        for sp, dp in zip(src_pages, dst_pages, strict=True):
+            remote[dp * page : (dp + 1) * page] = local[sp * page : (sp + 1) * page]
+        assert peer.call("digest", "small", 0, 16 * MiB) == digest(remote)
+        gathers = provider != "shm" or dst_pages == local_only[1]
+        # pages adjacent on both sides were merged first
+        spans = len(page_spans(src_pages, 0, page, dst_pages, 0, page, page))
+        assert sum(n for _, n in posted) == spans
+        assert len(posted) == (-(-spans // 4) if gathers else spans), posted
 
 
 @pytest.mark.timeout(90)

@@ -1,5 +1,6 @@
-"""The engine's own rules, in one process: the page-run merge (hypothesis), the checks every op passes,
-and the hooks through which caller-driven endpoints learn of region releases and of close."""
+"""The engine's own rules, in one process: the page-run merge and the write gathering (hypothesis), the
+checks every op passes, and the hooks through which caller-driven endpoints learn of region releases
+and of close."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 from backends import EngineClosed, MemoryRegionDescriptor, RemoteAccessError, TransferEngine, TransferError
 from backends.engine import check_local, check_range, check_remote
-from backends.spans import page_spans
+from backends.spans import page_spans, write_groups
 
 
 @st.composite
@@ -49,6 +50,57 @@ def test_page_spans_move_exactly_the_mapped_pages(
         or dst_pages[i] * d_stride != dst_pages[i - 1] * d_stride + page_len
     )
     assert len(spans) == (runs if page_len else 0)  # one span per run adjacent on both sides
+
+
+@st.composite
+def _spans(draw: st.DrawFn) -> list[tuple[int, int, int]]:
+    """Spans as write_paged and backends.kv make them: apart, adjacent on one side, some long."""
+    spans, lo, ro = [], 0, 0
+    for _ in range(draw(st.integers(0, 24))):
+        lo += draw(st.sampled_from([0, 0, 1, 7]))
+        ro += draw(st.sampled_from([0, 0, 3, 64]))
+        n = draw(st.integers(0, 40))
+        spans.append((lo, ro, n))
+        lo, ro = lo + n, ro + n
+    return spans
+
+
+@settings(max_examples=400, deadline=None)
+@given(_spans(), st.integers(1, 48), st.integers(1, 5), st.booleans(), st.sampled_from([0, 0, 20, 64]))
+def test_write_groups_post_every_byte_once_within_the_limits(
+    spans: list[tuple[int, int, int]], chunk: int, max_segs: int, scatters: bool, upto: int
+) -> None:
+    groups = write_groups(spans, chunk, max_segs, scatters=scatters, ungathered_upto=upto)
+    flat = [piece for g in groups for piece in g]
+    # every byte of every span, in the given order, once: the pieces are the spans cut at chunk size
+    moved = [(lo + i, ro + i) for lo, ro, n in flat for i in range(n)]
+    assert moved == [(lo + i, ro + i) for lo, ro, n in spans for i in range(n)]
+    assert all(0 < n <= chunk for _, _, n in flat)
+    for g in groups:
+        assert 1 <= len(g) <= max(1, max_segs)
+        assert len(g) == 1 or sum(n for _, _, n in g) <= chunk
+        if len(g) > 1:
+            assert sum(n for _, _, n in g) > upto
+            if not scatters:  # one remote iov: the remote ends follow each other
+                assert all(b[1] == a[1] + a[2] for a, b in zip(g, g[1:], strict=False))
+    if not upto:  # greedy: a group ends only where the next piece could not join it
+        for g, nxt in zip(groups, groups[1:], strict=False):
+            last, piece = g[-1], nxt[0]
+            assert (
+                len(g) == max_segs
+                or sum(n for _, _, n in g) + piece[2] > chunk
+                or (not scatters and piece[1] != last[1] + last[2])
+            )
+
+
+def test_write_groups_gather_scattered_pages_four_to_a_write() -> None:
+    pages = [(p * 32, q * 16, 16) for p, q in zip([5, 1, 9, 3, 7, 0], [2, 8, 4, 0, 6, 10], strict=True)]
+    assert [len(g) for g in write_groups(pages, 1024, 4, scatters=True)] == [4, 2]
+    assert [len(g) for g in write_groups(pages, 1024, 4, scatters=False)] == [1] * 6  # remote apart
+    run = [(p * 32, i * 16, 16) for i, p in enumerate([5, 1, 9, 3, 7, 0])]  # remote adjacent
+    assert [len(g) for g in write_groups(run, 1024, 4, scatters=False)] == [4, 2]
+    assert [len(g) for g in write_groups(run, 40, 4, scatters=True)] == [2, 2, 2]  # chunk size
+    assert [len(g) for g in write_groups(run, 1024, 4, scatters=True, ungathered_upto=48)] == [4, 1, 1]
 
 
 def test_checks_name_the_op_the_side_and_the_bounds() -> None:

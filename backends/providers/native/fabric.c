@@ -5,6 +5,8 @@
 
 #include "rf_internal.h"
 
+_Static_assert(sizeof(((struct rf_op *)0)->seg) / sizeof(struct rf_seg) == RF_MAX_SEGS, "rf_op.seg holds RF_MAX_SEGS");
+
 uint32_t rf_api_version(void) { return FI_VERSION(1, 9); }
 /* fi_freeinfo frees the provider name, so it must live on the C heap. */
 int rf_set_prov_name(struct fi_info *hints, const char *name) {
@@ -13,36 +15,52 @@ int rf_set_prov_name(struct fi_info *hints, const char *name) {
 }
 
 /* Post ops[0..n) in order. Returns how many were posted; *err is 0 when all were, else the
- * (negative) return of ops[result] (-FI_EAGAIN: queue full or still connecting; retry later). */
+ * (negative) return of ops[result] (-FI_EAGAIN: queue full or still connecting; retry later).
+ * Plain reads and writes use fi_read/fi_write(data); a write that gathers segments or needs
+ * delivery-complete goes through fi_writemsg (the provider copies the iov arrays when it posts). */
 long rf_post_ops(struct fid_ep *ep, struct rf_op *ops, long n, long *err) {
     struct fi_msg_rma msg;
-    struct iovec iov;
-    struct fi_rma_iov riov;
-    void *desc;
+    struct iovec iov[RF_MAX_SEGS];
+    struct fi_rma_iov riov[RF_MAX_SEGS];
+    void *desc[RF_MAX_SEGS];
     memset(&msg, 0, sizeof msg);
-    msg.msg_iov = &iov;
-    msg.desc = &desc;
-    msg.iov_count = 1;
-    msg.rma_iov = &riov;
-    msg.rma_iov_count = 1;
+    msg.msg_iov = iov;
+    msg.desc = desc;
+    msg.rma_iov = riov;
     for (long i = 0; i < n; i++) {
         struct rf_op *o = &ops[i];
         void *buf = (void *)(uintptr_t)o->buf;
         void *ctx = (void *)(uintptr_t)o->ctx;
+        int gather = o->kind == RF_KIND_WRITE && o->nseg >= 2 && o->nseg <= RF_MAX_SEGS;
         ssize_t ret;
-        if (o->kind == 0) {
+        if (o->kind == RF_KIND_READ) {
             ret = fi_read(ep, buf, o->len, o->desc, o->peer, o->raddr, o->key, ctx);
-        } else if (o->flags & 2) {
-            uint64_t fl = FI_COMPLETION | FI_DELIVERY_COMPLETE;
-            iov.iov_base = buf;
-            iov.iov_len = o->len;
-            desc = o->desc;
+        } else if (gather || (o->flags & 2)) {
+            uint64_t fl = FI_COMPLETION;
+            size_t count = gather ? (size_t)o->nseg : 1, rcount = 0;
+            for (size_t s = 0; s < count; s++) {
+                uint64_t raddr = gather ? o->seg[s].raddr : o->raddr;
+                iov[s].iov_base = gather ? (void *)(uintptr_t)o->seg[s].buf : buf;
+                iov[s].iov_len = gather ? o->seg[s].len : o->len;
+                desc[s] = o->desc;
+                /* remote pieces that follow each other are one remote iov (shm: one iov keeps the
+                 * direct copy path; tcp: a shorter header) */
+                if (rcount && riov[rcount - 1].addr + riov[rcount - 1].len == raddr) {
+                    riov[rcount - 1].len += iov[s].iov_len;
+                    continue;
+                }
+                riov[rcount].addr = raddr;
+                riov[rcount].len = iov[s].iov_len;
+                riov[rcount].key = o->key;
+                rcount++;
+            }
+            msg.iov_count = count;
+            msg.rma_iov_count = rcount;
             msg.addr = o->peer;
-            riov.addr = o->raddr;
-            riov.len = o->len;
-            riov.key = o->key;
             msg.context = ctx;
             msg.data = 0;
+            if (o->flags & 2)
+                fl |= FI_DELIVERY_COMPLETE;
             if (o->flags & 1) {
                 msg.data = o->data;
                 fl |= FI_REMOTE_CQ_DATA;

@@ -24,12 +24,19 @@
 uint32_t rf_api_version(void);
 int rf_set_prov_name(struct fi_info *hints, const char *name);
 
+/* One piece of a gathered write: len bytes from local buf to remote raddr (same key). */
+#define RF_MAX_SEGS 4
+struct rf_seg { uint64_t buf; uint64_t raddr; uint64_t len; };
+
 /* One op to post: kind 0 = read, 1 = write (2 = send, 3 = receive: the core only); flags bit 0 =
  * carries data (imm), bit 1 = delivery complete; group = the op it is part of (for cancelling);
  * hjob = a digest job (struct rf_hjob *) to feed the bytes of a read to when it lands, or 0.
+ * A write with nseg >= 2 is one fi_writemsg of seg[0..nseg) (a local and a remote iov each, same
+ * desc and key; buf, raddr and len then describe the whole for records), else one span (buf, len).
  * buf and ctx are integers so that Python fills the array without pointer casts. */
 struct rf_op { uint64_t buf; size_t len; void *desc; uint64_t peer; uint64_t raddr; uint64_t key;
-               uint64_t ctx; uint64_t data; int kind; int flags; uint64_t group; uint64_t hjob; };
+               uint64_t ctx; uint64_t data; int kind; int flags; uint64_t group; uint64_t hjob;
+               int nseg; struct rf_seg seg[4]; }; /* 4: RF_MAX_SEGS (cffi needs the literal) */
 
 /* Hot loops in C (cffi releases the GIL during these calls). */
 long rf_cq_drain(struct fid_cq *cq, struct fi_cq_data_entry *ents, long max, uint64_t *out);
