@@ -300,10 +300,14 @@ class TransferEngine:
         imm (if any), for start_op."""
         rdesc = as_descriptor(remote_desc)
         check_imm(imm)
+        check_local(self, region, 0, 0, what)  # the engine, the region and the access, once
+        check_remote(rdesc, 0, 0, what, need="write")
+        lsize, rsize = region.nbytes, rdesc.length
         checked: list[tuple[int, int, int]] = []
-        for lo, ro, n in spans:
-            check_local(self, region, lo, n, what)
-            check_remote(rdesc, ro, n, what, need="write")
+        for lo, ro, n in spans:  # a page batch has thousands of spans: only the bounds, per span
+            if lo < 0 or ro < 0 or n < 0 or lo + n > lsize or ro + n > rsize:
+                check_range(what, "local", lo, n, lsize)
+                check_range(what, "remote", ro, n, rsize)
             if n:
                 checked.append((int(lo), int(ro), int(n)))
         return self._part(WRITE, region, checked, rdesc, imm)

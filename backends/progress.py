@@ -20,14 +20,22 @@ import logging
 import random
 import threading
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from backends.errors import EngineClosed, PeerUnreachable, RemoteAccessError, TransferError, TransferTimeout
-from backends.providers.domain import POST_FAILED, RECV_BASE, Completion, Domain, LocalRegistration
-from backends.spans import write_groups
+from backends.providers.domain import (
+    POST_FAILED,
+    RECV_BASE,
+    Completion,
+    Domain,
+    LocalRegistration,
+    WriteBatch,
+)
+from backends.spans import cut_spans
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +45,9 @@ MAX_MESSAGE = 64 * 1024  # bytes of one two-sided message (the receive buffers' 
 # shm 1.17 completes writes up to its inject size when they are queued, not when they land; larger
 # writes complete after the copy. Only those small ones need delivery-complete before an immediate.
 SHM_INJECT_BYTES = 4096
+# a batch of write pieces is one chunk to Python: at most this many pieces and (about) this many bytes
+BATCH_PIECES = 256
+BATCH_BYTES = 8 << 20
 _RECV_BASE = RECV_BASE  # contexts of posted receive buffers
 _RECV_COUNT = 16
 _ACCESS_ERRNOS = {errno.EACCES, errno.EPERM, errno.EINVAL, errno.ENOKEY, errno.EKEYREJECTED, errno.EFAULT}
@@ -144,7 +155,7 @@ class Chunk:
     ctx: int = 0
     region: LocalRegion | None = None  # the local region this chunk reads into / writes from
     hash_job: int = 0  # the native digest job fed when this read lands (0: none)
-    segs: tuple[tuple[int, int, int], ...] = ()  # a gathered write's (ptr, raddr, length)s; () for one span
+    batch: WriteBatch | None = None  # write pieces the core gathers and posts, completed as this one chunk
 
     @property
     def group(self) -> int:
@@ -175,9 +186,6 @@ class Progress:
         self.on_imm = on_imm
         self.on_message = on_message
         self.threads = [ProgressThread(self, f"rfork-transfer-{label}-{i}", d) for i, d in enumerate(domains)]
-        # spans one posted write may gather, and whether their remote ends may lie apart
-        self.max_segs = min((d.max_segs for d in domains), default=1)
-        self.scatters = all(d.scatters for d in domains)
         self._rr = itertools.count()
 
     def start(self) -> None:
@@ -205,65 +213,101 @@ class Progress:
             t.close_domain_when_done()
 
     def submit(self, op: Op, parts: Sequence[Part]) -> Op:
-        """Split the parts' spans into chunks (writes gathered, see _gather) over the domains and
-        queue them; returns op.
+        """Split the parts' spans into chunks over the domains and queue them; returns op.
 
-        An immediate rides on its part's data write when that is the op's only chunk and only
-        immediate; otherwise immediates go as zero-byte writes once all the op's data landed.
+        A part's writes go to each domain as batches (_batches): one chunk, one completion, for up
+        to BATCH_PIECES pieces that the domain's core gathers into multi-iov writes. Reads, and a
+        part of one piece, go as one chunk per piece, round-robin over the domains.
+        An immediate rides on its part's data when that is the op's only piece and only immediate;
+        otherwise immediates go as zero-byte writes once all the op's data landed.
         """
         nw = len(self.threads)
         start = next(self._rr)
         imms = [p for p in parts if p.imm is not None]
-        pieces = [(p, group) for p in parts for group in self._gather(p)]
-        ride = len(pieces) == 1 and len(imms) == 1 and pieces[0][0] is imms[0]
+        planned = [(p, pieces) for p in parts if (pieces := cut_spans(p.spans, self.chunk_bytes))]
+        count = sum(len(pieces) for _, pieces in planned)
+        ride = count == 1 and len(imms) == 1 and planned[0][0] is imms[0]
         after = bool(imms) and not ride
         per_thread: list[list[Chunk]] = [[] for _ in range(nw)]
-        for j, (p, group) in enumerate(pieces):
+        j = 0
+        for p, pieces in planned:
             region = p.region
             assert region is not None  # only an immediate alone has no data and no region
-            w = (start + j) % nw
-            lo, ro, _ = group[0]
-            n = sum(length for _, _, length in group)
-            small = after and n <= SHM_INJECT_BYTES
-            dc = p.kind == WRITE and (self.delivery_complete or small)
-            key = p.keys[w % p.route.remote_domains]
-            segs = () if len(group) == 1 else tuple((region.ptr + a, p.base + b, m) for a, b, m in group)
-            chunk = Chunk(op, p.kind, region.ptr + lo, n, region.regs[w].desc, p.route.handles[w],
-                          p.base + ro, key, p.imm if ride else None, dc, region=region, hash_job=p.hash_job,
-                          segs=segs)
-            per_thread[w].append(chunk)
+            if p.kind == WRITE and len(pieces) > 1:
+                # contiguous blocks, one per domain, so that each domain can gather neighbours
+                step = -(-len(pieces) // nw)
+                for k in range(0, len(pieces), step):
+                    w = (start + k // step) % nw
+                    per_thread[w] += self._batches(op, p, region, w, pieces[k : k + step], after)
+                continue
+            for piece in pieces:
+                w = (start + j) % nw
+                j += 1
+                per_thread[w].append(self._chunk(op, p, region, w, piece, ride, after))
+        op.remaining = sum(len(chunks) for chunks in per_thread) or len(imms)
         if after:
             for i, p in enumerate(imms):
                 w = (start + i) % nw
                 key = p.keys[w % p.route.remote_domains]
                 last = Chunk(op, WRITE, 0, 0, None, p.route.handles[w], p.base, key, imm=p.imm)
-                if pieces:
+                if count:
                     op.imm_after.append((self.threads[w], last))
                 else:
                     per_thread[w].append(last)
-        op.remaining = len(pieces) if pieces else len(imms)
         if self.reorder:
             for chunks in per_thread:
                 random.shuffle(chunks)
         for w, chunks in enumerate(per_thread):
             if chunks:
                 self.threads[w].submit(chunks)
-        if not pieces and not imms:
+        if not count and not imms:
             op.future.set_result(None)
         return op
 
-    def _gather(self, part: Part) -> list[list[tuple[int, int, int]]]:
-        """The part's spans as the groups to post (backends.spans.write_groups): a write's pages
-        gathered up to this provider's limits, a read's pieces one each."""
-        csize = self.chunk_bytes
-        if part.kind != WRITE:
-            return [
-                [(lo + k, ro + k, min(csize, n - k))] for lo, ro, n in part.spans for k in range(0, n, csize)
-            ]
-        # shm 1.17 does not complete multi-iov writes that must be delivery-complete, which a small
-        # write before an immediate is (SHM_INJECT_BYTES): those groups stay ungathered there
+    def _chunk(
+        self, op: Op, p: Part, region: LocalRegion, w: int, piece: tuple[int, int, int], ride: bool,
+        after: bool,
+    ) -> Chunk:
+        """One posted read or write of one piece of the part on domain w."""
+        lo, ro, n = piece
+        small = after and n <= SHM_INJECT_BYTES
+        dc = p.kind == WRITE and (self.delivery_complete or small)
+        key = p.keys[w % p.route.remote_domains]
+        return Chunk(op, p.kind, region.ptr + lo, n, region.regs[w].desc, p.route.handles[w], p.base + ro,
+                     key, p.imm if ride else None, dc, region=region, hash_job=p.hash_job)
+
+    def _batches(
+        self, op: Op, p: Part, region: LocalRegion, w: int, pieces: list[tuple[int, int, int]], after: bool,
+    ) -> list[Chunk]:
+        """The part's write pieces for domain w as batches of up to BATCH_PIECES pieces and BATCH_BYTES:
+        each batch is one chunk to Python (one submission, one pin, one completion record) while the
+        core gathers its pieces into writes of up to the provider's iov limit and posts them. A
+        page batch so costs Python little per page and the provider one op per gathered write.
+        BATCH_BYTES keeps completions coming often enough for the per-peer progress deadline."""
+        key = p.keys[w % p.route.remote_domains]
+        # (reorder shuffles the batches, not the pieces within one: that would undo the gathering)
+        # shm: a small write before an immediate must be delivery-complete (as in _chunk), and shm 1.17
+        # does not complete multi-iov delivery-complete writes: small groups stay ungathered there
         small = 0 if self.delivery_complete else SHM_INJECT_BYTES
-        return write_groups(part.spans, csize, self.max_segs, scatters=self.scatters, ungathered_upto=small)
+        dc_upto = small if after else 0
+        ptr, base, csize = region.ptr, p.base, self.chunk_bytes
+        out: list[Chunk] = []
+        i = 0
+        while i < len(pieces):
+            flat, total, first = array("Q"), 0, pieces[i]
+            end = min(len(pieces), i + BATCH_PIECES)
+            while i < end and total < BATCH_BYTES:
+                lo, ro, n = pieces[i]
+                flat.extend((ptr + lo, base + ro, n))
+                total += n
+                i += 1
+            if len(flat) == 3:
+                out.append(self._chunk(op, p, region, w, first, False, after))
+                continue
+            batch = WriteBatch(flat, csize, ungathered_upto=small, dc_upto=dc_upto)
+            out.append(Chunk(op, WRITE, ptr + first[0], total, region.regs[w].desc, p.route.handles[w],
+                             base + first[1], key, None, self.delivery_complete, region=region, batch=batch))
+        return out
 
     def send(self, route: Route, data: bytes) -> Future[None]:
         """Post data (<= MAX_MESSAGE bytes) as one two-sided message from domain 0."""

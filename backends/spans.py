@@ -1,6 +1,6 @@
-"""Spans of a write as the provider gets them: pages adjacent on both sides merge into one span
-(page_spans: engine.write_paged, backends.kv), and spans that stay apart are gathered into few
-multi-iov writes (write_groups: backends.progress)."""
+"""Spans as the provider gets them: pages adjacent on both sides merge into one span (page_spans:
+engine.write_paged, backends.kv), and spans are cut into pieces of at most the chunk size (cut_spans:
+backends.progress). A domain's core gathers write pieces into multi-iov writes (rf_group_pieces)."""
 
 from __future__ import annotations
 
@@ -40,47 +40,9 @@ def page_spans(
     return spans
 
 
-def write_groups(
-    spans: Sequence[tuple[int, int, int]],
-    chunk_bytes: int,
-    max_segs: int,
-    *,
-    scatters: bool,
-    ungathered_upto: int = 0,
-) -> list[list[tuple[int, int, int]]]:
-    """(local, remote, length) spans cut into pieces of at most chunk_bytes, in order, then grouped:
-    each group is one posted write of up to max_segs pieces and chunk_bytes in all, so a batch of
-    pages costs the provider one op (one message, one acknowledgement, one completion) per group.
-
-    scatters=False: a group's remote ends must follow each other (one remote iov; local ends may lie
-    apart). A group of at most ungathered_upto bytes goes back to one piece per group.
-    """
-    pieces = [
-        (lo + k, ro + k, min(chunk_bytes, n - k)) for lo, ro, n in spans for k in range(0, n, chunk_bytes)
-    ]
-    if max_segs < 2 or len(pieces) < 2:
-        return [[piece] for piece in pieces]
-    groups: list[list[tuple[int, int, int]]] = []
-    group: list[tuple[int, int, int]] = []
-    total = remote_end = 0
-    for piece in pieces:
-        if group and (
-            len(group) == max_segs
-            or total + piece[2] > chunk_bytes
-            or (not scatters and piece[1] != remote_end)
-        ):
-            groups.append(group)
-            group, total = [], 0
-        group.append(piece)
-        total += piece[2]
-        remote_end = piece[1] + piece[2]
-    groups.append(group)
-    if not ungathered_upto:
-        return groups
-    return [
-        part
-        for g in groups
-        for part in (
-            [[piece] for piece in g] if len(g) > 1 and sum(n for _, _, n in g) <= ungathered_upto else [g]
-        )
-    ]
+def cut_spans(spans: Sequence[tuple[int, int, int]], chunk_bytes: int) -> list[tuple[int, int, int]]:
+    """(local, remote, length) spans cut into pieces of at most chunk_bytes, in order (empty ones go)."""
+    if all(0 < n <= chunk_bytes for _, _, n in spans):
+        return list(spans)
+    step = chunk_bytes
+    return [(lo + k, ro + k, min(step, n - k)) for lo, ro, n in spans for k in range(0, n, step)]

@@ -10,6 +10,7 @@ A later CUDA-IPC provider implements the same class.
 from __future__ import annotations
 
 import abc
+from array import array
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -34,6 +35,19 @@ class LocalRegistration(NamedTuple):
     key: int
     desc: Any
     handle: Any
+
+
+class WriteBatch(NamedTuple):
+    """Writes that go to the provider as several ops and come back as one completion: pieces holds
+    (local address, remote address, length) flat, in order; the provider groups them into writes of
+    up to its max_segs pieces and max_bytes (only pieces whose remote ends follow each other where it
+    does not scatter; none of several pieces and at most ungathered_upto bytes), and a write of at
+    most dc_upto bytes is delivery-complete."""
+
+    pieces: array[int]  # 'Q'
+    max_bytes: int
+    ungathered_upto: int = 0
+    dc_upto: int = 0
 
 
 class RmaOp(Protocol):
@@ -64,7 +78,7 @@ class RmaOp(Protocol):
     @property
     def hash_job(self) -> int: ...  # a read's native digest job (backends.digest_job), 0: none
     @property
-    def segs(self) -> Sequence[tuple[int, int, int]]: ...  # a gathered write's (ptr, raddr, length)s, or ()
+    def batch(self) -> WriteBatch | None: ...  # write pieces posted by the core, completed together
 
 
 class Domain(abc.ABC):
@@ -73,7 +87,7 @@ class Domain(abc.ABC):
     name: bytes
     mr_virt_addr: bool
     max_inflight: int
-    # spans one write may gather (a local iov each): 1 where the provider cannot; and whether their
+    # pieces one write may gather (a local iov each): 1 where the provider cannot; and whether their
     # remote ends may lie apart (several remote iovs) or must follow each other (one remote iov)
     max_segs: int = 1
     scatters: bool = False

@@ -29,6 +29,7 @@ from backends.providers.domain import (
     Domain,
     LocalRegistration,
     RmaOp,
+    WriteBatch,
 )
 from backends.providers.registry import lookup
 
@@ -317,6 +318,7 @@ class LibfabricDomain(Domain):
         self._entries = ffi.new("struct fi_cq_data_entry[]", _CQ_BATCH)
         self._out = ffi.new("uint64_t[]", 4 * _CQ_BATCH)
         self._sub_ops = ffi.new("struct rf_op[]", _POST_BATCH)
+        self._tmpl = ffi.new("struct rf_op[]", 1)
         self._recs = ffi.new("struct rf_rec[]", _CQ_BATCH)
         self._err = ffi.new("struct fi_cq_err_entry *")
         self._peers: dict[bytes, int] = {}
@@ -406,12 +408,36 @@ class LibfabricDomain(Domain):
         with self._submit_lock:
             if self._core == ffi.NULL:
                 raise EngineClosed(f"{self.provider}: the domain's progress core is not running")
-            arr = self._sub_ops
-            for start in range(0, len(ops), _POST_BATCH):
-                n = min(len(ops) - start, _POST_BATCH)
+            arr, start = self._sub_ops, 0
+            while start < len(ops):
+                batch = ops[start].batch
+                if batch is not None:
+                    self._submit_batch(ops[start], batch)
+                    start += 1
+                    continue
+                n = 1
+                while n < _POST_BATCH and start + n < len(ops) and ops[start + n].batch is None:
+                    n += 1
                 _fill(arr, ops, start, n)
                 if lib.rf_core_submit(self._core, arr, n) < 0:
                     raise EngineClosed(f"{self.provider}: the domain's progress core has stopped")
+                start += n
+
+    def _submit_batch(self, op: RmaOp, batch: WriteBatch) -> None:
+        """Queue one batch of writes: the core groups and posts them, and completes them as one record."""
+        if batch.pieces.itemsize != 8 or not batch.pieces or len(batch.pieces) % 3:
+            raise TransferError(f"{self.provider}: a write batch takes (address, address, length) triples")
+        tmpl = self._tmpl
+        _fill(tmpl, [op], 0, 1)
+        pieces = ffi.from_buffer(batch.pieces)  # read during the call only
+        rc = lib.rf_core_submit_batch(
+            self._core, tmpl, ffi.cast("uint64_t *", pieces), len(batch.pieces) // 3, self.max_segs,
+            int(self.scatters), batch.max_bytes, batch.ungathered_upto, batch.dc_upto,
+        )
+        if rc == -2:
+            raise TransferError(f"{self.provider}: malformed write batch")
+        if rc < 0:
+            raise EngineClosed(f"{self.provider}: the domain's progress core has stopped")
 
     def drain(self, timeout_s: float) -> list[Completion] | None:
         core, recs = self._core, self._recs
@@ -513,7 +539,7 @@ class _Recv(NamedTuple):
     delivery_complete: bool = False
     group: int = 0
     hash_job: int = 0
-    segs: Sequence[tuple[int, int, int]] = ()
+    batch: WriteBatch | None = None
 
 
 def _fill(arr: Any, ops: Sequence[RmaOp], start: int, n: int) -> None:
@@ -532,11 +558,7 @@ def _fill(arr: Any, ops: Sequence[RmaOp], start: int, n: int) -> None:
         o.kind = op.kind
         o.group = op.group
         o.hjob = op.hash_job
-        segs = op.segs
-        o.nseg = len(segs)
-        for j, (sptr, sraddr, slen) in enumerate(segs):
-            seg = o.seg[j]
-            seg.buf, seg.raddr, seg.len = sptr, sraddr, slen
+        o.nseg = 0  # gathered writes come from batches, which the core expands
         imm = op.imm
         if imm is None:
             o.flags = 2 if op.delivery_complete else 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
+from array import array
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -157,3 +158,20 @@ def serve(
                 conn.send(f"error: {exc}")
     finally:
         eng.close()
+
+
+def group_pieces(
+    pieces: list[tuple[int, int, int]], max_bytes: int, max_segs: int, *, scatters: bool, upto: int = 0
+) -> list[list[tuple[int, int, int]]]:
+    """The native core's grouping of write pieces into gathered writes (rf_group_pieces), as lists."""
+    from backends.providers._native import ffi, lib
+
+    flat = array("Q", [x for piece in pieces for x in piece])
+    sizes = ffi.new("uint32_t[]", max(1, len(pieces)))
+    ptr = ffi.cast("uint64_t *", ffi.from_buffer(flat))
+    count = lib.rf_group_pieces(ptr, len(pieces), max_segs, int(scatters), max_bytes, upto, sizes)
+    out, i = [], 0
+    for g in ffi.unpack(sizes, count):
+        out.append(pieces[i : i + g])
+        i += g
+    return out

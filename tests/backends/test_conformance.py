@@ -34,7 +34,7 @@ from backends.providers.libfabric import (
 )
 from backends.spans import page_spans
 from tests.backends.conftest import SRC_BYTES, Peer, start_peer
-from tests.backends.peer import digest, engine_kwargs, host_buffer, pattern
+from tests.backends.peer import digest, engine_kwargs, group_pieces, host_buffer, pattern
 
 MiB = 1 << 20
 
@@ -127,14 +127,25 @@ def test_paged_writes_random_pages_and_strides(engine: TransferEngine, peer: Pee
 def test_scattered_pages_go_out_as_gathered_writes(engine: TransferEngine, peer: Peer, provider: str) -> None:
     """64 pages of 16 KiB, apart on both sides, then apart only locally: the provider gets one write
     per 4 pages where it scatters (tcp) and, where it does not (shm), per page, or per 4 pages when the
-    remote ends follow each other; every byte lands where it belongs and the immediate comes last."""
+    remote ends follow each other; each domain's writes are one batch (one chunk, one completion);
+    every byte lands where it belongs and the immediate comes last."""
     page, count = 16 << 10, 64
-    posted: list[tuple[int, int]] = []  # (kind, gathered spans) of every op the domains get
+    posted: list[tuple[int, int]] = []  # (kind, gathered spans) of every write the providers get
+    chunks: list[int] = []  # what Python handed the domains: a batch of writes is one
     for dom in engine._domains:
         submit = dom.submit
 
-        def counting(ops: Any, submit: Any = submit) -> None:
-            posted.extend((op.kind, len(op.segs) or 1) for op in ops if op.length)
+        def counting(ops: Any, submit: Any = submit, dom: Any = dom) -> None:
+            for op in ops:
+                if op.length:
+                    chunks.append(1)
+                    if op.batch is None:
+                        posted.append((op.kind, 1))
+                        continue
+                    flat = list(op.batch.pieces)
+                    pieces = [tuple(flat[i : i + 3]) for i in range(0, len(flat), 3)]
+                    groups = group_pieces(pieces, op.batch.max_bytes, dom.max_segs, scatters=dom.scatters)
+                    posted.extend((op.kind, len(g)) for g in groups)
             submit(ops)
 
         dom.submit = counting  # type: ignore[method-assign]
@@ -148,6 +159,7 @@ def test_scattered_pages_go_out_as_gathered_writes(engine: TransferEngine, peer:
     for imm, (src_pages, dst_pages) in enumerate((scattered, local_only), 40):
         assert peer.call("expect", f"g{imm}", imm, 1) is True
         posted.clear()
+        chunks.clear()
         dst = peer.descs["small"]
         engine.write_paged(region, src_pages, page, dst, dst_pages, page, page, imm=imm).result(30)
         assert peer.call("wait_expect", f"g{imm}", 10) is True
@@ -159,6 +171,7 @@ def test_scattered_pages_go_out_as_gathered_writes(engine: TransferEngine, peer:
         spans = len(page_spans(src_pages, 0, page, dst_pages, 0, page, page))
         assert sum(n for _, n in posted) == spans
         assert len(posted) == (-(-spans // 4) if gathers else spans), posted
+        assert len(chunks) == engine.domains  # each domain's writes of the op went as one batch
 
 
 @pytest.mark.timeout(90)

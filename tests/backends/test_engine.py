@@ -1,6 +1,6 @@
-"""The engine's own rules, in one process: the page-run merge and the write gathering (hypothesis), the
-checks every op passes, and the hooks through which caller-driven endpoints learn of region releases
-and of close."""
+"""The engine's own rules, in one process: the page-run merge, the cut into pieces and the native core's
+gathering of write pieces (hypothesis), the checks every op passes, and the hooks through which
+caller-driven endpoints learn of region releases and of close."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from backends import EngineClosed, MemoryRegionDescriptor, RemoteAccessError, TransferEngine, TransferError
 from backends.engine import check_local, check_range, check_remote
-from backends.spans import page_spans, write_groups
+from backends.spans import cut_spans, page_spans
+from tests.backends.peer import group_pieces
 
 
 @st.composite
@@ -53,54 +54,69 @@ def test_page_spans_move_exactly_the_mapped_pages(
 
 
 @st.composite
-def _spans(draw: st.DrawFn) -> list[tuple[int, int, int]]:
-    """Spans as write_paged and backends.kv make them: apart, adjacent on one side, some long."""
-    spans, lo, ro = [], 0, 0
+def _pieces(draw: st.DrawFn) -> tuple[list[tuple[int, int, int]], int]:
+    """Write pieces as write_paged and backends.kv make them (cut at max_bytes): apart, adjacent on
+    one side, some long; and max_bytes."""
+    max_bytes = draw(st.integers(1, 48))
+    pieces, lo, ro = [], draw(st.integers(0, 9)), draw(st.integers(0, 9))
     for _ in range(draw(st.integers(0, 24))):
         lo += draw(st.sampled_from([0, 0, 1, 7]))
         ro += draw(st.sampled_from([0, 0, 3, 64]))
-        n = draw(st.integers(0, 40))
-        spans.append((lo, ro, n))
+        n = draw(st.integers(1, max_bytes))
+        pieces.append((lo, ro, n))
         lo, ro = lo + n, ro + n
-    return spans
+    return pieces, max_bytes
 
 
 @settings(max_examples=400, deadline=None)
-@given(_spans(), st.integers(1, 48), st.integers(1, 5), st.booleans(), st.sampled_from([0, 0, 20, 64]))
-def test_write_groups_post_every_byte_once_within_the_limits(
-    spans: list[tuple[int, int, int]], chunk: int, max_segs: int, scatters: bool, upto: int
+@given(_pieces(), st.integers(0, 6), st.booleans(), st.sampled_from([0, 0, 20, 64]))
+def test_gathered_writes_take_every_piece_once_within_the_limits(
+    case: tuple[list[tuple[int, int, int]], int], max_segs: int, scatters: bool, upto: int
 ) -> None:
-    groups = write_groups(spans, chunk, max_segs, scatters=scatters, ungathered_upto=upto)
-    flat = [piece for g in groups for piece in g]
-    # every byte of every span, in the given order, once: the pieces are the spans cut at chunk size
-    moved = [(lo + i, ro + i) for lo, ro, n in flat for i in range(n)]
-    assert moved == [(lo + i, ro + i) for lo, ro, n in spans for i in range(n)]
-    assert all(0 < n <= chunk for _, _, n in flat)
+    pieces, max_bytes = case
+    groups = group_pieces(pieces, max_bytes, max_segs, scatters=scatters, upto=upto)
+    assert [piece for g in groups for piece in g] == pieces  # every piece once, in order
+    limit = min(max(max_segs, 1), 4)  # RF_MAX_SEGS
     for g in groups:
-        assert 1 <= len(g) <= max(1, max_segs)
-        assert len(g) == 1 or sum(n for _, _, n in g) <= chunk
+        assert 1 <= len(g) <= limit
         if len(g) > 1:
-            assert sum(n for _, _, n in g) > upto
+            assert upto < sum(n for _, _, n in g) <= max_bytes
             if not scatters:  # one remote iov: the remote ends follow each other
                 assert all(b[1] == a[1] + a[2] for a, b in zip(g, g[1:], strict=False))
-    if not upto:  # greedy: a group ends only where the next piece could not join it
+    if not upto:  # greedy: a write ends only where the next piece could not join it
         for g, nxt in zip(groups, groups[1:], strict=False):
             last, piece = g[-1], nxt[0]
             assert (
-                len(g) == max_segs
-                or sum(n for _, _, n in g) + piece[2] > chunk
+                len(g) == limit
+                or sum(n for _, _, n in g) + piece[2] > max_bytes
                 or (not scatters and piece[1] != last[1] + last[2])
             )
 
 
-def test_write_groups_gather_scattered_pages_four_to_a_write() -> None:
-    pages = [(p * 32, q * 16, 16) for p, q in zip([5, 1, 9, 3, 7, 0], [2, 8, 4, 0, 6, 10], strict=True)]
-    assert [len(g) for g in write_groups(pages, 1024, 4, scatters=True)] == [4, 2]
-    assert [len(g) for g in write_groups(pages, 1024, 4, scatters=False)] == [1] * 6  # remote apart
-    run = [(p * 32, i * 16, 16) for i, p in enumerate([5, 1, 9, 3, 7, 0])]  # remote adjacent
-    assert [len(g) for g in write_groups(run, 1024, 4, scatters=False)] == [4, 2]
-    assert [len(g) for g in write_groups(run, 40, 4, scatters=True)] == [2, 2, 2]  # chunk size
-    assert [len(g) for g in write_groups(run, 1024, 4, scatters=True, ungathered_upto=48)] == [4, 1, 1]
+def test_scattered_pages_gather_four_to_a_write() -> None:
+    order = [(5, 2), (1, 8), (9, 4), (3, 0), (7, 6), (0, 10)]
+    pages = [(p * 32, q * 16, 16) for p, q in order]
+    assert [len(g) for g in group_pieces(pages, 1024, 4, scatters=True)] == [4, 2]
+    assert [len(g) for g in group_pieces(pages, 1024, 4, scatters=False)] == [1] * 6  # remote apart
+    run = [(p * 32, i * 16, 16) for i, (p, _) in enumerate(order)]  # remote adjacent
+    assert [len(g) for g in group_pieces(run, 1024, 4, scatters=False)] == [4, 2]
+    assert [len(g) for g in group_pieces(run, 40, 4, scatters=True)] == [2, 2, 2]  # max_bytes
+    assert [len(g) for g in group_pieces(run, 1024, 4, scatters=True, upto=48)] == [4, 1, 1]
+    assert [len(g) for g in group_pieces(run, 1024, 1, scatters=True)] == [1] * 6  # no gathering
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 99), st.integers(0, 99), st.integers(0, 50)), max_size=12),
+    st.integers(1, 20),
+)
+def test_cut_spans_keeps_every_byte_in_pieces_of_at_most_the_chunk(
+    spans: list[tuple[int, int, int]], chunk: int
+) -> None:
+    pieces = cut_spans(spans, chunk)
+    assert all(0 < n <= chunk for _, _, n in pieces)
+    moved = [(lo + i, ro + i) for lo, ro, n in pieces for i in range(n)]
+    assert moved == [(lo + i, ro + i) for lo, ro, n in spans for i in range(n)]
 
 
 def test_checks_name_the_op_the_side_and_the_bounds() -> None:

@@ -22,6 +22,10 @@
 
 struct rf_hslot { uint64_t ctx; struct rf_hjob *job; uint64_t buf, len; };
 
+/* A batch: writes queued under one context (rf_core_submit_batch) that come back as one record,
+ * once every one of them completed or failed (the first error is the record's). */
+struct rf_batch { uint64_t ctx, len, flags; long left; int64_t err; char msg[120]; };
+
 struct rf_core {
     struct fid_ep *ep;
     struct fid_cq *cq;
@@ -40,6 +44,7 @@ struct rf_core {
     struct rf_rec fresh[RF_CQ_BATCH + 64];
     struct rf_hslot htab[RF_HTAB]; /* the core thread's alone: posted tagged ops, by context */
     long hcount;
+    struct rf_batch *batches; long nbatches, batches_cap; /* open batches (under mu) */
 };
 
 static void rf_deadline_in(struct timespec *ts, long ns) {
@@ -124,8 +129,47 @@ struct rf_core *rf_core_new(struct fid_ep *ep, struct fid_cq *cq, int can_wait, 
     return c;
 }
 
+/* Fold the records of batch members into their batches (under mu): a member's record goes, and a
+ * batch whose last member ended leaves one record in its place. Returns the records left in recs. */
+static long rf_fold_batches(struct rf_core *c, struct rf_rec *recs, long n) {
+    long kept = 0;
+    for (long i = 0; i < n; i++) {
+        struct rf_rec *r = &recs[i];
+        long b = -1;
+        if (r->ctx && r->ctx < RF_RECV_BASE && !(r->flags & (FI_REMOTE_WRITE | FI_REMOTE_READ | FI_RECV)))
+            for (long j = 0; j < c->nbatches; j++)
+                if (c->batches[j].ctx == r->ctx) {
+                    b = j;
+                    break;
+                }
+        if (b < 0) {
+            recs[kept++] = *r;
+            continue;
+        }
+        struct rf_batch *bt = &c->batches[b];
+        if (r->err && !bt->err) {
+            bt->err = r->err;
+            bt->flags = r->flags;
+            memcpy(bt->msg, r->msg, sizeof bt->msg);
+        }
+        if (--bt->left > 0)
+            continue;
+        struct rf_rec *out = &recs[kept++];
+        memset(out, 0, sizeof *out);
+        out->ctx = bt->ctx;
+        out->flags = bt->flags;
+        out->len = bt->len;
+        out->err = bt->err;
+        memcpy(out->msg, bt->msg, sizeof out->msg);
+        c->batches[b] = c->batches[--c->nbatches];
+    }
+    return kept;
+}
+
 /* Append n records (under mu), waking drainers. */
 static void rf_emit(struct rf_core *c, struct rf_rec *recs, long n) {
+    if (n > 0 && c->nbatches)
+        n = rf_fold_batches(c, recs, n);
     if (n <= 0)
         return;
     while (c->cr_len + n > c->cr_cap)
@@ -371,6 +415,112 @@ long rf_core_submit(struct rf_core *c, struct rf_op *ops, long n) {
     return n;
 }
 
+/* Group npieces pieces (three integers each: local address, remote address, length) into writes,
+ * in order and greedily: a write takes up to max_segs pieces and max_bytes in all, and where the
+ * provider does not scatter, only pieces whose remote ends follow each other; a write of several
+ * pieces and at most ungathered_upto bytes goes back to one write per piece. groups[i] = the pieces
+ * of write i (capacity npieces). Returns the number of writes. */
+long rf_group_pieces(const uint64_t *pieces, long npieces, long max_segs, int scatters, uint64_t max_bytes,
+                     uint64_t ungathered_upto, uint32_t *groups) {
+    long ngroups = 0;
+    if (max_segs < 1)
+        max_segs = 1;
+    if (max_segs > RF_MAX_SEGS)
+        max_segs = RF_MAX_SEGS;
+    for (long i = 0; i < npieces;) {
+        long g = 1;
+        uint64_t total = pieces[3 * i + 2], remote_end = pieces[3 * i + 1] + pieces[3 * i + 2];
+        while (g < max_segs && i + g < npieces) {
+            const uint64_t *p = &pieces[3 * (i + g)];
+            if (total + p[2] > max_bytes || (!scatters && p[1] != remote_end))
+                break;
+            total += p[2];
+            remote_end = p[1] + p[2];
+            g++;
+        }
+        if (g > 1 && total <= ungathered_upto)
+            for (long j = 0; j < g; j++)
+                groups[ngroups++] = 1;
+        else
+            groups[ngroups++] = (uint32_t)g;
+        i += g;
+    }
+    return ngroups;
+}
+
+/* Queue a batch of writes under tmpl's context, which comes back as one record (any thread): the
+ * pieces grouped by rf_group_pieces, each write otherwise like tmpl, and a write of at most dc_upto
+ * bytes delivery-complete. Returns the number of writes; -1 when out of memory or stopped, -2 when
+ * the batch is malformed (empty, not a write, a digest job, or a receive context). */
+long rf_core_submit_batch(struct rf_core *c, const struct rf_op *tmpl, const uint64_t *pieces, long npieces,
+                          long max_segs, int scatters, uint64_t max_bytes, uint64_t ungathered_upto,
+                          uint64_t dc_upto) {
+    if (npieces <= 0 || tmpl->kind != RF_KIND_WRITE || tmpl->hjob || !tmpl->ctx || tmpl->ctx >= RF_RECV_BASE)
+        return -2;
+    uint32_t *groups = malloc((size_t)npieces * sizeof *groups);
+    if (!groups)
+        return -1;
+    long ngroups = rf_group_pieces(pieces, npieces, max_segs, scatters, max_bytes, ungathered_upto, groups);
+    pthread_mutex_lock(&c->mu);
+    if (c->stop) {
+        pthread_mutex_unlock(&c->mu);
+        free(groups);
+        return -1;
+    }
+    while (c->sq_len + ngroups > c->sq_cap)
+        if (rf_grow((void **)&c->sq, &c->sq_head, c->sq_len, &c->sq_cap, sizeof *c->sq) != 0) {
+            pthread_mutex_unlock(&c->mu);
+            free(groups);
+            return -1;
+        }
+    if (c->nbatches == c->batches_cap) {
+        long ncap = c->batches_cap ? c->batches_cap * 2 : 64;
+        struct rf_batch *nb = realloc(c->batches, (size_t)ncap * sizeof *nb);
+        if (!nb) {
+            pthread_mutex_unlock(&c->mu);
+            free(groups);
+            return -1;
+        }
+        c->batches = nb;
+        c->batches_cap = ncap;
+    }
+    struct rf_batch *bt = &c->batches[c->nbatches++];
+    memset(bt, 0, sizeof *bt);
+    bt->ctx = tmpl->ctx;
+    bt->left = ngroups;
+    const uint64_t *p = pieces;
+    for (long i = 0; i < ngroups; i++) {
+        struct rf_op m = *tmpl;
+        uint32_t g = groups[i];
+        m.buf = p[0];
+        m.raddr = p[1];
+        m.len = 0;
+        m.nseg = g > 1 ? (int)g : 0;
+        for (uint32_t j = 0; j < g; j++, p += 3) {
+            if (g > 1) {
+                m.seg[j].buf = p[0];
+                m.seg[j].raddr = p[1];
+                m.seg[j].len = p[2];
+            }
+            m.len += p[2];
+        }
+        if (m.len <= dc_upto)
+            m.flags |= 2;
+        bt->len += m.len;
+        c->sq[(c->sq_head + c->sq_len + i) % c->sq_cap] = m;
+    }
+    c->sq_len += ngroups;
+    if (c->sleeping) {
+        if (c->can_wait)
+            fi_cq_signal(c->cq);
+        else
+            pthread_cond_signal(&c->work_cv);
+    }
+    pthread_mutex_unlock(&c->mu);
+    free(groups);
+    return ngroups;
+}
+
 /* Copy up to max records into out, waiting up to timeout_us for the first. Returns the count, or -1
  * once the core stopped and every record was drained. */
 long rf_core_drain(struct rf_core *c, struct rf_rec *out, long max, int timeout_us) {
@@ -469,5 +619,6 @@ void rf_core_free(struct rf_core *c) {
     pthread_cond_destroy(&c->done_cv);
     free(c->sq);
     free(c->cr);
+    free(c->batches);
     free(c);
 }

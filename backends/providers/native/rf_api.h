@@ -55,6 +55,11 @@ struct rf_core;
 struct rf_core *rf_core_new(struct fid_ep *ep, struct fid_cq *cq, int can_wait, long max_inflight);
 int rf_core_start(struct rf_core *c);
 long rf_core_submit(struct rf_core *c, struct rf_op *ops, long n);
+long rf_group_pieces(const uint64_t *pieces, long npieces, long max_segs, int scatters, uint64_t max_bytes,
+                     uint64_t ungathered_upto, uint32_t *groups);
+long rf_core_submit_batch(struct rf_core *c, const struct rf_op *tmpl, const uint64_t *pieces, long npieces,
+                          long max_segs, int scatters, uint64_t max_bytes, uint64_t ungathered_upto,
+                          uint64_t dc_upto);
 long rf_core_drain(struct rf_core *c, struct rf_rec *out, long max, int timeout_us);
 long rf_core_cancel(struct rf_core *c, uint64_t peer, uint64_t group);
 void rf_core_stop(struct rf_core *c);
