@@ -1,7 +1,9 @@
 """Progress: per domain, a native core posts and polls; a Python thread resolves ops in batches.
 
-An op (one engine call or lane batch, made of checked `Part`s) is split into chunks of at most
-chunk_bytes, spread round-robin over the domains. Each domain's native core (C, one pthread, see
+An op (one engine call or lane batch, made of checked `Part`s) is cut into pieces of at most
+chunk_bytes and spread over the domains: a read's pieces one chunk each, round-robin; a write's
+pieces in batches, one chunk per batch, which the core gathers into multi-iov writes and completes
+as one record (Progress.submit). Each domain's native core (C, one pthread, see
 backends/providers/native/progress_core.c) alone touches its endpoint: it posts queued chunks, polls the
 completion queue and sleeps on its wait object when idle, so the passive side of a transfer keeps
 serving peers while its application sleeps, and any thread may submit. Its `ProgressThread` waits
