@@ -387,23 +387,24 @@ int rf_core_start(struct rf_core *c) {
     return rc;
 }
 
-/* Queue ops for posting (any thread). Returns n, or -1 when out of memory or stopped. */
-long rf_core_submit(struct rf_core *c, struct rf_op *ops, long n) {
+/* Take mu and make room for n more queued ops: 0 with mu held, or -1 (mu released) when the core
+ * stopped or memory ran out. rf_sq_close then counts the n ops written after the queue's end,
+ * wakes the core if it sleeps, and releases mu. */
+static int rf_sq_open(struct rf_core *c, long n) {
     pthread_mutex_lock(&c->mu);
     if (c->stop) {
         pthread_mutex_unlock(&c->mu);
         return -1;
     }
     while (c->sq_len + n > c->sq_cap)
-        if (rf_grow((void **)&c->sq, &c->sq_head, c->sq_len, &c->sq_cap, sizeof *ops) != 0) {
+        if (rf_grow((void **)&c->sq, &c->sq_head, c->sq_len, &c->sq_cap, sizeof *c->sq) != 0) {
             pthread_mutex_unlock(&c->mu);
             return -1;
         }
-    for (long i = 0; i < n; i++) {
-        c->sq[(c->sq_head + c->sq_len + i) % c->sq_cap] = ops[i];
-        if (ops[i].hjob)
-            rf_hjob_ref((struct rf_hjob *)(uintptr_t)ops[i].hjob);
-    }
+    return 0;
+}
+
+static void rf_sq_close(struct rf_core *c, long n) {
     c->sq_len += n;
     if (c->sleeping) {
         if (c->can_wait)
@@ -412,6 +413,18 @@ long rf_core_submit(struct rf_core *c, struct rf_op *ops, long n) {
             pthread_cond_signal(&c->work_cv);
     }
     pthread_mutex_unlock(&c->mu);
+}
+
+/* Queue ops for posting (any thread). Returns n, or -1 when out of memory or stopped. */
+long rf_core_submit(struct rf_core *c, struct rf_op *ops, long n) {
+    if (rf_sq_open(c, n) != 0)
+        return -1;
+    for (long i = 0; i < n; i++) {
+        c->sq[(c->sq_head + c->sq_len + i) % c->sq_cap] = ops[i];
+        if (ops[i].hjob)
+            rf_hjob_ref((struct rf_hjob *)(uintptr_t)ops[i].hjob);
+    }
+    rf_sq_close(c, n);
     return n;
 }
 
@@ -451,28 +464,21 @@ long rf_group_pieces(const uint64_t *pieces, long npieces, long max_segs, int sc
 /* Queue a batch of writes under tmpl's context, which comes back as one record (any thread): the
  * pieces grouped by rf_group_pieces, each write otherwise like tmpl, and a write of at most dc_upto
  * bytes delivery-complete. Returns the number of writes; -1 when out of memory or stopped, -2 when
- * the batch is malformed (empty, not a write, a digest job, or a receive context). */
+ * the batch is malformed (empty, not a write, an immediate, a digest job, or a receive context). */
 long rf_core_submit_batch(struct rf_core *c, const struct rf_op *tmpl, const uint64_t *pieces, long npieces,
                           long max_segs, int scatters, uint64_t max_bytes, uint64_t ungathered_upto,
                           uint64_t dc_upto) {
-    if (npieces <= 0 || tmpl->kind != RF_KIND_WRITE || tmpl->hjob || !tmpl->ctx || tmpl->ctx >= RF_RECV_BASE)
+    if (npieces <= 0 || tmpl->kind != RF_KIND_WRITE || (tmpl->flags & 1) || tmpl->hjob || !tmpl->ctx
+        || tmpl->ctx >= RF_RECV_BASE)
         return -2;
     uint32_t *groups = malloc((size_t)npieces * sizeof *groups);
     if (!groups)
         return -1;
     long ngroups = rf_group_pieces(pieces, npieces, max_segs, scatters, max_bytes, ungathered_upto, groups);
-    pthread_mutex_lock(&c->mu);
-    if (c->stop) {
-        pthread_mutex_unlock(&c->mu);
+    if (rf_sq_open(c, ngroups) != 0) {
         free(groups);
         return -1;
     }
-    while (c->sq_len + ngroups > c->sq_cap)
-        if (rf_grow((void **)&c->sq, &c->sq_head, c->sq_len, &c->sq_cap, sizeof *c->sq) != 0) {
-            pthread_mutex_unlock(&c->mu);
-            free(groups);
-            return -1;
-        }
     if (c->nbatches == c->batches_cap) {
         long ncap = c->batches_cap ? c->batches_cap * 2 : 64;
         struct rf_batch *nb = realloc(c->batches, (size_t)ncap * sizeof *nb);
@@ -509,14 +515,7 @@ long rf_core_submit_batch(struct rf_core *c, const struct rf_op *tmpl, const uin
         bt->len += m.len;
         c->sq[(c->sq_head + c->sq_len + i) % c->sq_cap] = m;
     }
-    c->sq_len += ngroups;
-    if (c->sleeping) {
-        if (c->can_wait)
-            fi_cq_signal(c->cq);
-        else
-            pthread_cond_signal(&c->work_cv);
-    }
-    pthread_mutex_unlock(&c->mu);
+    rf_sq_close(c, ngroups);
     free(groups);
     return ngroups;
 }
