@@ -59,15 +59,21 @@ def test_a_signal_during_a_pull_frees_the_seeds_slot_at_once(signum, fleet, medi
     ready = fleet.workdir / "seed1.ready.json"
     seed = fleet.spawn("seed1", seed_args(medium_ckpt, planner, ready, extra=["--max-concurrent-pulls", "1"]))
     (seed_id,) = fleet.wait_file(seed, ready, timeout_s=90)["instance_ids"]
-    first = fleet.spawn(
-        "loader1",
-        load_args(
-            fleet.workdir / "l1.json", planner_url=planner, checkpoint=medium_ckpt, extra=["--timeout", "60"]
-        ),
-    )
-    assignment = _live_lease_of(planner, seed_id)
-    os.kill(seed.proc.pid, signal.SIGSTOP)  # the pull now stalls mid-way: the loader is stuck in it
+    # Stop the seed before the loader starts: a pull over loopback ends in tens of milliseconds, so
+    # stopping it once the lease shows would race the pull. The planner still lists the seed (its
+    # heartbeat TTL is 30 s), so the loader takes the lease and then stalls on the stopped seed.
+    os.kill(seed.proc.pid, signal.SIGSTOP)
     try:
+        first = fleet.spawn(
+            "loader1",
+            load_args(
+                fleet.workdir / "l1.json",
+                planner_url=planner,
+                checkpoint=medium_ckpt,
+                extra=["--timeout", "60"],
+            ),
+        )
+        assignment = _live_lease_of(planner, seed_id)
         time.sleep(0.5)
         t0 = time.monotonic()
         first.proc.send_signal(signum)
