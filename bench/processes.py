@@ -176,8 +176,9 @@ def settle_memory(seconds: float) -> None:
     On a VM whose balloon reports free pages (virtio-balloon free page reporting, as on the dev VM),
     memory a process frees goes back to the host about 2 s later, and touching it again costs host
     page faults: 1-5 s per GiB against 0.1-0.4 s for memory freed a moment ago (docs/benchmarks.md,
-    pull pipeline round 3). Without a pause, whichever row follows a process that just exited gets
-    the cheap memory; with one, every row starts from the same state.
+    "Pull pipeline: first touch, the demo's shm row, pre-faulting"). Without a pause, whichever row
+    follows a process that just exited gets the cheap memory; with one, every row starts from the same
+    state.
     """
     if seconds > 0:
         time.sleep(seconds)

@@ -1,4 +1,5 @@
-"""README.md's Python examples: every import they show works, as a new user would run it."""
+"""README.md's Python examples: every import they show works, as a new user would run it; and the user
+docs read as docs for users, with no session history."""
 
 from __future__ import annotations
 
@@ -39,3 +40,19 @@ def test_every_import_the_readme_shows_works_in_a_fresh_process() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
 
+
+_SESSION_HISTORY = re.compile(r"\bissue #?\d+|\b[Rr]ound \d+\b", flags=re.I)
+
+
+def test_user_docs_name_no_issue_numbers_or_rounds() -> None:
+    """The user docs say what is, not how it came to be: issue numbers and "round N" of a piece of work
+    are session history, which belongs in closing notes, not in what a user reads."""
+    root = README.parent
+    docs = [README, *sorted((root / "docs").rglob("*.md")), *sorted((root / "deploy").rglob("*.md"))]
+    hits = [
+        f"{path.relative_to(root)}:{n}: {line.strip()}"
+        for path in docs
+        for n, line in enumerate(path.read_text().splitlines(), start=1)
+        if _SESSION_HISTORY.search(line)
+    ]
+    assert not hits, "\n".join(hits)

@@ -60,7 +60,8 @@ def empty_host_buffer(nbytes: int) -> torch.Tensor:
 def resident(ptr: int, nbytes: int) -> bool:
     """Whether every host page of [ptr, +nbytes) is in memory already (mincore), so writing it faults
     nothing in. False when it cannot tell. About 1 ms per GiB, against 0.1-0.2 s for an
-    MADV_POPULATE_WRITE of the same touched GiB (docs/benchmarks.md, pull pipeline round 3).
+    MADV_POPULATE_WRITE of the same touched GiB (docs/benchmarks.md,
+    "Pull pipeline: first touch, the demo's shm row, pre-faulting").
 
     A page that was only ever read (the shared zero page) counts as resident, though its first write
     still takes a fault: that is the fault `prefault` would have moved, not a wrong byte.
