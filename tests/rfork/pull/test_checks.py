@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from rfork import ConfigurationError, Loader, LoadOptions, SeedRequired
 from rfork.metrics import REGISTRY
 from rfork.pull.checks import check_planner_url, check_provider_names
+from rfork.pull.result import BusyWait
 
 
 @given(st.text(max_size=80))
@@ -89,7 +90,10 @@ def test_an_outage_is_counted_and_require_seed_refuses_it(small_ckpt):
     disk_before = (
         REGISTRY.get_sample_value("rfork_pulls_total", {"source": "disk", "outcome": "success"}) or 0
     )
-    opts = LoadOptions(providers=["tcp"], become_seed=False)
+    # a planner that stays down is given up on after planner_outage_s (30 s by default, to ride out a
+    # restart; test_planner_session covers that wait): 1 s here, so the test measures no timeout
+    brief = BusyWait(outage_retry_s=0.2, planner_outage_s=1.0)
+    opts = LoadOptions(providers=["tcp"], become_seed=False, busy_wait=brief)
     result = Loader(identity=info.identity(), planner_url=url, checkpoint=info, options=opts).load()
     assert result.source == "disk"
     assert _fallbacks("planner_unreachable") == before + 1
@@ -97,6 +101,6 @@ def test_an_outage_is_counted_and_require_seed_refuses_it(small_ckpt):
         REGISTRY.get_sample_value("rfork_pulls_total", {"source": "disk", "outcome": "success"})
         == disk_before + 1
     )
-    strict = LoadOptions(providers=["tcp"], become_seed=False, require_seed=True)
+    strict = LoadOptions(providers=["tcp"], become_seed=False, require_seed=True, busy_wait=brief)
     with pytest.raises(SeedRequired, match="unreachable"):
         Loader(identity=info.identity(), planner_url=url, checkpoint=info, options=strict).load()
