@@ -44,5 +44,6 @@ def cut_spans(spans: Sequence[tuple[int, int, int]], chunk_bytes: int) -> list[t
     """(local, remote, length) spans cut into pieces of at most chunk_bytes, in order (empty ones go)."""
     if all(0 < n <= chunk_bytes for _, _, n in spans):
         return list(spans)
-    step = chunk_bytes
-    return [(lo + k, ro + k, min(step, n - k)) for lo, ro, n in spans for k in range(0, n, step)]
+    return [
+        (lo + k, ro + k, min(chunk_bytes, n - k)) for lo, ro, n in spans for k in range(0, n, chunk_bytes)
+    ]
