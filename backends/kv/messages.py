@@ -1,11 +1,15 @@
 """The KV handshake and request messages, on the engine channel "kv" (JSON fields, one kind each).
 
-receiver -> sender  hello    join: pool descriptor (base64), geometry, name, and the receiver's
-                             immediate range [base, count] (its channel's): request slot s, layer l
-                             is index s * (layers + 1) + l of it, l = layers completing the request
-sender -> receiver  welcome  {layers}; or reject {reason} (geometry or descriptor unusable)
-receiver -> sender  want     {rid, slot, part, parts, pages}: a request's destination pages as
-                             [start, count] runs, in parts that keep each message small
+receiver -> sender  hello    join: geometry, name, and the receiver's immediate range [base, count]
+                             (its channel's): request slot s, layer l is index s * (layers + 1) + l
+                             of it, l = layers completing the request. No descriptor: memory is
+                             granted per request, in wants, and only to a sender that welcomed
+sender -> receiver  welcome  {layers}; or reject {reason} (geometry unusable)
+receiver -> sender  want     {rid, slot, part, parts, pages, grant}: a request's destination pages as
+                             [start, count] runs, in parts that keep each message small; grant: per
+                             run of the part, per layer, per half, [base, key per domain] of a
+                             write-only region holding exactly that run's pages (closed when the
+                             request settles on the receiver)
 sender -> receiver  failed   {rid, reason}: the sender refused a request
 receiver -> sender  cancel   {rid}: the receiver gave up on a request; the sender stops writing it
 receiver -> sender  bye      the receiver leaves; its requests fail on the sender
@@ -15,7 +19,6 @@ Every field is bounds-checked before use: page runs before they are expanded (`c
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Sequence
 
 CHANNEL = "kv"
@@ -28,15 +31,6 @@ PART_BYTES = 3000
 def imm_index(slot: int, layer: int, layers: int) -> int:
     """Index in the receiver's immediate range for `layer` of the request in `slot` (layers: done)."""
     return slot * (layers + 1) + layer
-
-
-def b64(b: bytes) -> str:
-    return base64.b64encode(b).decode()
-
-
-def unb64(s: str) -> bytes:
-    """Inverse of b64; ValueError on anything else."""
-    return base64.b64decode(s.encode(), validate=True)
 
 
 def runs(pages: Sequence[int]) -> list[list[int]]:
@@ -82,15 +76,37 @@ def checked_runs(page_runs: object, pages: int, budget: int) -> list[list[int]]:
     return out
 
 
-def parts(page_runs: list[list[int]]) -> list[list[list[int]]]:
-    """Split runs into message-sized parts (JSON of each below PART_BYTES)."""
-    out: list[list[list[int]]] = [[]]
+def parts(
+    page_runs: list[list[int]], grant: list[list[list[int]]]
+) -> list[tuple[list[list[int]], list[list[int]]]]:
+    """Split runs and their grant entries (one list per run) into message-sized parts (JSON of each
+    below PART_BYTES, unless one run's entries alone are larger): (runs, flat entries) per part."""
+    out: list[tuple[list[list[int]], list[list[int]]]] = [([], [])]
     size = 0
-    for r in page_runs:
-        n = len(str(r[0])) + len(str(r[1])) + 4
-        if out[-1] and size + n > PART_BYTES:
-            out.append([])
+    for r, entries in zip(page_runs, grant, strict=True):
+        n = len(str(r)) + len(str(entries))
+        if out[-1][0] and size + n > PART_BYTES:
+            out.append(([], []))
             size = 0
-        out[-1].append(r)
+        out[-1][0].append(r)
+        out[-1][1].extend(entries)
         size += n
     return out
+
+
+def checked_grant(entries: object, runs: int, per_run: int, keys: int) -> list[list[list[int]]]:
+    """A want part's grant entries, checked and grouped per run; ValueError otherwise.
+
+    Each entry is [base, key per domain] of 64-bit unsigned integers; the part must hold exactly
+    `per_run` entries (layers x halves) for each of its `runs` runs.
+    """
+    if not isinstance(entries, list) or len(entries) != runs * per_run:
+        raise ValueError(f"grant must list {per_run} entries for each of the part's {runs} page runs")
+    for e in entries:
+        if (
+            not isinstance(e, list)
+            or len(e) != 1 + keys
+            or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**64 for x in e)
+        ):
+            raise ValueError(f"a grant entry is [base, {keys} key(s)] of 64-bit ints, not {str(e)[:60]!r}")
+    return [entries[i * per_run : (i + 1) * per_run] for i in range(runs)]

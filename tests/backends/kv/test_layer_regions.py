@@ -72,7 +72,7 @@ def test_per_layer_pool_checks_its_buffers(engines: tuple[TransferEngine, Transf
         KvPool(a, layers=3, pages=PAGES, page_bytes=PAGE, layer_buffers=bufs)
 
 
-def test_hello_with_too_few_layer_descriptors_is_refused(
+def test_a_want_whose_grant_misses_a_layer_is_refused(
     engines: tuple[TransferEngine, TransferEngine],
 ) -> None:
     a, b = engines
@@ -80,10 +80,13 @@ def test_hello_with_too_few_layer_descriptors_is_refused(
     dst = KvPool(b, layers=LAYERS, pages=PAGES, page_bytes=PAGE,
                  layer_buffers=[np.zeros(LAYER_BYTES, np.uint8) for _ in range(LAYERS)])
     receiver = KvReceiver(dst)
-    one = receiver._layer_descs()["descs"][:1]
-    receiver._layer_descs = lambda: {"descs": one}  # type: ignore[method-assign]
-    with pytest.raises(KvError, match="one descriptor per layer"):
-        receiver.join(sender.address)
+    receiver.join(sender.address)
+    grant = receiver._grant
+    receiver._grant = lambda req, page_runs: [e[1:] for e in grant(req, page_runs)]  # type: ignore[method-assign]
+    inc = receiver.request(sender.address, "short", [1, 2])
+    with pytest.raises(KvError, match="grant must list 6 entries"):
+        inc.wait(10)
+    assert inc.grants == []  # the failed request's regions were closed
     sender.close()
     receiver.close()
 

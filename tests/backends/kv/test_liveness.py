@@ -13,6 +13,7 @@ import pytest
 from backends import TransferEngine, TransferTimeout
 from backends.kv import IncomingRequest, KvError, KvPool, KvReceiver, KvSender
 from tests.backends.conftest import Peer, skip_unless_pairs_within_process, start_peer
+from tests.backends.kv.raw import welcome
 from tests.backends.peer import engine_kwargs
 
 DONE = -1
@@ -55,6 +56,7 @@ def test_a_failed_requests_late_immediates_never_complete_a_later_request(
     """Failed before: the slot went round-robin, so request c reused failed request a's slot and its
     layer 2 and completion counted as landed at once from a's late immediates."""
     rx = KvReceiver(KvPool(engine, layers=3, pages=8, page_bytes=64), timeout_s=20.0, slots=2)
+    welcome(rx, raw_sender)
     desc = rx.pool.descriptor.to_bytes()
     a = rx.request(raw_sender.address, "a", [0])
     _refuse(raw_sender, rx, "a")
@@ -97,6 +99,7 @@ def test_a_request_past_its_deadline_fails_its_waiters_and_frees_its_slot(
         KvPool(engine, layers=2, pages=8, page_bytes=64), timeout_s=5.0, slots=1,
         request_timeout_s=1.0, quarantine_s=0.5,
     )
+    welcome(rx, raw_sender)
     e = rx.request(raw_sender.address, "e", [0])
     t0 = time.monotonic()
     with pytest.raises(TransferTimeout, match="request_timeout_s"):
@@ -139,6 +142,7 @@ def test_immediates_written_ahead_into_a_free_slot_do_not_count(
 ) -> None:
     """A peer that sprays a slot's immediates before any request uses it completes nothing."""
     rx = KvReceiver(KvPool(engine, layers=2, pages=8, page_bytes=64), timeout_s=5.0, slots=1)
+    welcome(rx, raw_sender)
     ahead = [rx.channel.imm(i) for i in range(3)]  # slot 0: layers 0, 1 and the completion
     assert raw_sender.call("write_imms", ahead, rx.pool.descriptor.to_bytes()) is True
     assert _until(lambda: all(engine.imm.pending(v) == 1 for v in ahead))
