@@ -1,0 +1,191 @@
+"""A hostile prefill engine (another process) against a decode KvWorker, the worker side of vLLM's connector
+without vLLM. An API client names the prefill engine (`kv_transfer_params.rfork_address`), so:
+- an engine outside the allow-list (`prefill_networks`, RFORK_SEED_NETWORKS) is sent nothing;
+- an allowed engine without the channel key learns no descriptor;
+- an allowed engine with the key reaches only the blocks granted for its own request, write-only, and only
+  while that request is pending: neither another request's block nor, after a cancel, its own.
+The hostile engine tries every descriptor it saw, stretched to any length, at the victim block.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import ipaddress
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from backends.descriptor import MemoryRegionDescriptor
+from rfork.integrations.vllm.kv_params import RemotePrefill
+from rfork.integrations.vllm.kv_worker import KvWorker
+from tests.backends.conftest import Peer, start_peer
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+LAYERS, BLOCKS, BLOCK, HEAD = 2, 8, 4, 8  # float32, one KV head: 256 B blocks
+BB = BLOCK * 2 * HEAD * 4
+KEY = b"kv-attack-test-channel-key-32-by"
+GRANTED = [2, 3]  # the hostile engine's own request lands here
+VICTIM = 6  # a block of another request
+LOOPBACK = [ipaddress.ip_network("127.0.0.0/8")]
+
+
+def caches() -> dict[str, torch.Tensor]:
+    """vLLM's CPU layout, (blocks, kv_heads, block_size, 2 * head_size) per layer, each block distinct."""
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.arange(BLOCKS * BLOCK * 2 * HEAD, dtype=torch.float32)
+        .add(1000 * i)
+        .reshape(BLOCKS, 1, BLOCK, 2 * HEAD)
+        for i in range(LAYERS)
+    }
+
+
+def block(cache: dict[str, torch.Tensor], b: int) -> list[bytes]:
+    return [t[b].numpy().tobytes() for t in cache.values()]
+
+
+def until(cond: Callable[[], Any], timeout_s: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.02)
+    return cond()
+
+
+@pytest.fixture
+def hostile() -> Iterator[Peer]:
+    p = start_peer("tcp", [("src", BLOCKS * BB, "rw"), ("dst", BLOCKS * BB, "rw")], domains=1, reorder=False)
+    yield p
+    p.stop()
+
+
+def decode_worker(**kw: Any) -> tuple[KvWorker, dict[str, torch.Tensor]]:
+    """A decode worker and its KV cache (the tensors vLLM would hold)."""
+    cache = caches()
+    return KvWorker(producer=False, kv_caches=cache, timeout_s=2.0, abort_timeout_s=30.0, **kw), cache
+
+
+Learned = list[tuple[MemoryRegionDescriptor, int]]
+
+
+def learned(rx_address: bytes, messages: list[tuple[str, bytes, bytes]]) -> Learned:
+    """Every descriptor the messages hand over, with the first block of the layer each one starts at."""
+    out: Learned = []
+    for kind, data, _ in messages:
+        fields = json.loads(data) if data else {}
+        for d in [*([fields["desc"]] if "desc" in fields else []), *fields.get("descs", [])]:
+            out.append((MemoryRegionDescriptor.from_bytes(base64.b64decode(d)), 0))
+        if kind == "want" and "grant" in fields:
+            runs, grant = fields["pages"], fields["grant"]
+            per_run = len(grant) // len(runs)
+            for i, (start, count) in enumerate(runs):
+                for e in grant[i * per_run : (i + 1) * per_run]:
+                    desc = MemoryRegionDescriptor(rx_address, tuple(e[1:]), e[0], count * BB, "write")
+                    out.append((desc, start))
+    return out
+
+
+def attack(hostile: Peer, descs: Learned, target: int) -> tuple[int, int]:
+    """Write block `target` and read it through every descriptor, each stretched to 1 TiB and made
+    readable: (writes, reads) that the decode side's provider let through."""
+    wrote = read = 0
+    for desc, first in descs:
+        forged = dataclasses.replace(desc, length=1 << 40, access="rw").to_bytes()
+        off = (target - first) * BB
+        wrote += hostile.call("write", "src", 0, BB, forged, off, None) is True
+        read += isinstance(hostile.call("read", "dst", 0, BB, forged, off), bytes)
+    return wrote, read
+
+
+def welcome(hostile: Peer, rx: KvWorker, timeout_s: float = 10.0) -> list[tuple[str, bytes, bytes]]:
+    """Answer the decode worker's hello as a prefill engine would; then what it sent (hello, want)."""
+    hello = hostile.call("inbox", "kv", 1, timeout_s)
+    assert [k for k, _, _ in hello] == ["hello"]
+    layers = json.dumps({"layers": LAYERS}).encode()
+    assert hostile.call("send", rx.address, "kv", "welcome", layers) is True
+    return list(hostile.call("inbox", "kv", 2, timeout_s))
+
+
+def test_an_allowed_prefill_engine_reaches_only_its_grant_and_only_while_its_request_is_pending(
+    hostile: Peer,
+) -> None:
+    rx, cache = decode_worker(channel_key=KEY, prefill_networks=LOOPBACK)
+    try:
+        victim = block(cache, VICTIM)
+        assert hostile.call("key", "kv", KEY) is True
+        rx.receive("r1", GRANTED, RemotePrefill(hostile.address, "r1", (0, 1), BLOCK))
+        messages = welcome(hostile, rx)
+        assert [k for k, _, _ in messages] == ["hello", "want"]
+        descs = learned(rx.address, messages)
+        assert descs, "the want must grant the request's blocks"
+
+        # what the engine is there for: its request's own blocks take its writes
+        assert hostile.call("fill", "src", 7) is True
+        assert attack(hostile, descs, GRANTED[0])[0] > 0
+        assert block(cache, GRANTED[0]) != block(caches(), GRANTED[0])
+
+        # another request's block: neither written nor read, whatever length the descriptor claims
+        wrote, read = attack(hostile, descs, VICTIM)
+        assert block(cache, VICTIM) == victim
+        assert (wrote, read) == (0, 0)
+
+        # vLLM aborts the request: the grant is gone, its own blocks are out of reach too
+        rx.cancel({"r1"})
+        started = rx._receiving["r1"].started.result(10)
+        assert until(lambda: started.done.done())
+        landed = block(cache, GRANTED[0])
+        assert hostile.call("fill", "src", 8) is True
+        assert attack(hostile, descs, GRANTED[0]) == (0, 0)
+        assert block(cache, GRANTED[0]) == landed
+    finally:
+        rx.close()
+
+
+def test_a_prefill_engine_without_the_channel_key_learns_no_descriptor(hostile: Peer) -> None:
+    rx, _ = decode_worker(channel_key=KEY, prefill_networks=LOOPBACK)
+    try:
+        assert hostile.call("watch") is True  # it reads every frame it gets, key or not
+        rx.receive("r1", GRANTED, RemotePrefill(hostile.address, "r1", (0, 1), BLOCK))
+        seen = until(lambda: hostile.call("opened"))
+        assert [k for _, k, _ in seen] == ["hello"]
+        # it answers without the key: the decode side drops that welcome, so no want (no grant) follows
+        layers = json.dumps({"layers": LAYERS}).encode()
+        assert hostile.call("send", rx.address, "kv", "welcome", layers) is True
+        assert until(rx.finished_receiving) == {"r1"}
+        assert rx.take_failed_blocks() == set(GRANTED)
+        seen = hostile.call("opened")
+        assert "want" not in [k for _, k, _ in seen]
+        assert learned(rx.address, [(k, d, b"") for _, k, d in seen]) == []
+        for _, _, data in seen:
+            assert not {"desc", "descs", "grant"} & set(json.loads(data))
+    finally:
+        rx.close()
+
+
+@pytest.mark.parametrize("where", ["prefill_networks", "RFORK_SEED_NETWORKS"])
+def test_a_prefill_engine_outside_the_allow_list_is_sent_nothing(
+    hostile: Peer, where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if where == "prefill_networks":
+        rx, _ = decode_worker(channel_key=KEY, prefill_networks=[ipaddress.ip_network("10.0.0.0/8")])
+    else:
+        monkeypatch.setenv("RFORK_SEED_NETWORKS", "10.0.0.0/8")
+        rx, _ = decode_worker(channel_key=KEY)
+    try:
+        assert hostile.call("watch") is True
+        rx.receive("r1", GRANTED, RemotePrefill(hostile.address, "r1", (0, 1), BLOCK))
+        assert until(rx.finished_receiving) == {"r1"}
+        assert rx.take_failed_blocks() == set(GRANTED)
+        assert rx.finished_receiving() == set()  # reported once
+        time.sleep(0.3)
+        assert hostile.call("opened") == []
+    finally:
+        rx.close()
+
