@@ -1,7 +1,7 @@
 """The decode side of KV transfer: join senders, ask for requests' pages, wait for them to land.
 
 Grants: a sender never learns a descriptor of the pool. Each request registers its own write-only
-regions, one per (page run, layer, half) of exactly the pages it asks for, and sends their keys in
+regions, one per (range of its pages adjacent in memory, layer, half), and sends their keys in
 its want, which goes only to a sender that welcomed this receiver (with a channel key, the welcome
 proves the key). The regions are closed as soon as the request settles (landed, failed, cancelled,
 expired): the sender's writes after that are refused by the provider.
@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
 
 import backends.kv.messages as wire
 from backends.channel import Message
@@ -291,9 +292,8 @@ class KvReceiver:
             req = IncomingRequest(self, request_id, sender, slot, pages)
             self._requests[request_id] = req
         req.done.add_done_callback(lambda f: self._finished(req, f))
-        page_runs = wire.runs(pages)
         try:
-            grant = self._grant(req, page_runs)
+            grant = self._grant(req, pages)
         except TransferError as exc:
             err = KvError(f"KV request {request_id}: could not grant its pages ({exc})")
             fail(req.done, err)
@@ -301,31 +301,31 @@ class KvReceiver:
         finally:
             if req.done.done():  # settled meanwhile (e.g. the receiver closed): nothing stays granted
                 req.revoke()
-        parts = wire.parts(page_runs, grant)
-        for i, (part, entries) in enumerate(parts):
+        parts = wire.parts(wire.runs(pages), grant)
+        for i, (part, items) in enumerate(parts):
             self.channel.send_json(
                 sender, wire.WANT, rid=request_id, slot=slot, part=i, parts=len(parts), pages=part,
-                grant=entries,
+                grant=items,
             ).add_done_callback(
                 lambda f: settle_error(req.done, f, f"KV request {request_id}: want to {_label(sender)}")
             )
         return req
 
-    def _grant(self, req: IncomingRequest, page_runs: list[list[int]]) -> list[list[list[int]]]:
-        """Register write-only regions for exactly the request's pages: per run, one per layer and half
-        (in that order); returns each run's grant entries ([base, key per domain]) for the want."""
+    def _grant(self, req: IncomingRequest, pages: list[int]) -> list[list[Any]]:
+        """Register write-only regions for exactly the request's pages: per range of pages adjacent in
+        memory, one per layer and half. Returns the want's grant items [start, count, regions]."""
         geo = self.pool.geometry
-        out: list[list[list[int]]] = []
-        for start, count in page_runs:
-            entries: list[list[int]] = []
+        out: list[list[Any]] = []
+        for start, count in wire.runs(sorted(set(pages))):
+            regions: list[list[int]] = []
             for layer in range(geo.layers):
                 region, base = self.pool.layer_region(layer)
                 for kv in range(geo.halves):
                     ptr = region.ptr + base + (kv * geo.pages + start) * geo.page_bytes
                     grant = self.engine.register((ptr, count * geo.page_bytes), "write")
                     req.grants.append(grant)
-                    entries.append([grant.descriptor.base, *grant.descriptor.keys])
-            out.append(entries)
+                    regions.append([grant.descriptor.base, *grant.descriptor.keys])
+            out.append([start, count, regions])
         return out
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ Thread-safety: any thread may call; message callbacks run on the engine's progre
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import threading
@@ -53,10 +54,10 @@ class _Receiver:
         """The immediate announcing `layer` of the request in `slot` (layer == layers: complete)."""
         return self.imms.value(wire.imm_index(slot, layer, self.geometry.layers))
 
-    def grant(self, run: list[int], entries: list[list[int]]) -> list[MemoryRegionDescriptor]:
-        """A run's grant entries as descriptors (per layer, per half) of the receiver's regions."""
-        length = run[1] * self.geometry.page_bytes
-        return [MemoryRegionDescriptor(self.address, tuple(e[1:]), e[0], length, "write") for e in entries]
+    def grant(self, count: int, regions: list[list[int]]) -> list[MemoryRegionDescriptor]:
+        """A grant item's regions as descriptors (per layer, per half) of the receiver's memory."""
+        length = count * self.geometry.page_bytes
+        return [MemoryRegionDescriptor(self.address, tuple(e[1:]), e[0], length, "write") for e in regions]
 
 
 @dataclass
@@ -64,8 +65,8 @@ class _Want:
     receiver: bytes
     slot: int
     pages: list[int]
-    runs: list[list[int]]  # pages as [start, count] runs, in order
-    grant: list[list[MemoryRegionDescriptor]]  # per run, per (layer, half): where its pages may go
+    ranges: list[tuple[int, int]]  # granted (start, count), sorted, not overlapping, covering pages
+    grant: list[list[MemoryRegionDescriptor]]  # per range, per (layer, half): where its pages may go
     since: float = field(default_factory=time.monotonic)
 
 
@@ -75,8 +76,9 @@ class _Partial:
 
     parts: int
     slot: int
-    got: dict[int, tuple[list[list[int]], list[list[list[int]]]]] = field(default_factory=dict)
+    got: dict[int, tuple[list[list[int]], list[wire.GrantItem]]] = field(default_factory=dict)
     pages: int = 0
+    ranges: int = 0
     since: float = field(default_factory=time.monotonic)
 
 
@@ -104,6 +106,8 @@ class OutgoingRequest:
         self._posted: set[int] = set()
         self._landed = 0
         self._want: _Want | None = None
+        # per granted range of the want: (source pages, destination pages relative to the range's start)
+        self._by_range: dict[int, tuple[list[int], list[int]]] = {}
 
     def send_layer(self, layer: int) -> None:
         """Layer `layer` of the sender's pool holds this request's K and V: send it when possible."""
@@ -284,7 +288,7 @@ class KvSender:
             if not 0 <= part < parts <= geo.pages:
                 raise KvError(f"KV request {rid}: part {part} of {parts} is out of range")  # noqa: TRY301
             runs = wire.checked_runs(msg["pages"], geo.pages, geo.pages)
-            grant = wire.checked_grant(msg.get("grant"), len(runs), geo.layers * geo.halves, rec.domains)
+            grant = wire.checked_grant(msg.get("grant"), geo.pages, geo.layers * geo.halves, rec.domains)
         except (KvError, ValueError) as exc:
             self._reply(address, wire.FAILED, rid=rid, reason=str(exc))
             return
@@ -302,7 +306,7 @@ class KvSender:
             if partial is not None:
                 if partial.parts != parts or partial.slot != slot or part in partial.got:
                     reason = f"KV request {rid}: part {part} of {parts} does not fit the parts before it"
-                elif partial.pages + sum(n for _, n in runs) > geo.pages:
+                elif max(partial.pages + sum(n for _, n in runs), partial.ranges + len(grant)) > geo.pages:
                     reason = f"KV request {rid}: more than {geo.pages} pages"
                 if reason is not None:
                     del self._parts[key]
@@ -310,6 +314,7 @@ class KvSender:
                 else:
                     partial.got[part] = (runs, grant)
                     partial.pages += sum(n for _, n in runs)
+                    partial.ranges += len(grant)
                     if len(partial.got) < parts:
                         return
                     del self._parts[key]
@@ -319,9 +324,14 @@ class KvSender:
             return
         assert partial is not None
         page_runs = [r for i in range(parts) for r in partial.got[i][0]]
-        grants = [rec.grant(r, e) for i in range(parts) for r, e in zip(*partial.got[i], strict=True)]
+        items = [g for i in range(parts) for g in partial.got[i][1]]
         pages = wire.unruns(page_runs)  # checked: at most geo.pages of them
-        want = _Want(address, slot, pages, page_runs, grants)
+        ranges = [(start, count) for start, count, _ in items]
+        uncovered = _uncovered(pages, ranges)
+        if uncovered is not None:
+            self._reply(address, wire.FAILED, rid=rid, reason=f"KV request {rid}: {uncovered}")
+            return
+        want = _Want(address, slot, pages, ranges, [rec.grant(count, regions) for _, count, regions in items])
         with self._lock:
             ended = self._ended.pop(rid, None)
         if ended is not None:
@@ -405,6 +415,7 @@ class KvSender:
             self._reply(want.receiver, wire.FAILED, rid=req.request_id, reason=str(err))
             fail(req.done, err)
             return
+        req._by_range = _by_range(req.src_pages, want)
         with self._lock:
             req._want = want
         self._post_ready(req)
@@ -435,19 +446,16 @@ class KvSender:
             fut.add_done_callback(functools.partial(self._layer_done, req, rec, layer))
 
     def _layer_parts(self, req: OutgoingRequest, want: _Want, layer: int, imm: int) -> list[Part]:
-        """One layer's writes: per granted run and half, the pages into that grant; then the immediate."""
+        """One layer's writes: per granted range and half, its pages into that range's region; then the
+        layer's immediate."""
         geo = self.pool.geometry
         region, src_base = self.pool.layer_region(layer)
         page, halves = geo.page_bytes, geo.halves
         parts: list[Part] = []
-        first = 0
-        for run, grants in zip(want.runs, want.grant, strict=True):
-            count = run[1]
-            src = req.src_pages[first : first + count]
-            first += count
+        for r, (src, dst) in req._by_range.items():
             for kv in range(halves):
-                spans = page_spans(src, src_base + kv * geo.pages * page, page, range(count), 0, page, page)
-                parts.append(self.engine.write_part(region, spans, grants[layer * halves + kv]))
+                spans = page_spans(src, src_base + kv * geo.pages * page, page, dst, 0, page, page)
+                parts.append(self.engine.write_part(region, spans, want.grant[r][layer * halves + kv]))
         parts.append(self.engine.imm_part(imm, want.grant[0][layer * halves]))
         return parts
 
@@ -481,3 +489,31 @@ class KvSender:
                 rec = self._receivers.get(req._want.receiver)
                 if rec is not None:
                     rec.requests.discard(request_id)
+
+
+def _uncovered(pages: list[int], ranges: list[tuple[int, int]]) -> str | None:
+    """Why a want's grant does not fit its pages (ranges out of order or overlapping, a page in none of
+    them), or None when every page lies in exactly one range."""
+    if not ranges:
+        return "no page is granted"
+    for (s0, n0), (s1, _) in zip(ranges, ranges[1:], strict=False):
+        if s1 < s0 + n0:
+            return f"granted ranges at pages {s0} and {s1} are out of order or overlap"
+    starts = [s for s, _ in ranges]
+    for p in pages:
+        i = bisect.bisect_right(starts, p) - 1
+        if i < 0 or p >= starts[i] + ranges[i][1]:
+            return f"page {p} is not granted"
+    return None
+
+
+def _by_range(src_pages: list[int], want: _Want) -> dict[int, tuple[list[int], list[int]]]:
+    """Pair each source page with its destination's granted range (checked by _uncovered)."""
+    starts = [s for s, _ in want.ranges]
+    out: dict[int, tuple[list[int], list[int]]] = {}
+    for src, dst in zip(src_pages, want.pages, strict=True):
+        r = bisect.bisect_right(starts, dst) - 1
+        group = out.setdefault(r, ([], []))
+        group[0].append(src)
+        group[1].append(dst - starts[r])
+    return out

@@ -213,6 +213,7 @@ def test_settings_the_connector_refuses_are_named(monkeypatch: pytest.MonkeyPatc
                            kv_connector_extra_config={"provder": "tcp"})
     with pytest.raises(KvConnectorError, match="provder"):
         ConnectorSettings.from_vllm(_Cfg(odd))
+    monkeypatch.setenv("RFORK_KV_CHANNEL_KEY", CHANNEL_KEY)
     no_list = KVTransferConfig(kv_connector="RforkKvConnector", kv_role="kv_consumer")
     with pytest.raises(KvConnectorError, match="prefill_networks is not set"):
         ConnectorSettings.from_vllm(_Cfg(no_list))

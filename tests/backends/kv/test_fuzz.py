@@ -69,11 +69,11 @@ _runs = st.one_of(
 
 
 def _grant(live: Live) -> st.SearchStrategy[Any]:
-    """Grant entries: the right shape (base and key of the hostile's own region), or anything."""
+    """Grant items: the right shape (regions naming the hostile's own memory), or anything."""
     d = live.hostile_pool.descriptor
-    entry = st.one_of(st.just([d.base, *d.keys]), st.lists(_ints, max_size=3), _json)
-    per_run = st.lists(entry, min_size=LAYERS * 2, max_size=LAYERS * 2)
-    return st.one_of(per_run, st.lists(entry, max_size=6), _json)
+    region = st.one_of(st.just([d.base, *d.keys]), st.lists(_ints, max_size=3), _json)
+    item = st.tuples(_ints, _ints, st.lists(region, min_size=LAYERS * 2, max_size=LAYERS * 2)).map(list)
+    return st.one_of(st.lists(item, max_size=3), st.lists(_json, max_size=3), _json)
 
 
 @st.composite

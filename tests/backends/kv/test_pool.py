@@ -58,10 +58,11 @@ def test_layer_spans_move_exactly_the_mapped_pages(
 def test_page_runs_round_trip_and_fit_in_small_messages(pages: list[int]) -> None:
     page_runs = runs(pages)
     assert unruns(page_runs) == pages
-    grant = [[[2**47 + i, 2**64 - 1 - i] for _ in range(4)] for i in range(len(page_runs))]  # 2 layers x K, V
+    regions = [[2**47, 2**64 - 1]] * 4  # 2 layers x K, V
+    grant = [[s, n, regions] for s, n in runs(sorted(set(pages)))]
     split = parts(page_runs, grant)
     assert [r for p, _ in split for r in p] == page_runs
-    assert [e for _, g in split for e in g] == [e for run in grant for e in run]
+    assert [g for _, gs in split for g in gs] == grant
     assert all(len(json.dumps({"pages": p, "grant": g})) < 3500 for p, g in split)
 
 

@@ -82,13 +82,10 @@ def learned(rx_address: bytes, messages: list[tuple[str, bytes, bytes]]) -> Lear
         fields = json.loads(data) if data else {}
         for d in [*([fields["desc"]] if "desc" in fields else []), *fields.get("descs", [])]:
             out.append((MemoryRegionDescriptor.from_bytes(base64.b64decode(d)), 0))
-        if kind == "want" and "grant" in fields:
-            runs, grant = fields["pages"], fields["grant"]
-            per_run = len(grant) // len(runs)
-            for i, (start, count) in enumerate(runs):
-                for e in grant[i * per_run : (i + 1) * per_run]:
-                    desc = MemoryRegionDescriptor(rx_address, tuple(e[1:]), e[0], count * BB, "write")
-                    out.append((desc, start))
+        for start, count, regions in fields.get("grant", []) if kind == "want" else []:
+            for e in regions:
+                desc = MemoryRegionDescriptor(rx_address, tuple(e[1:]), e[0], count * BB, "write")
+                out.append((desc, start))
     return out
 
 
