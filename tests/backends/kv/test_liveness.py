@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
-from backends import TransferEngine, TransferTimeout
+from backends import MemoryRegionDescriptor, TransferEngine, TransferTimeout
 from backends.kv import IncomingRequest, KvError, KvPool, KvReceiver, KvSender
+from backends.providers.libfabric import refuses_forged_writes
 from tests.backends.conftest import Peer, skip_unless_pairs_within_process, start_peer
 from tests.backends.kv.raw import welcome
 from tests.backends.peer import engine_kwargs
@@ -23,11 +25,22 @@ def _imms(inc: IncomingRequest, *layers: int) -> list[int]:
     return [inc.done_imm if layer == DONE else inc.layer_imm(layer) for layer in layers]
 
 
-def _until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+def _until(cond: Callable[[], Any], timeout: float = 10.0) -> Any:
     deadline = time.monotonic() + timeout
     while not cond() and time.monotonic() < deadline:
         time.sleep(0.01)
     return cond()
+
+
+def _grant_of(raw: Peer, rx_address: bytes, rid: str) -> bytes | None:
+    """The descriptor of the first region granted to the raw peer for request rid (from its want)."""
+    for kind, data, _ in raw.call("inbox", "kv", 0, 0):
+        fields = json.loads(data)
+        if kind == "want" and fields["rid"] == rid:
+            _, count, regions = fields["grant"][0]
+            base, *keys = regions[0]
+            return MemoryRegionDescriptor(rx_address, tuple(keys), base, count * 64, "write").to_bytes()
+    return None
 
 
 @pytest.fixture
@@ -102,9 +115,13 @@ def test_a_request_past_its_deadline_fails_its_waiters_and_frees_its_slot(
     welcome(rx, raw_sender)
     e = rx.request(raw_sender.address, "e", [0])
     t0 = time.monotonic()
+    grant = _until(lambda: _grant_of(raw_sender, engine.address, "e"))
+    assert raw_sender.call("write", "unused", 0, 64, grant, 0, None) is True  # pending: its page is granted
     with pytest.raises(TransferTimeout, match="request_timeout_s"):
         e.wait(10)
     assert time.monotonic() - t0 < 3.0
+    if refuses_forged_writes(engine.provider):  # shm before libfabric 2.5 checks no key (docs/kv.md)
+        assert str(raw_sender.call("write", "unused", 0, 64, grant, 0, None)).startswith("error")  # revoked
     with pytest.raises(TransferTimeout, match="request_timeout_s"):
         e.wait_layer(0, 10)
     assert not engine.imm._waiters  # its expects were withdrawn
