@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 from backends import MemoryRegionDescriptor, TransferEngine, TransferTimeout
@@ -16,7 +17,7 @@ from backends.kv import IncomingRequest, KvError, KvPool, KvReceiver, KvSender
 from backends.providers.libfabric import refuses_forged_writes
 from tests.backends.conftest import Peer, skip_unless_pairs_within_process, start_peer
 from tests.backends.kv.raw import welcome
-from tests.backends.peer import engine_kwargs
+from tests.backends.peer import engine_kwargs, pattern
 
 DONE = -1
 
@@ -116,12 +117,18 @@ def test_a_request_past_its_deadline_fails_its_waiters_and_frees_its_slot(
     e = rx.request(raw_sender.address, "e", [0])
     t0 = time.monotonic()
     grant = _until(lambda: _grant_of(raw_sender, engine.address, "e"))
+    page = rx.pool.buffer[:64]  # layer 0, K, page 0: the grant's first region
+    assert raw_sender.call("fill", "unused", 5) is True
     assert raw_sender.call("write", "unused", 0, 64, grant, 0, None) is True  # pending: its page is granted
+    assert _until(lambda: np.array_equal(page, pattern(5, 64)))  # shm 2.5 may land it later
     with pytest.raises(TransferTimeout, match="request_timeout_s"):
         e.wait(10)
     assert time.monotonic() - t0 < 3.0
     if refuses_forged_writes(engine.provider):  # shm before libfabric 2.5 checks no key (docs/kv.md)
-        assert str(raw_sender.call("write", "unused", 0, 64, grant, 0, None)).startswith("error")  # revoked
+        assert raw_sender.call("fill", "unused", 6) is True
+        raw_sender.call("write", "unused", 0, 64, grant, 0, None)  # revoked: refused (tcp) or dropped (shm)
+        time.sleep(0.3)  # what did not land cannot be waited for
+        assert np.array_equal(page, pattern(5, 64))
     with pytest.raises(TransferTimeout, match="request_timeout_s"):
         e.wait_layer(0, 10)
     assert not engine.imm._waiters  # its expects were withdrawn
