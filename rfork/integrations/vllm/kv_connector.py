@@ -143,7 +143,7 @@ def _prefill_networks(role: str, value: object) -> tuple[Network, ...] | None:
         raise KvConnectorError(
             "kv_connector_extra_config.prefill_networks is not set: a decode server joins the prefill engine "
             "that a request's kv_transfer_params name and grants it write access to KV blocks, so list the "
-            'networks your prefill servers are in (e.g. ["10.1.0.0/16"]; ["0.0.0.0/0", "::/0"] allows any)'
+            'networks your prefill servers are in (e.g. ["10.1.0.0/16"]; ["0.0.0.0/0"] allows any engine)'
         )
     if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
         raise KvConnectorError(

@@ -90,14 +90,17 @@ def cache_layout(kv_caches: dict[str, Any]) -> CacheLayout:
 
 
 def check_prefill_address(address: bytes, allowed: Sequence[Network] | None) -> None:
-    """KvError unless every endpoint of the prefill engine at `address` is inside `allowed` (None: any)
-    and inside RFORK_SEED_NETWORKS (when set): a client names that engine, and the decode worker
-    grants it write access to KV blocks."""
+    """KvError unless every endpoint of the prefill engine at `address` is inside `allowed` (None, or a
+    list holding a /0 network: any engine, also efa and verbs ones, whose addresses carry no IP) and
+    inside RFORK_SEED_NETWORKS (when set): a client names that engine, and the decode worker grants
+    it write access to KV blocks."""
     try:
         parsed = EngineAddress.from_bytes(address)
     except TransferError as exc:
         raise KvError(f"prefill engine address refused: {exc}") from exc
     hosts = parsed.hosts()
+    if allowed is not None and any(n.prefixlen == 0 for n in allowed):
+        allowed = None
     checks = (("prefill_networks", allowed), (seed_networks.ENV, seed_networks.allowed_networks()))
     for what, networks in checks:
         if networks is None:

@@ -90,6 +90,7 @@ def test_a_prefill_engine_is_joined_only_inside_prefill_networks(
         with pytest.raises(KvError, match=f"{ip} is outside prefill_networks"):
             check_prefill_address(_tcp(ip), ALLOWED)
     check_prefill_address(_tcp(ip), None)  # no list: any address
+    check_prefill_address(_tcp(ip), [ipaddress.ip_network("0.0.0.0/0")])  # a /0: any engine
 
 
 @settings(max_examples=100, deadline=None)
@@ -108,11 +109,15 @@ def test_any_prefill_address_is_refused_with_kv_error_or_placed(blob: bytes, pro
 def test_rfork_seed_networks_applies_to_the_prefill_engine_too(monkeypatch: pytest.MonkeyPatch) -> None:
     loopback = ipaddress.ip_address("127.0.0.1")
     check_prefill_address(_tcp(loopback), None)
+    efa = EngineAddress("efa", (bytes(32),)).to_bytes()
+    check_prefill_address(efa, [ipaddress.ip_network("::/0")])
+    with pytest.raises(KvError, match="on efa names no IP address; prefill_networks cannot allow it"):
+        check_prefill_address(efa, ALLOWED)
     monkeypatch.setenv("RFORK_SEED_NETWORKS", "10.0.0.0/8")
     with pytest.raises(KvError, match="127.0.0.1 is outside RFORK_SEED_NETWORKS"):
         check_prefill_address(_tcp(loopback), None)
-    with pytest.raises(KvError, match="names no IP address"):
-        check_prefill_address(EngineAddress("efa", (bytes(32),)).to_bytes(), None)
+    with pytest.raises(KvError, match="names no IP address; RFORK_SEED_NETWORKS"):
+        check_prefill_address(efa, None)
     shm = EngineAddress("shm", (b"fi_shm://1:0:0\x00",)).to_bytes()
     with pytest.raises(KvError, match="127.0.0.1 is outside RFORK_SEED_NETWORKS"):
         check_prefill_address(shm, None)
