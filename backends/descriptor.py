@@ -6,6 +6,8 @@ the same version. All integers little-endian.
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 import struct
 from dataclasses import dataclass
 
@@ -58,6 +60,28 @@ class EngineAddress:
         except (ValueError, struct.error, UnicodeDecodeError) as exc:
             raise TransferError(f"not an rfork engine address ({exc})") from exc
         return cls(provider, tuple(names))
+
+    def hosts(self) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, ...]:
+        """The IP addresses of the endpoints, where the names carry them; () where they do not.
+
+        tcp names are sockaddrs (IPv4 or IPv6); shm endpoints live on this host (loopback). Other
+        providers' names (efa, verbs) carry no IP address here. All or nothing: one name that is not
+        a sockaddr gives ().
+        """
+        if self.provider == "shm":
+            return (ipaddress.IPv4Address("127.0.0.1"),)
+        if self.provider != "tcp":
+            return ()
+        out: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = []
+        for name in self.domains:
+            family = int.from_bytes(name[:2], "little")
+            if family == socket.AF_INET and len(name) == 16:
+                out.append(ipaddress.IPv4Address(name[4:8]))
+            elif family == socket.AF_INET6 and len(name) == 28:
+                out.append(ipaddress.IPv6Address(name[8:24]))
+            else:
+                return ()
+        return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)

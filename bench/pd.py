@@ -20,6 +20,7 @@ import json
 import logging
 import random
 import re
+import secrets
 import statistics
 import tempfile
 import time
@@ -60,9 +61,12 @@ def _model(workdir: Path) -> Path:
 
 def _kv_config(connector: str, role: str, provider: str) -> str:
     if connector == "rfork":
+        extra: dict[str, Any] = {"provider": provider}
+        if role == "kv_consumer":  # the servers' engines are on loopback (RFORK_TCP_HOST below)
+            extra["prefill_networks"] = ["127.0.0.0/8"]
         return json.dumps({"kv_connector": "RforkKvConnector",
                            "kv_connector_module_path": "rfork.integrations.vllm.kv_connector",
-                           "kv_role": role, "kv_connector_extra_config": {"provider": provider}})
+                           "kv_role": role, "kv_connector_extra_config": extra})
     return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"})
 
 
@@ -139,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     from tests.integrations.servers import free_port
     from tests.vllm.servers import VLLM_CMD, VllmServer, cpu_env, cpu_server_args
 
+    channel_key = os.environ.get("RFORK_KV_CHANNEL_KEY") or secrets.token_hex(16)  # both servers share it
     rng = random.Random(0)
     prompts = [[rng.randrange(5, 500) for _ in range(args.prompt_tokens)] for _ in range(args.requests + 1)]
     rows: list[dict[str, Any]] = []
@@ -156,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
                     argv[argv.index("--max-model-len") + 1] = str(args.prompt_tokens + args.max_tokens + 32)
                     env = cpu_env()
                     env["VLLM_CPU_CI_ENV"] = "0"  # a benchmark: vLLM's normal CPU settings
+                    env["RFORK_KV_CHANNEL_KEY"] = channel_key
+                    env["RFORK_TCP_HOST"] = "127.0.0.1"
                     if role is not None:
                         argv += ["--kv-transfer-config", _kv_config(mode, role, args.provider)]
                         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())

@@ -1,11 +1,16 @@
 """The KV handshake and request messages, on the engine channel "kv" (JSON fields, one kind each).
 
-receiver -> sender  hello    join: pool descriptor (base64), geometry, name, and the receiver's
-                             immediate range [base, count] (its channel's): request slot s, layer l
-                             is index s * (layers + 1) + l of it, l = layers completing the request
-sender -> receiver  welcome  {layers}; or reject {reason} (geometry or descriptor unusable)
-receiver -> sender  want     {rid, slot, part, parts, pages}: a request's destination pages as
-                             [start, count] runs, in parts that keep each message small
+receiver -> sender  hello    join: geometry, name, and the receiver's immediate range [base, count]
+                             (its channel's): request slot s, layer l is index s * (layers + 1) + l
+                             of it, l = layers completing the request. No descriptor: memory is
+                             granted per request, in wants, and only to a sender that welcomed
+sender -> receiver  welcome  {layers}; or reject {reason} (geometry unusable)
+receiver -> sender  want     {rid, slot, part, parts, pages, grant}: a request's destination pages as
+                             [start, count] runs, in parts that keep each message small; grant:
+                             [start, count, regions] per range of pages adjacent in memory (the
+                             request's pages sorted), regions per layer and half [base, key per
+                             domain] of a write-only region holding exactly that range (closed
+                             when the request settles on the receiver)
 sender -> receiver  failed   {rid, reason}: the sender refused a request
 receiver -> sender  cancel   {rid}: the receiver gave up on a request; the sender stops writing it
 receiver -> sender  bye      the receiver leaves; its requests fail on the sender
@@ -15,8 +20,8 @@ Every field is bounds-checked before use: page runs before they are expanded (`c
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Sequence
+from typing import Any
 
 CHANNEL = "kv"
 HELLO, WELCOME, REJECT, WANT, FAILED, BYE = "hello", "welcome", "reject", "want", "failed", "bye"
@@ -28,15 +33,6 @@ PART_BYTES = 3000
 def imm_index(slot: int, layer: int, layers: int) -> int:
     """Index in the receiver's immediate range for `layer` of the request in `slot` (layers: done)."""
     return slot * (layers + 1) + layer
-
-
-def b64(b: bytes) -> str:
-    return base64.b64encode(b).decode()
-
-
-def unb64(s: str) -> bytes:
-    """Inverse of b64; ValueError on anything else."""
-    return base64.b64decode(s.encode(), validate=True)
 
 
 def runs(pages: Sequence[int]) -> list[list[int]]:
@@ -82,15 +78,50 @@ def checked_runs(page_runs: object, pages: int, budget: int) -> list[list[int]]:
     return out
 
 
-def parts(page_runs: list[list[int]]) -> list[list[list[int]]]:
-    """Split runs into message-sized parts (JSON of each below PART_BYTES)."""
-    out: list[list[list[int]]] = [[]]
+def parts(
+    page_runs: list[list[int]], grant: list[list[Any]]
+) -> list[tuple[list[list[int]], list[list[Any]]]]:
+    """Split page runs and grant items into message-sized parts (JSON of each below PART_BYTES, unless
+    one item alone is larger): (runs, grant items) per part, page runs first."""
+    out: list[tuple[list[list[int]], list[list[Any]]]] = [([], [])]
     size = 0
-    for r in page_runs:
-        n = len(str(r[0])) + len(str(r[1])) + 4
-        if out[-1] and size + n > PART_BYTES:
-            out.append([])
-            size = 0
-        out[-1].append(r)
-        size += n
+    for which, items in ((0, page_runs), (1, grant)):
+        for item in items:
+            n = len(str(item)) + 2
+            if (out[-1][0] or out[-1][1]) and size + n > PART_BYTES:
+                out.append(([], []))
+                size = 0
+            out[-1][which].append(item)
+            size += n
+    return out
+
+
+GrantItem = tuple[int, int, list[list[int]]]  # start, count, regions: [base, key per domain] each
+
+
+def checked_grant(items: object, pages: int, per_range: int, keys: int) -> list[GrantItem]:
+    """A want part's grant items, checked; ValueError otherwise.
+
+    Each item is [start, count, entries]: pages start..start+count-1 (inside 0..pages-1) are granted,
+    and entries holds `per_range` (layers x halves) entries [base, key per domain] of 64-bit unsigned
+    integers, one per region.
+    """
+    if not isinstance(items, list) or len(items) > pages:
+        raise ValueError(f"grant must be a list of at most {pages} [start, count, entries] items")
+    out: list[GrantItem] = []
+    for item in items:
+        if not isinstance(item, list) or len(item) != 3:
+            raise ValueError(f"a grant item is [start, count, entries], not {str(item)[:60]!r}")
+        start, count, entries = item
+        checked_runs([[start, count]], pages, pages)
+        if not isinstance(entries, list) or len(entries) != per_range:
+            raise ValueError(f"a grant item lists {per_range} regions (layers x halves)")
+        for e in entries:
+            if (
+                not isinstance(e, list)
+                or len(e) != 1 + keys
+                or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**64 for x in e)
+            ):
+                raise ValueError(f"a grant region is [base, {keys} key(s)], 64-bit each, not {str(e)[:40]!r}")
+        out.append((start, count, entries))
     return out

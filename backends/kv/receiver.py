@@ -1,5 +1,11 @@
 """The decode side of KV transfer: join senders, ask for requests' pages, wait for them to land.
 
+Grants: a sender never learns a descriptor of the pool. Each request registers its own write-only
+regions, one per (range of its pages adjacent in memory, layer, half), and sends their keys in
+its want, which goes only to a sender that welcomed this receiver (with a channel key, the welcome
+proves the key). The regions are closed as soon as the request settles (landed, failed, cancelled,
+expired): the sender's writes after that are refused by the provider.
+
 The receiver owns its immediates: its channel's range holds `slots` request slots of layers + 1
 values each (every layer, then the completion), advertised in hello; a want names the slot. The
 engine's ImmCounter counts them from engine open, so none is lost to a late wait, and no ordering
@@ -22,9 +28,11 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
 
 import backends.kv.messages as wire
 from backends.channel import Message
+from backends.engine import Region
 from backends.errors import TransferError, TransferTimeout
 from backends.kv.futures import fail, log_failure, settle, settle_error
 from backends.kv.pool import KvError, KvPool
@@ -54,6 +62,7 @@ class IncomingRequest:
         self.done: Future[None] = Future()
         self.done.set_running_or_notify_cancel()
         self.landed_at: float | None = None  # time.monotonic() when the last immediate was counted
+        self.grants: list[Region] = []  # this request's write-only regions; closed once it settles
         self._lock = threading.Lock()
         channel, layers = receiver.channel, receiver.pool.geometry.layers
         self._layers = [channel.expect(wire.imm_index(slot, layer, layers)) for layer in range(layers)]
@@ -62,6 +71,13 @@ class IncomingRequest:
         self.done.add_done_callback(self._withdraw)
         for fut in (*self._layers, self._complete):
             fut.add_done_callback(self._arrived)
+
+    def revoke(self) -> None:
+        """Close this request's grants (its sender can no longer write its pages); idempotent."""
+        with self._lock:
+            grants, self.grants = self.grants, []
+        for grant in grants:
+            grant.close()
 
     def layer_imm(self, layer: int) -> int:
         """The immediate that announces `layer` of this request (what its sender writes)."""
@@ -206,6 +222,7 @@ class KvReceiver:
         self.slots = slots
         self._lock = threading.Lock()
         self._joins: dict[bytes, Future[None]] = {}
+        self._welcomed: set[bytes] = set()  # senders whose welcome arrived: only they get grants
         self._requests: dict[str, IncomingRequest] = {}
         self._free: deque[int] = deque(range(slots))
         self._resting: deque[tuple[float, int]] = deque()  # (until, slot) of failed requests, in order
@@ -215,7 +232,12 @@ class KvReceiver:
         self.channel.on_message(self._on_message)
 
     def join(self, sender: bytes, timeout_s: float | None = None) -> None:
-        """Introduce this pool to a sender (hello/welcome); KvError if it rejects, timeout if silent."""
+        """Introduce this pool to a sender (hello/welcome); KvError if it rejects, timeout if silent.
+
+        The hello carries no descriptor (geometry, name and immediate range only): memory is granted
+        per request, and only once the sender's welcome arrived on this channel (with a channel key,
+        that welcome carried the key's tag).
+        """
         fut: Future[None] = Future()
         fut.set_running_or_notify_cancel()
         with self._lock:
@@ -226,11 +248,9 @@ class KvReceiver:
             self.channel.send_json(
                 sender,
                 wire.HELLO,
-                desc=wire.b64(self.pool.descriptor.to_bytes()),
                 geometry=self.pool.geometry.to_dict(),
                 name=self.name,
                 imms=self.channel.imms.to_json(),
-                **self._layer_descs(),
             ).result(timeout)
             fut.result(max(0.0, deadline - time.monotonic()))
         except TimeoutError as exc:
@@ -241,14 +261,10 @@ class KvReceiver:
                 f"KV join: sender {_label(sender)} did not answer within {timeout:g}s"
             ) from exc
 
-    def _layer_descs(self) -> dict[str, list[str]]:
-        """hello's `descs` field: one descriptor per layer, for a pool with a region per layer."""
-        if not self.pool.per_layer:
-            return {}
-        return {"descs": [wire.b64(d.to_bytes()) for d in self.pool.descriptors()]}
-
     def leave(self, sender: bytes) -> None:
         """Tell a sender this receiver is gone; its requests there fail on the sender side."""
+        with self._lock:
+            self._welcomed.discard(sender)
         try:
             self.channel.send_json(sender, wire.BYE).result(self.timeout_s)
         except TimeoutError as exc:
@@ -257,24 +273,60 @@ class KvReceiver:
             ) from exc
 
     def request(self, sender: bytes, request_id: str, dst_pages: Sequence[int]) -> IncomingRequest:
-        """Ask `sender` for request_id's K/V into dst_pages of every layer of this pool."""
+        """Ask `sender` for request_id's K/V into dst_pages of every layer of this pool.
+
+        The sender must have welcomed this receiver (`join`); it is granted write access to exactly
+        these pages, until the request settles.
+        """
         pages = self.pool.geometry.check_pages(dst_pages, f"KV request {request_id}")
         self._expire_requests()
         with self._lock:
+            if sender not in self._welcomed:
+                raise KvError(
+                    f"KV request {request_id}: sender {_label(sender)} has not welcomed this receiver "
+                    "(join it first)"
+                )
             if request_id in self._requests:
                 raise KvError(f"KV request {request_id} is already pending on this receiver")
             slot = self._take_slot()
             req = IncomingRequest(self, request_id, sender, slot, pages)
             self._requests[request_id] = req
         req.done.add_done_callback(lambda f: self._finished(req, f))
-        parts = wire.parts(wire.runs(pages))
-        for i, part in enumerate(parts):
+        try:
+            grant = self._grant(req, pages)
+        except TransferError as exc:
+            err = KvError(f"KV request {request_id}: could not grant its pages ({exc})")
+            fail(req.done, err)
+            raise err from exc
+        finally:
+            if req.done.done():  # settled meanwhile (e.g. the receiver closed): nothing stays granted
+                req.revoke()
+        parts = wire.parts(wire.runs(pages), grant)
+        for i, (part, items) in enumerate(parts):
             self.channel.send_json(
-                sender, wire.WANT, rid=request_id, slot=slot, part=i, parts=len(parts), pages=part
+                sender, wire.WANT, rid=request_id, slot=slot, part=i, parts=len(parts), pages=part,
+                grant=items,
             ).add_done_callback(
                 lambda f: settle_error(req.done, f, f"KV request {request_id}: want to {_label(sender)}")
             )
         return req
+
+    def _grant(self, req: IncomingRequest, pages: list[int]) -> list[list[Any]]:
+        """Register write-only regions for exactly the request's pages: per range of pages adjacent in
+        memory, one per layer and half. Returns the want's grant items [start, count, regions]."""
+        geo = self.pool.geometry
+        out: list[list[Any]] = []
+        for start, count in wire.runs(sorted(set(pages))):
+            regions: list[list[int]] = []
+            for layer in range(geo.layers):
+                region, base = self.pool.layer_region(layer)
+                for kv in range(geo.halves):
+                    ptr = region.ptr + base + (kv * geo.pages + start) * geo.page_bytes
+                    grant = self.engine.register((ptr, count * geo.page_bytes), "write")
+                    req.grants.append(grant)
+                    regions.append([grant.descriptor.base, *grant.descriptor.keys])
+            out.append([start, count, regions])
+        return out
 
     def close(self) -> None:
         """Stop receiving (the channel closes; pending requests fail; the pool and engine stay)."""
@@ -308,7 +360,9 @@ class KvReceiver:
             req._expire_if_due()
 
     def _finished(self, req: IncomingRequest, done: Future[None]) -> None:
-        """A request settled: free its slot, or rest it and tell the sender to stop when it failed."""
+        """A request settled: revoke its grants; free its slot, or rest it and tell the sender to stop
+        when it failed."""
+        req.revoke()
         failed = done.exception() is not None
         with self._lock:
             if self._requests.get(req.request_id) is req:
@@ -338,6 +392,8 @@ class KvReceiver:
             if fut is None:
                 log.warning("KV receiver: %s from a sender it did not join", kind)
             elif kind == wire.WELCOME:
+                with self._lock:
+                    self._welcomed.add(sender)
                 fut.set_result(None)
             else:
                 fut.set_exception(KvError(f"KV join: sender {_label(sender)} refused: {msg.get('reason')}"))

@@ -1,9 +1,10 @@
 """The prefill side of KV transfer: accept receivers, write requests' pages into their pools.
 
-Flow: a receiver joins (hello: its pool descriptor, geometry and immediate range; answered with
-welcome or reject) and asks for a request (want: request id, its page ids, a slot). `KvSender.start`
-pairs it with the sender's page ids (either may come first). Each layer's K and V pages go out as
-one batched write whose immediate announces the layer; after every layer landed, one more immediate
+Flow: a receiver joins (hello: its geometry and immediate range; answered with welcome or reject)
+and asks for a request (want: request id, its page ids, a slot, and a grant: write-only regions of
+exactly those pages, revoked by the receiver when the request settles). `KvSender.start` pairs it
+with the sender's page ids (either may come first). Each layer's K and V pages go out as one op of
+batched writes whose immediate announces the layer; after every layer landed, one more immediate
 completes the request. A dead receiver fails only its own requests, within the engine's timeout_s.
 
 Thread-safety: any thread may call; message callbacks run on the engine's progress thread.
@@ -11,6 +12,7 @@ Thread-safety: any thread may call; message callbacks run on the engine's progre
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import threading
@@ -23,10 +25,12 @@ from typing import Any
 
 import backends.kv.messages as wire
 from backends.channel import ImmRange, Message
-from backends.descriptor import MemoryRegionDescriptor
+from backends.descriptor import EngineAddress, MemoryRegionDescriptor
 from backends.errors import PeerUnreachable, TransferError, TransferTimeout
 from backends.kv.futures import fail, log_failure, settle
-from backends.kv.pool import KvError, KvGeometry, KvPool, layer_spans
+from backends.kv.pool import KvError, KvGeometry, KvPool
+from backends.progress import Part
+from backends.spans import page_spans
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +38,10 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Receiver:
     address: bytes
-    desc: MemoryRegionDescriptor
     geometry: KvGeometry
     imms: ImmRange
     label: str
-    layer_descs: list[MemoryRegionDescriptor] | None = None  # a pool with one region per layer
+    domains: int  # keys per grant entry: one per domain of the receiver's engine
     requests: set[str] = field(default_factory=set)
     held: int = 0  # partial page lists and unpaired wants this receiver has here (capped at slots)
 
@@ -51,11 +54,10 @@ class _Receiver:
         """The immediate announcing `layer` of the request in `slot` (layer == layers: complete)."""
         return self.imms.value(wire.imm_index(slot, layer, self.geometry.layers))
 
-    def layer_target(self, layer: int) -> tuple[MemoryRegionDescriptor, int]:
-        """(descriptor, byte offset of the layer's first page in it) to write `layer` into."""
-        if self.layer_descs is not None:
-            return self.layer_descs[layer], 0
-        return self.desc, self.geometry.offset(layer, 0, 0)
+    def grant(self, count: int, regions: list[list[int]]) -> list[MemoryRegionDescriptor]:
+        """A grant item's regions as descriptors (per layer, per half) of the receiver's memory."""
+        length = count * self.geometry.page_bytes
+        return [MemoryRegionDescriptor(self.address, tuple(e[1:]), e[0], length, "write") for e in regions]
 
 
 @dataclass
@@ -63,6 +65,8 @@ class _Want:
     receiver: bytes
     slot: int
     pages: list[int]
+    ranges: list[tuple[int, int]]  # granted (start, count), sorted, not overlapping, covering pages
+    grant: list[list[MemoryRegionDescriptor]]  # per range, per (layer, half): where its pages may go
     since: float = field(default_factory=time.monotonic)
 
 
@@ -72,8 +76,9 @@ class _Partial:
 
     parts: int
     slot: int
-    got: dict[int, list[list[int]]] = field(default_factory=dict)
+    got: dict[int, tuple[list[list[int]], list[wire.GrantItem]]] = field(default_factory=dict)
     pages: int = 0
+    ranges: int = 0
     since: float = field(default_factory=time.monotonic)
 
 
@@ -101,6 +106,8 @@ class OutgoingRequest:
         self._posted: set[int] = set()
         self._landed = 0
         self._want: _Want | None = None
+        # per granted range of the want: (source pages, destination pages relative to the range's start)
+        self._by_range: dict[int, tuple[list[int], list[int]]] = {}
 
     def send_layer(self, layer: int) -> None:
         """Layer `layer` of the sender's pool holds this request's K and V: send it when possible."""
@@ -223,7 +230,6 @@ class KvSender:
 
     def _hello(self, address: bytes, msg: dict[str, Any]) -> None:
         try:
-            desc = MemoryRegionDescriptor.from_bytes(wire.unb64(msg["desc"]))
             geo = KvGeometry.from_dict(msg["geometry"])
             imms = ImmRange.from_json(msg["imms"])
             mine = self.pool.geometry
@@ -232,44 +238,22 @@ class KvSender:
                     f"geometry {geo.layers} layers x {geo.page_bytes} B pages ({geo.halves} halves) does not "
                     f"match the sender's {mine.layers} x {mine.page_bytes} B ({mine.halves} halves)"
                 )
-            whole = geo.nbytes if msg.get("descs") is None else geo.layer_nbytes
-            if not desc.writable or desc.length < whole or desc.address != address:
-                raise KvError(  # noqa: TRY301
-                    "pool descriptor is not writable, smaller than its geometry, or not the receiver's"
-                )
             if imms.count < geo.layers + 1:
                 raise KvError(f"immediate range of {imms.count} values holds no request slot")  # noqa: TRY301
-            layer_descs = self._layer_descs(address, geo, msg.get("descs"))
+            domains = len(EngineAddress.from_bytes(address).domains)
         except (KvError, ValueError, KeyError, TypeError, TransferError) as exc:
             log.warning("KV sender: rejected a receiver: %s", exc)
             self._reply(address, wire.REJECT, reason=str(exc))
             return
-        label = str(msg.get("name") or desc.address[-8:].hex())
+        label = str(msg.get("name") or address[-8:].hex())[:64]
         with self._lock:
             old = self._receivers.get(address)
-            rec = _Receiver(address, desc, geo, imms, label, layer_descs)
+            rec = _Receiver(address, geo, imms, label, domains)
             if old is not None:
                 rec.requests, rec.held = old.requests, old.held
             self._receivers[address] = rec
         log.info("KV sender: receiver %s joined (%d pages of %d B)", label, geo.pages, geo.page_bytes)
         self._reply(address, wire.WELCOME, layers=self.pool.geometry.layers)
-
-    @staticmethod
-    def _layer_descs(
-        address: bytes, geo: KvGeometry, descs: object
-    ) -> list[MemoryRegionDescriptor] | None:
-        """hello's optional per-layer descriptors, checked: one per layer, each writable, large
-        enough for a layer and owned by the receiver that sent the hello."""
-        if descs is None:
-            return None
-        if not isinstance(descs, list) or len(descs) != geo.layers:
-            raise KvError(f"descs must list one descriptor per layer ({geo.layers})")
-        if not all(isinstance(d, str) and len(d) <= 4096 for d in descs):
-            raise KvError("a layer descriptor is a base64 string of at most 4096 characters")
-        out = [MemoryRegionDescriptor.from_bytes(wire.unb64(d)) for d in descs]
-        if any(not d.writable or d.length < geo.layer_nbytes or d.address != address for d in out):
-            raise KvError("a layer descriptor is not writable, smaller than a layer, or not the receiver's")
-        return out
 
     def _bye(self, address: bytes) -> None:
         with self._lock:
@@ -304,6 +288,7 @@ class KvSender:
             if not 0 <= part < parts <= geo.pages:
                 raise KvError(f"KV request {rid}: part {part} of {parts} is out of range")  # noqa: TRY301
             runs = wire.checked_runs(msg["pages"], geo.pages, geo.pages)
+            grant = wire.checked_grant(msg.get("grant"), geo.pages, geo.layers * geo.halves, rec.domains)
         except (KvError, ValueError) as exc:
             self._reply(address, wire.FAILED, rid=rid, reason=str(exc))
             return
@@ -321,14 +306,15 @@ class KvSender:
             if partial is not None:
                 if partial.parts != parts or partial.slot != slot or part in partial.got:
                     reason = f"KV request {rid}: part {part} of {parts} does not fit the parts before it"
-                elif partial.pages + sum(n for _, n in runs) > geo.pages:
+                elif max(partial.pages + sum(n for _, n in runs), partial.ranges + len(grant)) > geo.pages:
                     reason = f"KV request {rid}: more than {geo.pages} pages"
                 if reason is not None:
                     del self._parts[key]
                     rec.held -= 1
                 else:
-                    partial.got[part] = runs
+                    partial.got[part] = (runs, grant)
                     partial.pages += sum(n for _, n in runs)
+                    partial.ranges += len(grant)
                     if len(partial.got) < parts:
                         return
                     del self._parts[key]
@@ -337,9 +323,15 @@ class KvSender:
             self._reply(address, wire.FAILED, rid=rid, reason=reason)
             return
         assert partial is not None
-        page_runs = [r for i in range(parts) for r in partial.got[i]]
+        page_runs = [r for i in range(parts) for r in partial.got[i][0]]
+        items = [g for i in range(parts) for g in partial.got[i][1]]
         pages = wire.unruns(page_runs)  # checked: at most geo.pages of them
-        want = _Want(address, slot, pages)
+        ranges = [(start, count) for start, count, _ in items]
+        uncovered = _uncovered(pages, ranges)
+        if uncovered is not None:
+            self._reply(address, wire.FAILED, rid=rid, reason=f"KV request {rid}: {uncovered}")
+            return
+        want = _Want(address, slot, pages, ranges, [rec.grant(count, regions) for _, count, regions in items])
         with self._lock:
             ended = self._ended.pop(rid, None)
         if ended is not None:
@@ -423,6 +415,7 @@ class KvSender:
             self._reply(want.receiver, wire.FAILED, rid=req.request_id, reason=str(err))
             fail(req.done, err)
             return
+        req._by_range = _by_range(req.src_pages, want)
         with self._lock:
             req._want = want
         self._post_ready(req)
@@ -443,21 +436,28 @@ class KvSender:
         if rec is None:
             fail(req.done, KvError(f"KV request {req.request_id}: receiver left"))
             return
-        geo = self.pool.geometry
         for layer in todo:
-            region, src_base = self.pool.layer_region(layer)
-            desc, dst_base = rec.layer_target(layer)
-            spans = layer_spans(
-                geo, req.src_pages, rec.geometry, want.pages, layer,
-                src_layer_base=src_base, dst_layer_base=dst_base,
-            )
             try:
                 imm = rec.imm(want.slot, layer)
-                fut = self.engine.write_spans(region, spans, desc, imm=imm)
+                fut = self.engine.start_op("kv layer", self._layer_parts(req, want, layer, imm)).future
             except TransferError as exc:
                 fail(req.done, KvError(f"KV request {req.request_id} layer {layer} to {rec.label}: {exc}"))
                 return
             fut.add_done_callback(functools.partial(self._layer_done, req, rec, layer))
+
+    def _layer_parts(self, req: OutgoingRequest, want: _Want, layer: int, imm: int) -> list[Part]:
+        """One layer's writes: per granted range and half, its pages into that range's region; then the
+        layer's immediate."""
+        geo = self.pool.geometry
+        region, src_base = self.pool.layer_region(layer)
+        page, halves = geo.page_bytes, geo.halves
+        parts: list[Part] = []
+        for r, (src, dst) in req._by_range.items():
+            for kv in range(halves):
+                spans = page_spans(src, src_base + kv * geo.pages * page, page, dst, 0, page, page)
+                parts.append(self.engine.write_part(region, spans, want.grant[r][layer * halves + kv]))
+        parts.append(self.engine.imm_part(imm, want.grant[0][layer * halves]))
+        return parts
 
     def _layer_done(self, req: OutgoingRequest, rec: _Receiver, layer: int, fut: Future[None]) -> None:
         exc = fut.exception()
@@ -472,7 +472,7 @@ class KvSender:
         if not complete or req._want is None:
             return
         try:
-            last = self.engine.write_imm(rec.imm(req._want.slot, rec.geometry.layers), rec.desc)
+            last = self.engine.write_imm(rec.imm(req._want.slot, rec.geometry.layers), req._want.grant[0][0])
         except TransferError as exc:
             fail(req.done, KvError(f"KV request {req.request_id} completion to {rec.label}: {exc}"))
             return
@@ -489,3 +489,31 @@ class KvSender:
                 rec = self._receivers.get(req._want.receiver)
                 if rec is not None:
                     rec.requests.discard(request_id)
+
+
+def _uncovered(pages: list[int], ranges: list[tuple[int, int]]) -> str | None:
+    """Why a want's grant does not fit its pages (ranges out of order or overlapping, a page in none of
+    them), or None when every page lies in exactly one range."""
+    if not ranges:
+        return "no page is granted"
+    for (s0, n0), (s1, _) in zip(ranges, ranges[1:], strict=False):
+        if s1 < s0 + n0:
+            return f"granted ranges at pages {s0} and {s1} are out of order or overlap"
+    starts = [s for s, _ in ranges]
+    for p in pages:
+        i = bisect.bisect_right(starts, p) - 1
+        if i < 0 or p >= starts[i] + ranges[i][1]:
+            return f"page {p} is not granted"
+    return None
+
+
+def _by_range(src_pages: list[int], want: _Want) -> dict[int, tuple[list[int], list[int]]]:
+    """Pair each source page with its destination's granted range (checked by _uncovered)."""
+    starts = [s for s, _ in want.ranges]
+    out: dict[int, tuple[list[int], list[int]]] = {}
+    for src, dst in zip(src_pages, want.pages, strict=True):
+        r = bisect.bisect_right(starts, dst) - 1
+        group = out.setdefault(r, ([], []))
+        group[0].append(src)
+        group[1].append(dst - starts[r])
+    return out

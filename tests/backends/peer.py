@@ -69,11 +69,13 @@ def serve(
     pending_expects = {}
     channels: dict[str, Channel] = {}
     inbox: dict[str, list[tuple[str, bytes, bytes]]] = {}
+    keys: dict[str, bytes] = {}
+    opened: list[tuple[str, str, bytes]] = []  # every frame the sessions opened, admitted or not
 
     def channel(name: str, imms: int = 0) -> Channel:
         if name not in channels:
             inbox[name] = []
-            channels[name] = eng.channel(name, imms=imms)
+            channels[name] = eng.channel(name, imms=imms, key=keys.get(name))
 
             def keep(m: Message, box: list[tuple[str, bytes, bytes]] = inbox[name]) -> None:
                 box.append((m.kind, m.data, m.sender))
@@ -100,6 +102,28 @@ def serve(
                         regs[name], off, n, MemoryRegionDescriptor.from_bytes(desc), roff, imm=imm
                     ).result(30)
                     conn.send(True)
+                elif cmd == "read":  # (name, off, n, desc, roff) -> the bytes read
+                    name, off, n, desc, roff = args
+                    eng.read(regs[name], off, n, MemoryRegionDescriptor.from_bytes(desc), roff).result(30)
+                    conn.send(bufs[name][off : off + n].tobytes())
+                elif cmd == "key":  # (channel name, set-up key): that channel opens with the key
+                    name, key = args
+                    keys[name] = key
+                    conn.send(True)
+                elif cmd == "watch":  # keep every frame opened from now on: what this peer can read
+                    sessions = eng._hub().sessions
+                    real_receive = sessions.receive
+
+                    def watch(frame: bytes, receive: Any = real_receive) -> Any:
+                        got = receive(frame)
+                        if got is not None:
+                            opened.append((got.name, got.kind, got.data))
+                        return got
+
+                    sessions.receive = watch  # type: ignore[method-assign]
+                    conn.send(True)
+                elif cmd == "opened":  # -> the frames kept since "watch"
+                    conn.send(list(opened))
                 elif cmd == "write_imms":  # list of imm values, each as its own write_imm
                     (imms, desc) = args
                     d = MemoryRegionDescriptor.from_bytes(desc)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import struct
 import time
 import urllib.error
 import urllib.request
@@ -33,12 +35,18 @@ PROMPTS = [
 ]
 
 
+CHANNEL_KEY = "test-kv-channel-key-of-32-bytes!"
+
+
 def kv_config(role: str) -> str:
+    extra: dict[str, object] = {"provider": "tcp", "abort_timeout_s": ABORT_TIMEOUT_S, "timeout_s": 5}
+    if role == "kv_consumer":
+        extra["prefill_networks"] = ["127.0.0.0/8"]  # the servers' engines are on loopback (RFORK_TCP_HOST)
     return json.dumps({
         "kv_connector": "RforkKvConnector",
         "kv_connector_module_path": "rfork.integrations.vllm.kv_connector",
         "kv_role": role,
-        "kv_connector_extra_config": {"provider": "tcp", "abort_timeout_s": ABORT_TIMEOUT_S, "timeout_s": 5},
+        "kv_connector_extra_config": extra,
         # a fetch that fails computes the prompt locally (vLLM's default policy fails the request)
         "kv_load_failure_policy": "recompute",
     })
@@ -48,11 +56,14 @@ def kv_config(role: str) -> str:
 def pd(server_fleet: ServerFleet) -> tuple[VllmServer, VllmServer]:
     """The prefill and the decode server (the fleet stops them at the module's end)."""
     servers = []
+    env = {**server_fleet.env, "RFORK_KV_CHANNEL_KEY": CHANNEL_KEY, "RFORK_TCP_HOST": "127.0.0.1"}
     for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
         port = free_port()
         argv = [*VLLM_CMD, *cpu_server_args(server_fleet.model, port), "--block-size", str(BLOCK),
                 "--kv-transfer-config", kv_config(role)]
-        servers.append(server_fleet._start(name, argv, port))
+        server = VllmServer(name, argv, port=port, log_path=server_fleet.workdir / f"{name}.log", env=env)
+        server_fleet.servers.append(server)
+        servers.append(server)
     for s in servers:
         s.wait_ready()
     return servers[0], servers[1]
@@ -142,6 +153,25 @@ def test_a_prefill_server_that_is_gone_means_recompute_on_the_decode_server(
     assert "vLLM's failure policy applies" in d.log()
 
 
+def test_a_prefill_engine_outside_the_allow_list_is_refused_and_the_prompt_recomputed(
+    pd: tuple[VllmServer, VllmServer],
+) -> None:
+    """A client's kv_transfer_params name an engine outside prefill_networks (10.9.8.7 here): the decode
+    server sends it nothing, logs the refusal, recomputes the prompt (the same tokens) and serves on."""
+    p, d = pd
+    from backends.descriptor import EngineAddress
+    from rfork.integrations.vllm.kv_params import RemotePrefill
+
+    sockaddr = struct.pack("<H", socket.AF_INET) + struct.pack(">H", 4242) + bytes([10, 9, 8, 7]) + bytes(8)
+    outside = EngineAddress("tcp", (sockaddr,)).to_bytes()
+    prompt = PROMPTS[2]
+    want = tokens(completion(p.url, prompt, NEW))
+    params = RemotePrefill(outside, "someone-elses-request", tuple(range(1, 9)), BLOCK).to_params()
+    assert tokens(completion(d.url, prompt, NEW, params)) == want
+    assert "10.9.8.7 is outside prefill_networks; not joining it" in d.log()
+    assert disaggregated(p.url, d.url, prompt, NEW) == want
+
+
 def test_a_decode_request_aborted_while_its_kv_is_awaited_frees_its_blocks(
     pd: tuple[VllmServer, VllmServer],
 ) -> None:
@@ -158,8 +188,9 @@ def test_a_decode_request_aborted_while_its_kv_is_awaited_frees_its_blocks(
     assert disaggregated(p.url, d.url, prompt, NEW) == tokens(completion(p.url, prompt, NEW))
 
 
-def test_settings_the_connector_refuses_are_named() -> None:
-    """kv_both and unknown settings fail at start-up with a message naming them (no server needed)."""
+def test_settings_the_connector_refuses_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kv_both, unknown settings, a decode server without prefill_networks and a server without the
+    channel key (unless allow_keyless) fail at start-up with a message naming them (no server needed)."""
     from vllm.config import KVTransferConfig
 
     from rfork.integrations.vllm.kv_connector import ConnectorSettings
@@ -182,6 +213,22 @@ def test_settings_the_connector_refuses_are_named() -> None:
                            kv_connector_extra_config={"provder": "tcp"})
     with pytest.raises(KvConnectorError, match="provder"):
         ConnectorSettings.from_vllm(_Cfg(odd))
+    monkeypatch.setenv("RFORK_KV_CHANNEL_KEY", CHANNEL_KEY)
+    no_list = KVTransferConfig(kv_connector="RforkKvConnector", kv_role="kv_consumer")
+    with pytest.raises(KvConnectorError, match="prefill_networks is not set"):
+        ConnectorSettings.from_vllm(_Cfg(no_list))
+    bad_list = KVTransferConfig(kv_connector="RforkKvConnector", kv_role="kv_consumer",
+                                kv_connector_extra_config={"prefill_networks": ["10.0.0.0/33"]})
+    with pytest.raises(KvConnectorError, match="prefill_networks"):
+        ConnectorSettings.from_vllm(_Cfg(bad_list))
+    monkeypatch.delenv("RFORK_KV_CHANNEL_KEY", raising=False)
+    monkeypatch.delenv("RFORK_KV_CHANNEL_KEY_FILE", raising=False)
+    keyless = KVTransferConfig(kv_connector="RforkKvConnector", kv_role="kv_producer")
+    with pytest.raises(KvConnectorError, match="KEY_FILE. is not set"):
+        ConnectorSettings.from_vllm(_Cfg(keyless))
+    allowed = KVTransferConfig(kv_connector="RforkKvConnector", kv_role="kv_producer",
+                               kv_connector_extra_config={"allow_keyless": True})
+    assert ConnectorSettings.from_vllm(_Cfg(allowed)).channel_key is None
     _Par.tensor_parallel_size = 2
     ok = KVTransferConfig(kv_connector="RforkKvConnector", kv_role="kv_consumer")
     with pytest.raises(KvConnectorError, match="tensor_parallel_size 2"):

@@ -22,6 +22,7 @@ from the prefill server's.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from rfork.env_secrets import env_secret
 from rfork.integrations.vllm.kv_params import KvParamsError, RemotePrefill
 from rfork.integrations.vllm.kv_worker import KvConnectorError, KvWorker
+from rfork.seed_networks import Network
 
 if TYPE_CHECKING:
     import torch
@@ -77,6 +79,7 @@ class ConnectorSettings:
     timeout_s: float
     abort_timeout_s: float
     channel_key: bytes | None
+    prefill_networks: tuple[Network, ...] | None = None  # decode: where prefill engines may be
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> ConnectorSettings:
@@ -94,22 +97,62 @@ class ConnectorSettings:
                 f"{par.pipeline_parallel_size}: the rfork connector supports 1 and 1 on both servers"
             )
         extra = dict(kv.kv_connector_extra_config or {})
-        unknown = set(extra) - {"provider", "timeout_s", "abort_timeout_s"}
+        known = {"provider", "timeout_s", "abort_timeout_s", "prefill_networks", "allow_keyless"}
+        unknown = set(extra) - known
         if unknown:
             raise KvConnectorError(
                 f"kv_connector_extra_config: unknown setting(s) {sorted(unknown)}; "
-                "known: provider, timeout_s, abort_timeout_s"
+                f"known: {', '.join(sorted(known))}"
             )
         key = env_secret(CHANNEL_KEY_ENV)
         if key is not None and len(key.encode()) < 16:
             raise KvConnectorError(f"${CHANNEL_KEY_ENV} must be at least 16 bytes")
+        keyless = extra.get("allow_keyless", False)
+        if not isinstance(keyless, bool):
+            raise KvConnectorError("kv_connector_extra_config.allow_keyless must be true or false")
+        if key is None and not keyless:
+            raise KvConnectorError(
+                f"${CHANNEL_KEY_ENV} (or ${CHANNEL_KEY_ENV}_FILE) is not set: without it any engine that "
+                "reaches this one's fabric address can take part in KV transfers (a prefill server hands a "
+                "request's KV to whoever asks for its id). Set the same secret on both servers, or set "
+                "allow_keyless: true in kv_connector_extra_config to run without it on a fabric you trust"
+            )
+        if key is None:
+            log.warning(
+                "rfork KV: running WITHOUT $%s (allow_keyless): any engine that can reach this server's "
+                "fabric address and knows a request id can collect that request's KV from a prefill server, "
+                "and the KV frames can be read by anyone who can read the fabric", CHANNEL_KEY_ENV,
+            )
         return cls(
             producer=role == "kv_producer",
             provider=str(extra.get("provider", "tcp")),
             timeout_s=float(extra.get("timeout_s", 10.0)),
             abort_timeout_s=float(extra.get("abort_timeout_s", 120.0)),
             channel_key=key.encode() if key is not None else None,
+            prefill_networks=_prefill_networks(role, extra.get("prefill_networks")),
         )
+
+
+def _prefill_networks(role: str, value: object) -> tuple[Network, ...] | None:
+    """The decode server's allow-list of prefill engines (CIDR networks); required for kv_consumer."""
+    if role == "kv_producer":
+        if value is not None:
+            raise KvConnectorError("kv_connector_extra_config.prefill_networks is a kv_consumer setting")
+        return None
+    if value is None:
+        raise KvConnectorError(
+            "kv_connector_extra_config.prefill_networks is not set: a decode server joins the prefill engine "
+            "that a request's kv_transfer_params name and grants it write access to KV blocks, so list the "
+            'networks your prefill servers are in (e.g. ["10.1.0.0/16"]; ["0.0.0.0/0"] allows any engine)'
+        )
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        raise KvConnectorError(
+            "kv_connector_extra_config.prefill_networks must be a non-empty list of CIDR strings"
+        )
+    try:
+        return tuple(ipaddress.ip_network(v, strict=False) for v in value)
+    except ValueError as exc:
+        raise KvConnectorError(f"kv_connector_extra_config.prefill_networks: {exc}") from exc
 
 
 class RforkKvConnector(KVConnectorBase_V1):
@@ -216,7 +259,7 @@ class RforkKvConnector(KVConnectorBase_V1):
         s = self.settings
         self._worker = KvWorker(
             producer=s.producer, kv_caches=kv_caches, provider=s.provider, timeout_s=s.timeout_s,
-            abort_timeout_s=s.abort_timeout_s, channel_key=s.channel_key,
+            abort_timeout_s=s.abort_timeout_s, channel_key=s.channel_key, prefill_networks=s.prefill_networks,
             name=f"vllm-decode-{self._vllm_config.instance_id}" if not s.producer else "",
         )
 

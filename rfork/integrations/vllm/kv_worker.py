@@ -7,7 +7,9 @@ layer, straight into the decode server's KV cache. `finished_sending` hands the 
 to free its blocks once delivered, failed, or not collected within `abort_timeout_s`.
 
 Decode (kv_consumer): `receive` joins the prefill worker's engine (once per engine, in a background
-thread: a join waits for an answer) and asks for the request's pages into the blocks vLLM allocated;
+thread: a join waits for an answer) and asks for the request's pages into the blocks vLLM allocated.
+The engine address comes from the API request (`kv_transfer_params`): one outside `prefill_networks`
+or `RFORK_SEED_NETWORKS` is refused before anything is sent to it, and the request fails.
 `finished_receiving` reports requests whose KV landed or failed. Failed requests' blocks are reported
 through `take_failed_blocks`, so vLLM's `kv_load_failure_policy` (recompute or fail) applies.
 
@@ -26,9 +28,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends import TransferEngine
+from backends.descriptor import EngineAddress
 from backends.errors import TransferError
 from backends.kv import IncomingRequest, KvError, KvPool, KvReceiver, KvSender, OutgoingRequest
+from rfork import seed_networks
 from rfork.integrations.vllm.kv_params import RemotePrefill
+from rfork.seed_networks import Network
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +89,29 @@ def cache_layout(kv_caches: dict[str, Any]) -> CacheLayout:
     return CacheLayout(names, blocks, block_bytes, halves)
 
 
+def check_prefill_address(address: bytes, allowed: Sequence[Network] | None) -> None:
+    """KvError unless every endpoint of the prefill engine at `address` is inside `allowed` (None, or a
+    list holding a /0 network: any engine, also efa and verbs ones, whose addresses carry no IP) and
+    inside RFORK_SEED_NETWORKS (when set): a client names that engine, and the decode worker grants
+    it write access to KV blocks."""
+    try:
+        parsed = EngineAddress.from_bytes(address)
+    except TransferError as exc:
+        raise KvError(f"prefill engine address refused: {exc}") from exc
+    hosts = parsed.hosts()
+    if allowed is not None and any(n.prefixlen == 0 for n in allowed):
+        allowed = None
+    checks = (("prefill_networks", allowed), (seed_networks.ENV, seed_networks.allowed_networks()))
+    for what, networks in checks:
+        if networks is None:
+            continue
+        if not hosts:
+            raise KvError(f"prefill engine on {parsed.provider} names no IP address; {what} cannot allow it")
+        outside = [str(h) for h in hosts if not any(h in n for n in networks)]
+        if outside:
+            raise KvError(f"prefill engine at {', '.join(outside)} is outside {what}; not joining it")
+
+
 def _init_amx_before_threads() -> None:
     """Ask Linux for AMX tile permission before the engine starts its threads.
 
@@ -100,6 +128,12 @@ def _init_amx_before_threads() -> None:
         log.debug("AMX init skipped: %s", exc)
 
 
+def _cancel_started(started: Future[IncomingRequest]) -> None:
+    """Cancel a fetch once it started (vLLM aborted its request): its sender can no longer write."""
+    if started.exception() is None:
+        started.result().cancel("vLLM aborted the request")
+
+
 @dataclass
 class _Receiving:
     local_blocks: list[int]
@@ -114,7 +148,8 @@ class KvWorker:
 
     provider: the transfer engine's provider ("tcp", "shm", ...). channel_key: a secret both servers
     got at set-up; every KV frame must carry it. abort_timeout_s: how long prefill keeps a finished
-    request's blocks for a decode server that never asks for them.
+    request's blocks for a decode server that never asks for them. prefill_networks (decode): the
+    networks prefill engines may be in (None: any; RFORK_SEED_NETWORKS applies as well).
     """
 
     def __init__(
@@ -127,8 +162,11 @@ class KvWorker:
         abort_timeout_s: float = 120.0,
         channel_key: bytes | None = None,
         name: str = "",
+        prefill_networks: Sequence[Network] | None = None,
     ) -> None:
         layout = cache_layout(kv_caches)
+        self.prefill_networks = None if prefill_networks is None else list(prefill_networks)
+        seed_networks.allowed_networks()  # a malformed RFORK_SEED_NETWORKS fails here, not per request
         _init_amx_before_threads()
         self.layout = layout
         self.producer = producer
@@ -204,12 +242,16 @@ class KvWorker:
         server already had a prefix of the prompt cached)."""
         assert self._receiver is not None, "receive on a prefill worker"
         local = list(local_blocks)
-        if len(local) > len(remote.block_ids):
-            fut: Future[IncomingRequest] = Future()
-            fut.set_exception(KvError(
-                f"request {request_id}: {len(local)} blocks to fill but the prefill server sent "
-                f"{len(remote.block_ids)}"
-            ))
+        fut: Future[IncomingRequest] = Future()
+        try:
+            check_prefill_address(remote.address, self.prefill_networks)
+            if len(local) > len(remote.block_ids):
+                raise KvError(  # noqa: TRY301 - reported through the request's future below
+                    f"{len(local)} blocks to fill but the prefill server sent {len(remote.block_ids)}"
+                )
+        except KvError as exc:
+            log.warning("rfork KV: request %s refused: %s", request_id, exc)
+            fut.set_exception(KvError(f"request {request_id}: {exc}"))
         else:
             fut = self._pool_threads.submit(self._request, remote, local)
         self._receiving[request_id] = _Receiving(local, fut)
@@ -242,9 +284,8 @@ class KvWorker:
     def cancel(self, request_ids: set[str]) -> None:
         """vLLM finished (aborted) these requests: stop fetching their KV (the sender is told)."""
         for rid in request_ids & self._receiving.keys():
-            started = self._receiving[rid].started
-            if started.done() and started.exception() is None:
-                started.result().cancel("vLLM aborted the request")
+            # a fetch still joining is cancelled as soon as it starts: its grant must not outlive it
+            self._receiving[rid].started.add_done_callback(_cancel_started)
 
     def finished_receiving(self) -> set[str]:
         """Requests whose KV landed, or failed (then their blocks are in take_failed_blocks()).

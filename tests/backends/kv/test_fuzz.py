@@ -68,6 +68,14 @@ _runs = st.one_of(
 )
 
 
+def _grant(live: Live) -> st.SearchStrategy[Any]:
+    """Grant items: the right shape (regions naming the hostile's own memory), or anything."""
+    d = live.hostile_pool.descriptor
+    region = st.one_of(st.just([d.base, *d.keys]), st.lists(_ints, max_size=3), _json)
+    item = st.tuples(_ints, _ints, st.lists(region, min_size=LAYERS * 2, max_size=LAYERS * 2)).map(list)
+    return st.one_of(st.lists(item, max_size=3), st.lists(_json, max_size=3), _json)
+
+
 @st.composite
 def hostile_message(draw: st.DrawFn, live: Live) -> tuple[str, bytes]:
     kind = draw(st.sampled_from([wire.HELLO, wire.WANT, wire.CANCEL, wire.BYE, "junk", wire.FAILED]))
@@ -76,9 +84,7 @@ def hostile_message(draw: st.DrawFn, live: Live) -> tuple[str, bytes]:
     fields: dict[str, Any] = {}
     if kind == wire.HELLO:
         good = draw(st.booleans())
-        desc = live.hostile_pool.descriptor.to_bytes() if good else draw(st.binary(max_size=40))
         fields = {
-            "desc": wire.b64(desc),
             "geometry": {"layers": LAYERS, "pages": PAGES, "page_bytes": PAGE} if good else draw(_json),
             "name": draw(st.text(max_size=8)),
             "imms": live.raw.imms.to_json() if draw(st.booleans()) else draw(_json),
@@ -90,6 +96,7 @@ def hostile_message(draw: st.DrawFn, live: Live) -> tuple[str, bytes]:
             "part": draw(_ints),
             "parts": draw(_ints),
             "pages": draw(_runs),
+            "grant": draw(_grant(live)),
         }
     return kind, json.dumps(fields).encode()
 
@@ -115,17 +122,16 @@ def test_hostile_kv_messages_never_raise_grow_or_stop_an_honest_receiver(
 ) -> None:
     caplog.set_level(logging.ERROR)
     messages = data.draw(st.lists(hostile_message(live), min_size=1, max_size=8))
-    h = live.engines[2]
     for kind, body in messages:
         live.raw.send(live.sender.address, kind, body).result(5)
         live.raw.send(live.receiver.engine.address, kind, body).result(5)
     time.sleep(0.05)
     s = live.sender
     with s._lock:
-        hostile = s._receivers.get(h.address)
         assert len(s._parts) + len(s._wants) <= 2 * 4 * 4  # each receiver's held state is capped by its slots
         assert all(r.held <= r.slots for r in s._receivers.values())
-        assert hostile is None or hostile.desc.address == h.address  # it can only name its own memory
+        # a grant names memory of the engine that sent it, never another's
+        assert all(d.address == w.receiver for w in s._wants.values() for run in w.grant for d in run)
     assert len(live.receiver._requests) <= live.receiver.slots
     assert engine_errors(caplog) == []
     _honest_round(live)

@@ -1,10 +1,11 @@
 """Pools with one region per layer (how vLLM allocates its cache): a request moves byte for byte between
-a per-layer pool and a whole pool, in both directions, and a hello with bad per-layer descriptors is
-refused."""
+a per-layer pool and a whole pool, in both directions, and a want whose grant does not fit its pages
+is refused."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -72,18 +73,31 @@ def test_per_layer_pool_checks_its_buffers(engines: tuple[TransferEngine, Transf
         KvPool(a, layers=3, pages=PAGES, page_bytes=PAGE, layer_buffers=bufs)
 
 
-def test_hello_with_too_few_layer_descriptors_is_refused(
+@pytest.mark.parametrize(
+    ("tamper", "refusal"),
+    [
+        (lambda items: [[s, c, r[1:]] for s, c, r in items], "lists 6 regions"),  # a layer's half missing
+        (lambda items: [[s, c - 1, r] for s, c, r in items], "page 2 is not granted"),  # a page outside
+        (lambda items: [[s, c, r] for s, c, r in items] * 2, "out of order or overlap"),
+    ],
+)
+def test_a_want_whose_grant_does_not_fit_its_pages_is_refused(
     engines: tuple[TransferEngine, TransferEngine],
+    tamper: Callable[[list[list[Any]]], list[list[Any]]],
+    refusal: str,
 ) -> None:
     a, b = engines
     sender = KvSender(KvPool(a, layers=LAYERS, pages=PAGES, page_bytes=PAGE))
     dst = KvPool(b, layers=LAYERS, pages=PAGES, page_bytes=PAGE,
                  layer_buffers=[np.zeros(LAYER_BYTES, np.uint8) for _ in range(LAYERS)])
     receiver = KvReceiver(dst)
-    one = receiver._layer_descs()["descs"][:1]
-    receiver._layer_descs = lambda: {"descs": one}  # type: ignore[method-assign]
-    with pytest.raises(KvError, match="one descriptor per layer"):
-        receiver.join(sender.address)
+    receiver.join(sender.address)
+    grant = receiver._grant
+    receiver._grant = lambda req, pages: tamper(grant(req, pages))  # type: ignore[method-assign]
+    inc = receiver.request(sender.address, "tampered", [1, 2])
+    with pytest.raises(KvError, match=refusal):
+        inc.wait(10)
+    assert inc.grants == []  # the failed request's regions were closed
     sender.close()
     receiver.close()
 

@@ -7,13 +7,17 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
+import numpy as np
 import pytest
 
-from backends import TransferEngine, TransferTimeout
+from backends import MemoryRegionDescriptor, TransferEngine, TransferTimeout
 from backends.kv import IncomingRequest, KvError, KvPool, KvReceiver, KvSender
+from backends.providers.libfabric import refuses_forged_writes
 from tests.backends.conftest import Peer, skip_unless_pairs_within_process, start_peer
-from tests.backends.peer import engine_kwargs
+from tests.backends.kv.raw import welcome
+from tests.backends.peer import engine_kwargs, pattern
 
 DONE = -1
 
@@ -22,11 +26,22 @@ def _imms(inc: IncomingRequest, *layers: int) -> list[int]:
     return [inc.done_imm if layer == DONE else inc.layer_imm(layer) for layer in layers]
 
 
-def _until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+def _until(cond: Callable[[], Any], timeout: float = 10.0) -> Any:
     deadline = time.monotonic() + timeout
     while not cond() and time.monotonic() < deadline:
         time.sleep(0.01)
     return cond()
+
+
+def _grant_of(raw: Peer, rx_address: bytes, rid: str) -> bytes | None:
+    """The descriptor of the first region granted to the raw peer for request rid (from its want)."""
+    for kind, data, _ in raw.call("inbox", "kv", 0, 0):
+        fields = json.loads(data)
+        if kind == "want" and fields["rid"] == rid:
+            _, count, regions = fields["grant"][0]
+            base, *keys = regions[0]
+            return MemoryRegionDescriptor(rx_address, tuple(keys), base, count * 64, "write").to_bytes()
+    return None
 
 
 @pytest.fixture
@@ -55,6 +70,7 @@ def test_a_failed_requests_late_immediates_never_complete_a_later_request(
     """Failed before: the slot went round-robin, so request c reused failed request a's slot and its
     layer 2 and completion counted as landed at once from a's late immediates."""
     rx = KvReceiver(KvPool(engine, layers=3, pages=8, page_bytes=64), timeout_s=20.0, slots=2)
+    welcome(rx, raw_sender)
     desc = rx.pool.descriptor.to_bytes()
     a = rx.request(raw_sender.address, "a", [0])
     _refuse(raw_sender, rx, "a")
@@ -97,11 +113,22 @@ def test_a_request_past_its_deadline_fails_its_waiters_and_frees_its_slot(
         KvPool(engine, layers=2, pages=8, page_bytes=64), timeout_s=5.0, slots=1,
         request_timeout_s=1.0, quarantine_s=0.5,
     )
+    welcome(rx, raw_sender)
     e = rx.request(raw_sender.address, "e", [0])
     t0 = time.monotonic()
+    grant = _until(lambda: _grant_of(raw_sender, engine.address, "e"))
+    page = rx.pool.buffer[:64]  # layer 0, K, page 0: the grant's first region
+    assert raw_sender.call("fill", "unused", 5) is True
+    assert raw_sender.call("write", "unused", 0, 64, grant, 0, None) is True  # pending: its page is granted
+    assert _until(lambda: np.array_equal(page, pattern(5, 64)))  # shm 2.5 may land it later
     with pytest.raises(TransferTimeout, match="request_timeout_s"):
         e.wait(10)
     assert time.monotonic() - t0 < 3.0
+    if refuses_forged_writes(engine.provider):  # shm before libfabric 2.5 checks no key (docs/kv.md)
+        assert raw_sender.call("fill", "unused", 6) is True
+        raw_sender.call("write", "unused", 0, 64, grant, 0, None)  # revoked: refused (tcp) or dropped (shm)
+        time.sleep(0.3)  # what did not land cannot be waited for
+        assert np.array_equal(page, pattern(5, 64))
     with pytest.raises(TransferTimeout, match="request_timeout_s"):
         e.wait_layer(0, 10)
     assert not engine.imm._waiters  # its expects were withdrawn
@@ -139,6 +166,7 @@ def test_immediates_written_ahead_into_a_free_slot_do_not_count(
 ) -> None:
     """A peer that sprays a slot's immediates before any request uses it completes nothing."""
     rx = KvReceiver(KvPool(engine, layers=2, pages=8, page_bytes=64), timeout_s=5.0, slots=1)
+    welcome(rx, raw_sender)
     ahead = [rx.channel.imm(i) for i in range(3)]  # slot 0: layers 0, 1 and the completion
     assert raw_sender.call("write_imms", ahead, rx.pool.descriptor.to_bytes()) is True
     assert _until(lambda: all(engine.imm.pending(v) == 1 for v in ahead))

@@ -58,9 +58,12 @@ def test_layer_spans_move_exactly_the_mapped_pages(
 def test_page_runs_round_trip_and_fit_in_small_messages(pages: list[int]) -> None:
     page_runs = runs(pages)
     assert unruns(page_runs) == pages
-    split = parts(page_runs)
-    assert [r for p in split for r in p] == page_runs
-    assert all(len(json.dumps(p)) < 3500 for p in split)
+    regions = [[2**47, 2**64 - 1]] * 4  # 2 layers x K, V
+    grant = [[s, n, regions] for s, n in runs(sorted(set(pages)))]
+    split = parts(page_runs, grant)
+    assert [r for p, _ in split for r in p] == page_runs
+    assert [g for _, gs in split for g in gs] == grant
+    assert all(len(json.dumps({"pages": p, "grant": g})) < 3500 for p, g in split)
 
 
 def test_geometry_refuses_bad_shapes() -> None:

@@ -21,6 +21,7 @@ import pytest
 from backends import TransferEngine, TransferTimeout
 from backends.kv import IncomingRequest, KvError, KvPool, KvReceiver, KvSender
 from tests.backends.conftest import Peer, skip_unless_pairs_within_process, start_peer
+from tests.backends.kv.raw import welcome
 from tests.backends.peer import engine_kwargs
 from tests.backends.processes import stop_process
 
@@ -176,6 +177,7 @@ def test_completion_counted_before_a_layer_does_not_complete_the_request(
     Before the fix `done` resolved on the completion alone, so wait_layer(0) raised TransferTimeout at
     once ("did not arrive within 30s") and wait() returned with layer 0 not landed.
     """
+    welcome(rx, raw_sender)
     inc = rx.request(raw_sender.address, "early-done", [0, 1])
     desc = rx.pool.descriptor.to_bytes()
     assert raw_sender.call("write_imms", _imms(inc, DONE, 2, 1), desc) is True
@@ -194,6 +196,7 @@ def test_completion_counted_before_a_layer_does_not_complete_the_request(
 @pytest.mark.timeout(120)
 def test_silent_sender_never_holds_a_wait_past_its_bound(rx: KvReceiver, raw_sender: Peer) -> None:
     """A sender that delivered part of a request and then stopped (SIGSTOP): every wait ends at its bound."""
+    welcome(rx, raw_sender)
     inc = rx.request(raw_sender.address, "half", [3])
     desc = rx.pool.descriptor.to_bytes()
     assert raw_sender.call("write_imms", _imms(inc, 1), desc) is True
