@@ -42,7 +42,7 @@ FIXES = {
     "register_token": "a token with the register role: --register-token-file, $RFORK_REGISTER_TOKEN or "
     "$RFORK_REGISTER_TOKEN_FILE; or --no-serve",
 }
-INTERRUPTED = "the pull's lease was released and nothing is served"
+INTERRUPTED = "the load stopped; no lease is held and nothing is served"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
