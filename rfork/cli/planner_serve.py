@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from rfork.errors import ConfigurationError
+
 DESCRIPTION = """Serve the planner REST API (migrates the database first), printing its address once bound.
 
 Settings also come from the environment (docs/operations.md): $RFORK_DB_URL, the tokens
@@ -55,11 +57,13 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import os
 
+    import pydantic
     import sqlalchemy.exc
 
     # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from planner import PlannerSettings, check_schema, migrate
-    from planner.app import create_app
+    from planner.app import InsecureRefused, create_app
+    from planner.settings import SettingsError
     from rfork.cli.serving import address, bind, database_problem, serve
 
     overrides: dict[str, object] = {}
@@ -71,9 +75,12 @@ def run(args: argparse.Namespace) -> int:
         overrides["selection_policy"] = args.policy
     if args.no_migrate:
         overrides["no_migrate"] = True
-    settings = PlannerSettings(**overrides)  # type: ignore[arg-type]
     try:
+        settings = PlannerSettings(**overrides)  # type: ignore[arg-type]
         app = create_app(settings)  # refuses early when no token is configured and not --insecure
+    except (SettingsError, InsecureRefused, pydantic.ValidationError) as exc:
+        raise ConfigurationError(" ".join(str(exc).split()), setting="planner_settings") from exc
+    try:
         sock = bind(args.host, args.port)  # a taken port is said before a migration runs
         if settings.no_migrate:
             check_schema(settings.db_url)

@@ -14,9 +14,14 @@ import shlex
 import sys
 from collections.abc import Mapping, Sequence
 
+from rfork.errors import ConfigurationError
 
-class LaunchError(ValueError):
+
+class LaunchError(ConfigurationError):
     """The server's arguments would bypass or break the hook; the message says which and what to do."""
+
+    def __init__(self, message: str, *, setting: str = "server_args") -> None:
+        super().__init__(message, setting=setting)
 
 
 def add_hook_options(parser: argparse.ArgumentParser, *, framework: str) -> None:

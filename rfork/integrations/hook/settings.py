@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rfork.env_secrets import SecretFileError, env_secret
-from rfork.errors import RforkError
+from rfork.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from rfork.pull.result import LoadOptions
@@ -39,8 +39,11 @@ TOKEN_ENV = "RFORK_TOKEN"
 TOKEN_FILE_ENV = "RFORK_TOKEN_FILE"
 
 
-class SettingsError(RforkError, ValueError):
+class SettingsError(ConfigurationError):
     """A hook setting is missing, unknown or malformed; the message names the key or variable."""
+
+    def __init__(self, message: str, *, setting: str = "hook") -> None:
+        super().__init__(message, setting=setting)
 
 
 @dataclass(frozen=True, kw_only=True)
