@@ -9,8 +9,10 @@ from rfork.errors import ConfigurationError
 DESCRIPTION = """Serve the planner REST API (migrates the database first), printing its address once bound.
 
 Settings also come from the environment (docs/operations.md): $RFORK_DB_URL, the tokens
-$RFORK_ADMIN_TOKEN, $RFORK_REGISTER_TOKEN, $RFORK_ANCHOR_TOKEN, $RFORK_LOAD_TOKEN, $RFORK_READER_TOKEN
-(each also as a file: $RFORK_ADMIN_TOKEN_FILE, ...), $RFORK_CONTROL_SECRET(_FILE),
+$RFORK_ADMIN_TOKEN, $RFORK_REGISTER_TOKEN, $RFORK_ANCHOR_TOKEN, $RFORK_LOAD_TOKEN, $RFORK_READER_TOKEN,
+$RFORK_INSTANCE_TOKEN (load + register in one token: what an SGLang/vLLM server started with
+`rfork sglang|vllm` needs, unless it is given a load and a register token) (each also as a file:
+$RFORK_ADMIN_TOKEN_FILE, ...), $RFORK_CONTROL_SECRET(_FILE),
 $RFORK_SELECTION_POLICY, $RFORK_RACK_HOLD, $RFORK_HEARTBEAT_TTL_S, $RFORK_LEASE_TTL_S,
 $RFORK_MAX_CANDIDATES and the rest of planner/settings.py (RFORK_<FIELD>)."""
 

@@ -227,6 +227,7 @@ class RforkLoaderBase:
             self.release()
             return None
         # imported here: the plugin is imported in every framework process (start-up time)
+        from planner.contract import AuthError
         from rfork.errors import ChecksumMismatch
         from rfork.integrations.hook.serving import start_seed
 
@@ -247,6 +248,17 @@ class RforkLoaderBase:
                 "rfork: %s's post-load steps changed the loaded parameters in place (%s); "
                 "parameters mode cannot serve this model, use checkpoint mode",
                 self.framework_name,
+                exc,
+            )
+            self.release()
+            return None
+        except AuthError as exc:
+            which = "$RFORK_REGISTER_TOKEN" if s.register_token else "$RFORK_TOKEN (no $RFORK_REGISTER_TOKEN)"
+            log.warning(
+                "rfork: not serving as a seed: the planner refused to register it with %s (%s); a seed "
+                "needs the register role: set $RFORK_REGISTER_TOKEN(_FILE) to a token with it, or give "
+                "one token with load and register, or serve=false",
+                which,
                 exc,
             )
             self.release()

@@ -1,8 +1,10 @@
 """Hook settings: `--model-loader-extra-config` keys first, then `RFORK_*` variables, then defaults.
 
-The planner token comes only from `$RFORK_TOKEN` or the file `$RFORK_TOKEN_FILE` names: SGLang and vLLM
-log their whole argument list at startup, so a token in the extra config would end up in every log; it
-is refused with a message saying so.
+The planner tokens come only from the environment: SGLang and vLLM log their whole argument list at
+startup, so a token in the extra config would end up in every log; it is refused with a message saying
+so. A hook pulls with the load role and publishes its seed with the register role: either one token
+holding both (`$RFORK_TOKEN`; the planner's RFORK_INSTANCE_TOKEN is such a token) or a pair,
+`$RFORK_TOKEN` (load) and `$RFORK_REGISTER_TOKEN` (register); each may be a file, `$..._FILE`.
 The SGLang and vLLM hooks take the same settings (their DefaultModelLoaders take the same pass-through keys).
 """
 
@@ -37,6 +39,8 @@ ENV_FOR_KEY = {
 }
 TOKEN_ENV = "RFORK_TOKEN"
 TOKEN_FILE_ENV = "RFORK_TOKEN_FILE"
+REGISTER_TOKEN_ENV = "RFORK_REGISTER_TOKEN"
+REGISTER_TOKEN_FILE_ENV = "RFORK_REGISTER_TOKEN_FILE"
 
 
 class SettingsError(ConfigurationError):
@@ -51,7 +55,8 @@ class HookSettings:
     """What a framework hook needs to find a source and to publish itself."""
 
     planner_url: str | None = None
-    token: str | None = None
+    token: str | None = None  # the load role (and register, without a register_token)
+    register_token: str | None = None  # the register role, to become a seed (default: token)
     mode: str = "checkpoint"
     providers: tuple[str, ...] = ("tcp",)
     serve: bool = True  # become a seed after loading
@@ -95,7 +100,10 @@ class HookSettings:
                 raw[key] = extra[key]
             elif env.get(var):
                 raw[key] = env[var]
-        kwargs: dict[str, Any] = {"token": _token(env)}
+        kwargs: dict[str, Any] = {
+            "token": _token(env, TOKEN_ENV),
+            "register_token": _token(env, REGISTER_TOKEN_ENV),
+        }
         if "planner_url" in raw:
             kwargs["planner_url"] = _planner_url(_text(raw["planner_url"], "planner_url"))
         if "mode" in raw:
@@ -120,6 +128,11 @@ class HookSettings:
                     f"rfork transfer_timeout_s: not a number: {raw['transfer_timeout_s']!r}"
                 ) from exc
         return cls(**kwargs)
+
+    @property
+    def seed_token(self) -> str | None:
+        """The token a seed registers with: register_token, else the one token."""
+        return self.register_token or self.token
 
     def to_extra_config(self) -> dict[str, Any]:
         """The extra-config keys for these settings (never the token); what the launcher passes on."""
@@ -170,13 +183,13 @@ def default_loader_extra(extra_config: Mapping[str, Any] | None) -> dict[str, An
     return {k: v for k, v in (extra_config or {}).items() if k in DEFAULT_LOADER_KEYS}
 
 
-def _token(env: Mapping[str, str]) -> str | None:
-    """$RFORK_TOKEN, else the contents of the file $RFORK_TOKEN_FILE names (rfork.env_secrets);
-    SettingsError when that file is unreadable or empty, or both are set."""
+def _token(env: Mapping[str, str], name: str) -> str | None:
+    """$name, else the contents of the file $name_FILE names (rfork.env_secrets); SettingsError when
+    that file is unreadable or empty, or both are set."""
     try:
-        return env_secret(TOKEN_ENV, env)
+        return env_secret(name, env)
     except SecretFileError as exc:
-        raise SettingsError(str(exc)) from exc
+        raise SettingsError(str(exc), setting=name) from exc
 
 
 def _planner_url(value: str) -> str | None:

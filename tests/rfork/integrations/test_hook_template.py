@@ -140,3 +140,38 @@ def test_settings_hold_the_pull_for_a_seed_only_when_serving():
     assert _hook("http://p").settings.load_options().seed_later
     assert not _hook("http://p", serve=False).settings.load_options().seed_later
     assert not _hook("http://p").settings.load_options().become_seed  # the hook seeds later, by itself
+
+
+@pytest.mark.slow
+def test_a_hook_pulls_with_the_load_token_and_registers_with_the_register_token(planner, monkeypatch, caplog):
+    """A pair of tokens, as `rfork load` takes them: $RFORK_TOKEN (load) pulls, $RFORK_REGISTER_TOKEN
+    (register) publishes the seed (main: the hook registered with the load token, and the planner
+    refused). Without the register token, the warning names the role that is missing."""
+    from tests.rfork.conftest import LOAD, REGISTER
+
+    monkeypatch.setenv("RFORK_TOKEN", LOAD)
+    monkeypatch.setenv("RFORK_REGISTER_TOKEN", REGISTER)
+    torch.manual_seed(0)
+    source = dict(LlamaForCausalLM(SMALL).named_parameters())
+    ident = _hook(planner).parameters_identity(MODEL_CONFIG, source, torch.device("cpu"))
+    weights = RankWeights.from_tensors(tensors=source)
+    with Seed(weights=[weights], identity=ident, planner_url=planner, token=REGISTER):
+        for register_token in (REGISTER, None):
+            if register_token is None:
+                monkeypatch.delenv("RFORK_REGISTER_TOKEN")
+            hook = _hook(planner)
+            assert (hook.settings.token, hook.settings.register_token) == (LOAD, register_token)
+            model = LlamaForCausalLM(SMALL)
+            params = dict(model.named_parameters())
+            assert hook.pull_parameters(params, identity=ident, rank=0) is None
+            assert hook.outcome is not None
+            assert hook.outcome.source == "rfork-tcp"
+            caplog.clear()
+            became = hook.become_seed(model)
+            if register_token is not None:
+                assert became is not None
+                became.close()
+            else:
+                assert became is None
+                assert "a seed needs the register role" in caplog.text
+                assert "$RFORK_TOKEN (no $RFORK_REGISTER_TOKEN)" in caplog.text
