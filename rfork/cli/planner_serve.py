@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from planner import PlannerSettings, check_schema, migrate
     from planner.app import InsecureRefused, create_app
     from planner.settings import SettingsError
+    from rfork.cli.logs import say
     from rfork.cli.serving import address, bind, database_problem, serve
 
     overrides: dict[str, object] = {}
@@ -93,13 +94,15 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("planner").setLevel(logging.INFO)
     url = address(sock)
     db = settings.db_url.split("@")[-1]
-    print(f"planner listening on {url} (db {db}, policy {settings.selection_policy})")
+    say(f"planner listening on {url} (db {db}, policy {settings.selection_policy})", url=url)
     who = "no token needed: --insecure" if settings.insecure else "paste a token with the reader role"
-    print(f"fleet page: {url}/ui ({who}); API docs: {url}/docs", flush=True)
+    say(f"fleet page: {url}/ui ({who}); API docs: {url}/docs")
     if args.workers > 1:  # each worker builds its app from the environment (RFORK_*), like a fresh `serve`
         os.environ["RFORK_DB_URL"] = settings.db_url
         os.environ["RFORK_SELECTION_POLICY"] = settings.selection_policy
         if settings.insecure:
             os.environ["RFORK_INSECURE"] = "1"
-    serve(app, sock=sock, workers=args.workers)
+    stopped_by = serve(app, sock=sock, workers=args.workers)
+    if stopped_by is not None:
+        say(f"planner stopped by {stopped_by}: the requests in flight were answered", signal=stopped_by)
     return 0

@@ -179,6 +179,9 @@ def test_json_logs_are_one_object_per_line_and_global_flags_go_anywhere(small_ck
     assert any(r["level"] == "DEBUG" for r in records)  # -v, after the command
     (warning,) = [r for r in records if r["level"] == "WARNING"]
     assert "unreachable" in warning["message"]
+    (summary,) = [json.loads(ln) for ln in out.stdout.splitlines()]  # stdout's summary too
+    assert summary["message"].startswith("loaded ")
+    assert (summary["source"], summary["verified"]) == ("disk", False)
 
 
 def test_a_wire_protocol_the_planner_does_not_speak_is_refused_cleanly(
