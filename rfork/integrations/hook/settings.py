@@ -36,6 +36,8 @@ ENV_FOR_KEY = {
     "transfer_timeout_s": "RFORK_TRANSFER_TIMEOUT_S",
     "compile_cache": "RFORK_COMPILE_CACHE",
     "require_seed": "RFORK_REQUIRE_SEED",
+    "metrics_port": "RFORK_METRICS_PORT",
+    "metrics_host": "RFORK_METRICS_HOST",
 }
 TOKEN_ENV = "RFORK_TOKEN"
 TOKEN_FILE_ENV = "RFORK_TOKEN_FILE"
@@ -65,12 +67,17 @@ class HookSettings:
     transfer_timeout_s: float = 5.0
     compile_cache: bool = True  # fetch the engine's compile cache from a seed, and serve one's own
     require_seed: bool = False  # no seed served the weights: fail the load instead of the disk fallback
+    # rfork's Prometheus metrics (rfork.metrics) on metrics_port + the worker's global rank; None: off
+    metrics_port: int | None = None
+    metrics_host: str = "0.0.0.0"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise SettingsError(f"rfork mode {self.mode!r} is not one of {', '.join(MODES)}")
         if not self.providers:
             raise SettingsError("rfork providers: give at least one (tcp, shm, efa, verbs, nccl)")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise SettingsError(f"rfork metrics_port must be a port number, got {self.metrics_port}")
         if self.transfer_timeout_s <= 0:
             raise SettingsError(f"rfork transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
         if self.planner_url is not None:
@@ -120,6 +127,14 @@ class HookSettings:
             kwargs["model"] = _text(raw["model"], "model")
         if "revision" in raw:
             kwargs["revision"] = _text(raw["revision"], "revision")
+        if "metrics_port" in raw:
+            try:
+                kwargs["metrics_port"] = int(raw["metrics_port"])
+            except (TypeError, ValueError) as exc:
+                given = raw["metrics_port"]
+                raise SettingsError(f"rfork metrics_port: not a port number: {given!r}") from exc
+        if "metrics_host" in raw:
+            kwargs["metrics_host"] = _text(raw["metrics_host"], "metrics_host")
         if "transfer_timeout_s" in raw:
             try:
                 kwargs["transfer_timeout_s"] = float(raw["transfer_timeout_s"])
@@ -150,6 +165,9 @@ class HookSettings:
             out["planner_url"] = self.planner_url
         if self.model:
             out["model"] = self.model
+        if self.metrics_port is not None:
+            out["metrics_port"] = self.metrics_port
+            out["metrics_host"] = self.metrics_host
         return out
 
     def load_options(self) -> LoadOptions:

@@ -175,3 +175,40 @@ def test_a_hook_pulls_with_the_load_token_and_registers_with_the_register_token(
                 assert became is None
                 assert "a seed needs the register role" in caplog.text
                 assert "$RFORK_TOKEN (no $RFORK_REGISTER_TOKEN)" in caplog.text
+
+
+_SCRAPE_A_HOOK = """
+import sys, types, urllib.request
+import torch
+from tests.rfork.integrations.test_hook_template import _hook
+hook = _hook("", mode="checkpoint")  # no planner: rfork reads the checkpoint itself
+config = types.SimpleNamespace(model_path=sys.argv[1], hf_config=None, revision=None, dtype=torch.bfloat16,
+                               quantization=None)
+assert hook.pull_checkpoint(config) is None, "rfork did not load it"
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+print(opener.open("http://127.0.0.1:%s/metrics" % sys.argv[2], timeout=10).read().decode())
+"""
+
+
+@pytest.mark.slow
+def test_a_hook_serves_rforks_metrics_on_its_port_plus_its_rank(small_ckpt, tmp_path):
+    """RFORK_METRICS_PORT in a framework worker (a stand-in framework here; rank 0): rfork's metrics at
+    /metrics of that port, scraped over HTTP, count the load and why it was not from a seed."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RFORK_METRICS_PORT": str(port), "RFORK_METRICS_HOST": "127.0.0.1"}
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+    env.pop("RFORK_PLANNER_URL", None)
+    out = subprocess.run(
+        [sys.executable, "-c", _SCRAPE_A_HOOK, str(small_ckpt), str(port)],
+        capture_output=True, text=True, timeout=300, env=env, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert 'rfork_pulls_total{outcome="success",source="disk"} 1.0' in out.stdout, out.stdout
+    assert 'rfork_fallbacks_total{reason="no_planner"} 1.0' in out.stdout, out.stdout
