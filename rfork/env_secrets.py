@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from rfork.errors import RforkError
+from rfork.errors import ConfigurationError
 
 
-class SecretFileError(RforkError, ValueError):
-    """A `*_FILE` variable names a file that cannot be read or is empty, or both forms are set."""
+class SecretFileError(ConfigurationError):
+    """A `*_FILE` variable names a file that cannot be read or is empty, or both forms are set;
+    `setting` is the variable's name."""
 
 
 def env_secret(name: str, environ: Mapping[str, str] | None = None) -> str | None:
@@ -22,12 +23,12 @@ def env_secret(name: str, environ: Mapping[str, str] | None = None) -> str | Non
     if path is None:
         return value
     if value is not None:
-        raise SecretFileError(f"both ${name} and ${name}_FILE are set; keep one")
+        raise SecretFileError(f"both ${name} and ${name}_FILE are set; keep one", setting=name)
     try:
         with open(path, encoding="utf-8") as f:
             secret = f.read().strip()
     except OSError as exc:
-        raise SecretFileError(f"${name}_FILE={path}: {exc.strerror or exc}") from exc
+        raise SecretFileError(f"${name}_FILE={path}: {exc.strerror or exc}", setting=name) from exc
     if not secret:
-        raise SecretFileError(f"${name}_FILE={path} is empty")
+        raise SecretFileError(f"${name}_FILE={path} is empty", setting=name)
     return secret

@@ -335,3 +335,76 @@ def test_dockerfiles_pass_hadolint() -> None:
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a Kubernetes label selector (matchLabels, matchExpressions) selects `labels`."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, values = expr["key"], expr.get("values", [])
+        held = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": labels.get(key) not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }
+        if not held[expr["operator"]]:
+            return False
+    return True
+
+
+def _admitted(source: dict[str, str], dest: dict[str, str], port: int, protocol: str = "TCP") -> bool:
+    """Whether deploy/kubernetes' NetworkPolicies let a pod labelled `source` open `port` on a pod
+    labelled `dest` of the same namespace (NetworkPolicy semantics: a pod no policy selects takes
+    everything; else the union of the selecting policies' rules; a rule without `from` or `ports` matches
+    every source or port; a port entry without a number matches every port of its protocol)."""
+    policies = [obj for _, obj in MANIFESTS if obj["kind"] == "NetworkPolicy"]
+    selecting = [p for p in policies if _selects(p["spec"]["podSelector"], dest)]
+    if not [p for p in selecting if "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]:
+        return True
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress", []):
+            peers = rule.get("from")
+            if peers is not None and not any(
+                set(peer) == {"podSelector"} and _selects(peer["podSelector"], source) for peer in peers
+            ):
+                continue
+            ports = rule.get("ports")
+            if ports is None or any(
+                p.get("protocol", "TCP") == protocol
+                and ("port" not in p or p["port"] <= port <= p.get("endPort", p["port"]))
+                for p in ports
+            ):
+                return True
+    return False
+
+
+def _pod_labels(kind: str, name: str) -> dict[str, str]:
+    (obj,) = [o for _, o in MANIFESTS if o["kind"] == kind and o["metadata"]["name"] == name]
+    return dict(obj["spec"]["template"]["metadata"]["labels"])
+
+
+def test_the_network_policy_admits_who_must_reach_a_seed_and_no_one_else() -> None:
+    """Which pod may open which port, from the manifests' own pod labels: the planner's health probe
+    reaches a seed's control endpoint (an ephemeral port), the fleet's pods reach one another's
+    transport and control ports, a client reaches only the inference APIs."""
+    planner = _pod_labels("Deployment", "rfork-planner")
+    seeds = {
+        "vllm": (_pod_labels("Deployment", "rfork-vllm-llama"), 8000),
+        "sglang": (_pod_labels("Deployment", "rfork-sglang-llama"), 30000),
+        "pre-seed": (_pod_labels("DaemonSet", "rfork-pre-seed-llama"), None),
+    }
+    client = {"app.kubernetes.io/name": "gateway"}
+    control_port, transport_port = 41234, 47592  # both picked by the OS when the seed starts
+    for name, (seed, api_port) in seeds.items():
+        assert _admitted(planner, seed, control_port), f"planner -> {name}: the health probe is blocked"
+        assert not _admitted(planner, seed, control_port, protocol="UDP"), f"planner -> {name} over UDP"
+        for other, (peer, _) in seeds.items():
+            assert _admitted(peer, seed, transport_port), f"{other} -> {name} transport"
+            assert _admitted(peer, seed, control_port), f"{other} -> {name} control endpoint"
+        assert not _admitted(client, seed, control_port), f"client -> {name} control endpoint"
+        assert not _admitted(client, seed, transport_port), f"client -> {name} transport"
+        if api_port is not None:
+            assert _admitted(client, seed, api_port), f"client -> {name} inference API"
+    assert _admitted(seeds["vllm"][0], planner, 8470)  # the planner takes the fleet's requests

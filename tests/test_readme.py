@@ -56,3 +56,18 @@ def test_user_docs_name_no_issue_numbers_or_rounds() -> None:
         if _SESSION_HISTORY.search(line)
     ]
     assert not hits, "\n".join(hits)
+
+
+def test_every_metric_the_operations_page_names_is_exported() -> None:
+    """docs/operations.md's metrics and alerts name series that rfork and the planner export (an alert
+    on a name nobody exports never fires)."""
+    from planner.metrics import PlannerMetrics
+    from rfork.metrics import REGISTRY
+
+    exported: set[str] = set()
+    for registry in (REGISTRY, PlannerMetrics().registry):
+        for family in registry.collect():
+            exported |= {family.name, *(family.name + s for s in ("_total", "_bucket", "_sum", "_count"))}
+    named = set(re.findall(r"\brfork_[a-z_]+", (README.parent / "docs" / "operations.md").read_text()))
+    assert named, "no metric found on the page"
+    assert named <= exported, sorted(named - exported)

@@ -16,9 +16,12 @@ inherit the variable and choose the same.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import os
+import signal
+from collections.abc import Iterator
 from importlib import metadata
 from typing import Any
 
@@ -69,26 +72,55 @@ def chosen_library(setting: str | None, prefix: str | None = None) -> str | None
     return os.path.realpath(value)
 
 
-LIBRARY = chosen_library(os.environ.get(LIB_ENV), os.environ.get(PREFIX_ENV))
-if LIBRARY is not None:
-    try:
-        ctypes.CDLL(LIBRARY, mode=ctypes.RTLD_GLOBAL)
-    except OSError as exc:
-        raise ImportError(f"{LIB_ENV}: cannot load {LIBRARY}: {exc}") from exc
+# Bytes enough for the C `struct sigaction` of any Linux libc (glibc x86_64/aarch64: 152), kept opaque.
+_SIGACTION_BYTES = 512
 
-try:
-    from backends.providers._libfabric import ffi, lib
-except ImportError as exc:  # pragma: no cover - depends on the build machine
-    if importlib.util.find_spec("backends.providers._libfabric") is None:
+
+@contextlib.contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """Put back every C-level signal disposition that loading libfabric changed.
+
+    libfabric pulls in libraries whose constructors install handlers of their own (Debian's
+    libinfinipath, a dependency of its psm provider: SIGINT, SIGTERM, SIGSEGV, SIGBUS, ...) that tidy
+    up hardware rfork never uses and then end the process with status 1 and no output, or crash. The
+    process's own handlers (Python's, rfork's, faulthandler's, a framework's) must keep the signals.
+    sigaction is process-wide, so this works on any thread; the struct is saved and restored as bytes.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    before: dict[int, bytes] = {}
+    for sig in range(1, signal.NSIG):
+        buf = ctypes.create_string_buffer(_SIGACTION_BYTES)
+        if libc.sigaction(sig, None, buf) == 0:
+            before[sig] = buf.raw
+    try:
+        yield
+    finally:
+        for sig, saved in before.items():
+            now = ctypes.create_string_buffer(_SIGACTION_BYTES)
+            if libc.sigaction(sig, None, now) == 0 and now.raw != saved:
+                libc.sigaction(sig, ctypes.create_string_buffer(saved, _SIGACTION_BYTES), None)
+
+
+LIBRARY = chosen_library(os.environ.get(LIB_ENV), os.environ.get(PREFIX_ENV))
+with _signal_handlers_kept():
+    if LIBRARY is not None:
+        try:
+            ctypes.CDLL(LIBRARY, mode=ctypes.RTLD_GLOBAL)
+        except OSError as exc:
+            raise ImportError(f"{LIB_ENV}: cannot load {LIBRARY}: {exc}") from exc
+    try:
+        from backends.providers._libfabric import ffi, lib
+    except ImportError as exc:  # pragma: no cover - depends on the build machine
+        if importlib.util.find_spec("backends.providers._libfabric") is None:
+            raise ImportError(
+                "backends: the libfabric binding is not built (rfork was built with RFORK_SKIP_NATIVE=1, or "
+                "from a source tree never installed); install libfabric-dev (Debian) or set "
+                "RFORK_LIBFABRIC_PREFIX to a libfabric install, then reinstall rfork (pip install -e .)"
+            ) from exc
         raise ImportError(
-            "backends: the libfabric binding is not built (rfork was built with RFORK_SKIP_NATIVE=1, or from "
-            "a source tree never installed); install libfabric-dev (Debian) or set RFORK_LIBFABRIC_PREFIX "
-            "to a libfabric install, then reinstall rfork (pip install -e .)"
+            f"backends: the libfabric binding cannot load: {exc}. It needs libfabric.so.1 (>= 1.17; Debian: "
+            f"libfabric1) and libxxhash.so.0 (Debian: libxxhash0), or {PREFIX_ENV} / {LIB_ENV}=mpich"
         ) from exc
-    raise ImportError(
-        f"backends: the libfabric binding cannot load: {exc}. It needs libfabric.so.1 (>= 1.17; Debian: "
-        f"libfabric1) and libxxhash.so.0 (Debian: libxxhash0), or {PREFIX_ENV} / {LIB_ENV}=mpich"
-    ) from exc
 
 
 def buffer_address(obj: Any) -> tuple[int, int, Any]:

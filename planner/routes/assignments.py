@@ -18,6 +18,9 @@ from planner.service import Planner
 
 router = APIRouter(prefix="/v1/assignments", tags=["assignments"])
 
+# the reason a loader reports for a pull it stopped itself (a signal; rfork.pull.planner_session)
+ABORTED = "aborted"
+
 
 @router.post(
     "",
@@ -93,13 +96,11 @@ def leased(
     try:
         assignment = answer()
     except (AllBusy, NoSource) as exc:
+        reason = exc.reason or type(exc).__name__
         state.refusals.record(
-            identity_key=body.identity.key(),
-            rank=body.rank,
-            reason=exc.reason or type(exc).__name__,
-            detail=str(exc),
-            now=time.time(),
+            identity_key=body.identity.key(), rank=body.rank, reason=reason, detail=str(exc), now=time.time()
         )
+        state.metrics.assignments.labels(result=reason).inc()
         raise
     state.metrics.assignments.labels(result="leased").inc()
     return assignment
@@ -139,8 +140,9 @@ def reporter(principal: Principal) -> str | None:
 
 
 def finished(state: Any, body: wire.TransferReport, out: wire.ReportAnswer) -> wire.ReportAnswer:
-    """A report's answer, its metrics counted."""
-    state.metrics.transfers.labels(outcome=body.outcome).inc()
+    """A report's answer, its metrics counted (a pull its loader aborted is neither side's failure)."""
+    aborted = body.outcome == "failure" and body.reason == ABORTED
+    state.metrics.transfers.labels(outcome=ABORTED if aborted else body.outcome).inc()
     state.metrics.transfer_bytes.inc(body.bytes)
     return out
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rfork.cli.digest import anchor_bodies
+from rfork.cli.logs import say
 from rfork.cli.options import add_insecure, add_planner
 from rfork.cli.tokens import add_token_file, read_token
 
@@ -89,7 +90,7 @@ def _act(args: argparse.Namespace, client: Any) -> int:
             raise ValueError("upload needs --checkpoint DIR or --from FILE")
         for body in bodies:
             view = client.put_anchor(body)
-            print(
+            say(
                 f"anchored {body['identity']['model']} rank {view.rank} ({view.checksum_algorithm}, "
                 f"{view.tensors} tensors): digest set {view.digest_set[:16]}, "
                 f"identity {view.identity_key[:12]}"
@@ -101,12 +102,12 @@ def _act(args: argparse.Namespace, client: Any) -> int:
         if args.json:
             print(json.dumps(page.model_dump(mode="json")))
         for a in [] if args.json else page.items:
-            print(
+            say(
                 f"{a.identity_key[:12]} rank {a.rank} {a.checksum_algorithm} {a.digest_set[:16]} "
                 f"({a.tensors} tensors) set by {a.set_by}"
             )
         if not args.json and not page.items:
-            print("no anchors" + (f" for identity {key[:12]}" if key else ""))
+            say("no anchors" + (f" for identity {key[:12]}" if key else ""))
         return 0
     if key is None:
         raise ValueError("revoke needs --checkpoint DIR (with the identity's --tp, --model-name, --revision)")
@@ -117,5 +118,5 @@ def _act(args: argparse.Namespace, client: Any) -> int:
         )
     for a in chosen:
         client.revoke_anchor(a.identity_key, a.rank, a.checksum_algorithm)
-        print(f"revoked {a.identity_key[:12]} rank {a.rank} {a.checksum_algorithm}")
+        say(f"revoked {a.identity_key[:12]} rank {a.rank} {a.checksum_algorithm}")
     return 0

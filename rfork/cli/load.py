@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rfork.cli import signals
-from rfork.cli.logs import human_bytes, progress_bar
+from rfork.cli.logs import human_bytes, progress_bar, say
 from rfork.cli.options import (
     add_insecure,
     add_max_pulls,
@@ -42,7 +42,7 @@ FIXES = {
     "register_token": "a token with the register role: --register-token-file, $RFORK_REGISTER_TOKEN or "
     "$RFORK_REGISTER_TOKEN_FILE; or --no-serve",
 }
-INTERRUPTED = "the pull's lease was released and nothing is served"
+INTERRUPTED = "the load stopped; no lease is held and nothing is served"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -239,11 +239,14 @@ def _report_and_serve(args: argparse.Namespace, result: Any, started: float) -> 
         except OSError:
             tmp.unlink(missing_ok=True)
             raise
-    print(
+    say(
         f"loaded {human_bytes(result.bytes)} from {result.source} in {result.seconds:.2f} s "
         f"({out['gb_per_s']:.2f} GB/s), "
         + ("checksums verified" if result.verified else "not verified (disk: no digests to compare)"),
-        flush=True,
+        source=result.source,
+        bytes=result.bytes,
+        seconds=result.seconds,
+        verified=result.verified,
     )
     if result.seed is not None:
         # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
@@ -251,7 +254,8 @@ def _report_and_serve(args: argparse.Namespace, result: Any, started: float) -> 
 
         metrics.SEED_BYTES.set(result.bytes)
         metrics.SEED_INSTANCES.set(len(result.seed.instance_ids))
-        print(f"serving as seed {', '.join(result.seed.instance_ids)}; Ctrl-C to stop", flush=True)
+        ids = result.seed.instance_ids
+        say(f"serving as seed {', '.join(ids)}; Ctrl-C to stop", instance_ids=ids)
         while not stop.wait(0.5):
             pass
         log.info("draining")

@@ -3,7 +3,8 @@
 Log records and rich progress bars share one `rich.console.Console`: a record printed while a bar
 is live goes above the bar instead of through it. `--log-format json` writes one JSON object per
 record (time, level, logger, message, and the traceback when there is one) for a fleet's log
-pipeline; progress bars are drawn only where stderr is a terminal.
+pipeline, and the commands' summary lines on stdout (`say`) as such objects too; progress bars are
+drawn only where stderr is a terminal.
 
 Imported by `rfork --help` (every command module is), so rich is imported inside the functions.
 """
@@ -15,12 +16,14 @@ import datetime as dt
 import json
 import logging
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 FORMATS = ("text", "json")
 _HANDLER_NAME = "rfork-cli"
 _console: Any = None
+_format = "text"  # of the summary lines on stdout (`say`); set by setup_logging
 
 
 def console() -> Any:
@@ -33,22 +36,33 @@ def console() -> Any:
     return _console
 
 
+def _json_line(created: float, level: str, logger: str, message: str, **more: Any) -> str:
+    """One JSON object: time (ISO 8601, UTC), level, logger, message, then `more`."""
+    out: dict[str, Any] = {
+        "time": dt.datetime.fromtimestamp(created, tz=dt.timezone.utc).isoformat(timespec="milliseconds"),
+        "level": level,
+        "logger": logger,
+        "message": message,
+        **more,
+    }
+    return json.dumps(out, ensure_ascii=False)
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per record: time (ISO 8601, UTC), level, logger, message, exc (if any)."""
 
     def format(self, record: logging.LogRecord) -> str:
         """The record as one line of JSON."""
-        out: dict[str, Any] = {
-            "time": dt.datetime.fromtimestamp(record.created, tz=dt.timezone.utc).isoformat(
-                timespec="milliseconds"
-            ),
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, ensure_ascii=False)
+        more = {"exc": self.formatException(record.exc_info)} if record.exc_info else {}
+        return _json_line(record.created, record.levelname, record.name, record.getMessage(), **more)
+
+
+def say(message: str, **fields: Any) -> None:
+    """A command's summary line on stdout (what it did, where it listens): the text, or with
+    `--log-format json` one JSON object (level INFO, logger rfork.cli) carrying `fields` as well."""
+    if _format == "json":
+        message = _json_line(time.time(), "INFO", "rfork.cli", message, **fields)
+    print(message, flush=True)
 
 
 class ConsoleHandler(logging.Handler):
@@ -74,6 +88,8 @@ class ConsoleHandler(logging.Handler):
 def setup_logging(*, verbose: int, quiet: bool, fmt: str) -> None:
     """rfork's and the planner's records at INFO (WARNING with `quiet`, DEBUG with -v; -vv: every
     library's DEBUG too), other libraries' at WARNING; in `fmt` (text or json). Idempotent."""
+    global _format
+    _format = fmt
     root = logging.getLogger()
     for handler in list(root.handlers):
         if handler.get_name() == _HANDLER_NAME:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from rfork.cli.logs import say
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Options: --db, --revision."""
@@ -20,5 +22,5 @@ def run(args: argparse.Namespace) -> int:
 
     url = args.db or PlannerSettings().db_url
     migrate(url, args.revision)
-    print(f"planner database migrated to {args.revision}: {url.split('@')[-1]}")
+    say(f"planner database migrated to {args.revision}: {url.split('@')[-1]}")
     return 0

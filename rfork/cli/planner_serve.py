@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 
+from rfork.errors import ConfigurationError
+
 DESCRIPTION = """Serve the planner REST API (migrates the database first), printing its address once bound.
 
 Settings also come from the environment (docs/operations.md): $RFORK_DB_URL, the tokens
-$RFORK_ADMIN_TOKEN, $RFORK_REGISTER_TOKEN, $RFORK_ANCHOR_TOKEN, $RFORK_LOAD_TOKEN, $RFORK_READER_TOKEN
-(each also as a file: $RFORK_ADMIN_TOKEN_FILE, ...), $RFORK_CONTROL_SECRET(_FILE),
+$RFORK_ADMIN_TOKEN, $RFORK_REGISTER_TOKEN, $RFORK_ANCHOR_TOKEN, $RFORK_LOAD_TOKEN, $RFORK_READER_TOKEN,
+$RFORK_INSTANCE_TOKEN (load + register in one token: what an SGLang/vLLM server started with
+`rfork sglang|vllm` needs, unless it is given a load and a register token) (each also as a file:
+$RFORK_ADMIN_TOKEN_FILE, ...), $RFORK_CONTROL_SECRET(_FILE),
 $RFORK_SELECTION_POLICY, $RFORK_RACK_HOLD, $RFORK_HEARTBEAT_TTL_S, $RFORK_LEASE_TTL_S,
 $RFORK_MAX_CANDIDATES and the rest of planner/settings.py (RFORK_<FIELD>)."""
 
@@ -55,11 +59,14 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import os
 
+    import pydantic
     import sqlalchemy.exc
 
     # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from planner import PlannerSettings, check_schema, migrate
-    from planner.app import create_app
+    from planner.app import InsecureRefused, create_app
+    from planner.settings import SettingsError
+    from rfork.cli.logs import say
     from rfork.cli.serving import address, bind, database_problem, serve
 
     overrides: dict[str, object] = {}
@@ -71,9 +78,12 @@ def run(args: argparse.Namespace) -> int:
         overrides["selection_policy"] = args.policy
     if args.no_migrate:
         overrides["no_migrate"] = True
-    settings = PlannerSettings(**overrides)  # type: ignore[arg-type]
     try:
+        settings = PlannerSettings(**overrides)  # type: ignore[arg-type]
         app = create_app(settings)  # refuses early when no token is configured and not --insecure
+    except (SettingsError, InsecureRefused, pydantic.ValidationError) as exc:
+        raise ConfigurationError(" ".join(str(exc).split()), setting="planner_settings") from exc
+    try:
         sock = bind(args.host, args.port)  # a taken port is said before a migration runs
         if settings.no_migrate:
             check_schema(settings.db_url)
@@ -84,13 +94,15 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("planner").setLevel(logging.INFO)
     url = address(sock)
     db = settings.db_url.split("@")[-1]
-    print(f"planner listening on {url} (db {db}, policy {settings.selection_policy})")
+    say(f"planner listening on {url} (db {db}, policy {settings.selection_policy})", url=url)
     who = "no token needed: --insecure" if settings.insecure else "paste a token with the reader role"
-    print(f"fleet page: {url}/ui ({who}); API docs: {url}/docs", flush=True)
+    say(f"fleet page: {url}/ui ({who}); API docs: {url}/docs")
     if args.workers > 1:  # each worker builds its app from the environment (RFORK_*), like a fresh `serve`
         os.environ["RFORK_DB_URL"] = settings.db_url
         os.environ["RFORK_SELECTION_POLICY"] = settings.selection_policy
         if settings.insecure:
             os.environ["RFORK_INSECURE"] = "1"
-    serve(app, sock=sock, workers=args.workers)
+    stopped_by = serve(app, sock=sock, workers=args.workers)
+    if stopped_by is not None:
+        say(f"planner stopped by {stopped_by}: the requests in flight were answered", signal=stopped_by)
     return 0

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from rfork.cli import signals
-from rfork.cli.logs import human_bytes, progress_bar
+from rfork.cli.logs import human_bytes, progress_bar, say
 from rfork.cli.options import (
     add_insecure,
     add_max_pulls,
@@ -145,10 +145,10 @@ def run(args: argparse.Namespace) -> int:
             }
             tmp.write_text(json.dumps(ready))
             tmp.replace(args.ready_file)
-        print(
+        say(
             f"seed READY: {identity.model} ({human_bytes(info.total_bytes)}) as {', '.join(ids)}; "
             "Ctrl-C to stop",
-            flush=True,
+            instance_ids=ids,
         )
         while not stop.wait(0.5):
             pass

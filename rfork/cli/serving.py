@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import socket
 import tempfile
 from typing import Any
+
+from rfork.cli import signals
 
 
 class ServeError(RuntimeError):
@@ -60,16 +63,22 @@ def database_problem(exc: BaseException, url: str) -> ServeError:
     return ServeError(f"database {shown}: {first} (check --db or $RFORK_DB_URL, and that the database is up)")
 
 
-def serve(app: Any, *, sock: socket.socket, workers: int) -> None:
-    """Run uvicorn on `sock` until interrupted: `app` itself, or with workers > 1 the factory
-    `planner.app:app_from_env` in each worker process, their metrics merged (planner.metrics)."""
+def serve(app: Any, *, sock: socket.socket, workers: int) -> str | None:
+    """Run uvicorn on `sock` until SIGINT or SIGTERM, then shut down gracefully (the requests in flight
+    are answered): `app` itself, or with workers > 1 the factory `planner.app:app_from_env` in each
+    worker process, their metrics merged (planner.metrics). Returns the stopping signal's name.
+
+    uvicorn catches the signal while it serves and raises it again once it has stopped; the handler set
+    here receives that, so the command ends with its status 0 and one line, not killed by the signal."""
     # imported here: `rfork --help` imports every command module (start-up time)
     import uvicorn
 
+    stopped: list[int] = []
+    signals.install(lambda signum, _frame: stopped.append(signum))
     if workers <= 1:
         config = uvicorn.Config(app, log_level="warning", access_log=False)
         uvicorn.Server(config).run(sockets=[sock])
-        return
+        return signal.Signals(stopped[0]).name if stopped else None
     from uvicorn.supervisors import Multiprocess
 
     with tempfile.TemporaryDirectory(prefix="rfork-planner-metrics-") as metrics_dir:
@@ -79,3 +88,4 @@ def serve(app: Any, *, sock: socket.socket, workers: int) -> None:
             "planner.app:app_from_env", factory=True, workers=workers, log_level="warning", access_log=False
         )
         Multiprocess(config, sockets=[sock]).run()
+    return signal.Signals(stopped[0]).name if stopped else None

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from rfork.env_secrets import env_secret
+from rfork.errors import ConfigurationError
 
 
 def add_token_file(parser: argparse.ArgumentParser, flag: str, *, env: tuple[str, ...], role: str) -> None:
@@ -29,9 +30,10 @@ def read_token(path: Path | None, *, env: tuple[str, ...]) -> str | None:
         try:
             token = path.read_text(encoding="utf-8").strip()
         except OSError as exc:
-            raise ValueError(f"token file {path}: {exc.strerror or exc}") from exc
+            problem = exc.strerror or exc
+            raise ConfigurationError(f"token file {path}: {problem}", setting="token_file") from exc
         if not token:
-            raise ValueError(f"token file {path} is empty")
+            raise ConfigurationError(f"token file {path} is empty", setting="token_file")
         return token
     for name in env:
         found = env_secret(name)

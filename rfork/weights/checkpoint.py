@@ -373,11 +373,12 @@ def _read_ranges(
     if len(jobs) == 1:
         read_one(jobs[0])
         return
-    with ThreadPoolExecutor(
-        max_workers=min(READ_THREADS, len(jobs)), thread_name_prefix="rfork-disk"
-    ) as pool:
+    pool = ThreadPoolExecutor(max_workers=min(READ_THREADS, len(jobs)), thread_name_prefix="rfork-disk")
+    try:
         for _ in pool.map(read_one, jobs):
             pass
+    finally:  # on an error or a signal: the reads in flight end, the queued ones are dropped
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def load_state_dict(directory: str | Path, *, tp: int = 1, rank: int = 0) -> dict[str, torch.Tensor]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from planner.contract import AllBusy, Conflict, NotFound, PlannerClient, RankManifest
 from tests.planner.conftest import identity, manifest, ranks
@@ -97,3 +99,32 @@ def test_topology_preference(server):
     assert a is not None
     assert [x.instance_id for x in a.candidates] == [node, rack, zone]  # max_candidates = 3
     assert far not in [x.instance_id for x in a.candidates]
+
+
+def _counter(planner_url: str, name: str, **labels: str) -> float:
+    """A sample of the planner's /metrics (0 when absent), read over HTTP."""
+    text = httpx.get(f"{planner_url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    return 0.0
+
+
+def test_every_assignment_answer_and_an_aborted_pull_are_counted_as_what_they_are(server):
+    """rfork_planner_assignments_total counts refusals by reason (an alert on `no_source` or `all_busy`
+    can fire), and a pull its loader aborted is counted `aborted`, not `failure`."""
+    c = PlannerClient(server.url)
+    assert c.request_assignment(identity=identity(), rank=0) is None
+    _seed(c, limit=1)
+    lease = c.request_assignment(identity=identity(), rank=0)
+    assert lease is not None
+    with pytest.raises(AllBusy):
+        c.request_assignment(identity=identity(), rank=0)
+    c.report_transfer(lease.id, outcome="failure", bytes=0, seconds=0.1, backend="tcp", reason="aborted")
+    total = "rfork_planner_assignments_total"
+    assert _counter(server.url, total, result="no_source") == 1
+    assert _counter(server.url, total, result="all_busy") == 1
+    assert _counter(server.url, total, result="leased") == 1
+    assert _counter(server.url, "rfork_planner_transfers_total", outcome="aborted") == 1
+    assert _counter(server.url, "rfork_planner_transfers_total", outcome="failure") == 0

@@ -87,7 +87,7 @@ def test_a_signal_during_a_pull_frees_the_seeds_slot_at_once(signum, fleet, medi
     errors = [ln for ln in tail.splitlines() if ln.startswith("rfork: error:")]
     name = signal.Signals(signum).name
     assert errors == [
-        f"rfork: error: interrupted by {name}: the pull's lease was released and nothing is served"
+        f"rfork: error: interrupted by {name}: the load stopped; no lease is held and nothing is served"
     ]
     assert "Traceback" not in tail
     with PlannerClient(planner, token=READER) as reader:

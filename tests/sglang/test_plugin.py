@@ -94,3 +94,65 @@ def test_loader_dispatch_routes_only_rfork(plugins_loaded):
     assert type(get_model_loader(LoadConfig(load_format="dummy"))) is DummyModelLoader
     with pytest.raises(SettingsError, match="RFORK_TOKEN"):
         get_model_loader(LoadConfig(load_format="rfork", model_loader_extra_config={"token": "t"}))
+
+
+_TWO_SIGQUITS = """
+import importlib.abc, json, logging, os, signal, socket, sys, threading
+logging.basicConfig(level=logging.INFO)
+from sglang.srt.plugins import load_plugins
+load_plugins()  # the root process: the plugin arms the drain
+import sglang.srt.entrypoints.engine as engine
+try:
+    engine._set_envs_and_config(None)  # rfork's hook runs first; SGLang's own body then fails on None
+except Exception:
+    pass
+from rfork.integrations.hook import drain
+from rfork.integrations.sglang import plugin
+
+
+def second_sigquit():  # a second child failing: another SIGQUIT while the first one's drain runs
+    os.kill(os.getpid(), signal.SIGQUIT)
+
+
+class SignalMidImport(importlib.abc.MetaPathFinder):
+    fired = False
+
+    def find_spec(self, name, path, target=None):  # planner.contract.client runs, half-initialised
+        if name == "planner.contract.protocol" and not self.fired:
+            self.fired = True
+            second_sigquit()
+        return None
+
+
+sys.meta_path.insert(0, SignalMidImport())
+planner = socket.create_server(("127.0.0.1", 0))
+def planner_that_signals():  # the drain's request arrives: signal, then close without an answer
+    conn, _ = planner.accept()
+    second_sigquit()
+    conn.close()
+    while True:
+        planner.accept()[0].close()
+threading.Thread(target=planner_that_signals, daemon=True).start()
+url = "http://127.0.0.1:%d" % planner.getsockname()[1]
+drain.record_publication(instance_id="a" * 32, token=None, planner_url=url)
+entries = []
+def sglang_sigquit_handler(signum, frame):  # what SGLang's handler runs first: rfork's BEFORE hook
+    entries.append(signum)
+    plugin.before_kill_process_tree()
+signal.signal(signal.SIGQUIT, sglang_sigquit_handler)
+os.kill(os.getpid(), signal.SIGQUIT)
+print("entries", len(entries), "left", os.path.isdir(os.environ[drain.RUN_DIR_ENV]))
+"""
+
+
+def test_the_drain_survives_a_second_sigquit_while_it_runs():
+    """Two children failing send SGLang's main process two SIGQUITs: the second enters the drain while
+    the first is still in it (importing the planner client, or waiting on the planner). The imports
+    were done before SGLang installed its handler, the drain is re-entrant: no ImportError, both
+    entries end, the record is gone (main: ImportError on a half-initialised planner.contract)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _TWO_SIGQUITS], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "entries 2 left False", out.stdout
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]

@@ -7,6 +7,12 @@ publishes a seed writes a record there (instance id, instance token, planner URL
 process drains every record, DRAINING then delete, at exit (and SGLang's right before it kills its
 schedulers). If the root process itself is SIGKILLed nothing drains: the planner's heartbeat TTL then
 marks the seeds STALE.
+
+SGLang drains from its SIGQUIT handler, which a second child's SIGQUIT enters again while the first
+drain runs. So the root imports what the drain needs (`prepare`) before that handler is installed (an
+import cut short by the handler leaves a half-initialised module that the second entry cannot import),
+and the drain is re-entrant: each entry drains the records left, a record another entry already
+drained is skipped.
 """
 
 from __future__ import annotations
@@ -50,6 +56,12 @@ def arm_drain_in_main_process() -> bool:
 def armed_here() -> bool:
     """Whether this process armed the drain (it is the framework's root process)."""
     return _armed_pid == os.getpid()
+
+
+def prepare() -> None:
+    """Import what `drain_recorded` needs, so that no signal handler that drains has to import."""
+    # imported here: the frameworks import the plugin in each of their processes (start-up time)
+    from planner.contract import PlannerClient  # noqa: F401 - planner.contract loads it on first use
 
 
 def record_publication(*, instance_id: str, token: str | None, planner_url: str) -> Path | None:
@@ -102,7 +114,8 @@ def drain_recorded(run_dir: str | Path | None = None, *, timeout_s: float = 3.0)
             drained += 1
             log.info("drained seed %s on %s", rec["instance_id"], rec["planner_url"])
         except Exception as exc:  # noqa: BLE001 - on the way out: the heartbeat TTL is the backstop
-            log.warning("could not drain the seed recorded in %s: %s", path, exc)
+            if path.exists():  # else an entry that interrupted this one (a signal handler) drained it
+                log.warning("could not drain the seed recorded in %s: %s", path, exc)
         with contextlib.suppress(OSError):
             path.unlink()
     with contextlib.suppress(OSError):

@@ -14,9 +14,14 @@ import shlex
 import sys
 from collections.abc import Mapping, Sequence
 
+from rfork.errors import ConfigurationError
 
-class LaunchError(ValueError):
+
+class LaunchError(ConfigurationError):
     """The server's arguments would bypass or break the hook; the message says which and what to do."""
+
+    def __init__(self, message: str, *, setting: str = "server_args") -> None:
+        super().__init__(message, setting=setting)
 
 
 def add_hook_options(parser: argparse.ArgumentParser, *, framework: str) -> None:
@@ -70,8 +75,17 @@ def add_hook_options(parser: argparse.ArgumentParser, *, framework: str) -> None
         "--token-file",
         default=None,
         metavar="PATH",
-        help="file holding the planner token (passed to the server as $RFORK_TOKEN_FILE; default: "
+        help="file holding the planner token with the load role, and the register role unless "
+        "--register-token-file gives one (passed to the server as $RFORK_TOKEN_FILE; default: "
         "$RFORK_TOKEN or $RFORK_TOKEN_FILE)",
+    )
+    parser.add_argument(
+        "--register-token-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the planner token with the register role, to become a seed (passed to the "
+        "server as $RFORK_REGISTER_TOKEN_FILE; default: $RFORK_REGISTER_TOKEN or "
+        "$RFORK_REGISTER_TOKEN_FILE, else the --token-file token)",
     )
     parser.add_argument(
         "--insecure",
@@ -87,17 +101,22 @@ def token_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> d
     """The server's environment with `--token-file` as $RFORK_TOKEN_FILE (the token itself stays out
     of argv and the environment); LaunchError when a planner is given without any token."""
     env = dict(environ)
-    if args.token_file:
-        path = os.path.abspath(args.token_file)
+    for flag, given, name in (
+        ("--token-file", args.token_file, "RFORK_TOKEN"),
+        ("--register-token-file", args.register_token_file, "RFORK_REGISTER_TOKEN"),
+    ):
+        if not given:
+            continue
+        path = os.path.abspath(given)
         try:
             with open(path, encoding="utf-8") as f:
                 readable = bool(f.read().strip())
         except OSError as exc:
-            raise LaunchError(f"--token-file {args.token_file}: {exc.strerror or exc}") from exc
+            raise LaunchError(f"{flag} {given}: {exc.strerror or exc}") from exc
         if not readable:
-            raise LaunchError(f"--token-file {args.token_file} is empty")
-        env.pop("RFORK_TOKEN", None)
-        env["RFORK_TOKEN_FILE"] = path
+            raise LaunchError(f"{flag} {given} is empty")
+        env.pop(name, None)
+        env[f"{name}_FILE"] = path
     has_token = env.get("RFORK_TOKEN") or env.get("RFORK_TOKEN_FILE")
     if args.planner and not has_token and not args.insecure:
         raise LaunchError(

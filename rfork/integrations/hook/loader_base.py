@@ -127,6 +127,20 @@ class RforkLoaderBase:
 
     # --- pulling
 
+    def serve_metrics(self) -> None:
+        """Serve rfork's metrics (pulls, fallbacks, what this worker seeds) on metrics_port + this
+        worker's global rank, once per process; a port that is taken is a warning, not a failed load."""
+        port = self.settings.metrics_port
+        if port is None:
+            return
+        # imported here: the plugin is imported in every framework process (start-up time)
+        from rfork import metrics
+
+        try:
+            metrics.serve_metrics(port + self.global_rank() if port else 0, self.settings.metrics_host)
+        except OSError as exc:
+            log.warning("rfork: no metrics from this worker: port %d: %s", port + self.global_rank(), exc)
+
     def pull_checkpoint(self, model_config: Any) -> str | None:
         """checkpoint mode: pull the checkpoint's tensors from a seed (else rfork reads its files) into
         `self.outcome` (`served`: what load_weights is fed; `pulled`: the hand-off); the reason to fall
@@ -135,6 +149,8 @@ class RforkLoaderBase:
         from rfork.errors import ConfigurationError, SeedRequired
         from rfork.integrations.hook.local_model import local_checkpoint
         from rfork.integrations.hook.pulling import pull_checkpoint
+
+        self.serve_metrics()
 
         info = local_checkpoint(self.model_path(model_config))
         if info is None:
@@ -168,6 +184,7 @@ class RforkLoaderBase:
         from rfork.errors import ConfigurationError, SeedRequired
         from rfork.integrations.hook.pulling import pull_parameters
 
+        self.serve_metrics()
         if self.settings.planner_url is None:
             return "no planner URL"
         try:
@@ -227,6 +244,7 @@ class RforkLoaderBase:
             self.release()
             return None
         # imported here: the plugin is imported in every framework process (start-up time)
+        from planner.contract import AuthError
         from rfork.errors import ChecksumMismatch
         from rfork.integrations.hook.serving import start_seed
 
@@ -251,12 +269,28 @@ class RforkLoaderBase:
             )
             self.release()
             return None
+        except AuthError as exc:
+            which = "$RFORK_REGISTER_TOKEN" if s.register_token else "$RFORK_TOKEN (no $RFORK_REGISTER_TOKEN)"
+            log.warning(
+                "rfork: not serving as a seed: the planner refused to register it with %s (%s); a seed "
+                "needs the register role: set $RFORK_REGISTER_TOKEN(_FILE) to a token with it, or give "
+                "one token with load and register, or serve=false",
+                which,
+                exc,
+            )
+            self.release()
+            return None
         except Exception as exc:  # noqa: BLE001 - the server runs fine without being a seed
             log.warning("rfork: could not become a seed: %s", exc, exc_info=True)
             self.release()
             return None
         self.seed = seed
         self.arrange_drain(seed)
+        # imported here: the plugin is imported in every framework process (start-up time)
+        from rfork import metrics
+
+        metrics.SEED_BYTES.set(weights.layout.total_bytes)
+        metrics.SEED_INSTANCES.set(len(seed.instance_ids))
         return seed
 
     def release(self) -> None:

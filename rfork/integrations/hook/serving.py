@@ -60,7 +60,7 @@ def start_seed(
         if pulled is not None:
             seed = pulled.become_seed(
                 planner_url=settings.planner_url,
-                token=settings.token,
+                token=settings.seed_token,
                 providers=one_sided,
                 timeout_s=settings.transfer_timeout_s,
                 compile_caches=compile_caches,
@@ -72,7 +72,7 @@ def start_seed(
                 identity=identity,
                 planner_url=settings.planner_url,
                 providers=one_sided,
-                token=settings.token,
+                token=settings.seed_token,
                 timeout_s=settings.transfer_timeout_s,
                 compile_caches=compile_caches,
             ).start()

@@ -1,8 +1,10 @@
 """Hook settings: `--model-loader-extra-config` keys first, then `RFORK_*` variables, then defaults.
 
-The planner token comes only from `$RFORK_TOKEN` or the file `$RFORK_TOKEN_FILE` names: SGLang and vLLM
-log their whole argument list at startup, so a token in the extra config would end up in every log; it
-is refused with a message saying so.
+The planner tokens come only from the environment: SGLang and vLLM log their whole argument list at
+startup, so a token in the extra config would end up in every log; it is refused with a message saying
+so. A hook pulls with the load role and publishes its seed with the register role: either one token
+holding both (`$RFORK_TOKEN`; the planner's RFORK_INSTANCE_TOKEN is such a token) or a pair,
+`$RFORK_TOKEN` (load) and `$RFORK_REGISTER_TOKEN` (register); each may be a file, `$..._FILE`.
 The SGLang and vLLM hooks take the same settings (their DefaultModelLoaders take the same pass-through keys).
 """
 
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rfork.env_secrets import SecretFileError, env_secret
-from rfork.errors import RforkError
+from rfork.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from rfork.pull.result import LoadOptions
@@ -34,13 +36,20 @@ ENV_FOR_KEY = {
     "transfer_timeout_s": "RFORK_TRANSFER_TIMEOUT_S",
     "compile_cache": "RFORK_COMPILE_CACHE",
     "require_seed": "RFORK_REQUIRE_SEED",
+    "metrics_port": "RFORK_METRICS_PORT",
+    "metrics_host": "RFORK_METRICS_HOST",
 }
 TOKEN_ENV = "RFORK_TOKEN"
 TOKEN_FILE_ENV = "RFORK_TOKEN_FILE"
+REGISTER_TOKEN_ENV = "RFORK_REGISTER_TOKEN"
+REGISTER_TOKEN_FILE_ENV = "RFORK_REGISTER_TOKEN_FILE"
 
 
-class SettingsError(RforkError, ValueError):
+class SettingsError(ConfigurationError):
     """A hook setting is missing, unknown or malformed; the message names the key or variable."""
+
+    def __init__(self, message: str, *, setting: str = "hook") -> None:
+        super().__init__(message, setting=setting)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +57,8 @@ class HookSettings:
     """What a framework hook needs to find a source and to publish itself."""
 
     planner_url: str | None = None
-    token: str | None = None
+    token: str | None = None  # the load role (and register, without a register_token)
+    register_token: str | None = None  # the register role, to become a seed (default: token)
     mode: str = "checkpoint"
     providers: tuple[str, ...] = ("tcp",)
     serve: bool = True  # become a seed after loading
@@ -57,12 +67,17 @@ class HookSettings:
     transfer_timeout_s: float = 5.0
     compile_cache: bool = True  # fetch the engine's compile cache from a seed, and serve one's own
     require_seed: bool = False  # no seed served the weights: fail the load instead of the disk fallback
+    # rfork's Prometheus metrics (rfork.metrics) on metrics_port + the worker's global rank; None: off
+    metrics_port: int | None = None
+    metrics_host: str = "0.0.0.0"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise SettingsError(f"rfork mode {self.mode!r} is not one of {', '.join(MODES)}")
         if not self.providers:
             raise SettingsError("rfork providers: give at least one (tcp, shm, efa, verbs, nccl)")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise SettingsError(f"rfork metrics_port must be a port number, got {self.metrics_port}")
         if self.transfer_timeout_s <= 0:
             raise SettingsError(f"rfork transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
         if self.planner_url is not None:
@@ -92,7 +107,10 @@ class HookSettings:
                 raw[key] = extra[key]
             elif env.get(var):
                 raw[key] = env[var]
-        kwargs: dict[str, Any] = {"token": _token(env)}
+        kwargs: dict[str, Any] = {
+            "token": _token(env, TOKEN_ENV),
+            "register_token": _token(env, REGISTER_TOKEN_ENV),
+        }
         if "planner_url" in raw:
             kwargs["planner_url"] = _planner_url(_text(raw["planner_url"], "planner_url"))
         if "mode" in raw:
@@ -109,6 +127,14 @@ class HookSettings:
             kwargs["model"] = _text(raw["model"], "model")
         if "revision" in raw:
             kwargs["revision"] = _text(raw["revision"], "revision")
+        if "metrics_port" in raw:
+            try:
+                kwargs["metrics_port"] = int(raw["metrics_port"])
+            except (TypeError, ValueError) as exc:
+                given = raw["metrics_port"]
+                raise SettingsError(f"rfork metrics_port: not a port number: {given!r}") from exc
+        if "metrics_host" in raw:
+            kwargs["metrics_host"] = _text(raw["metrics_host"], "metrics_host")
         if "transfer_timeout_s" in raw:
             try:
                 kwargs["transfer_timeout_s"] = float(raw["transfer_timeout_s"])
@@ -117,6 +143,11 @@ class HookSettings:
                     f"rfork transfer_timeout_s: not a number: {raw['transfer_timeout_s']!r}"
                 ) from exc
         return cls(**kwargs)
+
+    @property
+    def seed_token(self) -> str | None:
+        """The token a seed registers with: register_token, else the one token."""
+        return self.register_token or self.token
 
     def to_extra_config(self) -> dict[str, Any]:
         """The extra-config keys for these settings (never the token); what the launcher passes on."""
@@ -134,6 +165,9 @@ class HookSettings:
             out["planner_url"] = self.planner_url
         if self.model:
             out["model"] = self.model
+        if self.metrics_port is not None:
+            out["metrics_port"] = self.metrics_port
+            out["metrics_host"] = self.metrics_host
         return out
 
     def load_options(self) -> LoadOptions:
@@ -167,13 +201,13 @@ def default_loader_extra(extra_config: Mapping[str, Any] | None) -> dict[str, An
     return {k: v for k, v in (extra_config or {}).items() if k in DEFAULT_LOADER_KEYS}
 
 
-def _token(env: Mapping[str, str]) -> str | None:
-    """$RFORK_TOKEN, else the contents of the file $RFORK_TOKEN_FILE names (rfork.env_secrets);
-    SettingsError when that file is unreadable or empty, or both are set."""
+def _token(env: Mapping[str, str], name: str) -> str | None:
+    """$name, else the contents of the file $name_FILE names (rfork.env_secrets); SettingsError when
+    that file is unreadable or empty, or both are set."""
     try:
-        return env_secret(TOKEN_ENV, env)
+        return env_secret(name, env)
     except SecretFileError as exc:
-        raise SettingsError(str(exc)) from exc
+        raise SettingsError(str(exc), setting=name) from exc
 
 
 def _planner_url(value: str) -> str | None:

@@ -10,6 +10,8 @@ after all plugins ran. The hook bodies import rfork's loader lazily, and only fo
 - AROUND `get_model_loader` (SGLang's loader selection): "rfork" gets `RforkModelLoader`; every
   other format gets what SGLang would have chosen.
 - AFTER `ModelRunner.load_model`: the instance becomes a seed of what it loaded.
+- BEFORE `_set_envs_and_config` (SGLang's main process, before it installs its SIGQUIT handler):
+  imports what the drain needs, so that the handler never imports.
 - BEFORE `kill_process_tree`: SGLang's main process drains the seeds before SIGKILLing schedulers
   (rfork.integrations.hook.drain; it drains them at exit too).
 """
@@ -30,6 +32,7 @@ HOOK_TARGETS = {
     "get_model_loader": "sglang.srt.model_loader.loader.get_model_loader",
     "load_model": "sglang.srt.model_executor.model_runner.ModelRunner.load_model",
     "kill_process_tree": "sglang.srt.utils.common.kill_process_tree",
+    "set_envs_and_config": "sglang.srt.entrypoints.engine._set_envs_and_config",
 }
 
 
@@ -44,6 +47,7 @@ def register() -> None:
     HookRegistry.register(HOOK_TARGETS["get_model_loader"], select_model_loader, HookType.AROUND)
     HookRegistry.register(HOOK_TARGETS["load_model"], after_load_model, HookType.AFTER)
     HookRegistry.register(HOOK_TARGETS["kill_process_tree"], before_kill_process_tree, HookType.BEFORE)
+    HookRegistry.register(HOOK_TARGETS["set_envs_and_config"], before_signal_handlers, HookType.BEFORE)
     drain.arm_drain_in_main_process()
 
 
@@ -88,3 +92,10 @@ def before_kill_process_tree(*_args: Any, **_kwargs: Any) -> None:
     """BEFORE `kill_process_tree`: drain this server's seeds before their schedulers die."""
     if drain.armed_here():
         drain.drain_recorded()
+
+
+def before_signal_handlers(*_args: Any, **_kwargs: Any) -> None:
+    """BEFORE `_set_envs_and_config`, which installs SGLang's SIGQUIT handler: the drain it runs
+    (before_kill_process_tree) must find its imports done."""
+    if drain.armed_here():
+        drain.prepare()

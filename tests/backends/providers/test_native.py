@@ -61,3 +61,26 @@ def test_a_prefix_picks_its_libfabric(tmp_path: os.PathLike[str]) -> None:
     assert chosen_library("mpich", None) in (None, mpich_libfabric())  # the setting wins over no prefix
     with pytest.raises(ImportError, match="RFORK_LIBFABRIC_PREFIX='/nonexistent'"):
         chosen_library("system", "/nonexistent")
+
+
+_SIGNALLED = """
+import os, signal, sys, faulthandler
+faulthandler.enable()
+got = []
+signal.signal(signal.SIGTERM, lambda signum, _frame: got.append(signum))
+from backends.providers import _native
+os.kill(os.getpid(), signal.SIGTERM)
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+except KeyboardInterrupt:
+    got.append(int(signal.SIGINT))
+print(sorted(got))
+"""
+
+
+def test_loading_the_binding_keeps_the_processs_signal_handlers() -> None:
+    """The libraries libfabric loads may install C-level handlers of their own (SIGINT, SIGTERM,
+    SIGSEGV, ...); after the import, a signal still reaches the handlers the process had before."""
+    out = subprocess.run([sys.executable, "-c", _SIGNALLED], capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout.split("\n")[0]) == (0, "[2, 15]"), out
+    assert out.stderr == ""

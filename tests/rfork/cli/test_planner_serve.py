@@ -3,6 +3,7 @@ port or an unreachable database, and /metrics that count every worker of `--work
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -136,3 +137,48 @@ def _healthz_count_in(text: str) -> float:
         for ln in _samples(text, "rfork_planner_requests_total")
         if 'route="/healthz"' in ln
     )
+
+
+@pytest.mark.slow
+def test_sigterm_answers_the_request_in_flight_then_exits_0_with_one_line_all_in_json(tmp_path):
+    """SIGTERM while a request is in flight (its body half sent): the planner stops taking new
+    connections, answers that request, says so in one line and exits 0 (main: killed by the signal
+    uvicorn raised again after its shutdown, status -15, nothing said). With --log-format json every
+    line it writes, stdout's included, is a JSON object."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rfork", "--log-format", "json", "planner", "serve", "--port", "0",
+         "--insecure", "--db", f"sqlite:///{tmp_path / 'p.db'}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        first = json.loads(proc.stdout.readline())
+        url = first["url"]
+        assert first["message"].startswith("planner listening on ")
+        _wait_ready(url)
+        host, port = url.removeprefix("http://").split(":")
+        body = json.dumps({"identity": {}, "rank": 0}).encode()
+        with socket.create_connection((host, int(port)), timeout=30) as conn:
+            conn.sendall(
+                b"POST /v1/assignments HTTP/1.1\r\nHost: planner\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                + body[:5]
+            )
+            time.sleep(0.5)  # the request is in uvicorn's hands, waiting for the rest of its body
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            assert proc.poll() is None  # still serving that request
+            conn.sendall(body[5:])
+            answer = conn.makefile("rb").read().decode()
+        assert answer.startswith("HTTP/1.1 422"), answer  # answered (an empty identity is refused)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert lines[-1]["message"] == "planner stopped by SIGTERM: the requests in flight were answered"
+    assert all({"time", "level", "logger", "message"} <= set(r) for r in lines)
+    assert all(json.loads(line)["level"] in ("INFO", "WARNING") for line in err.splitlines()), err

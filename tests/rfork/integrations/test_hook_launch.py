@@ -117,6 +117,22 @@ def test_the_token_file_goes_to_the_server_as_a_path_never_as_the_token(name, tm
     assert "s3cret" not in " ".join(argv)
 
 
+@pytest.mark.parametrize("name", sorted(LAUNCHERS))
+def test_a_register_token_file_goes_to_the_server_beside_the_load_token(name, tmp_path):
+    load, register = tmp_path / "load", tmp_path / "register"
+    load.write_text("l0ad\n")
+    register.write_text("r3gister\n")
+    args = ["--planner", "http://p:9", "--token-file", str(load), "--register-token-file", str(register)]
+    argv, env = _build(name, args, [], {"RFORK_REGISTER_TOKEN": "old"})
+    assert (env["RFORK_TOKEN_FILE"], env["RFORK_REGISTER_TOKEN_FILE"]) == (str(load), str(register))
+    assert "RFORK_REGISTER_TOKEN" not in env
+    assert "r3gister" not in " ".join(argv)
+    from rfork.integrations.hook.settings import HookSettings
+
+    settings = HookSettings.resolve({}, env)
+    assert (settings.token, settings.register_token, settings.seed_token) == ("l0ad", "r3gister", "r3gister")
+
+
 def test_hook_settings_read_the_token_file_and_require_seed(tmp_path):
     from rfork.integrations.hook.settings import HookSettings, SettingsError
 

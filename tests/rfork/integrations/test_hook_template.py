@@ -140,3 +140,75 @@ def test_settings_hold_the_pull_for_a_seed_only_when_serving():
     assert _hook("http://p").settings.load_options().seed_later
     assert not _hook("http://p", serve=False).settings.load_options().seed_later
     assert not _hook("http://p").settings.load_options().become_seed  # the hook seeds later, by itself
+
+
+@pytest.mark.slow
+def test_a_hook_pulls_with_the_load_token_and_registers_with_the_register_token(planner, monkeypatch, caplog):
+    """A pair of tokens, as `rfork load` takes them: $RFORK_TOKEN (load) pulls, $RFORK_REGISTER_TOKEN
+    (register) publishes the seed (main: the hook registered with the load token, and the planner
+    refused). Without the register token, the warning names the role that is missing."""
+    from tests.rfork.conftest import LOAD, REGISTER
+
+    monkeypatch.setenv("RFORK_TOKEN", LOAD)
+    monkeypatch.setenv("RFORK_REGISTER_TOKEN", REGISTER)
+    torch.manual_seed(0)
+    source = dict(LlamaForCausalLM(SMALL).named_parameters())
+    ident = _hook(planner).parameters_identity(MODEL_CONFIG, source, torch.device("cpu"))
+    weights = RankWeights.from_tensors(tensors=source)
+    with Seed(weights=[weights], identity=ident, planner_url=planner, token=REGISTER):
+        for register_token in (REGISTER, None):
+            if register_token is None:
+                monkeypatch.delenv("RFORK_REGISTER_TOKEN")
+            hook = _hook(planner)
+            assert (hook.settings.token, hook.settings.register_token) == (LOAD, register_token)
+            model = LlamaForCausalLM(SMALL)
+            params = dict(model.named_parameters())
+            assert hook.pull_parameters(params, identity=ident, rank=0) is None
+            assert hook.outcome is not None
+            assert hook.outcome.source == "rfork-tcp"
+            caplog.clear()
+            became = hook.become_seed(model)
+            if register_token is not None:
+                assert became is not None
+                became.close()
+            else:
+                assert became is None
+                assert "a seed needs the register role" in caplog.text
+                assert "$RFORK_TOKEN (no $RFORK_REGISTER_TOKEN)" in caplog.text
+
+
+_SCRAPE_A_HOOK = """
+import sys, types, urllib.request
+import torch
+from tests.rfork.integrations.test_hook_template import _hook
+hook = _hook("", mode="checkpoint")  # no planner: rfork reads the checkpoint itself
+config = types.SimpleNamespace(model_path=sys.argv[1], hf_config=None, revision=None, dtype=torch.bfloat16,
+                               quantization=None)
+assert hook.pull_checkpoint(config) is None, "rfork did not load it"
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+print(opener.open("http://127.0.0.1:%s/metrics" % sys.argv[2], timeout=10).read().decode())
+"""
+
+
+@pytest.mark.slow
+def test_a_hook_serves_rforks_metrics_on_its_port_plus_its_rank(small_ckpt, tmp_path):
+    """RFORK_METRICS_PORT in a framework worker (a stand-in framework here; rank 0): rfork's metrics at
+    /metrics of that port, scraped over HTTP, count the load and why it was not from a seed."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RFORK_METRICS_PORT": str(port), "RFORK_METRICS_HOST": "127.0.0.1"}
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+    env.pop("RFORK_PLANNER_URL", None)
+    out = subprocess.run(
+        [sys.executable, "-c", _SCRAPE_A_HOOK, str(small_ckpt), str(port)],
+        capture_output=True, text=True, timeout=300, env=env, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert 'rfork_pulls_total{outcome="success",source="disk"} 1.0' in out.stdout, out.stdout
+    assert 'rfork_fallbacks_total{reason="no_planner"} 1.0' in out.stdout, out.stdout

@@ -185,7 +185,7 @@ def test_cli_dry_run_prints_the_command_and_bad_input_is_one_line(tmp_path):
         timeout=60,
         check=False,
     )
-    assert bad.returncode == 1
+    assert bad.returncode == 2  # a wrong setting
     assert bad.stderr.strip().count("\n") == 0
     assert "weight-cache-mode" in bad.stderr
 
