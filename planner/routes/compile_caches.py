@@ -44,12 +44,11 @@ def compile_cache_sources(
     """The key's anchored archive digest and the instances serving it, nearest first, each with a token
     for one fetch of this key from its control endpoint.
 
-    Only instances of the key's identity whose manifests all match their anchors are offered; an
-    instance token sees only its own identity (as for assignments).
+    The request names the identity whose key it asks for: only when the key's anchor is that identity's
+    are its READY instances whose manifests all match their anchors offered; an instance token sees only
+    its own identity (as for assignments).
     """
-    return planner.compile_cache_sources(
-        cache_key, time.time(), may_lease=principal.may_lease_identity, labels=body.labels
-    )
+    return planner.compile_cache_sources(cache_key, body, time.time(), may_lease=principal.may_lease_identity)
 
 
 @router.put(
@@ -59,7 +58,10 @@ def compile_cache_sources(
         400: {"description": "the body is not JSON"},
         401: {},
         403: {"description": "neither an admin nor an anchor-role instance serving this key"},
-        409: {"description": "anchored with another digest (an admin may `replace`), or a foreign identity"},
+        409: {
+            "description": "anchored with another digest (an admin may `replace`), a foreign identity, or a"
+            " key that is not the identity's (`key_variant`)"
+        },
         413: {"description": "the body exceeds the size limit"},
         422: {},
     },

@@ -34,7 +34,8 @@ class CompileCacheOps(ServiceState):
         """Set the archive digest of `cache_key`; the first authority wins (see CompileCacheAnchorUpload).
 
         AuthError 403 for a caller that is neither an admin nor an anchor-role instance serving the key;
-        Conflict for a digest other than the anchored one, or a missing or foreign identity.
+        Conflict for a digest other than the anchored one, a missing or foreign identity, or a key that
+        is not the identity's (wire.compile_cache_key of the identity and `body.key_variant`).
         """
         with self.db.write() as s:
             if principal.has("admin"):
@@ -54,6 +55,11 @@ class CompileCacheOps(ServiceState):
                 if body.identity_key not in (None, inst.identity_key):
                     raise Conflict("identity_key: an instance anchors keys of its own identity only")
                 identity_key, instance_id = inst.identity_key, inst.id
+            if wire.compile_cache_key(identity_key, body.key_variant) != cache_key:
+                raise Conflict(
+                    f"compile cache {cache_key[:12]} is not a key of identity {identity_key[:12]} (with"
+                    f" key_variant {body.key_variant[:12]}): an authority anchors its identity's keys only"
+                )
             held = s.get(CompileCacheAnchor, cache_key)
             # the instance that anchored the key may move its anchor to its own newer archive: a cache
             # keeps growing after it first settles (vLLM compiles more), and no one else may move it
@@ -91,22 +97,25 @@ class CompileCacheOps(ServiceState):
         return view
 
     def compile_cache_sources(
-        self, cache_key: str, now: float, *, may_lease: Callable[[str], bool], labels: wire.Labels
+        self, cache_key: str, body: wire.CompileCacheRequest, now: float, *, may_lease: Callable[[str], bool]
     ) -> wire.CompileCacheSources:
         """The anchored digest of `cache_key` and the READY, unquarantined instances serving it (same
         node, rack, zone first) that hold the key's identity with every manifest anchored, each with a
         control token for one fetch of this key (planner.contract.control_token: no weight session).
 
-        `may_lease(identity_key)`: whether the caller may have that identity's artifacts (an instance
-        token: its own identity only). NotFound `not_anchored` when no authority set the key's digest;
-        NoSource (404) when no instance is left.
+        `body.identity_key`: the identity the requester asks for; `may_lease(identity_key)`: whether the
+        caller may have that identity's artifacts (an instance token: its own identity only). NotFound
+        `not_anchored` when no authority set the key's digest for that identity; NoSource (404) when no
+        instance is left.
         """
+        labels = body.labels
         with self.db.read() as s:
             anchor = s.get(CompileCacheAnchor, cache_key)
-            if anchor is None:
+            if anchor is None or anchor.identity_key != body.identity_key:
                 raise NotFound(
-                    f"compile cache {cache_key[:12]} has no anchored archive digest (an anchor-role seed"
-                    " publishes it once it compiled, or an admin uploads it): nothing to fetch",
+                    f"compile cache {cache_key[:12]} has no anchored archive digest for identity"
+                    f" {body.identity_key[:12]} (an anchor-role seed of it publishes one once it compiled,"
+                    " or an admin uploads it): nothing to fetch",
                     status=404,
                     reason="not_anchored",
                 )

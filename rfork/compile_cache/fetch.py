@@ -19,6 +19,7 @@ from pathlib import Path
 
 from planner.contract import CompileCacheSource, PlannerClient, PlannerError, seed_http
 from rfork.compile_cache.archive import CompileCacheError, Limits, unpack
+from rfork.compile_cache.key import CompileCacheKey
 from rfork.seed_networks import allowed_networks, resolve_seed_host
 
 log = logging.getLogger(__name__)
@@ -40,31 +41,33 @@ def fetch_compile_cache(
     *,
     planner_url: str,
     token: str | None,
-    key: str,
+    key: CompileCacheKey,
     dest: Path,
     labels: Mapping[str, str] | None = None,
     limits: Limits = Limits(),
     timeout_s: float = 30.0,
 ) -> FetchOutcome:
-    """Install the compile cache `key` into `dest` from the first seed that serves a valid archive.
+    """Install the compile cache `key` into `dest` from the first seed that serves a valid archive; the
+    planner is asked for the sources of `key`'s identity only.
 
     ValueError for a malformed RFORK_SEED_NETWORKS (a setting, not a peer's failure)."""
     allowed_networks()
     t0 = time.perf_counter()
+    name = key.digest()
     try:
         with PlannerClient(planner_url, token=token, timeout_s=timeout_s) as client:
-            found = client.compile_cache_sources(key, labels=labels)
+            found = client.compile_cache_sources(name, identity_key=key.identity_key, labels=labels)
     except PlannerError as exc:
         return _nothing(t0, f"planner: {exc}")
     if found is None:
-        return _nothing(t0, f"no READY seed serves compile cache {key[:12]}")
+        return _nothing(t0, f"no READY seed serves compile cache {name[:12]}")
     reasons = []
     for source in found.sources:
         try:
-            data = _download(source, key, limits=limits, timeout_s=timeout_s)
-            files = unpack(data, dest, key=key, digest=found.archive_digest, limits=limits)
+            data = _download(source, name, limits=limits, timeout_s=timeout_s)
+            files = unpack(data, dest, key=name, digest=found.archive_digest, limits=limits)
         except (CompileCacheError, seed_http.SeedHttpError, OSError, ValueError) as exc:  # a peer's failure
-            log.info("compile cache %s from %s refused: %s", key[:12], source.instance_id, exc)
+            log.info("compile cache %s from %s refused: %s", name[:12], source.instance_id, exc)
             reasons.append(f"{source.instance_id}: {exc}")
             continue
         out = FetchOutcome(
@@ -76,7 +79,7 @@ def fetch_compile_cache(
         )
         log.info(
             "compile cache %s: %d bytes from %s verified, %d new file(s) in %s in %.3f s",
-            key[:12], out.archive_bytes, out.source, files, dest, out.seconds,
+            name[:12], out.archive_bytes, out.source, files, dest, out.seconds,
         )
         return out
     return _nothing(t0, "; ".join(reasons))
