@@ -18,27 +18,17 @@ from planner.contract import (
     PlannerClient,
     control_token,
 )
-from planner.contract.wire import identity_key
+from planner.contract.wire import compile_cache_key, identity_key
 from planner.server import PlannerServer
-from rfork.compile_cache.key import CompileCacheKey
 from tests.planner.conftest import identity, manifest, ranks
 from tests.planner.test_auth import TOKENS
 
 DIGEST, FORGED, GROWN = "sha256:" + "1" * 64, "sha256:" + "2" * 64, "sha256:" + "3" * 64
 IDENT = identity()
 IKEY = identity_key(IDENT)
-
-
-def _key(ident: dict[str, Any], rank: int = 0) -> CompileCacheKey:
-    """The compile-cache key a loader of `ident` computes (anyone can compute it ahead of time)."""
-    return CompileCacheKey(
-        identity_key=identity_key(ident), rank=rank, engine="vllm", engine_version="0.32.0",
-        torch_version="2.13.0+cpu", settings_digest="5" * 64, processor="x86_64:0123456789abcdef",
-    )
-
-
-KEY, OTHER = _key(IDENT).digest(), _key(IDENT, rank=1).digest()
-VARIANTS = {KEY: _key(IDENT).variant(), OTHER: _key(IDENT, rank=1).variant()}
+# keys of IDENT (what a loader hashes besides the identity is the variant)
+KEY, OTHER = (compile_cache_key(IKEY, v) for v in ("5" * 64, "6" * 64))
+VARIANTS = {KEY: "5" * 64, OTHER: "6" * 64}
 KV = VARIANTS[KEY]
 
 
@@ -216,34 +206,34 @@ def test_an_anchor_seed_cannot_anchor_another_identitys_key(secure: PlannerServe
     derived from its identity, so the planner refuses the anchor; the victim's own anchor seed sets it."""
     anchor = PlannerClient(secure.url, token="anc-secret")
     load = PlannerClient(secure.url, token="load-secret")
-    victim = _key(IDENT)
+    victim, variant = KEY, KV  # the victim identity's key: anyone computes it ahead of time
     made_up, _ = _serving(
-        anchor, node="victim-node", ident=identity(fingerprint="made-up"), keys=(victim.digest(),)
+        anchor, node="victim-node", ident=identity(fingerprint="made-up"), keys=(victim,)
     )
     with pytest.raises(Conflict, match="not a key of identity"):
         anchor.with_token(made_up.token).anchor_compile_cache(
-            victim.digest(), FORGED, key_variant=victim.variant()
+            victim, FORGED, key_variant=variant
         )
     with pytest.raises(NotFound) as nothing:
-        load.compile_cache_sources(victim.digest(), identity_key=victim.identity_key)
+        load.compile_cache_sources(victim, identity_key=IKEY)
     assert nothing.value.reason == "not_anchored"
     # the victim identity's own anchor seed anchors its key: the squatter held nothing
-    honest, _ = _serving(anchor, node="n1", keys=(victim.digest(),))
+    honest, _ = _serving(anchor, node="n1", keys=(victim,))
     anchored = anchor.with_token(honest.token).anchor_compile_cache(
-        victim.digest(), DIGEST, key_variant=victim.variant()
+        victim, DIGEST, key_variant=variant
     )
-    assert (anchored.identity_key, anchored.archive_digest) == (victim.identity_key, DIGEST)
-    found = load.compile_cache_sources(victim.digest(), identity_key=victim.identity_key)
+    assert (anchored.identity_key, anchored.archive_digest) == (IKEY, DIGEST)
+    found = load.compile_cache_sources(victim, identity_key=IKEY)
     assert found is not None
     assert [s.instance_id for s in found.sources] == [honest.id]
     # a loader names the identity it asks for: another identity's request finds nothing to fetch
     with pytest.raises(NotFound) as foreign:
-        load.compile_cache_sources(victim.digest(), identity_key=made_up.identity_key)
+        load.compile_cache_sources(victim, identity_key=made_up.identity_key)
     assert foreign.value.reason == "not_anchored"
     # an admin's upload is checked the same way
     admin = PlannerClient(secure.url, token="adm-secret")
     with pytest.raises(Conflict, match="not a key of identity"):
         admin.anchor_compile_cache(
-            victim.digest(), FORGED, key_variant=victim.variant(), identity_key=made_up.identity_key,
+            victim, FORGED, key_variant=variant, identity_key=made_up.identity_key,
             replace=True,
         )
