@@ -66,6 +66,9 @@ class Instance(Base):
     accused_since: Mapped[float | None] = mapped_column(Float, nullable=True)
     # why quarantined_until was set: "reports" (transport failures from distinct reporters) or "probe"
     quarantine_cause: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    # Principal.holder of the credential that registered it: its reports count as that credential's (one
+    # witness however many instances it registers), and registrations per credential are bounded
+    registered_by: Mapped[str | None] = mapped_column(String(80), nullable=True, index=True)
 
     ranks: Mapped[list[InstanceRank]] = relationship(
         back_populates="instance",
@@ -195,3 +198,6 @@ class Lease(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     # a checksum_mismatch claim the seed's re-verification disproved (counts against the reporter)
     disproved: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
+    # the witness behind the holder (Principal.witness): a static token, or the credential that registered
+    # the holding instance; distinct reporters are counted by it (planner.service.reports)
+    credential: Mapped[str | None] = mapped_column(String(80), nullable=True)
