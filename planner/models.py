@@ -115,6 +115,10 @@ class CompileCache(Base):
         String(32), ForeignKey("instances.id", ondelete="CASCADE"), primary_key=True
     )
     cache_key: Mapped[str] = mapped_column(String(64), primary_key=True, index=True)
+    # loaders' reports of fetches from it (POST /v1/compile-caches/{key}/reports): sources are ranked by
+    # this evidence, a source that served the anchored archive before first, one that failed last
+    served: Mapped[int] = mapped_column(Integer, server_default="0", default=0)
+    failed: Mapped[int] = mapped_column(Integer, server_default="0", default=0)
 
     instance: Mapped[Instance] = relationship(back_populates="compile_caches")
 

@@ -1,4 +1,5 @@
-"""credentials: which credential registered an instance, and which one stands behind a lease's reports
+"""credentials and evidence: which credential registered an instance, which one stands behind a lease's
+reports, and loaders' reports of compile-cache fetches per source
 
 Revision ID: 0007
 Revises: 0006
@@ -22,9 +23,15 @@ def upgrade() -> None:
     op.create_index("ix_instances_registered_by", "instances", ["registered_by"])
     with op.batch_alter_table("leases") as batch:
         batch.add_column(sa.Column("credential", sa.String(length=80), nullable=True))
+    with op.batch_alter_table("compile_caches") as batch:
+        batch.add_column(sa.Column("served", sa.Integer(), server_default="0", nullable=False))
+        batch.add_column(sa.Column("failed", sa.Integer(), server_default="0", nullable=False))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("compile_caches") as batch:
+        batch.drop_column("failed")
+        batch.drop_column("served")
     with op.batch_alter_table("leases") as batch:
         batch.drop_column("credential")
     op.drop_index("ix_instances_registered_by", table_name="instances")

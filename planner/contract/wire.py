@@ -366,6 +366,10 @@ class CompileCacheRequest(Strict):
 
     identity_key: IdentityKey
     labels: Labels = Labels()
+    # sources the requester already tried (and reported): the answer replaces them with others
+    exclude: Annotated[
+        list[Annotated[str, StringConstraints(max_length=64, pattern=NO_NUL)]], Field(max_length=256)
+    ] = []
 
 
 class CompileCacheSource(BaseModel):
@@ -385,6 +389,16 @@ class CompileCacheSources(BaseModel):
     cache_key: str
     archive_digest: str
     sources: list[CompileCacheSource]
+
+
+class CompileCacheReport(Strict):
+    """POST /v1/compile-caches/{key}/reports: how a fetch from one source went. `verified`: its archive
+    had the anchored digest and was installed; `failed`: anything else (refused, wrong bytes, deadline).
+    Sources are ranked by these reports: served and verified before first, failed last."""
+
+    instance_id: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=NO_NUL)]
+    outcome: Literal["verified", "failed"]
+    error: Annotated[str, StringConstraints(max_length=1024, pattern=NO_NUL)] | None = None
 
 
 class CompileCacheAnchorUpload(Strict):

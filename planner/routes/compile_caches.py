@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path
+from fastapi import APIRouter, Depends, Path, Response
 
 from planner.auth import Principal
 from planner.contract import views, wire
@@ -49,6 +49,32 @@ def compile_cache_sources(
     its own identity (as for assignments).
     """
     return planner.compile_cache_sources(cache_key, body, time.time(), may_lease=principal.may_lease_identity)
+
+
+@router.post(
+    "/{cache_key}/reports",
+    status_code=204,
+    responses={
+        400: {"description": "the body is not JSON"},
+        401: {},
+        403: {},
+        413: {"description": "the body exceeds the size limit"},
+        422: {},
+        404: {"description": "the key is not anchored for an identity this token loads, or the instance"
+              " does not serve it"},
+    },
+    operation_id="report_compile_cache",
+)
+def report_compile_cache(
+    cache_key: KeyPath,
+    body: wire.CompileCacheReport,
+    planner: Planner = Depends(get_planner),
+    principal: Principal = Depends(leaser),
+) -> Response:
+    """How a fetch from one source went (`verified` or `failed`): sources are ranked by these reports,
+    so a loader's failed decoys go last for the next loader and the seed that served comes first."""
+    planner.report_compile_cache(cache_key, body, may_lease=principal.may_lease_identity)
+    return Response(status_code=204)
 
 
 @router.put(

@@ -237,3 +237,34 @@ def test_an_anchor_seed_cannot_anchor_another_identitys_key(secure: PlannerServe
             victim, FORGED, key_variant=variant, identity_key=made_up.identity_key,
             replace=True,
         )
+
+
+def test_sources_are_ranked_by_evidence_and_a_loader_replaces_what_it_tried(secure: PlannerServer) -> None:
+    """Decoys copy the anchored manifest and list the key on the loader's node; a seed that served the
+    key verified before, and the one whose compile anchored it, come first wherever they are."""
+    anchor = PlannerClient(secure.url, token="anc-secret")
+    reg = PlannerClient(secure.url, token="reg-secret")
+    load = PlannerClient(secure.url, token="load-secret")
+    origin, _ = _serving(anchor, node="far")
+    anchor.with_token(origin.token).anchor_compile_cache(KEY, DIGEST, key_variant=KV)  # its own compile
+    served, _ = _serving(reg, node="far2")
+    decoys = [_serving(reg, node="near")[0].id for _ in range(3)]
+
+    def order(**kw: Any) -> list[str]:
+        found = load.compile_cache_sources(KEY, identity_key=IKEY, labels={"node": "near"}, **kw)
+        return [] if found is None else [s.instance_id for s in found.sources]
+
+    assert order() == [origin.id, *sorted(decoys), served.id]  # then nearest first
+    load.report_compile_cache(KEY, served.id, "verified")
+    load.report_compile_cache(KEY, decoys[0], "failed", error="archive digest does not match")
+    assert order() == [origin.id, served.id, *sorted(decoys[1:]), decoys[0]]
+    assert order(exclude=[origin.id, served.id, *decoys[1:]]) == [decoys[0]]
+    assert order(exclude=[origin.id, served.id, *decoys]) == []  # none left: compile
+    with pytest.raises(NotFound, match="does not serve"):
+        load.report_compile_cache(KEY, "f" * 32, "verified")
+    with pytest.raises(NotFound):
+        load.report_compile_cache(OTHER, served.id, "verified")  # not anchored
+    with pytest.raises(AuthError):  # a reader reports nothing
+        PlannerClient(secure.url, token="read-secret").report_compile_cache(KEY, served.id, "verified")
+    with pytest.raises(BadRequest):
+        load.report_compile_cache(KEY, served.id, "great")

@@ -360,3 +360,46 @@ def test_seed_endpoints_outside_rfork_seed_networks_are_never_connected(
     assert (fleet.hostile.connections, fleet.honest_seed.connections) == (0, 0)
     monkeypatch.setenv("RFORK_SEED_NETWORKS", "127.0.0.0/8")
     assert fleet.fetch(tmp_path / "m").installed
+
+
+def _decoys(fleet: Fleet, n: int) -> list[str]:
+    """`n` instances registered with the register token that copy the anchored manifest, list the key and
+    sit on the loader's node (each sorts before the honest seed by label), all answered by `fleet.hostile`."""
+    return [register_seed(fleet.planner, REGISTER, fleet.hostile.url, fleet.key, node=NEAR) for _ in range(n)]
+
+
+def test_decoys_are_reported_and_replaced_and_the_seed_that_served_comes_first(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """Eight decoys (and the hostile seed) on the loader's node, the honest seed far away. On main the
+    loader was offered the eight nearest, all decoys, and never reached the honest archive. Now failed
+    sources are reported and replaced, and a source that served the key verified before comes first."""
+    fleet.anchor()
+    decoys = {fleet.hostile_id, *_decoys(fleet, 8)}
+    out = fleet.fetch(tmp_path / "a", timeout_s=10.0)
+    assert (out.installed, out.source) == (True, fleet.honest_id), out.reason
+    tried = fleet.hostile.connections
+    assert tried == len(decoys)  # each decoy once: reported, then replaced by the planner
+    found = PlannerClient(fleet.planner, token=LOAD).compile_cache_sources(
+        fleet.key, identity_key=fleet.cache.identity_key, labels={"node": NEAR}
+    )
+    assert found is not None
+    assert found.sources[0].instance_id == fleet.honest_id  # served and verified before: first
+    out = fleet.fetch(tmp_path / "b", timeout_s=10.0)
+    assert (out.installed, out.source) == (True, fleet.honest_id), out.reason
+    assert fleet.hostile.connections == tried  # no decoy tried again
+    assert files(tmp_path / "b") == HONEST_FILES
+
+
+def test_stalling_decoys_cost_a_loader_one_timeout_in_all(fleet: Fleet, tmp_path: Path) -> None:
+    """Decoys that accept the fetch and never answer: on main each cost the loader its whole timeout
+    (8 x timeout_s before a vLLM worker compiled). Now `timeout_s` bounds the whole fetch."""
+    fleet.anchor()
+    fleet.hostile.respond = drip(b"HTTP/1.1 200 OK\r\n", total_s=30.0)
+    _decoys(fleet, 8)
+    t0 = time.monotonic()
+    out = fleet.fetch(tmp_path / "s", timeout_s=2.0)
+    elapsed = time.monotonic() - t0
+    assert not out.installed  # the deadline came first: vLLM compiles
+    assert "deadline" in (out.reason or "")
+    assert elapsed < 5.0, f"held {elapsed:.1f} s at timeout_s=2"
