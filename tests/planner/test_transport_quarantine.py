@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 import socket
 
+import pytest
+
 from planner.contract import PlannerClient
 from tests.planner.conftest import identity, ranks
 from tests.planner.trust_fleet import (
@@ -50,6 +52,7 @@ def _other_credential_loader(srv) -> PlannerClient:
     return client
 
 
+@pytest.mark.slow  # a seed process and the planner's probe: ~8 s
 def test_instances_of_one_credential_are_one_witness(planner_url):
     """On main two instances registered by the one load+register token every hook holds were two
     witnesses: their reports quarantined a healthy seed for quarantine_s. Now they only ask for a

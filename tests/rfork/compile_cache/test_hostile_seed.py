@@ -391,6 +391,7 @@ def test_decoys_are_reported_and_replaced_and_the_seed_that_served_comes_first(
     assert files(tmp_path / "b") == HONEST_FILES
 
 
+@pytest.mark.slow  # waits out the 2 s deadline
 def test_stalling_decoys_cost_a_loader_one_timeout_in_all(fleet: Fleet, tmp_path: Path) -> None:
     """Decoys that accept the fetch and never answer: on main each cost the loader its whole timeout
     (8 x timeout_s before a vLLM worker compiled). Now `timeout_s` bounds the whole fetch."""
