@@ -4,7 +4,10 @@ key's identity serve it, with a one-fetch token each (routes/compile_caches.py).
 An archive holds code the engine imports (inductor `.py`/`.so`), so it is trusted like weights: a key
 is offered only once an authority set its archive digest (an admin upload, or the first publication of
 an anchor-role instance that serves the key), only from instances of the key's identity whose every
-manifest matches its anchor, and the loader installs only an archive with that digest.
+manifest matches its anchor, and the loader installs only an archive with that digest. A key is bound
+to its identity (wire.compile_cache_key): an authority shows the key's variant and anchors its own
+identity's keys only, and a loader names the identity it asks for. Sources are ranked by the loaders'
+reports of earlier fetches (decoys that copy a manifest and list the key go after the seeds that served).
 """
 
 from __future__ import annotations
@@ -152,7 +155,7 @@ class CompileCacheOps(ServiceState):
                 )
             if not may_lease(anchor.identity_key):
                 raise NoSource(f"no READY instance serves compile cache {cache_key[:12]} to this token")
-            identity_key, digest = anchor.identity_key, anchor.archive_digest
+            identity_key, digest, anchored_by = anchor.identity_key, anchor.archive_digest, anchor.instance_id
             matches_anchor = and_(
                 Anchor.identity_key == Instance.identity_key,
                 Anchor.rank == Manifest.rank,
@@ -188,7 +191,7 @@ class CompileCacheOps(ServiceState):
                            f" {cache_key[:12]}")
         found.sort(
             key=lambda r: (
-                evidence_tier(r.Instance.id, r.served, r.failed, anchor.instance_id),
+                evidence_tier(r.Instance.id, r.served, r.failed, anchored_by),
                 r.Instance.node != labels.node,
                 r.Instance.rack != labels.rack,
                 r.Instance.zone != labels.zone,
