@@ -68,7 +68,7 @@ def fetch_compile_cache(
     reasons: list[str] = []
     try:
         with PlannerClient(planner_url, token=token, timeout_s=timeout_s) as client:
-            while len(tried) < MAX_SOURCES:
+            while len(tried) < MAX_SOURCES and time.monotonic() < end:
                 found = client.compile_cache_sources(
                     name, identity_key=key.identity_key, labels=labels, exclude=tried
                 )
@@ -79,8 +79,7 @@ def fetch_compile_cache(
                 for source in found.sources[: MAX_SOURCES - len(tried)]:
                     left = end - time.monotonic()
                     if left <= 0:
-                        reasons.append(f"the {timeout_s:g} s deadline passed")
-                        return _nothing(t0, "; ".join(reasons))
+                        break
                     tried.append(source.instance_id)
                     try:
                         data = _download(source, name, limits=limits, timeout_s=left)
@@ -105,6 +104,8 @@ def fetch_compile_cache(
                     return out
     except PlannerError as exc:
         reasons.append(f"planner: {exc}")
+    if time.monotonic() >= end:
+        reasons.append(f"the {timeout_s:g} s deadline passed")
     return _nothing(t0, "; ".join(reasons))
 
 
