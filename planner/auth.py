@@ -49,6 +49,16 @@ class Principal:
     holder: str = "admin"
     # an instance token: the identity it may lease (None: it may not lease)
     lease_identity_key: str | None = None
+    # an instance token: the holder of the credential that registered its instance (None: an admin or
+    # an instance registered before credentials were recorded: the instance stands for itself)
+    credential: str | None = None
+
+    @property
+    def witness(self) -> str:
+        """Who stands behind this caller's reports when distinct reporters are counted: the credential
+        (a static token, or the one that registered the instance), so one credential is one witness
+        however many instances it registers; an admin-registered instance is its own."""
+        return self.credential or self.holder
 
     @property
     def role(self) -> str:
@@ -113,13 +123,17 @@ def _static_principals(tokens: dict[Role, str | None]) -> list[tuple[str, Princi
     ]
 
 
-def instance_principal(instance_id: str, lease_identity_key: str | None = None) -> Principal:
-    """The principal of a registered instance's own token (`lease_identity_key`: see Principal)."""
+def instance_principal(
+    instance_id: str, lease_identity_key: str | None = None, registered_by: str | None = None
+) -> Principal:
+    """The principal of a registered instance's own token (`lease_identity_key`, `registered_by`: the
+    registering credential, see Principal)."""
     return Principal(
         roles=frozenset({"instance"}),
         instance_id=instance_id,
         holder="instance:" + instance_id,
         lease_identity_key=lease_identity_key,
+        credential=None if registered_by in (None, "admin") else registered_by,
     )
 
 
@@ -184,12 +198,12 @@ class Authenticator:
             return hit[1]
         with self._db.read() as s:
             row = s.execute(
-                select(Instance.id, Instance.identity_key, Instance.may_lease).where(
+                select(Instance.id, Instance.identity_key, Instance.may_lease, Instance.registered_by).where(
                     Instance.token_hash == digest
                 )
             ).first()
         found: Principal | None = (
-            None if row is None else instance_principal(row[0], row[1] if row[2] else None)
+            None if row is None else instance_principal(row[0], row[1] if row[2] else None, row[3])
         )
         with self._lock:
             if len(self._cache) > CACHE_MAX:  # a flood of made-up tokens: start over (bounded memory)

@@ -149,10 +149,11 @@ class HotPath:
         if body is None or not who.may_lease() or lease_refusal(who, body) is not None:
             return False
         self._route(scope, ASSIGNMENT_ROUTE)
-        planner, state, holder = self.state.planner, self.state, who.holder
+        planner, state, holder, witness = self.state.planner, self.state, who.holder, who.witness
 
         def step(s: Any) -> Any:
-            answer = planner.assign_in(s, body, None, holder)  # the clock is read under the write lock
+            # the clock is read under the write lock
+            answer = planner.assign_in(s, body, None, holder, witness)
             return lambda: leased(state, body, answer)
 
         return await self._answer(scope, receive, send, step, 201)

@@ -66,6 +66,9 @@ class Instance(Base):
     accused_since: Mapped[float | None] = mapped_column(Float, nullable=True)
     # why quarantined_until was set: "reports" (transport failures from distinct reporters) or "probe"
     quarantine_cause: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    # Principal.holder of the credential that registered it: its reports count as that credential's (one
+    # witness however many instances it registers), and registrations per credential are bounded
+    registered_by: Mapped[str | None] = mapped_column(String(80), nullable=True, index=True)
 
     ranks: Mapped[list[InstanceRank]] = relationship(
         back_populates="instance",
@@ -112,6 +115,10 @@ class CompileCache(Base):
         String(32), ForeignKey("instances.id", ondelete="CASCADE"), primary_key=True
     )
     cache_key: Mapped[str] = mapped_column(String(64), primary_key=True, index=True)
+    # loaders' reports of fetches from it (POST /v1/compile-caches/{key}/reports): sources are ranked by
+    # this evidence, a source that served the anchored archive before first, one that failed last
+    served: Mapped[int] = mapped_column(Integer, server_default="0", default=0)
+    failed: Mapped[int] = mapped_column(Integer, server_default="0", default=0)
 
     instance: Mapped[Instance] = relationship(back_populates="compile_caches")
 
@@ -195,3 +202,6 @@ class Lease(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     # a checksum_mismatch claim the seed's re-verification disproved (counts against the reporter)
     disproved: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
+    # the witness behind the holder (Principal.witness): a static token, or the credential that registered
+    # the holding instance; distinct reporters are counted by it (planner.service.reports)
+    credential: Mapped[str | None] = mapped_column(String(80), nullable=True)

@@ -93,11 +93,18 @@ class PlannerSettings(BaseSettings):
     rate_history_s: float = Field(default=86_400.0, gt=0)  # ... ended at most this long ago
     stale_retention_s: float = Field(default=3600.0, ge=0)  # STALE this long: deleted with its manifests
     false_report_threshold: int = Field(default=3, ge=1)  # disproved checksum claims that flag a reporter
-    # transport failures quarantine a seed only when this many distinct reporters (instances, or one per
-    # static token) stand behind the failure_threshold in a row, or the planner's probe of it fails
+    # transport failures quarantine a seed only when this many distinct witnesses (credentials: a static
+    # token, or the one that registered the reporting instance) stand behind the failure_threshold in a
+    # row, or the planner's probe of it fails
     transport_witnesses: int = Field(default=2, ge=1)
-    # checksum reports from this many distinct reporters end a seed's probation pulls (service.reports)
+    # checksum reports from this many distinct witnesses (credentials) end a seed's probation pulls
     checksum_witnesses: int = Field(default=2, ge=1)
+    # an accusation lapses this long after it was made (the reaper): the seed is offered again, and the
+    # loaders verify every byte as always
+    accusation_s: float = Field(default=900.0, gt=0)
+    # instances one credential (register, anchor, load+register token) may have registered; past it a
+    # registration is refused (409). An admin's are not counted.
+    max_instances_per_credential: int = Field(default=4096, ge=1)
     probe_timeout_s: float = Field(default=2.0, gt=0, le=60)  # GET {control_url}/v1/health, whole answer
     probe_interval_s: float = Field(default=10.0, gt=0)  # quarantined seeds are probed again this often
 

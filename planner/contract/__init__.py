@@ -73,6 +73,7 @@ from planner.contract.wire import (
     SourceIdentity,
     StatusChange,
     TransferReport,
+    compile_cache_key,
     identity_key,
 )
 
@@ -124,6 +125,7 @@ __all__ = [
     "TransferReport",
     "TransferView",
     "TransfersPage",
+    "compile_cache_key",
     "digest_set",
     "identity_key",
     "claimed_rank",

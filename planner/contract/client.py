@@ -40,6 +40,7 @@ from planner.contract.wire import (
     Assignment,
     AssignmentRequest,
     CompileCacheAnchorUpload,
+    CompileCacheReport,
     CompileCacheRequest,
     CompileCacheSources,
     HeartbeatAnswer,
@@ -221,13 +222,21 @@ class PlannerClient:
             raise
 
     def compile_cache_sources(
-        self, cache_key: str, *, labels: Mapping[str, str] | None = None
+        self,
+        cache_key: str,
+        *,
+        identity_key: str,
+        labels: Mapping[str, str] | None = None,
+        exclude: Iterable[str] = (),
     ) -> CompileCacheSources | None:
-        """The key's anchored archive digest and the instances serving it, nearest first, with fetch tokens;
-        None = no source (compile). NotFound `not_anchored`: no authority set the key's digest."""
+        """The key's anchored archive digest and the READY instances of `identity_key` serving it, best
+        evidence then nearest first, with fetch tokens, none of `exclude`; None = no source (compile).
+        NotFound `not_anchored`: no authority set the key's digest for that identity."""
         op = f"compile cache sources {cache_key[:12]}"
         with _checked(op):
-            body = CompileCacheRequest(labels=Labels(**dict(labels or {})))
+            body = CompileCacheRequest(
+                identity_key=identity_key, labels=Labels(**dict(labels or {})), exclude=list(exclude)
+            )
         try:
             path = f"/v1/compile-caches/{cache_key}/sources"
             return self._call("POST", path, op, CompileCacheSources, body=body)
@@ -236,14 +245,35 @@ class PlannerClient:
                 return None
             raise
 
+    def report_compile_cache(
+        self, cache_key: str, instance_id: str, outcome: str, *, error: str | None = None
+    ) -> None:
+        """Report how a fetch of `cache_key` from `instance_id` went: "verified" or "failed"."""
+        op = f"report compile cache {cache_key[:12]} from {instance_id}"
+        with _checked(op):
+            body = CompileCacheReport(
+                instance_id=instance_id, outcome=outcome, error=error  # type: ignore[arg-type]
+            )
+        self._call("POST", f"/v1/compile-caches/{cache_key}/reports", op, None, body=body)
+
     def anchor_compile_cache(
-        self, cache_key: str, archive_digest: str, *, identity_key: str | None = None, replace: bool = False
+        self,
+        cache_key: str,
+        archive_digest: str,
+        *,
+        key_variant: str,
+        identity_key: str | None = None,
+        replace: bool = False,
     ) -> CompileCacheAnchorView:
-        """Set a compile-cache key's archive digest (an admin, or an anchor-role instance serving it)."""
+        """Set a compile-cache key's archive digest (an admin, or an anchor-role instance serving it);
+        `key_variant` proves the key is the identity's (wire.compile_cache_key)."""
         op = f"anchor compile cache {cache_key[:12]}"
         with _checked(op):
             body = CompileCacheAnchorUpload(
-                archive_digest=archive_digest, identity_key=identity_key, replace=replace
+                archive_digest=archive_digest,
+                key_variant=key_variant,
+                identity_key=identity_key,
+                replace=replace,
             )
         path = f"/v1/compile-caches/{cache_key}/anchor"
         return self._call("PUT", path, op, CompileCacheAnchorView, body=body)

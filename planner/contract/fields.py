@@ -61,6 +61,10 @@ Text256 = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern
 ControlKey = Annotated[str, StringConstraints(min_length=32, max_length=128, pattern=r"^[0-9a-f]+$")]
 # rfork.compile_cache.key.CompileCacheKey.digest(): sha256 of what a compiled artifact depends on
 CompileCacheKey = Annotated[str, StringConstraints(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]
+# rfork.compile_cache.key.CompileCacheKey.variant(): the key's other fields (wire.compile_cache_key)
+CompileCacheVariant = Annotated[
+    str, StringConstraints(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")
+]
 # rfork.compile_cache.archive.archive_digest(): sha256 of a packed archive's bytes
 ArchiveDigest = Annotated[str, StringConstraints(pattern=r"^sha256:[0-9a-f]{64}$")]
 IdentityKey = Annotated[str, StringConstraints(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]

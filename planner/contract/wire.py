@@ -33,6 +33,7 @@ from planner.contract.fields import (
     ArchiveDigest,
     Bytes,
     CompileCacheKey,
+    CompileCacheVariant,
     ControlKey,
     IdentityKey,
     Label,
@@ -58,6 +59,15 @@ def identity_key(identity: Mapping[str, Any]) -> str:
     """The planner's identity_key: sha256 (hex) of the canonical JSON (sorted keys, no spaces)."""
     canon = json.dumps(dict(identity), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canon.encode()).hexdigest()
+
+
+def compile_cache_key(identity_key: str, variant: str) -> str:
+    """A compile-cache key: sha256 (hex) of the identity key and the key's variant (the sha256 of
+    everything else a compiled artifact depends on: rfork.compile_cache.key.CompileCacheKey.variant).
+
+    Bound to its identity so the planner checks, from the variant alone, which identity a key belongs
+    to: an authority of one identity can never anchor another identity's key."""
+    return hashlib.sha256(f"rfork-compile-cache\0{identity_key}\0{variant}".encode()).hexdigest()
 
 
 
@@ -350,9 +360,16 @@ class Assignment(BaseModel):
 
 
 class CompileCacheRequest(Strict):
-    """POST /v1/compile-caches/{key}/sources: the requester's labels (nearest sources first)."""
+    """POST /v1/compile-caches/{key}/sources: the identity whose key the requester asks for (only READY
+    instances of that identity are offered, and only when the key's anchor is that identity's), and
+    its labels (nearest sources first)."""
 
+    identity_key: IdentityKey
     labels: Labels = Labels()
+    # sources the requester already tried (and reported): the answer replaces them with others
+    exclude: Annotated[
+        list[Annotated[str, StringConstraints(max_length=64, pattern=NO_NUL)]], Field(max_length=256)
+    ] = []
 
 
 class CompileCacheSource(BaseModel):
@@ -374,6 +391,16 @@ class CompileCacheSources(BaseModel):
     sources: list[CompileCacheSource]
 
 
+class CompileCacheReport(Strict):
+    """POST /v1/compile-caches/{key}/reports: how a fetch from one source went. `verified`: its archive
+    had the anchored digest and was installed; `failed`: anything else (refused, wrong bytes, deadline).
+    Sources are ranked by these reports: served and verified before first, failed last."""
+
+    instance_id: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=NO_NUL)]
+    outcome: Literal["verified", "failed"]
+    error: Annotated[str, StringConstraints(max_length=1024, pattern=NO_NUL)] | None = None
+
+
 class CompileCacheAnchorUpload(Strict):
     """PUT /v1/compile-caches/{key}/anchor: the archive digest the key must have.
 
@@ -383,6 +410,9 @@ class CompileCacheAnchorUpload(Strict):
     """
 
     archive_digest: ArchiveDigest
+    # the key's variant (compile_cache_key): the planner derives the key from the identity and this, and
+    # refuses a key that is not the identity's
+    key_variant: CompileCacheVariant
     identity_key: IdentityKey | None = None  # an admin's upload needs it; an instance's is its own
     replace: StrictBool = False  # admin only: replace an anchored digest
 

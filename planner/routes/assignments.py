@@ -85,7 +85,11 @@ def lease(
     """Planner.assign for an allowed caller, refusals kept for the fleet page, metrics counted
     (blocking: called in a worker thread, by this route and by planner.hotpath)."""
     # the clock is read under the write lock
-    return leased(state, body, functools.partial(planner.assign, body, None, holder=principal.holder))
+    return leased(
+        state,
+        body,
+        functools.partial(planner.assign, body, None, holder=principal.holder, credential=principal.witness),
+    )
 
 
 def leased(

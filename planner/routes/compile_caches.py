@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path
+from fastapi import APIRouter, Depends, Path, Response
 
 from planner.auth import Principal
 from planner.contract import views, wire
@@ -44,12 +44,37 @@ def compile_cache_sources(
     """The key's anchored archive digest and the instances serving it, nearest first, each with a token
     for one fetch of this key from its control endpoint.
 
-    Only instances of the key's identity whose manifests all match their anchors are offered; an
-    instance token sees only its own identity (as for assignments).
+    The request names the identity whose key it asks for: only when the key's anchor is that identity's
+    are its READY instances whose manifests all match their anchors offered; an instance token sees only
+    its own identity (as for assignments).
     """
-    return planner.compile_cache_sources(
-        cache_key, time.time(), may_lease=principal.may_lease_identity, labels=body.labels
-    )
+    return planner.compile_cache_sources(cache_key, body, time.time(), may_lease=principal.may_lease_identity)
+
+
+@router.post(
+    "/{cache_key}/reports",
+    status_code=204,
+    responses={
+        400: {"description": "the body is not JSON"},
+        401: {},
+        403: {},
+        413: {"description": "the body exceeds the size limit"},
+        422: {},
+        404: {"description": "the key is not anchored for an identity this token loads, or the instance"
+              " does not serve it"},
+    },
+    operation_id="report_compile_cache",
+)
+def report_compile_cache(
+    cache_key: KeyPath,
+    body: wire.CompileCacheReport,
+    planner: Planner = Depends(get_planner),
+    principal: Principal = Depends(leaser),
+) -> Response:
+    """How a fetch from one source went (`verified` or `failed`): sources are ranked by these reports,
+    so a loader's failed decoys go last for the next loader and the seed that served comes first."""
+    planner.report_compile_cache(cache_key, body, may_lease=principal.may_lease_identity)
+    return Response(status_code=204)
 
 
 @router.put(
@@ -59,7 +84,10 @@ def compile_cache_sources(
         400: {"description": "the body is not JSON"},
         401: {},
         403: {"description": "neither an admin nor an anchor-role instance serving this key"},
-        409: {"description": "anchored with another digest (an admin may `replace`), or a foreign identity"},
+        409: {
+            "description": "anchored with another digest (an admin may `replace`), a foreign identity, or a"
+            " key that is not the identity's (`key_variant`)"
+        },
         413: {"description": "the body exceeds the size limit"},
         422: {},
     },

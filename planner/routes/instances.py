@@ -43,7 +43,10 @@ INSTANCE_LINKS = {
     response_model=wire.Registration,
     responses={
         **BODY_ERRORS,
-        409: {"description": "the body contradicts itself (a rank outside tp*pp, or listed twice)"},
+        409: {
+            "description": "the body contradicts itself (a rank outside tp*pp, or listed twice), or the"
+            " registering credential has max_instances_per_credential instances"
+        },
         201: {"description": "registered", "links": INSTANCE_LINKS},
     },
     operation_id="register_instance",
@@ -62,7 +65,11 @@ def register(
     if conflict is not None:
         raise HTTPException(409, conflict)
     return planner.register(
-        body, time.time(), may_anchor=principal.has("anchor"), may_lease=principal.has("load")
+        body,
+        time.time(),
+        may_anchor=principal.has("anchor"),
+        may_lease=principal.has("load"),
+        registered_by=principal.holder,
     )
 
 

@@ -35,21 +35,31 @@ class AssignmentOps(BusyOps):
     """Planner's assignments (and, through BusyOps, its 429s)."""
 
     def assign(
-        self, body: wire.AssignmentRequest, now: float | None, holder: str | None = None
+        self,
+        body: wire.AssignmentRequest,
+        now: float | None,
+        holder: str | None = None,
+        credential: str | None = None,
     ) -> wire.Assignment:
         """Lease the best free seed for one rank; the candidates carry their manifests as stored text.
 
         Raises NoSource (404) or AllBusy (429). Atomic across planner processes: the candidate seeds'
         rows are locked (PostgreSQL) or the whole write is serialised (SQLite) while leases are counted.
         `now` None (the routes): the clock is read once the write lock is held, so recorded lease times
-        follow the order of the decisions (see `now_or_clock`).
+        follow the order of the decisions (see `now_or_clock`). `credential`: the witness behind the
+        holder (Principal.witness; None: the holder itself), recorded with the lease for its reports.
         """
         with self.db.write_core() as s:  # Core on the hot path: no ORM session or unit of work
-            answer = self.assign_in(s, body, now, holder)
+            answer = self.assign_in(s, body, now, holder, credential)
         return answer()
 
     def assign_in(
-        self, s: Connection, body: wire.AssignmentRequest, now: float | None, holder: str | None
+        self,
+        s: Connection,
+        body: wire.AssignmentRequest,
+        now: float | None,
+        holder: str | None,
+        credential: str | None = None,
     ) -> Callable[[], wire.Assignment]:
         """Planner.assign's write in the caller's transaction `s`; what it returns gives the answer (or
         raises NoSource or AllBusy) once `s` has committed: the 429's estimate reads in a transaction of
@@ -142,6 +152,7 @@ class AssignmentOps(BusyOps):
                 "identity_key": key,
                 "requester_id": body.requester_id,
                 "holder": holder,
+                "credential": credential or holder,
                 "provider": by_id[ranked[0].instance_id][1],
                 "created_at": now,
                 "expires_at": expires_at,
@@ -185,10 +196,10 @@ class AssignmentOps(BusyOps):
                 continue
             since = s.execute(select(Instance.accused_since).where(Instance.id == r.id)).scalar()
             claims = standing_claims(s, r.id, since or 0.0)
-            if identified(me) and me in {reporter_key(*c) for c in claims}:
+            if identified(me) and me in {reporter_key(c.holder, c.requester_id) for c in claims}:
                 continue
-            if len({witness_key(h) for h, _ in claims}) >= self.settings.checksum_witnesses:
-                continue  # corroborated: no more probation (its re-registration starts afresh)
+            if len({witness_key(c.holder, c.credential) for c in claims}) >= self.settings.checksum_witnesses:
+                continue  # corroborated by distinct credentials: no probation until the accusation lapses
             if not self.db.sqlite:  # lock it before counting its live pulls (the one lock order)
                 self._sql.lock_seed.run(s, {"b_seed": r.id})
             if self._sql.live_leases.rows(

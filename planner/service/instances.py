@@ -68,13 +68,21 @@ class InstanceOps(ServiceState):
     """Planner's operations on instances."""
 
     def register(
-        self, body: wire.RegistrationRequest, now: float, *, may_anchor: bool = True, may_lease: bool = True
+        self,
+        body: wire.RegistrationRequest,
+        now: float,
+        *,
+        may_anchor: bool = True,
+        may_lease: bool = True,
+        registered_by: str | None = None,
     ) -> wire.Registration:
         """Create an instance in INITIALIZING; returns its view plus its bearer token.
 
         `may_anchor`: its first disk publication of a rank sets the identity's anchor (the routes pass the
         registering token's anchor role; embedding code is its own authority). `may_lease`: its token may
-        request assignments for its own identity (the routes pass the load role).
+        request assignments for its own identity (the routes pass the load role). `registered_by`: the
+        registering credential (Principal.holder): its instances count as one witness, and it may have
+        at most max_instances_per_credential of them (Conflict past that; "admin" and None: unbounded).
         """
         token, digest = new_instance_token()
         ident = body.identity.model_dump()
@@ -111,7 +119,19 @@ class InstanceOps(ServiceState):
         )
         if body.control_key:
             inst.control_key = control_token.seal(self._control_secret, inst.id, body.control_key)
+        inst.registered_by = registered_by
+        bound = self.settings.max_instances_per_credential
         with self.db.write() as s:
+            if registered_by not in (None, "admin"):
+                held = s.scalar(
+                    select(func.count()).select_from(Instance).where(Instance.registered_by == registered_by)
+                )
+                if (held or 0) >= bound:
+                    raise Conflict(
+                        f"this credential has registered {held} instances, the most one credential may"
+                        f" have (max_instances_per_credential = {bound}); delete some or use another token",
+                        reason="registration_limit",
+                    )
             s.add(inst)
         log.info("registered instance %s model=%s ranks=%d", inst.id, inst.model, len(inst.ranks))
         return wire.Registration(**_instance_fields(inst), token=token)

@@ -23,11 +23,17 @@ class ReapResult:
     stale: int
     expired: int
     deleted: int = 0
+    lapsed: int = 0  # accusations older than accusation_s, lifted
 
 
 def reap(db: Database, settings: PlannerSettings, now: float) -> ReapResult:
-    """Mark silent instances STALE, end expired leases, and delete instances STALE for longer than
-    stale_retention_s with their ranks and manifests (up to 32 MiB each); safe from several processes."""
+    """Mark silent instances STALE, end expired leases, lift accusations older than accusation_s, and
+    delete instances STALE for longer than stale_retention_s with their ranks and manifests (up to
+    32 MiB each); safe from several processes.
+
+    An accusation that no probation pull ended (its claims came from distinct credentials, or nobody
+    else asked for the identity) lapses: the seed is offered again and loaders verify every byte as
+    always, so a seed accused through a shared token is not out of service until it restarts."""
     gone = _delete_retired(db, settings, now)
     with db.write() as s:
         stale = rowcount(
@@ -47,11 +53,24 @@ def reap(db: Database, settings: PlannerSettings, now: float) -> ReapResult:
                 .values(ended_at=now, outcome="expired")
             )
         )
+        lapsed = rowcount(
+            s.execute(
+                update(Instance)
+                .where(Instance.accused_since < now - settings.accusation_s)
+                .values(accused_since=None)
+            )
+        )
     if stale or expired or gone:
         log.info(
             "reaper: %d instances STALE, %d leases expired, %d STALE instances deleted", stale, expired, gone
         )
-    return ReapResult(stale=stale, expired=expired, deleted=gone)
+    if lapsed:
+        log.warning(
+            "reaper: %d accusation(s) older than accusation_s = %.0f s lapsed; those seeds serve again",
+            lapsed,
+            settings.accusation_s,
+        )
+    return ReapResult(stale=stale, expired=expired, deleted=gone, lapsed=lapsed)
 
 
 def _delete_retired(db: Database, settings: PlannerSettings, now: float, batch: int = 500) -> int:

@@ -116,12 +116,12 @@ class ReportOps(ServiceState):
         if fails is None or fails < self.settings.failure_threshold:
             return False
         recent = s.execute(
-            select(Lease.holder)
+            select(Lease.holder, Lease.credential)
             .where(Lease.instance_id == lease.instance_id, Lease.reason == "transport")
             .order_by(Lease.ended_at.desc())
             .limit(fails)
         ).all()
-        witnesses = {witness_key(r.holder) for r in recent}
+        witnesses = {witness_key(r.holder, r.credential) for r in recent}
         if len(witnesses) < self.settings.transport_witnesses:
             self.suspects.add(lease.instance_id)  # the planner's own probe decides (probes.py)
             log.info(
@@ -158,7 +158,8 @@ class ReportOps(ServiceState):
             return
         me = reporter_key(lease.holder, lease.requester_id)
         if identified(me) and me in {
-            reporter_key(*c) for c in standing_claims(s, lease.instance_id, seed.accused_since)
+            reporter_key(c.holder, c.requester_id)
+            for c in standing_claims(s, lease.instance_id, seed.accused_since)
         }:
             return
         disproved = rowcount(
@@ -292,10 +293,12 @@ def reporter_key(holder: str | None, requester_id: str | None) -> str:
     return f"{h}/{requester_id}"
 
 
-def witness_key(holder: str | None) -> str:
-    """Who stands behind a failure report for corroboration: an instance token's instance, or the static
-    token itself (a token's callers name their requester_id themselves, so they are one witness)."""
-    return holder or "admin"
+def witness_key(holder: str | None, credential: str | None) -> str:
+    """Who stands behind a failure report for corroboration: the credential recorded with its lease (a
+    static token, or the one that registered the holding instance: the instances one credential
+    registers are one witness, as are the requester_ids a token's callers name themselves), else the
+    holder (an admin-registered instance, or a lease from before credentials were recorded)."""
+    return credential or holder or "admin"
 
 
 def identified(reporter: str) -> bool:
@@ -305,14 +308,16 @@ def identified(reporter: str) -> bool:
     return reporter.startswith("instance:") or "/" in reporter
 
 
-def standing_claims(s: Connection, seed_id: str, since: float) -> list[tuple[str | None, str | None]]:
-    """(holder, requester_id) of the checksum reports against `seed_id` since `since` not yet disproved."""
-    rows = s.execute(
-        select(Lease.holder, Lease.requester_id).where(
-            Lease.instance_id == seed_id,
-            Lease.reason == CHECKSUM_MISMATCH,
-            Lease.ended_at >= since,
-            Lease.disproved.is_(None),
-        )
-    ).all()
-    return [(r.holder, r.requester_id) for r in rows]
+def standing_claims(s: Connection, seed_id: str, since: float) -> list[Any]:
+    """Rows (holder, requester_id, credential) of the checksum reports against `seed_id` since `since`
+    not yet disproved."""
+    return list(
+        s.execute(
+            select(Lease.holder, Lease.requester_id, Lease.credential).where(
+                Lease.instance_id == seed_id,
+                Lease.reason == CHECKSUM_MISMATCH,
+                Lease.ended_at >= since,
+                Lease.disproved.is_(None),
+            )
+        ).all()
+    )

@@ -61,12 +61,15 @@ class CacheAnchoring:
         """An anchor-role instance moves its own anchor when its cache grew (the planner allows it);
         a seed holding an admin token (or any seed of an --insecure planner) replaces only a digest
         this process set itself."""
+        variant = self.shelf.variants[key]
         try:
-            client.anchor_compile_cache(key, digest, identity_key=identity_key)
+            client.anchor_compile_cache(key, digest, key_variant=variant, identity_key=identity_key)
         except Conflict as conflict:
             if key not in self._anchored:
                 raise
             try:
-                client.anchor_compile_cache(key, digest, identity_key=identity_key, replace=True)
+                client.anchor_compile_cache(
+                    key, digest, key_variant=variant, identity_key=identity_key, replace=True
+                )
             except AuthError:  # not an admin: someone else moved it, and it stays theirs
                 raise conflict from None

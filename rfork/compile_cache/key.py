@@ -2,7 +2,8 @@
 
 A compiled graph is only reusable by an instance with the same weights layout (identity and rank),
 the same engine and torch builds, the same compile settings and the same processor. The key hashes
-all of them; a cache is installed only under an equal key. The engine's own cache key (vLLM hashes
+the identity with the digest of all the others (the variant), so the planner can check which identity
+a key belongs to; a cache is installed only under an equal key. The engine's own cache key (vLLM hashes
 its config and the traced source files) may still differ, which is why installation is checked
 afterwards from the engine's log (rfork.compile_cache.evidence).
 """
@@ -14,6 +15,8 @@ import json
 import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from planner.contract import compile_cache_key
 
 HEX64 = r"^[0-9a-f]{64}$"
 
@@ -37,10 +40,17 @@ class CompileCacheKey:
             if not getattr(self, name):
                 raise ValueError(f"compile cache key: {name} is empty")
 
-    def digest(self) -> str:
-        """sha256 (64 hex) of the fields as canonical JSON."""
-        text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+    def variant(self) -> str:
+        """sha256 (64 hex) of the fields other than the identity, as canonical JSON: what the planner is
+        shown to check that the key is the identity's (planner.contract.compile_cache_key)."""
+        fields = asdict(self)
+        del fields["identity_key"]
+        text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
+
+    def digest(self) -> str:
+        """The key (64 hex): bound to its identity, planner.contract.compile_cache_key(identity, variant)."""
+        return compile_cache_key(self.identity_key, self.variant())
 
 
 def settings_digest(settings: object) -> str:

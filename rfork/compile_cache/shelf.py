@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from rfork.compile_cache.archive import CompileCacheError, Limits, PackedCache, pack
+from rfork.compile_cache.key import CompileCacheKey
 
 
 class CacheNotReady(CompileCacheError):
@@ -25,12 +26,16 @@ Signature = tuple[tuple[str, int, int], ...]
 
 
 class CacheShelf:
-    """Compile-cache directories by key digest (rfork.compile_cache.key.CompileCacheKey.digest)."""
+    """Compile-cache directories by key (`dirs` and `variants` by its digest, the name on the wire)."""
 
-    def __init__(self, dirs: Mapping[str, Path], *, settle_s: float = 2.0, limits: Limits = Limits()) -> None:
+    def __init__(
+        self, dirs: Mapping[CompileCacheKey, Path], *, settle_s: float = 2.0, limits: Limits = Limits()
+    ) -> None:
         if settle_s < 0:
             raise ValueError(f"settle_s must be >= 0, got {settle_s}")
-        self.dirs = dict(dirs)
+        self.dirs = {key.digest(): root for key, root in dirs.items()}
+        # what the planner is shown to check that a key is this seed's identity's (anchoring)
+        self.variants = {key.digest(): key.variant() for key in dirs}
         self.settle_s = settle_s
         self.limits = limits
         self._lock = threading.Lock()

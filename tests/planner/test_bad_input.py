@@ -19,6 +19,13 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from planner import AssignmentRequest, PlannerServer, RankManifest, RegistrationRequest
+from planner.contract.wire import (
+    CompileCacheAnchorUpload,
+    CompileCacheReport,
+    CompileCacheRequest,
+    compile_cache_key,
+    identity_key,
+)
 from tests.planner.conftest import empty_database, identity, manifest, ranks
 
 
@@ -285,3 +292,49 @@ def test_any_manifest_is_answered_as_the_wire_type_decides(peer: Peer, data: st.
     assert r.status_code == want, r.text
     if want == 204:  # stored verbatim: what was sent comes back
         assert peer.http.get(f"/v1/instances/{reg.json()['id']}/manifests/0").json() == body
+
+
+@PROPERTY
+@given(data=st.data())
+def test_any_compile_cache_anchor_is_answered_as_the_wire_type_and_the_key_decide(
+    peer: Peer, data: st.DataObject
+):
+    """An anchor names the key's variant: the planner derives the key from it and the identity, and a
+    key that is not the identity's is a 409, whatever else the body holds."""
+    ident, variant = identity_key(identity(model=uuid.uuid4().hex)), uuid.uuid4().hex * 2
+    key = compile_cache_key(ident, variant)
+    valid = {"archive_digest": "sha256:" + "1" * 64, "key_variant": variant, "identity_key": ident}
+    body = data.draw(mutated(valid))
+    r = peer.http.put(f"/v1/compile-caches/{key}/anchor", json=body)
+    try:
+        parsed = CompileCacheAnchorUpload.model_validate_json(json.dumps(body))
+    except ValidationError:
+        want = 422
+    else:
+        bound = parsed.identity_key is not None and compile_cache_key(parsed.identity_key, parsed.key_variant)
+        want = 200 if bound == key else 409
+    assert r.status_code == want, r.text
+
+
+@PROPERTY
+@given(data=st.data())
+def test_any_compile_cache_report_or_request_is_answered_as_the_wire_type_decides(
+    peer: Peer, data: st.DataObject
+):
+    key = compile_cache_key(identity_key(identity(model=uuid.uuid4().hex)), "5" * 64)  # never anchored
+    report = data.draw(mutated({"instance_id": "i", "outcome": "failed", "error": "refused"}))
+    r = peer.http.post(f"/v1/compile-caches/{key}/reports", json=report)
+    want = 422 if _refused(CompileCacheReport, report) else 404
+    assert r.status_code == want, r.text
+    ask = data.draw(mutated({"identity_key": "a" * 64, "labels": {"node": "n"}, "exclude": ["i"]}))
+    r = peer.http.post(f"/v1/compile-caches/{key}/sources", json=ask)
+    want = 422 if _refused(CompileCacheRequest, ask) else 404
+    assert r.status_code == want, r.text
+
+
+def _refused(model: type[CompileCacheReport] | type[CompileCacheRequest], body: Any) -> bool:
+    try:
+        model.model_validate_json(json.dumps(body))
+    except ValidationError:
+        return True
+    return False

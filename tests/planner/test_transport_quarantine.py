@@ -1,5 +1,5 @@
-"""Transport reports quarantine a seed only on corroboration from distinct reporters, or when the
-planner's own health probe of the seed fails; a later successful probe clears a quarantine. Real
+"""Transport reports quarantine a seed only on corroboration from distinct witnesses (credentials), or
+when the planner's own health probe of the seed fails; a later successful probe clears a quarantine. Real
 planner server, the seed (with an HTTP health endpoint) in its own process, SQLite and PostgreSQL."""
 
 from __future__ import annotations
@@ -7,8 +7,10 @@ from __future__ import annotations
 import re
 import socket
 
+import pytest
+
 from planner.contract import PlannerClient
-from tests.planner.conftest import identity
+from tests.planner.conftest import identity, ranks
 from tests.planner.trust_fleet import (
     admin,
     fleet_json,
@@ -43,15 +45,41 @@ def test_one_load_token_cannot_quarantine_a_healthy_seed(planner_url):
         assert token.request_assignment(identity=identity(), rank=0) is not None
 
 
-def test_distinct_reporters_corroborate(planner_url):
+def _other_credential_loader(srv) -> PlannerClient:
+    """A loader registered by a second load+register credential ("lr2": the planner's instance_token)."""
+    client = PlannerClient(srv.url, token="lr2")
+    client.use_token(client.register_instance(identity=identity(), ranks=ranks(0)).token)
+    return client
+
+
+@pytest.mark.slow  # a seed process and the planner's probe: ~8 s
+def test_instances_of_one_credential_are_one_witness(planner_url):
+    """On main two instances registered by the one load+register token every hook holds were two
+    witnesses: their reports quarantined a healthy seed for quarantine_s. Now they only ask for a
+    probe, which the seed passes."""
     with (
-        planner(planner_url, failure_threshold=2, probe_interval_s=3600, quarantine_s=3600) as srv,
+        planner(planner_url, failure_threshold=2, probe_interval_s=0.5, quarantine_s=3600) as srv,
         seed_process(srv.url, SEED_CONTROL="1") as seed_id,
     ):
         a, _ = instance_loader(srv)
         b, _ = instance_loader(srv)
+        for loader in (a, b, a, b):
+            assert not _fail(loader, seed_id)
+        wait_until(lambda: admin(srv).get_instance(seed_id).quarantined_until is None)
+        assert a.request_assignment(identity=identity(), rank=0) is not None
+
+
+def test_distinct_credentials_corroborate(planner_url):
+    with (
+        planner(
+            planner_url, failure_threshold=2, probe_interval_s=3600, quarantine_s=3600, instance_token="lr2"
+        ) as srv,
+        seed_process(srv.url, SEED_CONTROL="1") as seed_id,
+    ):
+        a, _ = instance_loader(srv)
+        b = _other_credential_loader(srv)
         assert not _fail(a, seed_id)
-        assert _fail(b, seed_id)  # a second instance corroborates: quarantined
+        assert _fail(b, seed_id)  # a second credential corroborates: quarantined
         seed = next(i for i in fleet_json(srv)["instances"] if i["id"] == seed_id)
         assert "distinct reporters" in seed["quarantine_reason"]
         assert re.search(
@@ -63,11 +91,13 @@ def test_distinct_reporters_corroborate(planner_url):
 def test_a_healthy_probe_clears_a_quarantine(planner_url):
     """On main a quarantine lasted quarantine_s (here an hour) whatever the seed's health."""
     with (
-        planner(planner_url, failure_threshold=2, probe_interval_s=0.5, quarantine_s=3600) as srv,
+        planner(
+            planner_url, failure_threshold=2, probe_interval_s=0.5, quarantine_s=3600, instance_token="lr2"
+        ) as srv,
         seed_process(srv.url, SEED_CONTROL="1") as seed_id,
     ):
         a, _ = instance_loader(srv)
-        b, _ = instance_loader(srv)
+        b = _other_credential_loader(srv)
         assert not _fail(a, seed_id)
         assert _fail(b, seed_id)
         # the seed's control endpoint answers: the next probe clears it, long before quarantine_s

@@ -35,7 +35,12 @@ def test_a_malformed_list_is_fatal(bad: str) -> None:
 
 def test_a_malformed_list_stops_a_fetch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from rfork.compile_cache.fetch import fetch_compile_cache
+    from rfork.compile_cache.key import CompileCacheKey
 
+    key = CompileCacheKey(
+        identity_key="a" * 64, rank=0, engine="vllm", engine_version="1", torch_version="2",
+        settings_digest="5" * 64, processor="x86_64:0",
+    )
     monkeypatch.setenv("RFORK_SEED_NETWORKS", "10.0.0.0/8,nonsense")
     with pytest.raises(ValueError, match="RFORK_SEED_NETWORKS"):
-        fetch_compile_cache(planner_url="http://127.0.0.1:9", token=None, key="a" * 64, dest=tmp_path)
+        fetch_compile_cache(planner_url="http://127.0.0.1:9", token=None, key=key, dest=tmp_path)

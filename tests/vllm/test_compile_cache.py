@@ -45,9 +45,10 @@ def _wait_anchored(planner_url: str, deadline: float) -> None:
     heartbeat publishes it once the cache has settled)."""
     client = PlannerClient(planner_url)
     while True:
-        keys = {k for i in client.list_instances().items if i.status == "READY" for k in i.compile_cache_keys}
+        ready = [i for i in client.list_instances().items if i.status == "READY"]
+        keys = {(k, i.identity_key) for i in ready for k in i.compile_cache_keys}
         try:
-            if keys and all(client.compile_cache_sources(k) is not None for k in keys):
+            if keys and all(client.compile_cache_sources(k, identity_key=ik) is not None for k, ik in keys):
                 return
         except NotFound:
             pass

@@ -112,7 +112,7 @@ def prepare(
     out = fetch_compile_cache(
         planner_url=settings.planner_url,
         token=settings.token,
-        key=digest,
+        key=key,
         dest=root,
         labels=default_labels(),
         timeout_s=max(settings.transfer_timeout_s, 30.0),
@@ -124,4 +124,4 @@ def prepare(
         )
     else:
         log.info("rfork: compile cache %s not installed (vLLM compiles): %s", digest[:12], out.reason)
-    return CacheShelf({digest: root})
+    return CacheShelf({key: root})

@@ -27,10 +27,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner import migrate
-from planner.contract import PlannerClient, control_token
+from planner.contract import Conflict, PlannerClient, control_token
 from planner.contract.wire import identity_key as wire_identity_key
 from rfork.compile_cache.archive import Limits, PackedCache, pack
 from rfork.compile_cache.fetch import FetchOutcome, fetch_compile_cache
+from rfork.compile_cache.key import CompileCacheKey
 from tests.planner.conftest import identity, manifest, ranks
 from tests.planner.test_concurrency import free_port
 
@@ -178,7 +179,7 @@ class Fleet:
     """An honest seed far away and a hostile one on the loader's node, both serving `key`."""
 
     planner: str
-    key: str
+    cache: CompileCacheKey
     honest: PackedCache
     planted: PackedCache
     honest_seed: RawSeed
@@ -186,27 +187,38 @@ class Fleet:
     honest_id: str = ""
     hostile_id: str = ""
 
+    @property
+    def key(self) -> str:
+        return self.cache.digest()
+
     def anchor(self) -> None:
         """The honest seed (anchor role) anchors the weights; an admin anchors the honest archive."""
         self.honest_id = register_seed(self.planner, ANCHOR, self.honest_seed.url, self.key, node="far")
         self.hostile_id = register_seed(self.planner, REGISTER, self.hostile.url, self.key, node=NEAR)
         admin = PlannerClient(self.planner, token=ADMIN)
-        admin.anchor_compile_cache(self.key, self.honest.digest, identity_key=wire_identity_key(IDENT))
+        admin.anchor_compile_cache(
+            self.key, self.honest.digest,
+            key_variant=self.cache.variant(), identity_key=self.cache.identity_key,
+        )
 
     def fetch(self, dest: Path, timeout_s: float = 10.0, limits: Limits = Limits()) -> FetchOutcome:
         return fetch_compile_cache(
-            planner_url=self.planner, token=LOAD, key=self.key, dest=dest, labels={"node": NEAR},
+            planner_url=self.planner, token=LOAD, key=self.cache, dest=dest, labels={"node": NEAR},
             timeout_s=timeout_s, limits=limits,
         )
 
 
 @pytest.fixture
 def fleet(planner_proc: str, tmp_path: Path) -> Iterator[Fleet]:
-    key = os.urandom(32).hex()  # one key per test: the planner process is shared
+    cache = CompileCacheKey(  # one key per test: the planner process is shared
+        identity_key=wire_identity_key(IDENT), rank=0, engine="vllm", engine_version="0.32.0",
+        torch_version="2.13.0+cpu", settings_digest=os.urandom(32).hex(), processor="x86_64:0",
+    )
+    key = cache.digest()
     honest = pack(cache_dir(tmp_path / "honest", HONEST_SOURCE), key=key)
     planted = pack(cache_dir(tmp_path / "planted", "import os; os.system('touch /tmp/x')\n"), key=key)
     honest_seed, hostile = RawSeed(archive_answer(honest)), RawSeed(archive_answer(planted))
-    f = Fleet(planner_proc, key, honest, planted, honest_seed, hostile)
+    f = Fleet(planner_proc, cache, honest, planted, honest_seed, hostile)
     yield f
     f.honest_seed.close()
     f.hostile.close()
@@ -233,7 +245,9 @@ def test_a_planted_archive_never_lands(
     assert fleet.hostile.connections == 0
     assert not (tmp_path / "a").exists()
     fleet.anchor()
-    found = PlannerClient(fleet.planner, token=LOAD).compile_cache_sources(fleet.key, labels={"node": NEAR})
+    found = PlannerClient(fleet.planner, token=LOAD).compile_cache_sources(
+        fleet.key, identity_key=fleet.cache.identity_key, labels={"node": NEAR}
+    )
     assert found is not None
     assert found.archive_digest == fleet.honest.digest
     assert lone not in [s.instance_id for s in found.sources]  # no anchored manifest: never offered
@@ -247,6 +261,30 @@ def test_a_planted_archive_never_lands(
     assert any(
         fleet.hostile_id in r.getMessage() and "does not match" in r.getMessage() for r in caplog.records
     )
+
+
+def test_an_anchor_seed_of_a_made_up_identity_cannot_anchor_the_victims_key(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """A seed with the anchor role registers under a made-up identity, lists the victim identity's key
+    (computed ahead of time) and anchors it with its planted archive; the victim's loader would install
+    it. The key is bound to its identity: the anchor is refused and nothing is fetched."""
+    c = PlannerClient(fleet.planner, token=ANCHOR)
+    reg = c.register_instance(
+        identity=identity(fingerprint="made-up"), labels={"node": NEAR}, ranks=ranks(0),
+        control_url=fleet.hostile.url, control_key=control_token.new_control_key(),
+        compile_cache_keys=[fleet.key],
+    )
+    own = c.with_token(reg.token)
+    own.put_manifest(reg.id, 0, manifest(0))  # anchors the made-up identity's weights
+    own.set_status(reg.id, "READY")
+    with pytest.raises(Conflict, match="not a key of identity"):
+        own.anchor_compile_cache(fleet.key, fleet.planted.digest, key_variant=fleet.cache.variant())
+    out = fleet.fetch(tmp_path / "a")
+    assert not out.installed
+    assert "no anchored archive digest" in (out.reason or "")
+    assert fleet.hostile.connections == 0
+    assert not (tmp_path / "a").exists()
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -322,3 +360,47 @@ def test_seed_endpoints_outside_rfork_seed_networks_are_never_connected(
     assert (fleet.hostile.connections, fleet.honest_seed.connections) == (0, 0)
     monkeypatch.setenv("RFORK_SEED_NETWORKS", "127.0.0.0/8")
     assert fleet.fetch(tmp_path / "m").installed
+
+
+def _decoys(fleet: Fleet, n: int) -> list[str]:
+    """`n` instances registered with the register token that copy the anchored manifest, list the key and
+    sit on the loader's node (each sorts before the honest seed by label), all answered by `fleet.hostile`."""
+    return [register_seed(fleet.planner, REGISTER, fleet.hostile.url, fleet.key, node=NEAR) for _ in range(n)]
+
+
+def test_decoys_are_reported_and_replaced_and_the_seed_that_served_comes_first(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """Eight decoys (and the hostile seed) on the loader's node, the honest seed far away. On main the
+    loader was offered the eight nearest, all decoys, and never reached the honest archive. Now failed
+    sources are reported and replaced, and a source that served the key verified before comes first."""
+    fleet.anchor()
+    decoys = {fleet.hostile_id, *_decoys(fleet, 8)}
+    out = fleet.fetch(tmp_path / "a", timeout_s=10.0)
+    assert (out.installed, out.source) == (True, fleet.honest_id), out.reason
+    tried = fleet.hostile.connections
+    assert tried == len(decoys)  # each decoy once: reported, then replaced by the planner
+    found = PlannerClient(fleet.planner, token=LOAD).compile_cache_sources(
+        fleet.key, identity_key=fleet.cache.identity_key, labels={"node": NEAR}
+    )
+    assert found is not None
+    assert found.sources[0].instance_id == fleet.honest_id  # served and verified before: first
+    out = fleet.fetch(tmp_path / "b", timeout_s=10.0)
+    assert (out.installed, out.source) == (True, fleet.honest_id), out.reason
+    assert fleet.hostile.connections == tried  # no decoy tried again
+    assert files(tmp_path / "b") == HONEST_FILES
+
+
+@pytest.mark.slow  # waits out the 2 s deadline
+def test_stalling_decoys_cost_a_loader_one_timeout_in_all(fleet: Fleet, tmp_path: Path) -> None:
+    """Decoys that accept the fetch and never answer: on main each cost the loader its whole timeout
+    (8 x timeout_s before a vLLM worker compiled). Now `timeout_s` bounds the whole fetch."""
+    fleet.anchor()
+    fleet.hostile.respond = drip(b"HTTP/1.1 200 OK\r\n", total_s=30.0)
+    _decoys(fleet, 8)
+    t0 = time.monotonic()
+    out = fleet.fetch(tmp_path / "s", timeout_s=2.0)
+    elapsed = time.monotonic() - t0
+    assert not out.installed  # the deadline came first: vLLM compiles
+    assert "deadline" in (out.reason or "")
+    assert elapsed < 5.0, f"held {elapsed:.1f} s at timeout_s=2"

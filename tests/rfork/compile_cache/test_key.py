@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from planner.contract import compile_cache_key
 from rfork.compile_cache.key import CompileCacheKey, processor_tag, settings_digest
 
 KEY = CompileCacheKey(
@@ -36,6 +37,15 @@ def test_digest_is_stable_hex_and_every_field_counts() -> None:
     digests = {dataclasses.replace(KEY, **{k: v}).digest() for k, v in changed.items()}
     assert len(digests) == len(changed)
     assert KEY.digest() not in digests
+
+
+def test_the_key_is_bound_to_its_identity() -> None:
+    """The planner derives the key from the identity and the variant: another identity's variant
+    never yields this key."""
+    assert KEY.digest() == compile_cache_key(KEY.identity_key, KEY.variant())
+    other = dataclasses.replace(KEY, identity_key="b" * 64)
+    assert other.variant() == KEY.variant()  # the variant says nothing about the identity
+    assert compile_cache_key(other.identity_key, KEY.variant()) != KEY.digest()
 
 
 def test_settings_digest_ignores_key_order() -> None:

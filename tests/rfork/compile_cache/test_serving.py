@@ -6,6 +6,7 @@ directory is hand-written instead of an engine's.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -17,14 +18,27 @@ import torch
 from planner.contract import NotFound, PlannerClient
 from rfork import SourceIdentity
 from rfork.compile_cache.archive import PackedCache, pack
-from rfork.compile_cache.fetch import fetch_compile_cache
+from rfork.compile_cache.fetch import FetchOutcome, fetch_compile_cache
+from rfork.compile_cache.key import CompileCacheKey
 from rfork.compile_cache.shelf import CacheShelf
 from rfork.identity import fingerprint
 from rfork.seed.seed import Seed
 from rfork.weights.rank_weights import RankWeights
 from tests.rfork.conftest import ADMIN, LOAD, REGISTER
 
-KEY, OTHER = "c" * 64, "d" * 64
+TENSORS = {"w": torch.arange(64, dtype=torch.float32)}
+IDENT = SourceIdentity(
+    model="compile-cache-test",
+    revision="r1",
+    dtype="float32",
+    fingerprint=fingerprint((n, str(t.dtype), t.shape) for n, t in TENSORS.items()),
+)
+CACHE = CompileCacheKey(
+    identity_key=IDENT.key(), rank=0, engine="vllm", engine_version="0.32.0", torch_version="2.13.0+cpu",
+    settings_digest="5" * 64, processor="x86_64:0123456789abcdef",
+)
+OTHER_CACHE = dataclasses.replace(CACHE, rank=1)
+KEY, OTHER = CACHE.digest(), OTHER_CACHE.digest()
 
 
 def _compiled(root: Path, *, age_s: float = 60.0) -> Path:
@@ -41,16 +55,9 @@ def _compiled(root: Path, *, age_s: float = 60.0) -> Path:
 
 
 def _seed(planner: str, shelf: CacheShelf) -> Seed:
-    tensors = {"w": torch.arange(64, dtype=torch.float32)}
-    ident = SourceIdentity(
-        model="compile-cache-test",
-        revision="r1",
-        dtype="float32",
-        fingerprint=fingerprint((n, str(t.dtype), t.shape) for n, t in tensors.items()),
-    )
-    weights = RankWeights.from_tensors(rank=0, tensors=tensors)
+    weights = RankWeights.from_tensors(rank=0, tensors=TENSORS)
     return Seed(
-        weights=[weights], identity=ident, planner_url=planner, providers=["tcp"], token=REGISTER,
+        weights=[weights], identity=IDENT, planner_url=planner, providers=["tcp"], token=REGISTER,
         compile_caches=shelf,
     )
 
@@ -61,7 +68,7 @@ def _wait_anchored(planner: str, key: str = KEY) -> None:
     deadline = time.monotonic() + 30
     while True:
         try:
-            if client.compile_cache_sources(key) is not None:
+            if client.compile_cache_sources(key, identity_key=IDENT.key()) is not None:
                 return
         except NotFound:
             pass
@@ -75,17 +82,17 @@ def _files(root: Path) -> dict[str, bytes]:
 
 def test_a_new_instance_fetches_verifies_and_installs_the_seeds_cache(planner: str, tmp_path: Path) -> None:
     src = _compiled(tmp_path / "seed")
-    with _seed(planner, CacheShelf({KEY: src})) as seed:
+    with _seed(planner, CacheShelf({CACHE: src})) as seed:
         (iid,) = seed.instance_ids
         assert PlannerClient(planner, token=LOAD).get_instance(iid).compile_cache_keys == [KEY]
         _wait_anchored(planner)  # an anchor-role seed: the first authority for its own compile
         dest = tmp_path / "new" / "torch_compile_cache"
-        out = fetch_compile_cache(planner_url=planner, token=LOAD, key=KEY, dest=dest)
+        out = fetch_compile_cache(planner_url=planner, token=LOAD, key=CACHE, dest=dest)
         assert out.installed, out.reason
         assert (out.source, out.files) == (iid, 2)
         assert _files(dest) == _files(src)
         # another key: no seed serves it, nothing installed
-        other = fetch_compile_cache(planner_url=planner, token=LOAD, key=OTHER, dest=tmp_path / "o")
+        other = fetch_compile_cache(planner_url=planner, token=LOAD, key=OTHER_CACHE, dest=tmp_path / "o")
         assert not other.installed
         assert "no anchored archive digest" in (other.reason or "")
         assert not (tmp_path / "o").exists()
@@ -93,7 +100,7 @@ def test_a_new_instance_fetches_verifies_and_installs_the_seeds_cache(planner: s
 
 def test_the_endpoint_wants_a_compile_cache_token_and_a_settled_cache(planner: str, tmp_path: Path) -> None:
     src = _compiled(tmp_path / "seed")
-    shelf = CacheShelf({KEY: src}, settle_s=3600.0)  # everything counts as "still being written"
+    shelf = CacheShelf({CACHE: src}, settle_s=3600.0)  # everything counts as "still being written"
     with _seed(planner, shelf) as seed:
         assert seed.control_server is not None
         url = f"{seed.control_server.url}/v1/compile-caches/{KEY}"
@@ -102,10 +109,12 @@ def test_the_endpoint_wants_a_compile_cache_token_and_a_settled_cache(planner: s
         # never settled, so the seed anchors nothing: an admin uploads the digest
         identity_key = PlannerClient(planner, token=LOAD).get_instance(seed.instance_ids[0]).identity_key
         digest = pack(src, key=KEY).digest
-        PlannerClient(planner, token=ADMIN).anchor_compile_cache(KEY, digest, identity_key=identity_key)
+        PlannerClient(planner, token=ADMIN).anchor_compile_cache(
+            KEY, digest, key_variant=CACHE.variant(), identity_key=identity_key
+        )
 
         def grant() -> dict[str, str]:
-            found = PlannerClient(planner, token=LOAD).compile_cache_sources(KEY)
+            found = PlannerClient(planner, token=LOAD).compile_cache_sources(KEY, identity_key=IDENT.key())
             assert found is not None
             assert found.archive_digest == digest
             return {"Authorization": f"Bearer {found.sources[0].control_token}"}
@@ -151,10 +160,10 @@ class ForeignKeyShelf(CacheShelf):
 def test_tampered_or_foreign_archives_are_not_installed(
     planner: str, tmp_path: Path, shelf_type: type[CacheShelf], why: str
 ) -> None:
-    with _seed(planner, shelf_type({KEY: _compiled(tmp_path / "seed")})):
+    with _seed(planner, shelf_type({CACHE: _compiled(tmp_path / "seed")})):
         _wait_anchored(planner)  # the seed anchors what it packs; it serves other bytes
         dest = tmp_path / "new" / "torch_compile_cache"
-        out = fetch_compile_cache(planner_url=planner, token=LOAD, key=KEY, dest=dest)
+        out = fetch_compile_cache(planner_url=planner, token=LOAD, key=CACHE, dest=dest)
         assert not out.installed
         assert why in (out.reason or "")
         assert _files(tmp_path / "new") == {}
@@ -164,7 +173,7 @@ def test_a_cache_that_grows_after_it_was_anchored_is_anchored_again(planner: str
     # CI's vLLM run: the cache settled mid-compile, was anchored, then grew; the seed kept serving the
     # grown archive under the old anchor, which every loader refused
     src = _compiled(tmp_path / "seed")
-    with _seed(planner, CacheShelf({KEY: src})):
+    with _seed(planner, CacheShelf({CACHE: src})):
         _wait_anchored(planner)
         extra = src / "torch_aot_compile" / "cd" / "inductor_cache" / "k2.so"
         extra.parent.mkdir(parents=True)
@@ -173,7 +182,11 @@ def test_a_cache_that_grows_after_it_was_anchored_is_anchored_again(planner: str
         os.utime(extra, (old, old))  # written long enough ago: settled
         dest = tmp_path / "new" / "torch_compile_cache"
         deadline = time.monotonic() + 30
-        while not (out := fetch_compile_cache(planner_url=planner, token=LOAD, key=KEY, dest=dest)).installed:
+
+        def fetch() -> FetchOutcome:
+            return fetch_compile_cache(planner_url=planner, token=LOAD, key=CACHE, dest=dest)
+
+        while not (out := fetch()).installed:
             assert time.monotonic() < deadline, out.reason
             time.sleep(0.3)
         assert _files(dest) == _files(src)
