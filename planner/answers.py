@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from planner.contract.errors import AllBusy, AuthError, BadRequest, Conflict, NotFound, PlannerError
+from planner.contract.errors import AllBusy, AuthError, BadRequest, Conflict, NoSource, NotFound, PlannerError
 
 _STATUS = {NotFound: 404, Conflict: 409, BadRequest: 422, AuthError: 403}
 
@@ -34,5 +34,7 @@ def planner_error_response(exc: PlannerError) -> JSONResponse:
             fallback=exc.fallback,
         )
     code = next((c for t, c in _STATUS.items() if isinstance(exc, t)), 400)
-    extra = {"reason": exc.reason} if exc.reason else {}
+    extra: dict[str, Any] = {"reason": exc.reason} if exc.reason else {}
+    if isinstance(exc, NoSource) and not exc.anchored:
+        extra["anchored"] = False
     return error_response(code, str(exc), **extra)

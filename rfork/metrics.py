@@ -42,7 +42,7 @@ VERIFY_SECONDS = Histogram(
 )
 FALLBACKS = Counter(
     "rfork_fallbacks_total",
-    "ranks that did not come from a seed, by reason (planner_unreachable, no_seed, all_busy, "
+    "ranks that did not come from a seed, by reason (planner_unreachable, no_seed, not_anchored, all_busy, "
     "pulls_failed, no_planner)",
     ["reason"],
     registry=REGISTRY,

@@ -21,6 +21,7 @@ from planner.contract.errors import (
     AuthError,
     BadRequest,
     Conflict,
+    NoSource,
     NotFound,
     PlannerError,
     PlannerUnavailable,
@@ -193,8 +194,10 @@ class PlannerClient:
         fallback_s: float | None = None,
         serves_after: int = 0,
         waited_s: float = 0.0,
+        raise_no_source: bool = False,
     ) -> Assignment | None:
-        """Ranked candidates for `rank` with a lease on the first; None = no source (load from disk).
+        """Ranked candidates for `rank` with a lease on the first; None = no source (load from disk), or
+        with `raise_no_source` the planner's NoSource, whose `anchored` says whether the rank has an anchor.
 
         Raises AllBusy(retry_after_s, expected_pull_s, fallback) when every source is at its pull
         limit; `fallback` is true when `fallback_s` (this requester's disk/hub estimate) beats waiting.
@@ -216,10 +219,10 @@ class PlannerClient:
             return self._call(
                 "POST", "/v1/assignments", f"request assignment rank {rank}", Assignment, body=body
             )
-        except NotFound as exc:
-            if exc.reason == "no_source":
-                return None
-            raise
+        except NoSource:
+            if raise_no_source:
+                raise
+            return None
 
     def compile_cache_sources(
         self,
@@ -429,6 +432,8 @@ def _error(op: str, resp: httpx.Response) -> PlannerError:
     cls: type[PlannerError]
     if code in (401, 403):
         cls = AuthError
+    elif code == 404 and reason == "no_source":
+        return NoSource(msg, anchored=payload.get("anchored") is not False)
     elif code == 404:
         cls = NotFound
     elif code == 409:

@@ -30,10 +30,12 @@ class NotFound(PlannerError):
 
 
 class NoSource(NotFound):
-    """No READY identical source for this rank (404 `no_source`): load from disk."""
+    """No READY identical source for this rank (404 `no_source`): load from disk. `anchored` False: the
+    identity's rank has no anchor at all, so no instance of it is served until an authority sets one."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, anchored: bool = True) -> None:
         super().__init__(message, status=404, reason="no_source")
+        self.anchored = anchored
 
 
 class Conflict(PlannerError):

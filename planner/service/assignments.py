@@ -22,7 +22,7 @@ from sqlalchemy import Connection, select
 
 from planner.contract import control_token, wire
 from planner.contract.errors import NoSource
-from planner.models import Instance
+from planner.models import Anchor, Instance
 from planner.selection import RankReason, Requester, SeedView, choose_provider, rank_reason, tier_key
 from planner.service.base import now_or_clock
 from planner.service.busy import BusyOps, decisions, waiter_tie
@@ -136,7 +136,7 @@ class AssignmentOps(BusyOps):
             busy_seed = held
         if not ranked:  # the 429's arithmetic runs after the write: heartbeats and other writes go on
             if busy_seed is None:
-                return _raising(NoSource(f"no READY source for identity {key[:12]} rank {body.rank}"))
+                return _raising(self._no_source(s, key, body.rank))
             if len(self._busy) > 4096:
                 self._busy.clear()
             self._busy[shape] = (changes, now, busy_seed)
@@ -175,6 +175,20 @@ class AssignmentOps(BusyOps):
         details = {d.id: d for d in sql.chosen_details.rows(s, {"b_ids": chosen, "b_rank": body.rank})}
         return functools.partial(
             self._assignment, key, now, body, reasons, by_id, details, lease_id, expires_at
+        )
+
+    @staticmethod
+    def _no_source(s: Connection, key: str, rank: int) -> NoSource:
+        """The 404 for a rank with no free seed; it says so when the identity's rank has no anchor at all
+        (then no instance of it is served, however many are READY: an authority must anchor it first)."""
+        row = select(Anchor.rank).where(Anchor.identity_key == key, Anchor.rank == rank).limit(1)
+        anchored = s.execute(row).first() is not None
+        if anchored:
+            return NoSource(f"no READY source for identity {key[:12]} rank {rank}")
+        return NoSource(
+            f"identity {key[:12]} rank {rank} is not anchored: no admin or anchor-role seed has set its "
+            "digests, so none of its instances is served",
+            anchored=False,
         )
 
     def _probation(

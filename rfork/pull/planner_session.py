@@ -35,6 +35,7 @@ from planner.contract import (
     AuthError,
     BadRequest,
     Candidate,
+    NoSource,
     NotFound,
     PlannerClient,
     PlannerUnavailable,
@@ -368,6 +369,7 @@ class PlannerSession:
         )
 
         busy: list[AllBusy] = []  # the last 429, while the latest answer was one
+        not_anchored: list[NoSource] = []  # the last 404 said the rank has no anchor at all
 
         def ask(waited_s: float) -> Assignment | None:
             try:
@@ -384,7 +386,12 @@ class PlannerSession:
                     else fallback_seconds(per_rank, options.fallback_gbps),
                     serves_after=options.max_concurrent_pulls if options.become_seed else 0,
                     waited_s=waited_s,
+                    raise_no_source=True,
                 )
+            except NoSource as exc:
+                if not exc.anchored:
+                    not_anchored[:] = [exc]
+                return None
             except AllBusy as exc:
                 busy[:] = [exc]
                 raise
@@ -417,6 +424,13 @@ class PlannerSession:
                     else f"waited the limit of {options.busy_wait.max_wait_s:.0f} s"
                 )
                 self.miss = ("all_busy", f"every seed of the identity is busy ({why})")
+            elif not_anchored:
+                self.miss = (
+                    "not_anchored",
+                    f"{self.identity.model} (identity {self.identity.key()[:12]}) rank {rank} is not "
+                    "anchored: no admin or anchor-role seed has set its digests, so the planner serves none "
+                    "of its instances",
+                )
             else:
                 self.miss = (
                     "no_seed",

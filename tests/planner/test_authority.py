@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from planner.contract import PlannerClient, identity_key
+from planner.contract import NoSource, PlannerClient, identity_key
 from planner.server import PlannerServer
 from planner.service import Planner
 from planner.settings import PlannerSettings
@@ -153,3 +153,26 @@ def _json(m: dict[str, Any]) -> str:
     import json
 
     return json.dumps(m)
+
+
+def test_a_rank_without_an_anchor_is_refused_as_not_anchored(secure):
+    """A READY seed registered without the anchor role serves nothing until its identity is anchored, and
+    the 404 says so (before, it read like any missing seed); once anchored, a missing seed is no_source."""
+    seed = PlannerClient(secure.url, token="reg").register_instance(identity=identity(), ranks=ranks(0))
+    own = PlannerClient(secure.url, token=seed.token)
+    own.put_manifest(seed.id, 0, manifest(0))  # stored; a register-role manifest anchors nothing
+    own.set_status(seed.id, "READY")
+    load = PlannerClient(secure.url, token="load")
+    assert load.request_assignment(identity=identity(), rank=0) is None  # the default answer stays None
+    with pytest.raises(NoSource, match="is not anchored") as refused:
+        load.request_assignment(identity=identity(), rank=0, raise_no_source=True)
+    assert refused.value.anchored is False
+
+    anchor = PlannerClient(secure.url, token="anc").register_instance(identity=identity(), ranks=ranks(0))
+    PlannerClient(secure.url, token=anchor.token).put_manifest(anchor.id, 0, manifest(0))  # anchors rank 0
+    with pytest.raises(NoSource) as missing:  # anchored, both seeds excluded: no source, anchored
+        load.request_assignment(
+            identity=identity(), rank=0, exclude=[seed.id, anchor.id], raise_no_source=True
+        )
+    assert missing.value.anchored is True
+    assert "not anchored" not in str(missing.value)
