@@ -140,3 +140,15 @@ def test_settings_hold_the_pull_for_a_seed_only_when_serving():
     assert _hook("http://p").settings.load_options().seed_later
     assert not _hook("http://p", serve=False).settings.load_options().seed_later
     assert not _hook("http://p").settings.load_options().become_seed  # the hook seeds later, by itself
+
+
+def test_the_per_rank_line_puts_the_bytes_moved_beside_the_ranks_shard():
+    """With TP>1 a checkpoint-mode rank pulls the whole checkpoint for its share of it: the hooks' per-rank
+    log line says both, so the 2x of a TP=2 rank shows (and the 1x of a parameters-mode pull)."""
+    from rfork.integrations.hook.outcome import LoadOutcome
+
+    hook = _hook("http://127.0.0.1:9")
+    hook.record(LoadOutcome(source="rfork-tcp", bytes=2000))
+    hook.note_shard({"a": torch.zeros(250, dtype=torch.bfloat16), "b": torch.zeros(125, dtype=torch.float32)})
+    assert hook.outcome is not None
+    assert hook.outcome.moved(1) == "rank 1, 2000 bytes from rfork-tcp for a 1000-byte shard (2.00x)"
