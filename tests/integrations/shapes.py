@@ -254,8 +254,8 @@ def seed_a_b_in_both_modes(planner: Any, fleet: Any, model: Path, *, tp: int) ->
     for f in [f for fs in facts.values() for f in fs]:
         print(f"{f.server} {f.mode} rank {f.rank}: {f.moved} bytes from {f.source}, shard {f.shard} bytes "
               f"({f.ratio:.2f}x)")
-    for name, fs in facts.items():
-        assert [f.rank for f in fs] == list(range(tp)), (name, fs)
+    for name in ("A", "B", "P2"):  # P1's engine loader may log nothing of rfork's (SGLang's does not)
+        assert [f.rank for f in facts[name]] == list(range(tp)), (name, facts[name])
     checkpoint = info.total_bytes
     assert all(f.moved == checkpoint and f.source == "rfork-tcp" for f in facts["A"] + facts["B"])
     assert all(f.source == "rfork-tcp" and f.ratio <= 1.05 for f in facts["P2"]), facts["P2"]

@@ -1,7 +1,8 @@
-"""The hook template's rank code in one process per rank, for the parallel layouts an engine's CPU
-build cannot run here (SGLang's TP=2, PP=2): each worker of a seeding instance publishes its own
-rank (global rank pp_rank * tp + tp_rank) under its own shard's parameters identity, and each worker
-of the next instance pulls exactly its rank's shard straight into its parameters, 1.00x its size.
+"""The hook template's rank code in one process per rank, at TP=2 x PP=2, for the parallel layouts
+an engine's CPU build cannot run here (SGLang's TP=2, vLLM's PP=2): each worker of a seeding instance
+publishes its own rank (global rank pp_rank * tp + tp_rank) under its own shard's parameters
+identity, and each worker of the next instance pulls exactly its rank's shard straight into its
+parameters, 1.00x its size.
 """
 
 from __future__ import annotations
@@ -106,8 +107,10 @@ def open_planner(sqlite_url: str) -> Iterator[str]:
         yield srv.url
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_each_worker_seeds_its_rank_and_the_next_instance_pulls_exactly_its_shard(open_planner, tp, pp):
+def test_each_worker_seeds_its_rank_and_the_next_instance_pulls_exactly_its_shard(open_planner):
+    """TP=2 x PP=2: TP ranks share a fingerprint (same names and shapes, other bytes), PP stages do not
+    (other layers); every global rank finds its own seed."""
+    tp, pp = 2, 2
     ctx = mp.get_context("spawn")
     out, stop = ctx.Queue(), ctx.Event()
     layout = [Parallel(tp=tp, pp=pp, tp_rank=t, pp_rank=p) for p in range(pp) for t in range(tp)]
