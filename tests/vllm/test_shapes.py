@@ -1,7 +1,9 @@
-"""The shapes users run, through `rfork vllm` on real vLLM servers on CPU, one chain per shape: an MoE
-model (a tiny Mixtral) at TP=2 and a quantized one (compressed-tensors int8 W8A8), in both modes,
-every server's greedy tokens equal to vLLM's own disk load of the same shape
-(tests/integrations/shapes.py). Each chain prints the bytes every rank moved beside its shard's size.
+"""The shapes users run, through `rfork vllm` on vLLM's CPU build (tests/integrations/shapes.py):
+- one chain per shape on real servers, both modes, every server's greedy tokens equal to vLLM's own
+  disk load of the same shape: a tiny Mixtral at TP=2 (TP and MoE at once) and an int8 W8A8 Llama;
+- fp8 W8A8 and int4 W4A16 checkpoints pulled into their parameters, in `vllm.LLM` processes;
+- the parameters-mode safety check on a quantized model: it fires on an in-place post-load rewrite.
+Each prints the bytes every rank moved beside its shard's size (docs/shapes.md).
 """
 
 from __future__ import annotations
@@ -99,7 +101,13 @@ def test_parameters_mode_does_not_serve_a_quantized_model_a_post_load_step_rewro
     assert instances(shape_planner) == []  # never published
 
 
-@pytest.mark.parametrize(("fmt", "write"), [("fp8", lambda d: to_w8a8(d, "float")), ("w4a16-int4", to_w4a16)])
+@pytest.mark.parametrize(
+    ("fmt", "write"),
+    [
+        pytest.param("fp8", lambda d: to_w8a8(d, "float"), id="fp8"),
+        pytest.param("int4", to_w4a16, id="w4a16-int4"),
+    ],
+)
 def test_more_quantized_formats_pull_into_their_parameters(
     fmt: str, write: Callable[[Path], Path], shape_planner: Any, tmp_path: Path
 ) -> None:
