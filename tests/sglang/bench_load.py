@@ -30,10 +30,10 @@ from tests.sglang.tiny_model import write_tiny_llama
 
 _PULL = {
     "checkpoint": re.compile(
-        r"rfork: checkpoint mode: (\d+) bytes from (\S+) in [0-9.]+ s \(pull ([0-9.]+) s"
+        r"rfork: checkpoint mode: rank \d+, (\d+) bytes from (\S+) for .* in [0-9.]+ s \(pull ([0-9.]+) s"
     ),
     "parameters": re.compile(
-        r"rfork: parameters mode: rank \d+, (\d+) bytes from (\S+) into .* in ([0-9.]+) s"
+        r"rfork: parameters mode: rank \d+, (\d+) bytes from (\S+) for .* into .* in ([0-9.]+) s"
     ),
 }
 

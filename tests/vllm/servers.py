@@ -120,12 +120,14 @@ class VllmServer(ServerProcess):
 class ServerFleet(Fleet[VllmServer]):
     """Starts vLLM servers (rfork-loaded ones through `rfork vllm`), stops them all at the end."""
 
-    def __init__(self, workdir: Path, model: Path) -> None:
+    def __init__(self, workdir: Path, model: Path, *, server_args: Sequence[str] = ()) -> None:
+        """`server_args`: vLLM arguments every server gets (a shape: `--tensor-parallel-size 2`, ...)."""
         super().__init__(workdir, model, server_class=VllmServer, env=cpu_env())
+        self.server_args = list(server_args)
 
     def start_auto(self, name: str) -> VllmServer:
         port = free_port()
-        argv = [*VLLM_CMD, *cpu_server_args(self.model, port), "--load-format", "auto"]
+        argv = [*VLLM_CMD, *cpu_server_args(self.model, port), *self.server_args, "--load-format", "auto"]
         return self._start(name, argv, port)
 
     def start_rfork(self, name: str, *, planner_url: str, mode: str = "checkpoint",
@@ -133,5 +135,5 @@ class ServerFleet(Fleet[VllmServer]):
         port = free_port()
         argv = [sys.executable, "-m", "rfork", "vllm", "--planner", planner_url, "--insecure",
                 "--mode", mode, "--timeout", "3", *rfork_args, "--",
-                *cpu_server_args(model or self.model, port)]
+                *cpu_server_args(model or self.model, port), *self.server_args]
         return self._start(name, argv, port)

@@ -225,6 +225,12 @@ class RforkLoaderBase:
         )
         return model
 
+    def note_shard(self, params: Mapping[str, torch.Tensor]) -> None:
+        """Record this rank's share of the model (`params`: its parameters as the framework sharded
+        them) beside what its load moved, for the per-rank log line."""
+        if self.outcome is not None:
+            self.outcome.shard_bytes = sum(t.numel() * t.element_size() for t in params.values())
+
     def record(self, outcome: LoadOutcome) -> None:
         """`outcome` is how this rank got its weights now; what an earlier one held for a seed is closed."""
         if self.outcome is not None and self.outcome.pulled is not outcome.pulled:

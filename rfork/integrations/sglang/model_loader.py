@@ -72,6 +72,7 @@ class RforkModelLoader(RforkLoaderBase, BaseModelLoader):
         pulled = time.perf_counter()
         try:
             model = self._build(model_config, target)
+            self.note_shard(dict(model.named_parameters()))
             DefaultModelLoader.load_weights_and_postprocess(
                 model, iter(self.outcome.pulled.state_dict(0).items()), target
             )
@@ -79,9 +80,8 @@ class RforkModelLoader(RforkLoaderBase, BaseModelLoader):
             return self._fallback(model_config, device_config, t0, f"load_weights failed: {exc}")
         self.outcome.seconds = time.perf_counter() - t0
         log.info(
-            "rfork: checkpoint mode: %d bytes from %s in %.3f s (pull %.3f s, load_weights %.3f s)",
-            self.outcome.bytes,
-            self.outcome.source,
+            "rfork: checkpoint mode: %s in %.3f s (pull %.3f s, load_weights %.3f s)",
+            self.outcome.moved(self.global_rank()),
             self.outcome.seconds,
             pulled - t0,
             time.perf_counter() - pulled,
@@ -100,12 +100,11 @@ class RforkModelLoader(RforkLoaderBase, BaseModelLoader):
         if reason is not None:
             return self._fallback(model_config, device_config, t0, reason)
         assert self.outcome is not None
+        self.note_shard(params)
         self.outcome.seconds = time.perf_counter() - t0
         log.info(
-            "rfork: parameters mode: rank %d, %d bytes from %s into the model's parameters in %.3f s",
-            rank,
-            self.outcome.bytes,
-            self.outcome.source,
+            "rfork: parameters mode: %s into the model's parameters in %.3f s",
+            self.outcome.moved(rank),
             self.outcome.seconds,
         )
         return model.eval()

@@ -90,11 +90,9 @@ class RforkModelLoader(RforkLoaderBase, BaseModelLoader):
         assert self.outcome is not None
         self.outcome.seconds = time.perf_counter() - t0
         log.info(
-            "rfork: %s mode: rank %d, %d bytes from %s, model loaded in %.3f s",
+            "rfork: %s mode: %s, model loaded in %.3f s",
             self.settings.mode,
-            self.outcome.rank,
-            self.outcome.bytes,
-            self.outcome.source,
+            self.outcome.moved(self.global_rank()),
             self.outcome.seconds,
         )
         identity = self.outcome.identity
@@ -116,6 +114,7 @@ class RforkModelLoader(RforkLoaderBase, BaseModelLoader):
         `model` is a vLLM model: a torch module with vLLM's `load_weights(iterable of (name, tensor))`.
         """
         if self._pulled is not None:
+            self.note_shard(dict(model.named_parameters()))
             try:
                 loaded = model.load_weights(iter(self._pulled.state_dict(0).items()))
                 if model_config.quantization is None and loaded is not None:
@@ -156,6 +155,7 @@ class RforkModelLoader(RforkLoaderBase, BaseModelLoader):
             )
         assert self.outcome is not None
         assert self.outcome.served is not None
+        self.note_shard(params)
         self.outcome.served.compute_checksums()  # before the post-load steps (a pull's are kept)
 
     # --- the template's framework calls

@@ -212,3 +212,15 @@ def test_a_hook_serves_rforks_metrics_on_its_port_plus_its_rank(small_ckpt, tmp_
     assert out.returncode == 0, out.stderr[-3000:]
     assert 'rfork_pulls_total{outcome="success",source="disk"} 1.0' in out.stdout, out.stdout
     assert 'rfork_fallbacks_total{reason="no_planner"} 1.0' in out.stdout, out.stdout
+
+
+def test_the_per_rank_line_puts_the_bytes_moved_beside_the_ranks_shard():
+    """With TP>1 a checkpoint-mode rank pulls the whole checkpoint for its share of it: the hooks' per-rank
+    log line says both, so the 2x of a TP=2 rank shows (and the 1x of a parameters-mode pull)."""
+    from rfork.integrations.hook.outcome import LoadOutcome
+
+    hook = _hook("http://127.0.0.1:9")
+    hook.record(LoadOutcome(source="rfork-tcp", bytes=2000))
+    hook.note_shard({"a": torch.zeros(250, dtype=torch.bfloat16), "b": torch.zeros(125, dtype=torch.float32)})
+    assert hook.outcome is not None
+    assert hook.outcome.moved(1) == "rank 1, 2000 bytes from rfork-tcp for a 1000-byte shard (2.00x)"
