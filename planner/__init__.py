@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from planner.selection import make_policy
     from planner.server import PlannerServer
     from planner.service import Planner
-    from planner.settings import PlannerSettings
+    from planner.settings import PlannerSettings, SettingsError
 
 
 def _surface() -> dict[str, str]:

@@ -63,9 +63,8 @@ def run(args: argparse.Namespace) -> int:
     import sqlalchemy.exc
 
     # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
-    from planner import PlannerSettings, check_schema, migrate
+    from planner import PlannerSettings, SettingsError, check_schema, migrate
     from planner.app import InsecureRefused, create_app
-    from planner.settings import SettingsError
     from rfork.cli.logs import say
     from rfork.cli.serving import address, bind, database_problem, serve
 
