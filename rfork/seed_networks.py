@@ -7,6 +7,10 @@ from every loader). `RFORK_SEED_NETWORKS` is a comma- or space-separated CIDR li
 resolves the host once and returns the addresses to connect to, so a name cannot resolve to an allowed
 address for the check and another for the connection. A malformed list is fatal (ValueError): a
 security setting that silently allowed everything would be worse than none.
+
+The same list holds the fabric addresses inside a seed's memory descriptors (`check_engine_address`):
+a tcp or verbs name is a socket address the provider connects to, a shm name a process on this host
+(allowed when 127.0.0.1 is), an efa name no IP address at all (not checked).
 """
 
 from __future__ import annotations
@@ -15,6 +19,10 @@ import ipaddress
 import os
 import socket
 from collections.abc import Mapping
+
+from backends.descriptor import EngineAddress
+from backends.errors import BackendUnavailable, TransferError
+from backends.providers.peer_names import IPAddress, peer_ip
 
 ENV = "RFORK_SEED_NETWORKS"
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -46,8 +54,32 @@ def resolve_seed_host(host: str, port: int, *, env: Mapping[str, str] | None = N
     addrs = list(dict.fromkeys((str(info[4][0]), port) for info in infos))
     if networks is None:
         return addrs
-    ok = [(a, p) for a, p in addrs if any(ipaddress.ip_address(a.split("%")[0]) in n for n in networks)]
+    ok = [(a, p) for a, p in addrs if _inside(ipaddress.ip_address(a.split("%")[0]), networks)]
     if not ok:
         shown = ", ".join(a for a, _ in addrs)
         raise SeedNetworkRefused(f"seed endpoint {host} ({shown}) is outside {ENV}; not connecting")
     return ok
+
+
+def check_engine_address(address: bytes, *, env: Mapping[str, str] | None = None) -> None:
+    """Refuse (SeedNetworkRefused) an engine address with a domain name outside the allowed networks,
+    or one that cannot be read (a malformed name, an unknown provider); call it before any op on it."""
+    networks = allowed_networks(env)
+    if networks is None:
+        return
+    try:
+        ea = EngineAddress.from_bytes(address)
+        ips = [peer_ip(ea.provider, name) for name in ea.domains]
+    except (TransferError, BackendUnavailable) as exc:
+        why = f"fabric address cannot be checked against {ENV} ({exc}); not connecting"
+        raise SeedNetworkRefused(why) from exc
+    for ip in ips:
+        if ip is not None and not _inside(ip, networks):
+            raise SeedNetworkRefused(f"{ea.provider} fabric address {ip} is outside {ENV}; not connecting")
+
+
+def _inside(ip: IPAddress, networks: list[Network]) -> bool:
+    """True when `ip` (an IPv4-mapped IPv6 address as its IPv4 address) is in one of `networks`."""
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return any(ip in n for n in networks)
