@@ -15,6 +15,8 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+CRYPTOGRAPHIC_DIGESTS = frozenset({"blake3"})  # checksum algorithms a crafted collision cannot match
+
 
 def digest_set(checksum_algorithm: str, tensors: Iterable[Mapping[str, Any]]) -> str:
     """sha256 hex over the algorithm and every tensor's (name, dtype, shape, nbytes, checksum), by name."""

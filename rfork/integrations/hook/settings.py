@@ -34,6 +34,7 @@ ENV_FOR_KEY = {
     "transfer_timeout_s": "RFORK_TRANSFER_TIMEOUT_S",
     "compile_cache": "RFORK_COMPILE_CACHE",
     "require_seed": "RFORK_REQUIRE_SEED",
+    "require_crypto_digest": "RFORK_REQUIRE_CRYPTO_DIGEST",
 }
 TOKEN_ENV = "RFORK_TOKEN"
 TOKEN_FILE_ENV = "RFORK_TOKEN_FILE"
@@ -57,6 +58,7 @@ class HookSettings:
     transfer_timeout_s: float = 5.0
     compile_cache: bool = True  # fetch the engine's compile cache from a seed, and serve one's own
     require_seed: bool = False  # no seed served the weights: fail the load instead of the disk fallback
+    require_crypto_digest: bool = False  # pull only under BLAKE3 (LoadOptions.require_crypto_digest)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -105,6 +107,8 @@ class HookSettings:
             kwargs["compile_cache"] = _flag(raw["compile_cache"], "compile_cache")
         if "require_seed" in raw:
             kwargs["require_seed"] = _flag(raw["require_seed"], "require_seed")
+        if "require_crypto_digest" in raw:
+            kwargs["require_crypto_digest"] = _flag(raw["require_crypto_digest"], "require_crypto_digest")
         if "model" in raw:
             kwargs["model"] = _text(raw["model"], "model")
         if "revision" in raw:
@@ -130,6 +134,8 @@ class HookSettings:
         }
         if self.require_seed:
             out["require_seed"] = True
+        if self.require_crypto_digest:
+            out["require_crypto_digest"] = True
         if self.planner_url:
             out["planner_url"] = self.planner_url
         if self.model:
@@ -149,6 +155,7 @@ class HookSettings:
             seed_later=self.serve,
             pull_torch_threads=None,
             require_seed=self.require_seed,
+            require_crypto_digest=self.require_crypto_digest,
         )
 
 
