@@ -17,29 +17,25 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import socket
 from collections.abc import Mapping
 
 from backends.descriptor import EngineAddress
 from backends.errors import BackendUnavailable, TransferError
-from backends.providers.peer_names import IPAddress, peer_ip
+from backends.providers.peer_names import peer_ip
+from planner.contract import NetworkRefused, inside, parse_networks, resolve_within
 
 ENV = "RFORK_SEED_NETWORKS"
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
-class SeedNetworkRefused(ConnectionRefusedError):
+class SeedNetworkRefused(NetworkRefused):
     """A seed endpoint resolves to an address outside RFORK_SEED_NETWORKS; nothing was connected."""
 
 
 def allowed_networks(env: Mapping[str, str] | None = None) -> list[Network] | None:
     """The configured networks, or None when every address is allowed. ValueError for a bad entry."""
-    text = (os.environ if env is None else env).get(ENV, "")
-    entries = text.replace(",", " ").split()
-    if not entries:
-        return None
     try:
-        return [ipaddress.ip_network(e, strict=False) for e in entries]
+        return parse_networks((os.environ if env is None else env).get(ENV, ""))
     except ValueError as exc:
         raise ValueError(f"{ENV}: {exc} (a comma-separated list of CIDR networks, e.g. 10.0.0.0/8)") from exc
 
@@ -49,16 +45,10 @@ def resolve_seed_host(host: str, port: int, *, env: Mapping[str, str] | None = N
 
     SeedNetworkRefused when the host resolves to none allowed; OSError when it does not resolve.
     """
-    networks = allowed_networks(env)
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    addrs = list(dict.fromkeys((str(info[4][0]), port) for info in infos))
-    if networks is None:
-        return addrs
-    ok = [(a, p) for a, p in addrs if _inside(ipaddress.ip_address(a.split("%")[0]), networks)]
-    if not ok:
-        shown = ", ".join(a for a, _ in addrs)
-        raise SeedNetworkRefused(f"seed endpoint {host} ({shown}) is outside {ENV}; not connecting")
-    return ok
+    try:
+        return resolve_within(host, port, allowed_networks(env), what=ENV)
+    except NetworkRefused as exc:
+        raise SeedNetworkRefused(f"seed endpoint {exc}") from exc
 
 
 def check_engine_address(address: bytes, *, env: Mapping[str, str] | None = None) -> None:
@@ -74,12 +64,6 @@ def check_engine_address(address: bytes, *, env: Mapping[str, str] | None = None
         why = f"fabric address cannot be checked against {ENV} ({exc}); not connecting"
         raise SeedNetworkRefused(why) from exc
     for ip in ips:
-        if ip is not None and not _inside(ip, networks):
+        if ip is not None and not inside(ip, networks):
             raise SeedNetworkRefused(f"{ea.provider} fabric address {ip} is outside {ENV}; not connecting")
 
-
-def _inside(ip: IPAddress, networks: list[Network]) -> bool:
-    """True when `ip` (an IPv4-mapped IPv6 address as its IPv4 address) is in one of `networks`."""
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return any(ip in n for n in networks)

@@ -49,7 +49,7 @@ def address(sock: socket.socket) -> str:
 def database_problem(exc: BaseException, url: str) -> ServeError:
     """One line for a database that cannot be reached or used (password hidden)."""
     # imported here: `rfork --help` imports every command module (start-up time)
-    from planner.db import redact_url
+    from planner import redact_url
 
     shown = redact_url(url)
     cause = getattr(exc, "orig", None) or exc

@@ -49,7 +49,7 @@ import blake3
 import torch
 import xxhash
 
-from planner.contract.integrity import CRYPTOGRAPHIC_DIGESTS
+from planner.contract import is_cryptographic as is_cryptographic  # the one list, the planner's
 from rfork.weights.blake3_tensor import blake3_hex
 
 DEVICE_DIGEST = "pmix64-v1"
@@ -165,10 +165,6 @@ def algorithm_for(device: torch.device | str) -> str:
         return chosen
     return BLAKE3 if os.environ.get("RFORK_DIGEST") == BLAKE3 else DEVICE_DIGEST
 
-
-def is_cryptographic(algorithm: str) -> bool:
-    """Whether a crafted collision cannot match `algorithm`'s digests (BLAKE3; not xxh3-128 or pmix64-v1)."""
-    return algorithm in CRYPTOGRAPHIC_DIGESTS
 
 
 def blake3_threads() -> int:
