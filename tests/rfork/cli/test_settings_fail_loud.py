@@ -163,7 +163,8 @@ def test_the_token_comes_from_a_file_variable(planner: str, small_ckpt: Path, tm
         env={"RFORK_TOKEN": "", "RFORK_TOKEN_FILE": str(token)},
     )
     assert out.returncode == 0, out.stderr
-    assert "no READY seed" in out.stderr  # it asked the planner, which knew the token
+    # it asked the planner, which knew the token and said why nothing is served: no authority anchored it
+    assert "is not anchored" in out.stderr, out.stderr
 
 
 def test_json_logs_are_one_object_per_line_and_global_flags_go_anywhere(small_ckpt: Path) -> None:
@@ -179,6 +180,9 @@ def test_json_logs_are_one_object_per_line_and_global_flags_go_anywhere(small_ck
     assert any(r["level"] == "DEBUG" for r in records)  # -v, after the command
     (warning,) = [r for r in records if r["level"] == "WARNING"]
     assert "unreachable" in warning["message"]
+    (summary,) = [json.loads(ln) for ln in out.stdout.splitlines()]  # stdout's summary too
+    assert summary["message"].startswith("loaded ")
+    assert (summary["source"], summary["verified"]) == ("disk", False)
 
 
 def test_a_wire_protocol_the_planner_does_not_speak_is_refused_cleanly(
@@ -270,7 +274,7 @@ def test_anchor_uploads_lists_and_revokes_from_a_checkpoint(planner: str, small_
     assert "rank 0" in up.stdout
     listed = rfork("anchor", "list", "--planner", planner, "--checkpoint", str(small_ckpt), env=env)
     assert listed.returncode == 0, listed.stderr
-    assert "rank 0 blake3" in listed.stdout  # the host default digest
+    assert "rank 0 xxh3-128" in listed.stdout
     gone = rfork("anchor", "revoke", "--planner", planner, "--checkpoint", str(small_ckpt), env=env)
     assert gone.returncode == 0, gone.stderr
     after = rfork("anchor", "list", "--planner", planner, "--checkpoint", str(small_ckpt), env=env)
@@ -278,3 +282,32 @@ def test_anchor_uploads_lists_and_revokes_from_a_checkpoint(planner: str, small_
     not_admin = rfork("anchor", "list", "--planner", planner, env={"RFORK_ADMIN_TOKEN": READER})
     assert not_admin.returncode == 2
     assert "refused the token" in one_error_line(not_admin.stderr)
+
+
+PLANNER_SECRETS = ("ADMIN", "REGISTER", "ANCHOR", "LOAD", "READER", "INSTANCE")
+
+
+def test_every_wrong_setting_is_status_2_in_one_line(small_ckpt: Path, tmp_path: Path) -> None:
+    """A token file that is missing or empty, both forms of a variable, a planner without tokens, a
+    hook launch without its token: status 2 and one line naming what to fix (main: status 1)."""
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    missing = str(tmp_path / "missing")
+    no_planner_tokens = {f"RFORK_{n}_TOKEN": "" for n in PLANNER_SECRETS}
+    no_planner_tokens.update({f"RFORK_{n}_TOKEN_FILE": "" for n in PLANNER_SECRETS})
+    db = ["--db", f"sqlite:///{tmp_path / 'planner.db'}", "--port", "0"]
+    vllm = ["vllm", "--planner", "http://127.0.0.1:9", "--dry-run"]
+    load = ["load", "--checkpoint", str(small_ckpt), "--planner", "http://127.0.0.1:9", "--no-serve"]
+    cases: list[tuple[list[str], dict[str, str], str]] = [
+        ([*load, "--token-file", missing], {}, "missing"),
+        ([*load, "--token-file", str(empty)], {}, "is empty"),
+        (load, {"RFORK_TOKEN": "x", "RFORK_TOKEN_FILE": str(empty)}, "both $RFORK_TOKEN and $RFORK_TOKEN_"),
+        (load, {"RFORK_TOKEN": "", "RFORK_TOKEN_FILE": missing}, "$RFORK_TOKEN_FILE="),
+        (["planner", "serve", *db], no_planner_tokens, "no token configured"),
+        (["planner", "serve", *db], {**no_planner_tokens, "RFORK_ADMIN_TOKEN_FILE": missing}, "RFORK_ADMIN"),
+        ([*vllm, "--token-file", missing, "--", "m"], {}, "missing"),
+    ]
+    for args, env, says in cases:
+        out = rfork(*args, env={"RFORK_TOKEN": "", "RFORK_REGISTER_TOKEN": "", **env})
+        assert out.returncode == 2, (args, env, out.stderr)
+        assert says in one_error_line(out.stderr), (args, env, out.stderr)
