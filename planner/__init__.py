@@ -4,7 +4,8 @@ Public surface (checked by tests/planner/test_public_surface.py): the errors, th
 PlannerClient (the Python client), all from the contract room `planner.contract`; PlannerServer (the
 planner in a background thread, for tests and the demo) and the in-process API for embedding the
 real planner on a database: Planner (Planner.open(settings)), PlannerSettings, make_policy,
-migrate and check_schema. Every other module is internal.
+migrate, check_schema, redact_url (a database URL fit to print) and warn_if_world_readable (a secret
+file's mode). Every other module is internal.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ if TYPE_CHECKING:
         TransferView,
         identity_key,
     )
-    from planner.db import check_schema, migrate
+    from planner.db import check_schema, migrate, redact_url
+    from planner.secret_files import warn_if_world_readable
     from planner.selection import make_policy
     from planner.server import PlannerServer
     from planner.service import Planner

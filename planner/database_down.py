@@ -63,8 +63,8 @@ class DatabaseDown:
             if why is None or started:
                 raise
             log.warning("database unavailable (%s %s answered 503): %s", scope["method"], scope["path"], why)
-            body = orjson.dumps(
-                {"detail": f"database unavailable: {why}", "reason": "database_unavailable",
+            body = orjson.dumps(  # the driver's words (host, port, role) go to the log only
+                {"detail": "database unavailable; retry later", "reason": "database_unavailable",
                  "retry_after_s": RETRY_AFTER_S}
             )
             await send(

@@ -234,7 +234,7 @@ def alembic_config(url: str) -> Config:
 def migrate(url: str, revision: str = "head", *, lock_timeout_s: float = MIGRATION_LOCK_TIMEOUT_S) -> None:
     """Upgrade the database at `url` to `revision` (default: the newest), one migration at a time per
     database (see the module docstring). DatabaseError (one line) when it cannot."""
-    log.info("migrating %s to %s", _redact(url), revision)
+    log.info("migrating %s to %s", redact_url(url), revision)
     with _one_line_errors(url, "cannot migrate"), _migration_lock(url, lock_timeout_s) as conn:
         cfg = alembic_config(url)
         cfg.attributes["connection"] = conn
@@ -268,18 +268,18 @@ def check_schema(url: str) -> None:
         return
     if current is None:
         raise DatabaseError(
-            f"planner database {_redact(url)} has no schema; run `rfork planner migrate` first"
+            f"planner database {redact_url(url)} has no schema; run `rfork planner migrate` first"
         )
     try:
         script.get_revision(current)
     except CommandError:
         log.warning(
             "planner database %s is at revision %s, newer than this planner's %s; serving anyway",
-            _redact(url), current, head,
+            redact_url(url), current, head,
         )
         return
     raise DatabaseError(
-        f"planner database {_redact(url)} is at revision {current}, this planner needs {head}; "
+        f"planner database {redact_url(url)} is at revision {current}, this planner needs {head}; "
         "run `rfork planner migrate` first"
     )
 
@@ -291,7 +291,7 @@ def _migration_lock(url: str, timeout_s: float) -> Iterator[Connection | None]:
     if is_sqlite(url):
         fd = _file_lock_for(url)  # None: in memory, one process
         try:
-            with _flocked(fd, timeout_s=timeout_s, what=f"migration lock of {_redact(url)}"):
+            with _flocked(fd, timeout_s=timeout_s, what=f"migration lock of {redact_url(url)}"):
                 yield None
         finally:
             if fd is not None:
@@ -311,7 +311,7 @@ def _migration_lock(url: str, timeout_s: float) -> Iterator[Connection | None]:
             except DBAPIError as exc:
                 if getattr(exc.orig, "sqlstate", None) == "55P03":  # lock_not_available
                     raise DatabaseError(
-                        f"another migration has held the migration lock of {_redact(url)} for more than "
+                        f"another migration has held the migration lock of {redact_url(url)} for more than "
                         f"{timeout_s:g} s"
                     ) from None
                 raise
@@ -337,7 +337,7 @@ def _one_line_errors(url: str, doing: str) -> Iterator[None]:
         first = (str(exc.orig).strip() or type(exc.orig).__name__).splitlines()[0]
         unreachable = isinstance(exc, OperationalError)
         hint = " (check --db or $RFORK_DB_URL, and that the database is up)" if unreachable else ""
-        raise DatabaseError(f"{doing} the planner database {_redact(url)}: {first}{hint}") from None
+        raise DatabaseError(f"{doing} the planner database {redact_url(url)}: {first}{hint}") from None
 
 
 def _connect_args(url: str) -> dict[str, Any]:
@@ -348,5 +348,13 @@ def _connect_args(url: str) -> dict[str, Any]:
     return {}
 
 
-def _redact(url: str) -> str:
-    return make_url(url).render_as_string(hide_password=True)
+def redact_url(url: str) -> str:
+    """The database URL with everything between its user name and its last `@` hidden: read as text, not
+    parsed, so a malformed URL (which a parser may split anywhere) never shows its password either."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    if "@" not in rest:
+        return url
+    creds, host = rest.rsplit("@", 1)
+    return f"{scheme}{sep}{creds.split(':', 1)[0]}:***@{host}"

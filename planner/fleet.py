@@ -20,6 +20,7 @@ from sqlalchemy import func, select, update
 
 from planner.contract import views, wire
 from planner.contract.errors import Conflict, NotFound
+from planner.contract.integrity import is_cryptographic
 from planner.db import Database
 from planner.models import Anchor, Instance, Lease
 from planner.settings import PlannerSettings
@@ -291,6 +292,7 @@ def fleet_view(
                 views.FleetAnchor(
                     rank=a.rank,
                     checksum_algorithm=a.checksum_algorithm,
+                    cryptographic=is_cryptographic(a.checksum_algorithm),
                     digest_set=a.digest_set[:12],
                     anchored_by=a.instance_id,
                 )

@@ -13,6 +13,8 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from planner.contract.networks import parse_networks
+from planner.secret_files import warn_if_world_readable
 from planner.selection import policy_name
 
 DEFAULT_DB_URL = "sqlite:///rfork-planner.db"
@@ -32,6 +34,12 @@ SECRET_FIELDS = (
 
 class SettingsError(RuntimeError):
     """A setting cannot be read (a secret file); the message is one line naming the variable."""
+
+
+def _networks(text: str) -> str:
+    """A CIDR list the planner can parse (ValueError naming the bad entry)."""
+    parse_networks(text)
+    return text
 
 
 class PlannerSettings(BaseSettings):
@@ -107,6 +115,10 @@ class PlannerSettings(BaseSettings):
     max_instances_per_credential: int = Field(default=4096, ge=1)
     probe_timeout_s: float = Field(default=2.0, gt=0, le=60)  # GET {control_url}/v1/health, whole answer
     probe_interval_s: float = Field(default=10.0, gt=0)  # quarantined seeds are probed again this often
+    # CIDR list (comma or space separated) the health probe may connect to; empty: every address. A
+    # control URL is a register token's word: without a list the probe's outcome tells it whether any
+    # host:port the planner reaches answers
+    probe_networks: Annotated[str, AfterValidator(_networks)] = ""
 
     @model_validator(mode="before")
     @classmethod
@@ -128,6 +140,7 @@ class PlannerSettings(BaseSettings):
                     value = f.read().strip()
             except OSError as exc:
                 raise SettingsError(f"${var}_FILE={path}: {exc.strerror or exc}") from None
+            warn_if_world_readable(path, f"${var}_FILE")
             if not value:
                 raise SettingsError(f"${var}_FILE={path} is empty")
             data[field] = value

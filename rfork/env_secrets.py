@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from planner import warn_if_world_readable
 from rfork.errors import ConfigurationError
 
 
@@ -29,6 +30,7 @@ def env_secret(name: str, environ: Mapping[str, str] | None = None) -> str | Non
             secret = f.read().strip()
     except OSError as exc:
         raise SecretFileError(f"${name}_FILE={path}: {exc.strerror or exc}", setting=name) from exc
+    warn_if_world_readable(path, f"${name}_FILE")
     if not secret:
         raise SecretFileError(f"${name}_FILE={path} is empty", setting=name)
     return secret

@@ -5,16 +5,23 @@ reason and the time spent verifying digests; a seed counts its heartbeat failure
 serves. The counters live in rfork's own registry (not prometheus_client's default one: a framework
 that embeds rfork keeps its own /metrics as it was); `serve_metrics` exposes them on a port
 (`rfork load|seed --metrics-port`, docs/operations.md). Counting costs a lock and an add, with or
-without a scraper.
+without a scraper. The port binds 127.0.0.1 unless told otherwise; it serves at most
+`MAX_CONNECTIONS` connections at once (one thread each; more are closed at once) and closes one
+that sends nothing for `IDLE_TIMEOUT_S`, so idle or dripping connections cannot pile up threads in
+the serving process.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
+import socketserver
+import sys
 import threading
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 log = logging.getLogger(__name__)
 
@@ -57,17 +64,64 @@ SEED_HEARTBEAT_FAILURES = Counter(
     registry=REGISTRY,
 )
 
+DEFAULT_HOST = "127.0.0.1"
+MAX_CONNECTIONS = 8
+IDLE_TIMEOUT_S = 5.0
+
 _server_lock = threading.Lock()
 _server: Any = None
 
 
-def serve_metrics(port: int, host: str = "0.0.0.0") -> int:
+class _Handler(WSGIRequestHandler):
+    """One connection; its socket times out after IDLE_TIMEOUT_S without a byte, ending its thread."""
+
+    timeout = IDLE_TIMEOUT_S
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        """Scrapes are not logged."""
+
+
+class _Server(socketserver.ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most MAX_CONNECTIONS of them: a connection over that is closed."""
+
+    daemon_threads = True
+    request_queue_size = 128  # a burst of connections is accepted (and refused or served) at once
+
+    def __init__(self, address: tuple[str, int]) -> None:
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that timed out or broke: one debug line, not a traceback on stderr."""
+        log.debug("metrics connection from %s ended: %s", client_address, sys.exc_info()[1])
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def serve_metrics(port: int, host: str = DEFAULT_HOST) -> int:
     """Expose the registry as Prometheus text on http://HOST:PORT/metrics (a daemon thread; once per
     process); returns the port (useful with 0). OSError when the port is taken."""
     global _server
     with _server_lock:
         if _server is None:
-            server, _thread = start_http_server(port, addr=host, registry=REGISTRY)
+            server = _Server((host, port))
+            server.set_app(make_wsgi_app(REGISTRY))
+            threading.Thread(target=server.serve_forever, name="rfork-metrics", daemon=True).start()
             _server = server
         bound = int(_server.server_address[1])
     log.info("metrics on http://%s:%d/metrics", host, bound)

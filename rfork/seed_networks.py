@@ -7,31 +7,35 @@ from every loader). `RFORK_SEED_NETWORKS` is a comma- or space-separated CIDR li
 resolves the host once and returns the addresses to connect to, so a name cannot resolve to an allowed
 address for the check and another for the connection. A malformed list is fatal (ValueError): a
 security setting that silently allowed everything would be worse than none.
+
+The same list holds the fabric addresses inside a seed's memory descriptors (`check_engine_address`):
+a tcp or verbs name is a socket address the provider connects to, a shm name a process on this host
+(allowed when 127.0.0.1 is), an efa name no IP address at all (not checked).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
-import socket
 from collections.abc import Mapping
+
+from backends.descriptor import EngineAddress
+from backends.errors import BackendUnavailable, TransferError
+from backends.providers.peer_names import peer_ip
+from planner.contract import NetworkRefused, inside, parse_networks, resolve_within
 
 ENV = "RFORK_SEED_NETWORKS"
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
-class SeedNetworkRefused(ConnectionRefusedError):
+class SeedNetworkRefused(NetworkRefused):
     """A seed endpoint resolves to an address outside RFORK_SEED_NETWORKS; nothing was connected."""
 
 
 def allowed_networks(env: Mapping[str, str] | None = None) -> list[Network] | None:
     """The configured networks, or None when every address is allowed. ValueError for a bad entry."""
-    text = (os.environ if env is None else env).get(ENV, "")
-    entries = text.replace(",", " ").split()
-    if not entries:
-        return None
     try:
-        return [ipaddress.ip_network(e, strict=False) for e in entries]
+        return parse_networks((os.environ if env is None else env).get(ENV, ""))
     except ValueError as exc:
         raise ValueError(f"{ENV}: {exc} (a comma-separated list of CIDR networks, e.g. 10.0.0.0/8)") from exc
 
@@ -41,13 +45,25 @@ def resolve_seed_host(host: str, port: int, *, env: Mapping[str, str] | None = N
 
     SeedNetworkRefused when the host resolves to none allowed; OSError when it does not resolve.
     """
+    try:
+        return resolve_within(host, port, allowed_networks(env), what=ENV)
+    except NetworkRefused as exc:
+        raise SeedNetworkRefused(f"seed endpoint {exc}") from exc
+
+
+def check_engine_address(address: bytes, *, env: Mapping[str, str] | None = None) -> None:
+    """Refuse (SeedNetworkRefused) an engine address with a domain name outside the allowed networks,
+    or one that cannot be read (a malformed name, an unknown provider); call it before any op on it."""
     networks = allowed_networks(env)
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    addrs = list(dict.fromkeys((str(info[4][0]), port) for info in infos))
     if networks is None:
-        return addrs
-    ok = [(a, p) for a, p in addrs if any(ipaddress.ip_address(a.split("%")[0]) in n for n in networks)]
-    if not ok:
-        shown = ", ".join(a for a, _ in addrs)
-        raise SeedNetworkRefused(f"seed endpoint {host} ({shown}) is outside {ENV}; not connecting")
-    return ok
+        return
+    try:
+        ea = EngineAddress.from_bytes(address)
+        ips = [peer_ip(ea.provider, name) for name in ea.domains]
+    except (TransferError, BackendUnavailable) as exc:
+        why = f"fabric address cannot be checked against {ENV} ({exc}); not connecting"
+        raise SeedNetworkRefused(why) from exc
+    for ip in ips:
+        if ip is not None and not inside(ip, networks):
+            raise SeedNetworkRefused(f"{ea.provider} fabric address {ip} is outside {ENV}; not connecting")
+

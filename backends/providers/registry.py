@@ -28,6 +28,7 @@ class Provider:
     hint: str = ""  # the provider's own name in its module's library (libfabric: fi_info's prov_name)
     binds_host: bool = False  # a host (or RFORK_TCP_HOST) pins the source address
     delivery_complete: bool = True  # every write waits for delivery (docs/transport.md, "Completion")
+    names: str = "sockaddr"  # what a peer's endpoint name is (backends.providers.peer_names)
 
 
 class ProviderModule(Protocol):
@@ -45,8 +46,8 @@ PROVIDERS: Mapping[str, Provider] = {
     p.name: p
     for p in (
         Provider("tcp", _LIBFABRIC, hint="tcp;ofi_rxm", binds_host=True),
-        Provider("shm", _LIBFABRIC, hint="shm", delivery_complete=False),
-        Provider("efa", _LIBFABRIC, hint="efa"),
+        Provider("shm", _LIBFABRIC, hint="shm", delivery_complete=False, names="local"),
+        Provider("efa", _LIBFABRIC, hint="efa", names="fabric"),
         Provider("verbs", _LIBFABRIC, hint="verbs;ofi_rxm"),
     )
 }

@@ -36,7 +36,7 @@ from planner.contract.errors import (
     PlannerUnavailable,
     ProtocolMismatch,
 )
-from planner.contract.integrity import digest_set
+from planner.contract.integrity import digest_set, is_cryptographic
 from planner.contract.manifest import (
     RankManifest,
     RegionEntry,
@@ -44,6 +44,7 @@ from planner.contract.manifest import (
     TensorDigest,
     TensorEntry,
 )
+from planner.contract.networks import NetworkRefused, inside, parse_networks, resolve_within
 from planner.contract.views import (
     FleetView,
     InstancePage,
@@ -81,6 +82,11 @@ if TYPE_CHECKING:
     from planner.contract.client import PlannerClient
 
 __all__ = [
+    "NetworkRefused",
+    "inside",
+    "is_cryptographic",
+    "parse_networks",
+    "resolve_within",
     "AllBusy",
     "Anchor",
     "Assignment",

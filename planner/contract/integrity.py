@@ -15,6 +15,14 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+CRYPTOGRAPHIC_DIGESTS = frozenset({"blake3"})  # checksum algorithms a crafted collision cannot match
+
+
+def is_cryptographic(checksum_algorithm: str) -> bool:
+    """Whether a crafted collision cannot match the algorithm's digests (blake3; not xxh3-128 or
+    pmix64-v1, which guard against accidents only)."""
+    return checksum_algorithm in CRYPTOGRAPHIC_DIGESTS
+
 
 def digest_set(checksum_algorithm: str, tensors: Iterable[Mapping[str, Any]]) -> str:
     """sha256 hex over the algorithm and every tensor's (name, dtype, shape, nbytes, checksum), by name."""

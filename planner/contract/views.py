@@ -104,6 +104,7 @@ class FleetAnchor(BaseModel):
 
     rank: int
     checksum_algorithm: str
+    cryptographic: bool  # whether the algorithm resists a crafted collision (blake3), not only accidents
     digest_set: str
     anchored_by: str
 

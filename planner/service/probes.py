@@ -5,16 +5,22 @@ A transport report is a loader's claim; one token's claims alone never quarantin
 the seed itself: `GET {control_url}/v1/health` through planner.contract.seed_http (a whole answer within
 probe_timeout_s, a small body cap). A failed probe quarantines it for quarantine_s; a later successful
 probe of a quarantined seed (every probe_interval_s) clears the quarantine, whatever set it. A seed with
-no control endpoint cannot be probed: only corroborated reports quarantine it, for quarantine_s.
+no control endpoint cannot be probed: only corroborated reports quarantine it, for quarantine_s. Nor can
+one whose control URL resolves outside `probe_networks` (RFORK_PROBE_NETWORKS, when set): the planner
+connects to no other address, so a register token cannot use the probe's outcome to learn which
+host:port the planner reaches answers.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from urllib.parse import urlsplit
 
 from sqlalchemy import select, update
 
 from planner.contract import seed_http
+from planner.contract.networks import Network, NetworkRefused, parse_networks, resolve_within
 from planner.models import Instance
 from planner.service.base import ServiceState
 
@@ -23,13 +29,22 @@ log = logging.getLogger(__name__)
 PROBE_BATCH = 64  # quarantined seeds probed per pass
 
 
-def seed_is_healthy(control_url: str, timeout_s: float) -> bool:
-    """Whether the seed's control endpoint answers 200 to GET /v1/health within `timeout_s` in all."""
+PROBE_NETWORKS_ENV = "RFORK_PROBE_NETWORKS"
+
+
+def seed_is_healthy(control_url: str, timeout_s: float, networks: list[Network] | None = None) -> bool | None:
+    """Whether the seed's control endpoint answers 200 to GET /v1/health within `timeout_s` in all; None
+    (not probed, nothing connected) when its host resolves only outside `networks`."""
+    resolve = functools.partial(resolve_within, networks=networks, what=PROBE_NETWORKS_ENV)
     try:
         answer = seed_http.exchange(
-            control_url.rstrip("/") + "/v1/health", deadline_s=timeout_s, max_body_bytes=16 << 10
+            control_url.rstrip("/") + "/v1/health", deadline_s=timeout_s, max_body_bytes=16 << 10,
+            resolve=resolve,
         )
-    except seed_http.SeedHttpError as exc:
+    except NetworkRefused as exc:
+        log.warning("probe of %s not made: %s", urlsplit(control_url).netloc, exc)
+        return None
+    except OSError as exc:  # SeedHttpError, or the host does not resolve
         log.info("probe of %s failed: %s", control_url, exc)
         return False
     return answer.status == 200
@@ -45,7 +60,10 @@ class ProbeOps(ServiceState):
             url = s.scalar(select(Instance.control_url).where(Instance.id == instance_id))
         if not url:
             return None
-        healthy = seed_is_healthy(url, self.settings.probe_timeout_s)
+        networks = parse_networks(self.settings.probe_networks)
+        healthy = seed_is_healthy(url, self.settings.probe_timeout_s, networks)
+        if healthy is None:
+            return None
         with self.db.write() as s:
             if healthy:
                 s.execute(

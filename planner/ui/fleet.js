@@ -55,7 +55,7 @@ function drawIdentities(view) {
   for (const i of view.instances) count[i.identity_key] = (count[i.identity_key] || 0) + 1;
   fill("identities", view.identities.map((d) => {
     const anchor = d.anchors.length
-      ? d.anchors.map((a) => "rank " + a.rank + " " + a.checksum_algorithm + " " + a.digest_set + " by " + short(a.anchored_by)).join("; ")
+      ? d.anchors.map((a) => "rank " + a.rank + " " + a.checksum_algorithm + (a.cryptographic ? " (cryptographic) " : " (not cryptographic) ") + a.digest_set + " by " + short(a.anchored_by)).join("; ")
       : "not anchored";
     return el("tr", { "data-identity": d.identity_key },
       cell(d.model, "model"), cell(d.revision), cell(d.framework), cell(d.dtype), cell(d.layout),

@@ -80,7 +80,11 @@ def print_fleet(view: Any, *, clear: bool = False) -> None:
         counts[i.identity_key] = counts.get(i.identity_key, 0) + 1
     for d in view.identities:
         anchor = (
-            "; ".join(f"rank {a.rank} {a.checksum_algorithm} {a.digest_set}" for a in d.anchors)
+            "; ".join(
+                f"rank {a.rank} {a.checksum_algorithm} ({'' if a.cryptographic else 'not '}cryptographic) "
+                f"{a.digest_set}"
+                for a in d.anchors
+            )
             if d.anchors
             else "not anchored"
         )

@@ -86,6 +86,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(default: $RFORK_REQUIRE_SEED, else off)",
     )
     parser.add_argument(
+        "--require-crypto-digest",
+        action="store_true",
+        default=(env("RFORK_REQUIRE_CRYPTO_DIGEST", "") or "").lower() in ("1", "true", "yes", "on"),
+        help="refuse to pull unless the digest is cryptographic (BLAKE3; $RFORK_DIGEST): stop with "
+        "status 2 under xxh3-128 or pmix64-v1 (default: $RFORK_REQUIRE_CRYPTO_DIGEST, else off)",
+    )
+    parser.add_argument(
         "--timeout", type=float, default=5.0, metavar="SECONDS", help="dead-peer timeout for transfers"
     )
     parser.add_argument("--chunk-mib", type=int, default=8, help="bytes per read, MiB")
@@ -179,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
         fallback_gbps=args.fallback_gbps or None,
         max_concurrent_pulls=args.max_concurrent_pulls,
         require_seed=args.require_seed,
+        require_crypto_digest=args.require_crypto_digest,
     )
     with progress_bar("loading weights", enabled=not args.no_progress) as update:
         loader = Loader(

@@ -151,7 +151,8 @@ def add_metrics(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--metrics-host",
-        default=env("RFORK_METRICS_HOST", "0.0.0.0"),
+        default=env("RFORK_METRICS_HOST", "127.0.0.1"),
         metavar="HOST",
-        help="address the metrics port binds (default: $RFORK_METRICS_HOST, else 0.0.0.0)",
+        help="address the metrics port binds; 0.0.0.0 for a scraper on another host "
+        "(default: $RFORK_METRICS_HOST, else 127.0.0.1)",
     )

@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     interrupted."""
     import logging
     import os
+    import tempfile
 
     import pydantic
     import sqlalchemy.exc
@@ -96,12 +97,20 @@ def run(args: argparse.Namespace) -> int:
     say(f"planner listening on {url} (db {db}, policy {settings.selection_policy})", url=url)
     who = "no token needed: --insecure" if settings.insecure else "paste a token with the reader role"
     say(f"fleet page: {url}/ui ({who}); API docs: {url}/docs")
-    if args.workers > 1:  # each worker builds its app from the environment (RFORK_*), like a fresh `serve`
-        os.environ["RFORK_DB_URL"] = settings.db_url
-        os.environ["RFORK_SELECTION_POLICY"] = settings.selection_policy
-        if settings.insecure:
-            os.environ["RFORK_INSECURE"] = "1"
-    stopped_by = serve(app, sock=sock, workers=args.workers)
+    with tempfile.TemporaryDirectory(prefix="rfork-planner-") as private:  # mode 0700
+        if args.workers > 1:  # each worker builds its app from the environment (RFORK_*), as `serve` does
+            if args.db:  # the URL carries the database password: a private file, never the environment
+                path = os.path.join(private, "db-url")
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write(settings.db_url)
+                os.environ.pop("RFORK_DB_URL", None)
+                os.environ["RFORK_DB_URL_FILE"] = path
+            # else the workers read $RFORK_DB_URL or $RFORK_DB_URL_FILE as this process did
+            os.environ["RFORK_SELECTION_POLICY"] = settings.selection_policy
+            if settings.insecure:
+                os.environ["RFORK_INSECURE"] = "1"
+        stopped_by = serve(app, sock=sock, workers=args.workers)
     if stopped_by is not None:
         say(f"planner stopped by {stopped_by}: the requests in flight were answered", signal=stopped_by)
     return 0

@@ -52,12 +52,9 @@ def address(sock: socket.socket) -> str:
 def database_problem(exc: BaseException, url: str) -> ServeError:
     """One line for a database that cannot be reached or used (password hidden)."""
     # imported here: `rfork --help` imports every command module (start-up time)
-    from sqlalchemy.engine import make_url
+    from planner import redact_url
 
-    try:
-        shown = make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001 - a URL SQLAlchemy cannot even parse is shown as given
-        shown = url
+    shown = redact_url(url)
     cause = getattr(exc, "orig", None) or exc
     first = next((line.strip() for line in str(cause).splitlines() if line.strip()), type(cause).__name__)
     return ServeError(f"database {shown}: {first} (check --db or $RFORK_DB_URL, and that the database is up)")

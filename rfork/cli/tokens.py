@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from planner import warn_if_world_readable
 from rfork.env_secrets import env_secret
 from rfork.errors import ConfigurationError
 
@@ -27,6 +28,7 @@ def read_token(path: Path | None, *, env: tuple[str, ...]) -> str | None:
     """The token in `path` (surrounding whitespace stripped), else the first of `env` that is set
     (each as `$NAME` or `$NAME_FILE`, rfork.env_secrets)."""
     if path is not None:
+        warn_if_world_readable(str(path), "--token-file")
         try:
             token = path.read_text(encoding="utf-8").strip()
         except OSError as exc:

@@ -39,6 +39,7 @@ from rfork.pull.planner_session import PlannerSession, Source
 from rfork.pull.progress_report import PullProgress
 from rfork.pull.result import Attempt, LoadOptions, LoadResult, ProgressFn
 from rfork.seed.seed import ServedRank
+from rfork.weights import checksum as ck
 from rfork.weights.checkpoint import CheckpointInfo, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
 
@@ -277,6 +278,13 @@ class Loader:
             t_alloc = time.perf_counter()
             dest = RankWeights.allocate_for(manifest)
             phases["alloc"] = time.perf_counter() - t_alloc
+        if self.options.require_crypto_digest and not ck.is_cryptographic(dest.checksum_algorithm):
+            raise ConfigurationError(
+                f"rank {rank}: require_crypto_digest is set but {dest.device} tensors are digested with "
+                f"{dest.checksum_algorithm}, which is not cryptographic; set RFORK_DIGEST=blake3 on every "
+                "seed and loader (and anchor the identity under blake3)",
+                setting="require_crypto_digest",
+            )
         if manifest.checksum_algorithm != dest.checksum_algorithm:
             raise PullError(
                 f"seed {source.instance_id}: checksum algorithm {manifest.checksum_algorithm!r} "

@@ -46,6 +46,7 @@ from planner.contract import RankManifest
 from rfork.errors import PullError
 from rfork.pull.result import LoadOptions, ProgressFn
 from rfork.pull.staged import pull_staged
+from rfork.seed_networks import SeedNetworkRefused, check_engine_address
 from rfork.weights import checksum as ck
 from rfork.weights.memory import prefault
 from rfork.weights.rank_weights import RankWeights
@@ -165,8 +166,10 @@ class OneSidedReader:
         """Read and verify every tensor of `dest` from the seed's (checked) manifest; fills `phases`.
 
         Returns the local registrations (one per destination region, read-only) for the seed this
-        instance becomes, or [] when the pull went through bounce slots.
+        instance becomes, or [] when the pull went through bounce slots. PullError, before anything
+        is connected, when a descriptor's fabric address is outside RFORK_SEED_NETWORKS.
         """
+        check_fabric_addresses(manifest, dest.rank)
         t_engine = time.perf_counter()
         engine = self.engine()
         phases["engine"] = time.perf_counter() - t_engine
@@ -189,6 +192,17 @@ class OneSidedReader:
     def _open(self) -> TransferEngine:
         opts = self.options
         return TransferEngine((opts.one_sided or ["tcp"])[0], opts.domains, timeout_s=opts.transfer_timeout_s)
+
+
+def check_fabric_addresses(manifest: RankManifest, rank: int) -> None:
+    """PullError unless every region descriptor's fabric address is inside RFORK_SEED_NETWORKS: the
+    provider connects to the address a seed names (a tcp name is a socket address) at the first read."""
+    descriptors = [MemoryRegionDescriptor.from_bytes(manifest.descriptor(r.index)) for r in manifest.regions]
+    for address in {d.address for d in descriptors}:
+        try:
+            check_engine_address(address)
+        except SeedNetworkRefused as exc:
+            raise PullError(f"rank {rank}: {exc}") from exc
 
 
 @dataclass(slots=True)

@@ -114,6 +114,10 @@ class LoadOptions:
     # No fallback to the disk: a rank no seed serves (planner unreachable, no seed, all busy, every pull
     # failed) raises rfork.SeedRequired naming why, for operators who would rather fail than cold-start
     require_seed: bool = False
+    # Pull only under a cryptographic digest (BLAKE3): a destination whose digest is xxh3-128 or
+    # pmix64-v1 (RFORK_DIGEST, rfork.weights.checksum) stops the load with a ConfigurationError
+    # before any byte is pulled, and a seed's manifest or anchor under another algorithm is refused
+    require_crypto_digest: bool = False
 
     @property
     def one_sided(self) -> list[str]:

@@ -243,16 +243,27 @@ class ControlServer:
             self._used_leases[grant.lease_id] = grant.expires_at
 
     def compile_cache(self, grant: ControlGrant | None, key: str) -> PackedCache:
-        """The archive of compile cache `key` for a compile-cache grant of that key, spent here (one fetch
-        per grant); may block: it may pack."""
+        """The archive of compile cache `key` for a compile-cache grant of that key, spent by the fetch that
+        gets it (one per grant): a fetch answered 404, 409 not_ready or 507 leaves the grant unspent, so
+        the loader may ask again once the cache settled. May block: it may pack."""
         if grant is not None and not grant.compile_cache:
             raise HttpError(HTTPStatus.FORBIDDEN, "control token: not a compile-cache grant")
         if grant is not None and grant.cache_key != key:
             raise HttpError(HTTPStatus.FORBIDDEN, f"control token: not a grant for compile cache {key[:12]}")
-        if grant is not None:
+        if grant is not None:  # held while this fetch runs (a second use of it meanwhile is refused)
             with self._lock:
                 self._check_lease_unused(grant.lease_id)
                 self._used_leases[grant.lease_id] = grant.expires_at
+        try:
+            return self._archive(key)
+        except HttpError:
+            if grant is not None:  # nothing was served: the grant stays good for another try
+                with self._lock:
+                    self._used_leases.pop(grant.lease_id, None)
+            raise
+
+    def _archive(self, key: str) -> PackedCache:
+        """The packed archive of `key`; HttpError 404 (none here), 409 not_ready, 507 (cannot pack)."""
         if self.compile_caches is None:
             raise HttpError(HTTPStatus.NOT_FOUND, "this seed serves no compile caches")
         try:

@@ -1,11 +1,11 @@
 """Per-tensor weight digests, chosen per threat model by `RFORK_DIGEST` (the same on every process).
 
-- `RFORK_DIGEST=xxh3-128` (the default; a trusted fleet, where every holder of a register token is
-  an operator's own machine): it guards against accidents (bit flips, torn or misdirected reads, a
-  stale or wrong checkpoint), not against a crafted collision. Host (CPU) tensors use `xxh3-128`
-  (XXH3 128-bit of the raw bytes, 32 hex digits), at memory speed; CUDA tensors use `pmix64-v1`
-  (below), computed on the device. Neither is cryptographic: pmix64-v1 is a sum of per-word mixes
-  and admits generalized-birthday (Wagner) collisions in seconds of CPU time.
+- `RFORK_DIGEST=xxh3-128` (the default; a trusted fleet, where every holder of a register token is an
+  operator's own machine): it guards against accidents (bit flips, torn or misdirected reads, a stale or wrong
+  checkpoint), not against a crafted collision. Host tensors use `xxh3-128` (XXH3 128-bit of the raw
+  bytes, 32 hex digits), at memory speed, computed by the transport's native thread as reads land;
+  CUDA tensors `pmix64-v1`. Neither is cryptographic: pmix64-v1 is a sum of per-word mixes and admits
+  generalized-birthday (Wagner) collisions in seconds of CPU time.
 - `RFORK_DIGEST=blake3` (hostile seeds: any holder of a register token may serve crafted bytes):
   BLAKE3 (64 hex digits) for every tensor on every device: on the host with the `blake3` package
   (multi-threaded, `RFORK_DIGEST_THREADS`, default min(4, CPUs)); on a GPU with torch ops on the
@@ -45,6 +45,7 @@ import blake3
 import torch
 import xxhash
 
+from planner.contract import is_cryptographic as is_cryptographic  # the one list, the planner's
 from rfork.weights.blake3_tensor import blake3_hex
 
 DEVICE_DIGEST = "pmix64-v1"
@@ -145,7 +146,7 @@ def checksum_bytes(data: torch.Tensor) -> str:
 
 
 def host_algorithm() -> str:
-    """The digest setting of this process: $RFORK_DIGEST (xxh3-128 unless set; ValueError if unknown)."""
+    """The host digest of this process: $RFORK_DIGEST (xxh3-128 unless set; ValueError if unknown)."""
     chosen = os.environ.get("RFORK_DIGEST") or XXH3_128
     if chosen not in HOST_ALGORITHMS:
         raise ValueError(f"RFORK_DIGEST: {chosen!r} is not one of {', '.join(HOST_ALGORITHMS)}")
@@ -154,11 +155,13 @@ def host_algorithm() -> str:
 
 def algorithm_for(device: torch.device | str) -> str:
     """The digest used for tensors on `device`: BLAKE3 everywhere under RFORK_DIGEST=blake3; else
-    xxh3-128 on the host and pmix64-v1 on a GPU (the trusted-fleet setting)."""
+    xxh3-128 on the host and pmix64-v1 on a GPU (the trusted-fleet setting). A loader that must not
+    trust these sets `LoadOptions.require_crypto_digest`."""
     chosen = host_algorithm()
-    if chosen == BLAKE3:
-        return BLAKE3
-    return DEVICE_DIGEST if torch.device(device).type == "cuda" else chosen
+    if torch.device(device).type != "cuda":
+        return chosen
+    return BLAKE3 if os.environ.get("RFORK_DIGEST") == BLAKE3 else DEVICE_DIGEST
+
 
 
 def blake3_threads() -> int:

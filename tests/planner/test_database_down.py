@@ -118,6 +118,9 @@ def test_every_route_answers_503_while_the_database_is_down(
                 assert int(r.headers["retry-after"]) >= 1, (method, path)
                 if path != "/readyz":
                     assert "database" in r.json()["detail"], (method, path)
+                # an unauthenticated caller learns nothing of the database: no host, port or role
+                for secret in ("127.0.0.1", str(relay.port), f'"{urlsplit(url).username}"', "port"):
+                    assert secret not in r.text, (method, path, r.text)
             metrics = http.get("/metrics")
             assert metrics.status_code == 200
             assert "rfork_planner" in metrics.text

@@ -73,6 +73,8 @@ def test_fleet_needs_a_token_and_hides_secrets(secure):
     assert view.identities[0].model == HOSTILE  # data, as given: the page renders it as text
     assert view.identities[0].layout == "tp2 pp1 ep1 dp1"
     assert [a.rank for a in view.identities[0].anchors] == [0, 1]  # anchored (origin disk)
+    assert [a.checksum_algorithm for a in view.identities[0].anchors] == ["xxh64", "xxh64"]
+    assert not any(a.cryptographic for a in view.identities[0].anchors)  # the page says which digest
     inst = view.instances[0]
     assert (inst.status.value, inst.labels.node, inst.pulls, inst.max_concurrent_pulls) == (
         "READY",

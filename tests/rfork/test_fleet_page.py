@@ -150,6 +150,10 @@ def test_fleet_page_in_chromium(browser, fleet, small_ckpt, planner, tmp_path):
     assert {t for t, _ in state["transfers"]} == {t.assignment_id for t in api.transfers}
     assert {o for _, o in state["transfers"]} == {"success"}
     assert set(state["nodes"]) >= {seed_id, l1_id, l2_id}
+    # each identity says which digest its anchor is made with, and whether it resists a crafted input
+    (anchor,) = {a.checksum_algorithm for d in api.identities for a in d.anchors}
+    shown = f"rank 0 {anchor} ({'' if anchor == 'blake3' else 'not '}cryptographic)"
+    assert shown in state["text"], state["text"]
 
     # the hostile name is shown as text and never ran
     assert HOSTILE in state["models"]

@@ -13,7 +13,7 @@ import pytest
 
 from planner.contract import Conflict, PlannerClient
 from rfork import load
-from rfork.errors import LoadFailed
+from rfork.errors import ConfigurationError, LoadFailed
 from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
@@ -112,6 +112,29 @@ def test_a_pull_verified_with_blake3(small_ckpt, planner, monkeypatch):
         admin = {"Authorization": f"Bearer {ADMIN}"}
         anchors = httpx.get(f"{planner}/v1/anchors", headers=admin).json()["items"]
         assert [a["checksum_algorithm"] for a in anchors] == ["blake3"]
+
+
+@pytest.mark.parametrize("digest", ["xxh3-128", "blake3"])
+def test_a_loader_that_requires_a_cryptographic_digest_pulls_only_under_blake3(
+    small_ckpt, planner, monkeypatch, digest
+):
+    """require_crypto_digest: under xxh3-128 the load stops with a ConfigurationError naming the setting
+    before any source is read (no disk fallback); under BLAKE3 it pulls from the seed as usual."""
+    monkeypatch.setenv("RFORK_DIGEST", digest)
+    info = read_checkpoint_info(small_ckpt)
+    ident = info.identity()
+    weights = [_weights(small_ckpt)]
+    with Seed(weights=weights, identity=ident, planner_url=planner, control=False, token=REGISTER):
+        strict = opts(become_seed=False, require_crypto_digest=True)
+        if digest == "xxh3-128":
+            with pytest.raises(ConfigurationError, match="xxh3-128, which is not cryptographic") as err:
+                load(identity=ident, planner_url=planner, checkpoint=small_ckpt, **AUTH, options=strict)
+            assert err.value.setting == "require_crypto_digest"
+            return
+        result = load(identity=ident, planner_url=planner, **AUTH, options=strict)
+        assert result.verified
+        assert result.source == "rfork-tcp"
+        result.close()
 
 
 def test_a_false_checksum_report_costs_a_healthy_seed_one_reverification(small_ckpt, sqlite_url):

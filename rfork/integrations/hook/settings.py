@@ -38,6 +38,7 @@ ENV_FOR_KEY = {
     "require_seed": "RFORK_REQUIRE_SEED",
     "metrics_port": "RFORK_METRICS_PORT",
     "metrics_host": "RFORK_METRICS_HOST",
+    "require_crypto_digest": "RFORK_REQUIRE_CRYPTO_DIGEST",
 }
 TOKEN_ENV = "RFORK_TOKEN"
 TOKEN_FILE_ENV = "RFORK_TOKEN_FILE"
@@ -69,7 +70,8 @@ class HookSettings:
     require_seed: bool = False  # no seed served the weights: fail the load instead of the disk fallback
     # rfork's Prometheus metrics (rfork.metrics) on metrics_port + the worker's global rank; None: off
     metrics_port: int | None = None
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = "127.0.0.1"
+    require_crypto_digest: bool = False  # pull only under BLAKE3 (LoadOptions.require_crypto_digest)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -123,6 +125,8 @@ class HookSettings:
             kwargs["compile_cache"] = _flag(raw["compile_cache"], "compile_cache")
         if "require_seed" in raw:
             kwargs["require_seed"] = _flag(raw["require_seed"], "require_seed")
+        if "require_crypto_digest" in raw:
+            kwargs["require_crypto_digest"] = _flag(raw["require_crypto_digest"], "require_crypto_digest")
         if "model" in raw:
             kwargs["model"] = _text(raw["model"], "model")
         if "revision" in raw:
@@ -161,6 +165,8 @@ class HookSettings:
         }
         if self.require_seed:
             out["require_seed"] = True
+        if self.require_crypto_digest:
+            out["require_crypto_digest"] = True
         if self.planner_url:
             out["planner_url"] = self.planner_url
         if self.model:
@@ -183,6 +189,7 @@ class HookSettings:
             seed_later=self.serve,
             pull_torch_threads=None,
             require_seed=self.require_seed,
+            require_crypto_digest=self.require_crypto_digest,
         )
 
 

@@ -16,12 +16,18 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from planner.db import redact_url
 
 
 @contextmanager
-def serving(*args: str, timeout_s: float = 60.0) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+def serving(
+    *args: str, timeout_s: float = 60.0, extra_env: dict[str, str] | None = None
+) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """`rfork planner serve ARGS` until it prints its address; (the address, the process)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     proc = subprocess.Popen(
         [sys.executable, "-m", "rfork", "planner", "serve", *args],
         stdout=subprocess.PIPE,
@@ -103,6 +109,31 @@ def test_an_unreachable_database_is_one_line_without_the_password():
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize(
+    "db", ["postgres ql://rfork:sekrit@h/db", "rfork:sekrit@h/db", "postgresql://rfork:sekrit@h:5432/db?x=%"]
+)
+def test_a_malformed_database_url_is_one_line_without_the_password(db):
+    out = subprocess.run(
+        [sys.executable, "-m", "rfork", "planner", "serve", "--insecure", "--port", "0", "--no-migrate",
+         "--db", db],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode == 1
+    assert [ln for ln in out.stderr.splitlines() if ln.startswith("rfork: error:")], out.stderr
+    assert "sekrit" not in out.stderr + out.stdout
+    assert "Traceback" not in out.stderr
+
+
+@given(
+    st.sampled_from(["postgresql+psycopg", "postgres ql", "sqlite", ""]),
+    st.text(alphabet="abc:/@%? ", max_size=12),
+    st.text(alphabet="abc:/@%?[] ", max_size=12),
+)
+def test_a_database_url_is_never_shown_with_its_password(scheme, user, rest):
+    url = f"{scheme}://{user}:Pw9Secret@{rest}" if scheme else f"{user}:Pw9Secret@{rest}"
+    assert "Pw9Secret" not in redact_url(url)
+
+
 def _samples(text: str, name: str) -> list[str]:
     return [ln for ln in text.splitlines() if ln.startswith(name)]
 
@@ -182,3 +213,49 @@ def test_sigterm_answers_the_request_in_flight_then_exits_0_with_one_line_all_in
     assert lines[-1]["message"] == "planner stopped by SIGTERM: the requests in flight were answered"
     assert all({"time", "level", "logger", "message"} <= set(r) for r in lines)
     assert all(json.loads(line)["level"] in ("INFO", "WARNING") for line in err.splitlines()), err
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes under `pid` (its uvicorn workers and their helpers), from /proc."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        kids = [c for c, p in parents.items() if p == parent]
+        found += kids
+        todo += kids
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("given", ["file", "flag"])
+def test_workers_serve_a_database_url_given_in_a_file_or_a_flag_and_never_get_it_in_their_environment(
+    tmp_path, given
+):
+    """main: with RFORK_DB_URL_FILE every worker saw both forms set and exited, so nothing served; with
+    --db the parent exported the URL (a password, on PostgreSQL) into every worker's environment."""
+    db_url = f"sqlite:///{tmp_path / 'w.db'}"
+    extra: dict[str, str] = {}
+    args = ["--insecure", "--port", "0", "--workers", "2"]
+    if given == "file":
+        url_file = tmp_path / "db-url"
+        url_file.write_text(db_url + "\n")
+        url_file.chmod(0o600)
+        extra["RFORK_DB_URL_FILE"] = str(url_file)
+    else:
+        args += ["--db", db_url]
+    with serving(*args, extra_env=extra) as (url, proc):
+        _wait_ready(url)
+        workers = _descendants(proc.pid)
+        assert workers
+        for pid in [proc.pid, *workers]:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+            assert not [v for v in environ if v.startswith(b"RFORK_DB_URL=")], pid

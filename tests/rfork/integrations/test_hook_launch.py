@@ -142,5 +142,9 @@ def test_hook_settings_read_the_token_file_and_require_seed(tmp_path):
     s = HookSettings.resolve({}, env)
     assert (s.token, s.require_seed, s.planner_url) == ("s3cret", True, "http://p:9")
     assert s.load_options().require_seed
+    assert not s.load_options().require_crypto_digest
+    strict = HookSettings.resolve({}, {**env, "RFORK_REQUIRE_CRYPTO_DIGEST": "true"})
+    assert strict.load_options().require_crypto_digest
+    assert strict.to_extra_config()["require_crypto_digest"] is True
     with pytest.raises(SettingsError, match="planner_url"):
         HookSettings.resolve({"planner_url": "p:9"}, {})

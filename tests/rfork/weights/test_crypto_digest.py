@@ -36,6 +36,10 @@ def test_the_trusted_fleet_default_keeps_the_fast_digests(monkeypatch):
     assert ck.algorithm_for("cuda:0") == ck.DEVICE_DIGEST
 
 
+def test_only_blake3_counts_as_cryptographic():
+    assert [a for a in ck.ALGORITHMS if ck.is_cryptographic(a)] == [ck.BLAKE3]
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_host_blake3_on_several_threads_is_the_same_hash(threads):
     t = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)  # large enough for the package to split it
