@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,6 +226,25 @@ def test_corrupted_seed_byte_caught_then_disk(small_ckpt, planner):
         with PlannerClient(planner, token=ADMIN) as client:
             reasons = [t.reason for t in client.transfers().items]
             assert reasons == ["checksum_mismatch"]
+
+
+def test_corrupted_seed_byte_under_blake3_caught_without_a_crash():
+    """The test above under RFORK_DIGEST=blake3, where the loader's verifier thread hashes: after the
+    mismatch it must not feed a span from the wrong offset (a negative length, a segmentation fault
+    of the hasher). In a child pytest, so that a crash fails this test instead of killing the run."""
+    env = {**os.environ, "RFORK_DIGEST": "blake3", "PYTHONFAULTHANDLER": "1"}
+    target = f"{Path(__file__).resolve()}::test_corrupted_seed_byte_caught_then_disk"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", target],
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = f"{proc.stdout[-3000:]}\n{proc.stderr[:3000]}"  # (a crash report starts with its cause)
+    assert proc.returncode == 0, f"exit status {proc.returncode}\n{output}"
+    assert "1 passed" in proc.stdout
 
 
 def test_mismatched_identity_refused(small_ckpt, planner, tmp_path):
