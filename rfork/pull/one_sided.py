@@ -305,6 +305,7 @@ class _ReadPipeline:
         self.progress = progress
         self.phases: dict[str, float] = {}
         self._verify_s = 0.0
+        self._verify_failed = False  # a _verify_upto raised: the spans' digests are no longer in step
         self._prefault_s = 0.0  # written by the registration thread, read after it is joined
         self._expected = {t.name: t.checksum for t in manifest.tensors}
         if dest.checksum_algorithm not in ck.HOST_ALGORITHMS:
@@ -362,12 +363,17 @@ class _ReadPipeline:
         per_op = max(1, self.opts.max_inflight // 2)
         local_regions: list[Region] = []
         ok = False
+        verified = 0  # verify_futs[:verified] completed without error
 
         def retire() -> int:
-            nonlocal queued
+            nonlocal queued, verified
             fut, batch = inflight.popleft()
             fut.result(timeout=self._left())
             queued -= len(batch)
+            # a tensor that failed its check fails the pull now, not after the seed sent everything
+            while verified < len(verify_futs) and verify_futs[verified].done():
+                verify_futs[verified].result()
+                verified += 1
             nbytes = sum(rd.nbytes for rd in batch)
             if job is not None:
                 return nbytes  # their bytes were handed to the job before the future resolved
@@ -502,19 +508,40 @@ class _ReadPipeline:
             self.dest.accept_digest(span.names, digest, self._expected)
 
     def _verify_upto(self, region: int, lo: int, hi: int) -> None:
-        """Digest region bytes [lo, hi) (final now, fed in order) and check every span that ends by hi."""
+        """Digest region bytes [lo, hi) (final now, fed in order) and check every span that ends by hi.
+
+        Each span's digest is fed from where it stopped, so every call must feed every span it
+        overlaps. Once one call raised (a checksum mismatch), the spans after the failing one were
+        not fed: later calls would hash from the wrong offset (a span that ended before lo: a negative
+        length, which the hashers read as a huge one), so they do nothing; the first error fails the
+        pull."""
+        if self._verify_failed:
+            return
         t = time.perf_counter()
         try:
             base = self.dest.ranges[region].ptr
             for span in self._spans[region]:
                 if span.done or span.offset >= hi:
                     continue
-                start = max(span.offset, lo, span.offset + span.digest.fed)
-                span.digest.update(base + start, min(span.end, hi) - start)
+                self._feed(region, span, base, lo, hi)
                 if span.end <= hi:
                     self._check(span)
+        except BaseException:
+            self._verify_failed = True
+            raise
         finally:
             self._verify_s += time.perf_counter() - t
+
+    def _feed(self, region: int, span: _Span, base: int, lo: int, hi: int) -> None:
+        """Feed the span's bytes in [lo, hi) of the region at `base`: its digest must have stopped at
+        lo (or not started, where the span starts after lo); PullError if not."""
+        start = span.offset + span.digest.fed
+        if start != max(span.offset, lo):  # (when equal: start <= min(span.end, hi))
+            raise PullError(
+                f"rank {self.dest.rank}: verifier out of step at region {region} bytes"
+                f" [{lo}, {hi}): span [{span.offset}, {span.end}) fed up to {start}"
+            )
+        span.digest.update(base + start, min(span.end, hi) - start)
 
     def _check(self, span: _Span) -> None:
         span.done = True

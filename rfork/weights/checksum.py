@@ -219,7 +219,10 @@ _PYBUF_READ = 0x100
 
 def _host_view(ptr: int, nbytes: int) -> memoryview:
     """A read-only memoryview of host memory [ptr, +nbytes) without copying (the caller keeps the
-    memory alive while the view is used)."""
+    memory alive while the view is used). ValueError for a negative length or a null pointer:
+    PyMemoryView_FromMemory takes a negative length as is, and a hasher reads it as a huge one."""
+    if nbytes < 0 or (nbytes and not ptr):
+        raise ValueError(f"host view of {nbytes} bytes at {ptr:#x}")
     view: memoryview = _memory_view(ptr, nbytes, _PYBUF_READ)
     return view
 
@@ -228,7 +231,7 @@ class StreamingDigest:
     """A host digest (xxh3-128 or BLAKE3) of one tensor's bytes fed in order, chunk by chunk, as they land.
 
     `update(ptr, n)` hashes host memory [ptr, +n); the bytes must arrive in address order and add
-    up to the tensor. Not thread-safe: one feeder (the loader's verifier thread).
+    up to the tensor (ValueError for n < 0). Not thread-safe: one feeder (the loader's verifier thread).
     """
 
     __slots__ = ("_hasher", "fed")

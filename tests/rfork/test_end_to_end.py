@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,7 +198,10 @@ def test_disk_fallback_when_no_seed(small_ckpt, planner):
         load(identity=ident, planner_url=planner, **AUTH, options=opts(become_seed=False))
 
 
-def test_corrupted_seed_byte_caught_then_disk(small_ckpt, planner):
+@pytest.mark.parametrize("native_digests", [True, False], ids=["native", "verifier-thread"])
+def test_corrupted_seed_byte_caught_then_disk(small_ckpt, planner, native_digests):
+    """A seed serving a byte that differs from its manifest: the tensor's check fails, the seed is
+    reported, the load falls back to disk; with native digests off the verifier thread digests."""
     from planner.contract import PlannerClient
 
     info = read_checkpoint_info(small_ckpt)
@@ -212,7 +218,7 @@ def test_corrupted_seed_byte_caught_then_disk(small_ckpt, planner):
             token=LOAD,
             register_token=REGISTER,
             checkpoint=small_ckpt,
-            options=opts(become_seed=False),
+            options=opts(become_seed=False, native_digests=native_digests),
         )
         assert result.source == "disk"
         assert not result.verified
@@ -223,6 +229,26 @@ def test_corrupted_seed_byte_caught_then_disk(small_ckpt, planner):
         with PlannerClient(planner, token=ADMIN) as client:
             reasons = [t.reason for t in client.transfers().items]
             assert reasons == ["checksum_mismatch"]
+
+
+def test_corrupted_seed_byte_under_blake3_caught_without_a_crash():
+    """The test above under RFORK_DIGEST=blake3, where the loader's verifier thread hashes: after the
+    mismatch it must not feed a span from the wrong offset (a negative length, a segmentation fault
+    of the hasher). In a child pytest, so that a crash fails this test instead of killing the run."""
+    env = {**os.environ, "RFORK_DIGEST": "blake3", "PYTHONFAULTHANDLER": "1"}
+    # the default options (native digests on): under BLAKE3 the verifier thread digests all the same
+    target = f"{Path(__file__).resolve()}::test_corrupted_seed_byte_caught_then_disk[native]"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", target],
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = f"{proc.stdout[-3000:]}\n{proc.stderr[:3000]}"  # (a crash report starts with its cause)
+    assert proc.returncode == 0, f"exit status {proc.returncode}\n{output}"
+    assert "1 passed" in proc.stdout
 
 
 def test_mismatched_identity_refused(small_ckpt, planner, tmp_path):

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from planner.contract import RankManifest, RegionEntry, TensorEntry
 from rfork import Loader, pull_into
-from rfork.pull.one_sided import plan_reads
+from rfork.errors import ChecksumMismatch, PullError
+from rfork.pull.one_sided import _ReadPipeline, plan_reads
 from rfork.weights import checksum as ck
 from rfork.weights.rank_weights import RankWeights
 from tests.rfork.conftest import AUTH, opts, tied_model, tied_seed
@@ -81,6 +82,55 @@ def test_read_plan_writes_each_destination_byte_once_from_the_right_source_byte(
             # source byte carries the same value as this tensor's own source byte would
             own = src_of[p.name].offset + k
             assert _source_value(entries, tensors, src) == _source_value(entries, tensors, own)
+
+
+def _verifier(monkeypatch: pytest.MonkeyPatch, algorithm: str, wrong: str = "") -> _ReadPipeline:
+    """A read pipeline's verifier over three tensors a, b, c, one after another in one host region
+    (bytes 0-64, 64-128, 128-256); the manifest's digest of `wrong` does not match."""
+    monkeypatch.setenv("RFORK_DIGEST", algorithm)
+    backing = torch.arange(256, dtype=torch.int64).to(torch.uint8)
+    tensors = {"a": backing[:64], "b": backing[64:128], "c": backing[128:]}
+    dest = RankWeights.from_tensors(tensors=tensors)
+    assert [(p.name, p.offset, p.nbytes) for p in dest.layout.placements] == [
+        ("a", 0, 64), ("b", 64, 64), ("c", 128, 128)
+    ]
+    entries = [
+        TensorEntry(
+            name=p.name, dtype=p.dtype, shape=list(p.shape), nbytes=p.nbytes, region=0, offset=p.offset,
+            checksum="0" * 32 if p.name == wrong else ck.tensor_checksum(tensors[p.name]),
+        )
+        for p in dest.layout.placements
+    ]
+    manifest = RankManifest(
+        rank=0, checksum_algorithm=algorithm, regions=[RegionEntry(index=0, nbytes=256, descriptor="")],
+        tensors=entries,
+    )
+    return _ReadPipeline(None, manifest, dest, opts(), deadline=0.0, progress=None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("algorithm", ck.HOST_ALGORITHMS)
+def test_verifier_after_a_mismatch_hashes_nothing_more(monkeypatch, algorithm):
+    # a fails its check in the first call, so b (ending by 160 too) is never fed; the second call
+    # used to feed b from offset 160, past its end: a negative length, a crash in the hasher
+    pipe = _verifier(monkeypatch, algorithm, wrong="a")
+    with pytest.raises(ChecksumMismatch, match="'a'"):
+        pipe._verify_upto(0, 0, 160)
+    pipe._verify_upto(0, 160, 256)
+    assert pipe.dest.checksums == {}
+
+
+@pytest.mark.parametrize("algorithm", ck.HOST_ALGORITHMS)
+def test_verifier_refuses_bytes_out_of_step(monkeypatch, algorithm):
+    pipe = _verifier(monkeypatch, algorithm)
+    pipe._verify_upto(0, 0, 100)
+    with pytest.raises(PullError, match="out of step"):
+        pipe._verify_upto(0, 120, 256)  # bytes 100-120 were never fed
+    pipe._verify_upto(0, 100, 256)  # and nothing more after that
+    assert set(pipe.dest.checksums) == {"a"}
+    pipe = _verifier(monkeypatch, algorithm)
+    pipe._verify_upto(0, 0, 100)
+    pipe._verify_upto(0, 100, 256)
+    assert set(pipe.dest.checksums) == {"a", "b", "c"}
 
 
 @pytest.mark.slow

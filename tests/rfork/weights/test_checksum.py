@@ -67,6 +67,24 @@ def test_streaming_xxh3_equals_one_shot_for_any_chunking(data, cuts):
     assert len(d.hexdigest()) == 32
 
 
+@pytest.mark.parametrize("algorithm", ck.HOST_ALGORITHMS)
+def test_streaming_digest_refuses_a_negative_length(algorithm):
+    # a memoryview made with a negative length is read as a huge buffer by the hashers: a crash
+    t = torch.arange(64, dtype=torch.uint8)
+    d = ck.StreamingDigest(algorithm)
+    d.update(t.data_ptr(), 16)
+    with pytest.raises(ValueError, match="-8 bytes"):
+        d.update(t.data_ptr() + 16, -8)
+    with pytest.raises(ValueError, match="8 bytes at 0x0"):
+        d.update(0, 8)
+    assert d.fed == 16
+    d.update(t.data_ptr() + 16, 48)
+    assert d.fed == 64
+    whole = ck.StreamingDigest(algorithm)
+    whole.update(t.data_ptr(), 64)
+    assert d.hexdigest() == whole.hexdigest()
+
+
 def test_host_digest_is_xxh3_and_not_linear():
     import xxhash
 
