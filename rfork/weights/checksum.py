@@ -1,7 +1,11 @@
 """Per-tensor weight digests, chosen per threat model by `RFORK_DIGEST` (the same on every process).
 
-- `RFORK_DIGEST=xxh3-128` (the default; a trusted fleet, where every holder of a register token is an
-  operator's own machine): it guards against accidents (bit flips, torn or misdirected reads, a stale or wrong
+- Unset (the default): host (CPU) tensors use BLAKE3 (below), CUDA tensors `pmix64-v1` (below),
+  computed on the device, until the device BLAKE3's speed is measured on a GPU. A loader that must
+  not trust a non-cryptographic digest sets `LoadOptions.require_crypto_digest`, and then refuses
+  to pull into CUDA tensors under this setting.
+- `RFORK_DIGEST=xxh3-128` (a trusted fleet, where every holder of a register token is an operator's
+  own machine): it guards against accidents (bit flips, torn or misdirected reads, a stale or wrong
   checkpoint), not against a crafted collision. Host tensors use `xxh3-128` (XXH3 128-bit of the raw
   bytes, 32 hex digits), at memory speed, computed by the transport's native thread as reads land;
   CUDA tensors `pmix64-v1`. Neither is cryptographic: pmix64-v1 is a sum of per-word mixes and admits
@@ -146,17 +150,16 @@ def checksum_bytes(data: torch.Tensor) -> str:
 
 
 def host_algorithm() -> str:
-    """The host digest of this process: $RFORK_DIGEST (xxh3-128 unless set; ValueError if unknown)."""
-    chosen = os.environ.get("RFORK_DIGEST") or XXH3_128
+    """The host digest of this process: $RFORK_DIGEST (blake3 unless set; ValueError if unknown)."""
+    chosen = os.environ.get("RFORK_DIGEST") or BLAKE3
     if chosen not in HOST_ALGORITHMS:
         raise ValueError(f"RFORK_DIGEST: {chosen!r} is not one of {', '.join(HOST_ALGORITHMS)}")
     return chosen
 
 
 def algorithm_for(device: torch.device | str) -> str:
-    """The digest used for tensors on `device`: BLAKE3 everywhere under RFORK_DIGEST=blake3; else
-    xxh3-128 on the host and pmix64-v1 on a GPU (the trusted-fleet setting). A loader that must not
-    trust these sets `LoadOptions.require_crypto_digest`."""
+    """The digest used for tensors on `device`: host_algorithm() on the host; on a GPU BLAKE3 only when
+    RFORK_DIGEST=blake3 is set, else pmix64-v1 (the device BLAKE3 awaits a GPU measurement)."""
     chosen = host_algorithm()
     if torch.device(device).type != "cuda":
         return chosen

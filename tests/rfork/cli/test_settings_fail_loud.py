@@ -274,7 +274,7 @@ def test_anchor_uploads_lists_and_revokes_from_a_checkpoint(planner: str, small_
     assert "rank 0" in up.stdout
     listed = rfork("anchor", "list", "--planner", planner, "--checkpoint", str(small_ckpt), env=env)
     assert listed.returncode == 0, listed.stderr
-    assert "rank 0 xxh3-128" in listed.stdout
+    assert "rank 0 blake3" in listed.stdout  # the host default digest
     gone = rfork("anchor", "revoke", "--planner", planner, "--checkpoint", str(small_ckpt), env=env)
     assert gone.returncode == 0, gone.stderr
     after = rfork("anchor", "list", "--planner", planner, "--checkpoint", str(small_ckpt), env=env)
@@ -292,6 +292,7 @@ def test_every_wrong_setting_is_status_2_in_one_line(small_ckpt: Path, tmp_path:
     hook launch without its token: status 2 and one line naming what to fix (main: status 1)."""
     empty = tmp_path / "empty"
     empty.write_text("\n")
+    empty.chmod(0o600)  # (a file others can read adds a warning line of its own)
     missing = str(tmp_path / "missing")
     no_planner_tokens = {f"RFORK_{n}_TOKEN": "" for n in PLANNER_SECRETS}
     no_planner_tokens.update({f"RFORK_{n}_TOKEN_FILE": "" for n in PLANNER_SECRETS})

@@ -21,6 +21,12 @@ from tests.rfork.conftest import AUTH, LOAD, REGISTER, assert_same, opts, start_
 pytestmark = pytest.mark.skipif(not native_digests_available(), reason="binding built without xxHash")
 
 
+@pytest.fixture(autouse=True)
+def xxh3_fleet(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native digests are xxh3-128: the setting of a trusted fleet (every process, seeds included)."""
+    monkeypatch.setenv("RFORK_DIGEST", "xxh3-128")
+
+
 def _no_python_verifier(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*_a: Any, **_k: Any) -> NoReturn:
         raise AssertionError("the Python verifier thread ran")

@@ -1,5 +1,5 @@
-"""rfork.weights.checksum: the host digest (xxh3-128, streamed as bytes land) and the device digest
-(pmix64-v1).
+"""rfork.weights.checksum: the trusted-fleet host digest (xxh3-128, streamed as bytes land; chosen with
+RFORK_DIGEST=xxh3-128 here) and the device digest (pmix64-v1).
 """
 
 from __future__ import annotations
@@ -12,6 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rfork.weights import checksum as ck
+
+
+@pytest.fixture(autouse=True)
+def trusted_fleet(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RFORK_DIGEST", ck.XXH3_128)
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 4095, ck.CHUNK_WORDS * 8 + 13, 3 * ck.CHUNK_WORDS * 8 + 5])
