@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from planner import warn_if_world_readable
 from rfork.errors import ConfigurationError
 
 
@@ -30,6 +29,8 @@ def env_secret(name: str, environ: Mapping[str, str] | None = None) -> str | Non
             secret = f.read().strip()
     except OSError as exc:
         raise SecretFileError(f"${name}_FILE={path}: {exc.strerror or exc}", setting=name) from exc
+    from planner import warn_if_world_readable  # here, not at import: vLLM's plugin load stays planner-free
+
     warn_if_world_readable(path, f"${name}_FILE")
     if not secret:
         raise SecretFileError(f"${name}_FILE={path} is empty", setting=name)

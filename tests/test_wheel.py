@@ -129,6 +129,8 @@ def test_the_wheel_installs_and_loads_outside_the_checkout(tmp_path: Path) -> No
     for name in TOKENS:
         (secrets / name).write_text(f"{name}-{os.urandom(8).hex()}\n")
     (secrets / "db-url").write_text(f"sqlite:///{work / 'planner.db'}\n")
+    for secret in secrets.iterdir():
+        secret.chmod(0o600)  # as an operator mounts them: a world-readable one adds a warning line
     planner_env = {**env, "RFORK_DB_URL_FILE": str(secrets / "db-url")}
     planner_env.update({f"RFORK_{name.upper()}_TOKEN_FILE": str(secrets / name) for name in TOKENS})
     _run([rfork, "planner", "migrate"], cwd=work, env=planner_env, timeout=120)
