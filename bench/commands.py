@@ -21,6 +21,7 @@ from bench import (
     pd,
     planner,
     rl,
+    rl_delta,
     scale_out,
     transport,
 )
@@ -35,6 +36,7 @@ COMMANDS: tuple[tuple[tuple[str, ...], ModuleType], ...] = (
     (("bench", "planner"), planner),
     (("bench", "gpu"), gpu),
     (("bench", "rl"), rl),
+    (("bench", "rl-delta"), rl_delta),
     (("bench", "moe"), moe),
     (("bench", "kv"), kv),
     (("bench", "pd"), pd),

@@ -22,11 +22,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+import backends.rl.delta as delta_codec
 import backends.rl.messages as protocol
 from backends.channel import Message
 from backends.engine import Region, TransferEngine
@@ -59,6 +60,11 @@ class Snapshot:
 class _Pending:
     version: int
     deadline: float
+    slot: int = 0  # the free slot it is written into
+    base: int | None = None  # the version that slot held when the update began (None: torn)
+    begun: set[int] = field(default_factory=set)  # trainers whose BEGIN arrived
+    deltas: dict[int, dict[str, Any]] = field(default_factory=dict)  # trainer -> its BEGIN's delta
+    landed: bool = False  # every contributor's completion immediate arrived
 
 
 class SlotReaders:
@@ -101,6 +107,10 @@ class RLReceiver(SlotReaders):
     write only, and their descriptors go only to the session's trainers (in HELLO). The session
     talks on its own channel, whose immediate range (advertised in HELLO) carries completions.
     channel_key: a secret every member of the session got at set-up (optional; backends.channel).
+    delta_fraction: above 0, a write-only staging area per contributing trainer of this fraction of the
+    bytes it writes here: a trainer with `deltas` then sends only the words changed since the version
+    the free slot holds, when they fit, and the receiver applies them and checks the whole slot
+    against the trainer's digest before it flips (backends.rl.delta).
     """
 
     def __init__(
@@ -119,8 +129,11 @@ class RLReceiver(SlotReaders):
         update_timeout_s: float = 60.0,
         on_update_begin: Callable[[int], None] | None = None,
         channel_key: bytes | None = None,
+        delta_fraction: float = 0.0,
     ) -> None:
         check_tp(tp_size, tp_rank, f"receiver {index}")
+        if not 0.0 <= delta_fraction <= 1.0:
+            raise RLError(f"receiver {index}: delta_fraction must be in [0, 1], not {delta_fraction}")
         if update_timeout_s <= 0:
             raise RLError(f"receiver {index}: update_timeout_s must be positive, not {update_timeout_s}")
         self.engine = engine
@@ -157,9 +170,17 @@ class RLReceiver(SlotReaders):
         self._slots = (slot0, [torch.empty_like(b, pin_memory=b.is_pinned()).copy_(b) for b in slot0])
         self._views = tuple(views(self.layout, s) for s in self._slots)
         self._regions: list[list[Region]] = []
+        self._staging: dict[int, tuple[torch.Tensor, Region]] = {}  # trainer -> its delta staging area
         try:
             for slot in self._slots:
                 self._regions.append([engine.register(b, "write") for b in slot])
+            if delta_fraction > 0:
+                for trainer, nbytes in self.schedule.bytes_by_trainer().items():
+                    runs = self.schedule.runs_for(trainer)
+                    if delta_codec.aligned(runs):
+                        size = max(int(nbytes * delta_fraction), delta_codec.delta_capacity_bytes(runs, 0))
+                        area = torch.empty(size, dtype=torch.uint8)
+                        self._staging[trainer] = (area, engine.register(area, "write"))
         except BaseException:
             self._release()
             raise
@@ -167,6 +188,7 @@ class RLReceiver(SlotReaders):
         self._active = 0
         self._version = version
         self._readers = [0, 0]
+        self._holds: list[int | None] = [version, version]  # the version each slot's bytes are (None: torn)
         self._pending: _Pending | None = None
         self._abandoned_up_to = version
         self._announce = False
@@ -178,6 +200,7 @@ class RLReceiver(SlotReaders):
         self.rejected: str | None = None
         self.dropped_by: dict[int, str] = {}  # trainer index -> why it dropped this receiver
         self.applied = 0
+        self.applied_as_delta = 0  # updates where at least one trainer sent only changed words
         self.abandoned = 0
         self.foreign = 0  # messages from engines outside the roster, dropped
         self.refused = 0  # BEGINs past MAX_VERSION_JUMP or a full inbox, dropped
@@ -205,6 +228,7 @@ class RLReceiver(SlotReaders):
         descs = [[base64.b64encode(r.descriptor.to_bytes()).decode() for r in slot] for slot in self._regions]
         with self._cond:
             version, free = self._version, 1 - self._active
+            holds = self._holds[free]
         hello = {
             "receiver": self.index,
             "tp": [tp_size, tp_rank],
@@ -215,7 +239,13 @@ class RLReceiver(SlotReaders):
             "contributors": list(self.contributors),
             "version": version,
             "slot": free,
+            "holds": holds,
         }
+        if self._staging:
+            hello["delta"] = {
+                str(t): base64.b64encode(region.descriptor.to_bytes()).decode()
+                for t, (_, region) in self._staging.items()
+            }
         futures = [(i, protocol.send(self.channel, t.address, protocol.HELLO, **hello))
                    for i, t in enumerate(self.trainers)]
         for i, fut in futures:
@@ -246,6 +276,7 @@ class RLReceiver(SlotReaders):
                     or self._announce_due()
                     or self._confirm_due()
                     or self._overdue()
+                    or self._finish_due()
                 ):
                     self._cond.wait(self._wait_s())
                 if self._closed:
@@ -254,7 +285,9 @@ class RLReceiver(SlotReaders):
                 self._inbox.clear()
                 if self._overdue():
                     self._abandon()
+                finishing = self._pending if self._finish_due() else None
                 ready: tuple[int, int | None] | None = None
+                free_holds: int | None = None
                 if self._announce_due():
                     self._announce = False
                     ready = (self._version, 1 - self._active)
@@ -262,13 +295,17 @@ class RLReceiver(SlotReaders):
                     ready = (self._version, None)
                 if ready is not None:
                     self._confirmed = ready[0]
+                    if ready[1] is not None:
+                        free_holds = self._holds[ready[1]]
                 rekey = ready is not None and ready[1] is not None and self._rekey
                 if rekey:
                     self._rekey = False
+            if finishing is not None:  # before any BEGIN in this batch, which could reuse its slot
+                self._finish(finishing)
             for message in inbox:
                 self._handle(message)
             if ready is not None:
-                extra: dict[str, Any] = {}
+                extra: dict[str, Any] = {} if ready[1] is None else {"holds": free_holds}
                 if rekey:
                     assert ready[1] is not None
                     extra["descs"] = self._rekey_slot(ready[1])
@@ -284,6 +321,53 @@ class RLReceiver(SlotReaders):
         log.info("receiver %d: slot %d re-keyed after an abandoned update", self.index, slot)
         return [base64.b64encode(r.descriptor.to_bytes()).decode() for r in fresh]
 
+    def _finish_due(self) -> bool:
+        p = self._pending
+        return p is not None and p.landed and p.begun.issuperset(self.contributors)
+
+    def _finish(self, pending: _Pending) -> None:
+        """Apply the deltas of a landed update into its slot and check them; flip, or abandon it."""
+        error = None
+        try:
+            for trainer, info in sorted(pending.deltas.items()):
+                self._apply_delta(pending, trainer, info)
+        except (RLError, ValueError, RuntimeError) as exc:
+            error = exc
+        with self._cond:
+            if self._pending is not pending:
+                return
+            if error is not None:
+                log.error("receiver %d: version %d not applied: %s", self.index, pending.version, error)
+                self._abandon(why=str(error))
+                self._cond.notify_all()
+                return
+        if pending.deltas:
+            self.applied_as_delta += 1
+        self._complete(pending, None, landed=True)
+
+    def _apply_delta(self, pending: _Pending, trainer: int, info: dict[str, Any]) -> None:
+        base, nbytes, digest = info.get("base"), info.get("bytes"), info.get("digest")
+        staged = self._staging.get(trainer)
+        if staged is None:
+            raise RLError(f"trainer {trainer} sent a delta, but has no staging area here")
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 <= nbytes <= staged[0].numel():
+            raise RLError(f"trainer {trainer}: delta of {nbytes!r} bytes does not fit its staging area")
+        if not isinstance(digest, str):
+            raise RLError(f"trainer {trainer}: a delta without its digest")
+        holds = pending.base
+        if base != holds:
+            raise RLError(
+                f"trainer {trainer}: a delta from version {base!r}, but slot {pending.slot} held {holds}"
+            )
+        runs = self.schedule.runs_for(trainer)
+        slot = self._slots[pending.slot]
+        delta_codec.apply(runs, staged[0][:nbytes], slot)
+        got = delta_codec.runs_digest(runs, slot, source=False)
+        if got != digest:
+            raise RLError(
+                f"trainer {trainer}: slot {pending.slot} after its delta has digest {got}, not {digest}"
+            )
+
     def _confirm_due(self) -> bool:
         return self._confirmed != self._version
 
@@ -298,15 +382,14 @@ class RLReceiver(SlotReaders):
     def _overdue(self) -> bool:
         return self._pending is not None and time.monotonic() >= self._pending.deadline
 
-    def _abandon(self) -> None:
+    def _abandon(self, why: str | None = None) -> None:
         pending = self._pending
         assert pending is not None
         log.warning(
-            "receiver %d: update to version %d abandoned after %.1fs (a trainer did not complete); "
-            "staying on version %d",
+            "receiver %d: update to version %d abandoned (%s); staying on version %d",
             self.index,
             pending.version,
-            self.update_timeout_s,
+            why or f"a trainer did not complete within {self.update_timeout_s:g}s",
             self._version,
         )
         self._pending = None
@@ -320,7 +403,12 @@ class RLReceiver(SlotReaders):
             msg = protocol.decode(message)
             kind = msg["kind"]
             if kind == protocol.BEGIN:
-                self._begin(protocol.field(msg, "version", int))
+                delta = msg.get("delta")
+                self._begin(
+                    protocol.field(msg, "version", int),
+                    self._roster[message.sender],
+                    delta if isinstance(delta, dict) else None,
+                )
             elif kind == protocol.REJECT:
                 self.rejected = str(msg.get("reason"))[:2000]
                 log.error("receiver %d: a trainer rejected this receiver: %s", self.index, self.rejected)
@@ -333,10 +421,16 @@ class RLReceiver(SlotReaders):
         except RLError as exc:
             log.warning("receiver %d: %s", self.index, exc)
 
-    def _begin(self, version: int) -> None:
+    def _begin(self, version: int, trainer: int = 0, delta: dict[str, Any] | None = None) -> None:
         with self._cond:
+            if self._pending is not None and self._pending.version == version:
+                self._pending.begun.add(trainer)  # a second trainer's BEGIN for the update under way
+                if delta is not None:
+                    self._pending.deltas[trainer] = delta
+                self._cond.notify_all()
+                return
             if version <= max(self._version, self._abandoned_up_to):
-                return  # stale, or a second trainer's BEGIN for an update already under way
+                return  # stale
             if version - max(self._version, self._abandoned_up_to) > protocol.MAX_VERSION_JUMP:
                 self.refused += 1
                 log.warning("receiver %d: BEGIN of version %d jumps more than %d past %d; ignored",
@@ -355,8 +449,13 @@ class RLReceiver(SlotReaders):
                 self._abandoned_up_to = self._pending.version
                 self.abandoned += 1
                 self._rekey = True
-            pending = _Pending(version, time.monotonic() + self.update_timeout_s)
+            pending = _Pending(version, time.monotonic() + self.update_timeout_s, slot=1 - self._active)
+            pending.begun.add(trainer)
+            if delta is not None:
+                pending.deltas[trainer] = delta
             self._pending = pending
+            pending.base = self._holds[pending.slot]
+            self._holds[pending.slot] = None  # torn until the update completes
         log.debug("receiver %d: update to version %d begins", self.index, version)
         if self._on_update_begin is not None:
             self._on_update_begin(version)
@@ -366,13 +465,18 @@ class RLReceiver(SlotReaders):
         fut = self.channel.expect(protocol.imm_index(version), len(self.contributors))
         fut.add_done_callback(lambda f: self._complete(pending, f))
 
-    def _complete(self, pending: _Pending, fut: Future[None] | None) -> None:
+    def _complete(self, pending: _Pending, fut: Future[None] | None, *, landed: bool = False) -> None:
         if fut is not None and fut.exception() is not None:
             return
         with self._cond:
             if self._pending is not pending:
                 return  # abandoned meanwhile: its slot will be rewritten by the next update
+            if self._staging and not landed:
+                pending.landed = True  # the control thread applies any deltas, checks them, then flips
+                self._cond.notify_all()
+                return
             self._pending = None
+            self._holds[pending.slot] = pending.version
             self._active = 1 - self._active
             self._version = pending.version
             self.applied += 1
@@ -421,6 +525,9 @@ class RLReceiver(SlotReaders):
             for region in slot:
                 region.close()
         self._regions = []
+        for _, region in self._staging.values():
+            region.close()
+        self._staging = {}
 
     def close(self) -> None:
         """Stop taking updates and deregister both slots (the engine stays open)."""

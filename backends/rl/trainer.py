@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import backends.rl.delta as delta_codec
 import backends.rl.messages as protocol
 from backends.channel import ImmRange, Message
 from backends.descriptor import MemoryRegionDescriptor
@@ -50,6 +51,7 @@ class UpdateResult:
     failed: dict[int, str]
     seconds: float
     bytes_posted: int
+    as_delta: tuple[int, ...] = ()  # receivers sent only the changed words (the rest got whole runs)
 
 
 @dataclass(slots=True)
@@ -65,6 +67,16 @@ class _ReceiverState:
     alive: bool = True
     reason: str = ""
     bytes_per_update: int = field(default=0)
+    holds: int | None = None  # the version its free slot holds (READY), None: unknown or torn
+    delta_desc: MemoryRegionDescriptor | None = None  # its staging region for this trainer's deltas
+    delta_out: tuple[torch.Tensor, Region] | None = None  # this trainer's encode buffer for it
+
+
+@dataclass(frozen=True, slots=True)
+class _Delta:
+    base: int
+    nbytes: int
+    digest: str
 
 
 class RLTrainer:
@@ -74,6 +86,9 @@ class RLTrainer:
     position in it. The training loop writes new weights into `tensors` (views of `buffers`) between
     updates, never during one. The session talks on its own channel of the engine; channel_key is
     an optional secret every member of the session got at set-up (backends.channel).
+    deltas: keep host copies of the last two versions sent (twice the shard's memory) and send a
+    receiver that offers a delta staging area only the words changed since the version its free slot
+    holds, when that is smaller than its staging area (backends.rl.delta).
     """
 
     def __init__(
@@ -88,6 +103,7 @@ class RLTrainer:
         version: int = 0,
         timeout_s: float = 60.0,
         channel_key: bytes | None = None,
+        deltas: bool = False,
     ) -> None:
         if not 0 <= index < len(trainers):
             raise RLError(f"trainer index {index} is not in the roster of {len(trainers)}")
@@ -125,6 +141,7 @@ class RLTrainer:
         self.buffers = [b.view(torch.uint8).view(-1) for b in buffers]
         self.tensors = views(self.layout, self.buffers)
         self._src: list[Region] = [engine.register(b, "read") for b in self.buffers]
+        self._snapshots = delta_codec.Snapshots() if deltas else None
         self._cond = threading.Condition()
         self._receivers: dict[int, _ReceiverState] = {}
         self._inbox: deque[Message] = deque()
@@ -199,6 +216,9 @@ class RLTrainer:
             waiting = {i for i, r in self._receivers.items() if r.alive}
         deliveries: dict[int, Future[None]] = {}
         slots: dict[int, int] = {}
+        deltas: dict[int, _Delta] = {}
+        changed: dict[int, list[torch.Tensor] | None] = {}  # per base version, the words changed since
+        # it (None: more than a delta could carry)
         posted = 0
         dropped: dict[int, str] = {}
         failed: dict[int, str] = {}
@@ -221,9 +241,16 @@ class RLTrainer:
                     self._cond.wait(min(left, 0.5))
                     continue
             for rec, slot in start:
-                deliveries[rec.index] = self._post(rec, slot, version)
+                found = self._encode_delta(rec, changed)
+                if found is not None:
+                    deltas[rec.index] = found
+                deliveries[rec.index] = self._post(rec, slot, version, found)
                 slots[rec.index] = slot
-                posted += rec.bytes_per_update
+                posted += rec.bytes_per_update if found is None else found.nbytes
+        if self._snapshots is not None:  # while the writes are in flight
+            known = {b: words for b, words in changed.items() if words is not None}
+            base = min(known, default=None)
+            self._snapshots.record(version, self.buffers, None if base is None else (base, known[base]))
         for i in waiting:
             failed[i] = (
                 f"no free slot (READY) within the update timeout; it serves {self._receivers[i].version}"
@@ -243,8 +270,8 @@ class RLTrainer:
                                     self.index, version, i, exc, attempts, RETRIES)
                         backoff = RETRY_BACKOFF_S * 2 ** (attempts - 1)
                         time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
-                        fut = self._post(self._receivers[i], slots[i], version)
-                        posted += self._receivers[i].bytes_per_update
+                        fut = self._post(self._receivers[i], slots[i], version, deltas.get(i))
+                        posted += deltas[i].nbytes if i in deltas else self._receivers[i].bytes_per_update
                         continue
                     reason = f"update {version}: {exc} (after {attempts + 1} attempts)"
                     self._drop(i, reason)
@@ -286,10 +313,42 @@ class RLTrainer:
             failed=failed,
             seconds=time.perf_counter() - t0,
             bytes_posted=posted,
+            as_delta=tuple(sorted(deltas)),
         )
 
-    def _post(self, rec: _ReceiverState, slot: int, version: int) -> Future[None]:
-        """BEGIN, every run, then (once all completed) the immediate; the future covers all of it."""
+    def _encode_delta(
+        self, rec: _ReceiverState, changed: dict[int, list[torch.Tensor] | None]
+    ) -> _Delta | None:
+        """This update's delta for `rec` from the version its free slot holds, encoded into its send
+        buffer; None where it gets whole runs (no staging area, base not kept, or too many changes)."""
+        snaps = self._snapshots
+        if snaps is None or rec.delta_desc is None or rec.holds is None or not rec.runs:
+            return None
+        base = snaps.get(rec.holds)
+        if base is None:
+            return None
+        # never more than whole runs (a delta that large is sent whole), whatever the receiver offers
+        size = min(rec.delta_desc.length, rec.bytes_per_update)
+        if rec.holds not in changed:
+            limit = size // (2 * delta_codec.WORD)
+            changed[rec.holds] = delta_codec.changed_words(base, self.buffers, limit=limit)
+        words = changed[rec.holds]
+        if words is None:
+            return None
+        if rec.delta_out is None:
+            out = torch.empty(size, dtype=torch.uint8)
+            rec.delta_out = (out, self.engine.register(out, "read"))
+        nbytes = delta_codec.encode(rec.runs, words, self.buffers, rec.delta_out[0])
+        if nbytes is None:
+            return None
+        digest = delta_codec.runs_digest(rec.runs, self.buffers, source=True)
+        return _Delta(base=rec.holds, nbytes=nbytes, digest=digest)
+
+    def _post(
+        self, rec: _ReceiverState, slot: int, version: int, delta: _Delta | None = None
+    ) -> Future[None]:
+        """BEGIN, every run (or the delta), then (once all completed) the immediate; the future covers
+        all of it."""
         done: Future[None] = Future()
         done.set_running_or_notify_cancel()
         if not rec.runs:
@@ -331,6 +390,19 @@ class RLTrainer:
                     fail(exc2)
 
         try:
+            if delta is not None:
+                assert rec.delta_out is not None
+                assert rec.delta_desc is not None
+                fields = {"base": delta.base, "bytes": delta.nbytes, "digest": delta.digest}
+                futures.append(
+                    protocol.send(self.channel, rec.address, protocol.BEGIN, version=version, delta=fields)
+                )
+                if delta.nbytes:
+                    futures.append(eng.write(rec.delta_out[1], 0, delta.nbytes, rec.delta_desc, 0))
+                outstanding[0] = len(futures)
+                for f in futures:
+                    f.add_done_callback(one_done)
+                return done
             futures.append(protocol.send(self.channel, rec.address, protocol.BEGIN, version=version))
             src = self._src
             for run in rec.runs:
@@ -436,6 +508,8 @@ class RLTrainer:
             rec.version = version
             if descs is not None and slot is not None:
                 rec.slots[slot] = descs
+            if slot is not None:
+                rec.holds = _holds(msg)
             rec.free_slot = slot
             self._cond.notify_all()
 
@@ -501,6 +575,7 @@ class RLTrainer:
         if imms.count < protocol.IMMS:
             raise RLError(f"its immediate range holds {imms.count} values, a session needs {protocol.IMMS}")
         runs = schedule.runs_for(self.index)
+        delta_desc = _delta_desc(msg.get("delta"), self.index, address) if delta_codec.aligned(runs) else None
         return _ReceiverState(
             index=index,
             address=address,
@@ -511,6 +586,8 @@ class RLTrainer:
             free_slot=protocol.field(msg, "slot", int) & 1,
             schedule_seconds=seconds,
             bytes_per_update=sum(r.nbytes for r in runs),
+            holds=_holds(msg),
+            delta_desc=delta_desc,
         )
 
     # ----- teardown -----------------------------------------------------------------------------
@@ -526,6 +603,10 @@ class RLTrainer:
         for region in self._src:
             region.close()
         self._src = []
+        with self._cond:
+            outs = [r.delta_out for r in self._receivers.values() if r.delta_out is not None]
+        for _, region in outs:
+            region.close()
 
     def __enter__(self) -> RLTrainer:
         return self
@@ -545,3 +626,27 @@ def _slot_descs(raw: object, address: bytes, sizes: list[int]) -> list[MemoryReg
         if not d.writable or d.length < n or d.address != address:
             raise RLError("a slot region is not writable, too small, or not the receiver's")
     return descs
+
+
+def _holds(msg: dict[str, object]) -> int | None:
+    """The version a HELLO's or READY's free slot holds (None: unknown, or torn by an abandoned update)."""
+    value = msg.get("holds")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _delta_desc(raw: object, trainer: int, address: bytes) -> MemoryRegionDescriptor | None:
+    """This trainer's delta staging region from a HELLO's "delta" field ({trainer index: descriptor}), or
+    None when the receiver offers none."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise RLError("field 'delta' must map trainer indices to descriptors")
+    entry = raw.get(str(trainer))
+    if entry is None:
+        return None
+    if not isinstance(entry, str):
+        raise RLError("a delta staging descriptor is base64 text")
+    desc = MemoryRegionDescriptor.from_bytes(base64.b64decode(entry, validate=True))
+    if not desc.writable or desc.address != address or desc.length < 8:
+        raise RLError("the delta staging region is not writable, too small, or not the receiver's")
+    return desc

@@ -27,8 +27,8 @@ class Live:
         teng, reng, other = self.engines
         self.trainer: RLTrainer = make_trainer(teng)
         roster = [TrainerRank(teng.address, 1, 0)]
-        self.receiver = RLReceiver(
-            reng, session="s", specs=SPECS, trainers=roster, index=0, update_timeout_s=0.5
+        self.receiver = RLReceiver(  # with a delta staging area: BEGIN's delta and HELLO's are fed too
+            reng, session="s", specs=SPECS, trainers=roster, index=0, update_timeout_s=0.5, delta_fraction=0.5
         )
         self.trainer.wait_receivers(1, 10)
         self.outsider = other.channel(protocol.channel_name("s"))
@@ -71,8 +71,11 @@ def hostile(draw: st.DrawFn) -> tuple[str, str, bytes]:
         "reason": draw(st.text(max_size=20)),
     }
     if draw(st.booleans()):
-        name = draw(st.sampled_from(["descs", "slots", "tp", "digest", "imms", "contributors"]))
+        names = ["descs", "slots", "tp", "digest", "imms", "contributors", "holds", "delta"]
+        name = draw(st.sampled_from(names))
         fields[name] = draw(_json)
+    if draw(st.booleans()):  # a delta of the right shape, with any values
+        fields["delta"] = {"base": draw(_ints), "bytes": draw(_ints), "digest": draw(st.text(max_size=8))}
     return who, kind, json.dumps(fields).encode()
 
 
