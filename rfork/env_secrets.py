@@ -29,7 +29,8 @@ def env_secret(name: str, environ: Mapping[str, str] | None = None) -> str | Non
             secret = f.read().strip()
     except OSError as exc:
         raise SecretFileError(f"${name}_FILE={path}: {exc.strerror or exc}", setting=name) from exc
-    from planner import warn_if_world_readable  # here, not at import: vLLM's plugin load stays planner-free
+    # imported here: vLLM's plugin load (start-up) imports this module and must load no planner module
+    from planner import warn_if_world_readable
 
     warn_if_world_readable(path, f"${name}_FILE")
     if not secret:

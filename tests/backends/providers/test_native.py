@@ -67,6 +67,7 @@ _SIGNALLED = """
 import os, signal, sys, faulthandler
 faulthandler.enable()
 got = []
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job inherits it ignored
 signal.signal(signal.SIGTERM, lambda signum, _frame: got.append(signum))
 from backends.providers import _native
 os.kill(os.getpid(), signal.SIGTERM)
