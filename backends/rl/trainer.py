@@ -217,6 +217,7 @@ class RLTrainer:
         deliveries: dict[int, Future[None]] = {}
         slots: dict[int, int] = {}
         deltas: dict[int, _Delta] = {}
+        digests: dict[tuple[Run, ...], str] = {}  # per run list (receivers of one layout share it)
         changed: dict[int, list[torch.Tensor] | None] = {}  # per base version, the words changed since
         # it (None: more than a delta could carry)
         posted = 0
@@ -241,7 +242,7 @@ class RLTrainer:
                     self._cond.wait(min(left, 0.5))
                     continue
             for rec, slot in start:
-                found = self._encode_delta(rec, changed)
+                found = self._encode_delta(rec, changed, digests)
                 if found is not None:
                     deltas[rec.index] = found
                 deliveries[rec.index] = self._post(rec, slot, version, found)
@@ -317,7 +318,10 @@ class RLTrainer:
         )
 
     def _encode_delta(
-        self, rec: _ReceiverState, changed: dict[int, list[torch.Tensor] | None]
+        self,
+        rec: _ReceiverState,
+        changed: dict[int, list[torch.Tensor] | None],
+        digests: dict[tuple[Run, ...], str],
     ) -> _Delta | None:
         """This update's delta for `rec` from the version its free slot holds, encoded into its send
         buffer; None where it gets whole runs (no staging area, base not kept, or too many changes)."""
@@ -341,8 +345,9 @@ class RLTrainer:
         nbytes = delta_codec.encode(rec.runs, words, self.buffers, rec.delta_out[0])
         if nbytes is None:
             return None
-        digest = delta_codec.runs_digest(rec.runs, self.buffers, source=True)
-        return _Delta(base=rec.holds, nbytes=nbytes, digest=digest)
+        if rec.runs not in digests:
+            digests[rec.runs] = delta_codec.runs_digest(rec.runs, self.buffers, source=True)
+        return _Delta(base=rec.holds, nbytes=nbytes, digest=digests[rec.runs])
 
     def _post(
         self, rec: _ReceiverState, slot: int, version: int, delta: _Delta | None = None

@@ -126,6 +126,22 @@ def _step(trainer: RLTrainer, version: int, fraction: float) -> None:
         flat[mask] = torch.randn(int(mask.sum()), generator=g).to(flat.dtype)
 
 
+def _delta_pair(
+    teng: TransferEngine, reng: TransferEngine, session: str, update_timeout_s: float = 60.0
+) -> tuple[RLTrainer, RLReceiver]:
+    """A TP=1 trainer with deltas and a receiver with a staging area of half its bytes."""
+    roster = [TrainerRank(teng.address, 1, 0)]
+    bufs = allocate(shard_layout(SPECS, tp_size=1, tp_rank=0))
+    trainer = RLTrainer(
+        teng, session=session, specs=SPECS, trainers=roster, index=0, buffers=bufs, timeout_s=10, deltas=True
+    )
+    receiver = RLReceiver(
+        reng, session=session, specs=SPECS, trainers=roster, index=0, delta_fraction=0.5,
+        update_timeout_s=update_timeout_s,
+    )
+    return trainer, receiver
+
+
 def _holds_trainers_bytes(receiver: RLReceiver, trainer: RLTrainer) -> bool:
     with receiver.acquire() as snap:
         return all(torch.equal(snap.tensors[n], trainer.tensors[n]) for n in trainer.tensors)
@@ -135,12 +151,7 @@ def test_updates_after_the_first_two_send_only_changed_words_and_match_the_train
     engines: list[TransferEngine],
 ) -> None:
     teng, reng = engines
-    roster = [TrainerRank(teng.address, 1, 0)]
-    bufs = allocate(shard_layout(SPECS, tp_size=1, tp_rank=0))
-    trainer = RLTrainer(
-        teng, session="d", specs=SPECS, trainers=roster, index=0, buffers=bufs, timeout_s=10, deltas=True
-    )
-    receiver = RLReceiver(reng, session="d", specs=SPECS, trainers=roster, index=0, delta_fraction=0.5)
+    trainer, receiver = _delta_pair(teng, reng, "d")
     try:
         trainer.wait_receivers(1, 10)
         full = sum(t.numel() * t.element_size() for t in trainer.tensors.values())
@@ -171,12 +182,7 @@ def test_a_delta_from_the_wrong_base_is_caught_by_the_digest_and_never_served(
     """The receiver's free slot is changed behind the trainer's back: the delta lands on other bytes, the
     digest check refuses the version, the receiver stays on the old one, and the next update is whole."""
     teng, reng = engines
-    roster = [TrainerRank(teng.address, 1, 0)]
-    bufs = allocate(shard_layout(SPECS, tp_size=1, tp_rank=0))
-    trainer = RLTrainer(
-        teng, session="d", specs=SPECS, trainers=roster, index=0, buffers=bufs, timeout_s=10, deltas=True
-    )
-    receiver = RLReceiver(reng, session="d", specs=SPECS, trainers=roster, index=0, delta_fraction=0.5)
+    trainer, receiver = _delta_pair(teng, reng, "d")
     caplog.set_level(logging.WARNING)
     try:
         trainer.wait_receivers(1, 10)
@@ -206,15 +212,7 @@ def test_a_delta_from_the_wrong_base_is_caught_by_the_digest_and_never_served(
 @pytest.fixture(scope="module")
 def delta_session() -> Iterator[tuple[RLTrainer, RLReceiver]]:
     made = [TransferEngine("tcp", 1, timeout_s=3.0, host="127.0.0.1") for _ in range(2)]
-    teng, reng = made
-    roster = [TrainerRank(teng.address, 1, 0)]
-    bufs = allocate(shard_layout(SPECS, tp_size=1, tp_rank=0))
-    trainer = RLTrainer(
-        teng, session="h", specs=SPECS, trainers=roster, index=0, buffers=bufs, timeout_s=10, deltas=True
-    )
-    receiver = RLReceiver(
-        reng, session="h", specs=SPECS, trainers=roster, index=0, delta_fraction=0.5, update_timeout_s=2
-    )
+    trainer, receiver = _delta_pair(made[0], made[1], "h", update_timeout_s=2)
     trainer.wait_receivers(1, 10)
     yield trainer, receiver
     receiver.close()
