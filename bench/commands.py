@@ -22,6 +22,7 @@ from bench import (
     planner,
     rl,
     rl_delta,
+    rollout,
     scale_out,
     transport,
 )
@@ -37,6 +38,7 @@ COMMANDS: tuple[tuple[tuple[str, ...], ModuleType], ...] = (
     (("bench", "gpu"), gpu),
     (("bench", "rl"), rl),
     (("bench", "rl-delta"), rl_delta),
+    (("bench", "rollout"), rollout),
     (("bench", "moe"), moe),
     (("bench", "kv"), kv),
     (("bench", "pd"), pd),

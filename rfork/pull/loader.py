@@ -27,12 +27,15 @@ from pathlib import Path
 
 import torch
 
+from backends import Region
 from backends.errors import BackendUnavailable
+from planner.contract import RankManifest
 from rfork import metrics
 from rfork.errors import ConfigurationError, DestinationMismatch, PullError, SeedRequired
 from rfork.identity import SourceIdentity
 from rfork.pull.checks import check_planner_url, check_provider_names
 from rfork.pull.disk import load_from_disk
+from rfork.pull.keep import merge, split_matching
 from rfork.pull.nccl import pull_nccl
 from rfork.pull.one_sided import OneSidedReader
 from rfork.pull.planner_session import PlannerSession, Source
@@ -81,6 +84,7 @@ class Loader:
             fallback_bytes=None if checkpoint is None else checkpoint.total_bytes,
         )
         self.reader = OneSidedReader(self.options)
+        self._held: Mapping[int, Mapping[str, str]] = {}  # per rank: the current load's held_digests
 
     def prepare(self) -> None:
         """Start opening the engine (helper thread) and create the planner client now, so both overlap
@@ -95,7 +99,13 @@ class Loader:
         ranks = list(range(self.identity.world_size)) if ranks is None else list(ranks)
         return self._run(dict.fromkeys(ranks))
 
-    def pull_into(self, named_tensors: Mapping[str, torch.Tensor], *, rank: int = 0) -> LoadResult:
+    def pull_into(
+        self,
+        named_tensors: Mapping[str, torch.Tensor],
+        *,
+        rank: int = 0,
+        held_digests: Mapping[str, str] | None = None,
+    ) -> LoadResult:
         """Pull one rank straight into the caller's tensors (no copy, nothing allocated), verify, and
         (by default) serve them as a seed.
 
@@ -103,25 +113,38 @@ class Loader:
         shapes (else DestinationMismatch naming the first bad tensor, before any byte moves). Tied or
         shared tensors are pulled once. On failure: the next candidate, then NCCL, then the disk
         checkpoint, all into the same tensors; the tensors' contents are undefined after an error.
+
+        With `keep_matching` (a rollout) tensors whose bytes already have the seed's digest are kept;
+        `held_digests` are the digests of what the tensors hold now as a verified load or seed recorded
+        them (`LoadResult.ranks[rank].weights.checksums`), trusted instead of hashing those again: pass
+        them only if nothing has written to the tensors since.
         """
-        return self._run({rank: RankWeights.from_tensors(rank=rank, tensors=named_tensors)})
+        return self._run(
+            {rank: RankWeights.from_tensors(rank=rank, tensors=named_tensors)}, {rank: held_digests or {}}
+        )
 
     def load_into(self, module: torch.nn.Module, *, rank: int = 0) -> LoadResult:
         """`pull_into` the module's own parameters and persistent buffers (its state dict names)."""
         return self.pull_into(module.state_dict(keep_vars=True), rank=rank)
 
-    def _run(self, dests: Mapping[int, RankWeights | None]) -> LoadResult:
+    def _run(
+        self, dests: Mapping[int, RankWeights | None], held: Mapping[int, Mapping[str, str]] | None = None
+    ) -> LoadResult:
         t0 = time.perf_counter()
+        self._held = held or {}
         self.planner.seconds = 0.0
         if self.options.one_sided and self.planner_url is not None:
             self.reader.open_soon()
         ranks: dict[int, ServedRank] = {}
         attempts: list[Attempt] = []
         sources: set[str] = set()
+        moved = kept = 0
         try:
             for rank, dest in dests.items():
-                ranks[rank], source = self._load_rank(rank, dest, attempts)
+                ranks[rank], source, nbytes, kept_bytes = self._load_rank(rank, dest, attempts)
                 sources.add(source)
+                moved += nbytes
+                kept += kept_bytes
         except BaseException:
             self.reader.close()
             raise
@@ -131,7 +154,8 @@ class Loader:
             identity=self.identity,
             ranks=ranks,
             source=next(iter(sources)) if len(sources) == 1 else "mixed",
-            bytes=sum(r.weights.layout.total_bytes for r in ranks.values()),
+            bytes=moved,
+            kept_bytes=kept,
             seconds=seconds,
             verified="disk" not in sources,
             attempts=attempts,
@@ -139,9 +163,10 @@ class Loader:
         )
         log.debug("load phases (s): %s", ", ".join(f"{k} {v:.3f}" for k, v in result.phases.items()))
         log.info(
-            "loaded %d rank(s), %d bytes, from %s in %.3f s (%.2f GB/s), %s",
+            "loaded %d rank(s), %d bytes (%d kept), from %s in %.3f s (%.2f GB/s), %s",
             len(ranks),
             result.bytes,
+            result.kept_bytes,
             result.source,
             seconds,
             result.bytes / max(seconds, 1e-9) / 1e9,
@@ -168,14 +193,15 @@ class Loader:
 
     def _load_rank(
         self, rank: int, dest: RankWeights | None, attempts: list[Attempt]
-    ) -> tuple[ServedRank, str]:
+    ) -> tuple[ServedRank, str, int, int]:
         """One rank from the first source that works (into `dest`, or into buffers per the manifest),
-        with the registrations its reads landed through ([] where it made none)."""
+        with the registrations its reads landed through ([] where it made none); the bytes it moved and
+        those it kept (`keep_matching`)."""
         for source in self.planner.sources(rank):
             started = time.perf_counter()
             phases: dict[str, float] = {}
             try:
-                served = self._pull(source, rank, dest, phases)
+                served, nbytes, kept = self._pull(source, rank, dest, phases)
             except DestinationMismatch as exc:
                 # The caller's tensors disagree with a manifest of the same identity: every source would.
                 source.failed(exc, 0.0)
@@ -213,7 +239,6 @@ class Loader:
                 metrics.pull_finished(source=source.name, outcome="aborted")
                 raise
             seconds = time.perf_counter() - started
-            nbytes = served.weights.layout.total_bytes
             attempts.append(
                 Attempt(
                     source=source.name,
@@ -238,7 +263,7 @@ class Loader:
                 seconds,
             )
             served.weights.origin = "peer"
-            return served, source.name
+            return served, source.name, nbytes, kept
         kind, why = self.planner.miss or ("no_seed", "no seed served it")
         metrics.fell_back(kind)
         if self.options.require_seed:
@@ -264,16 +289,18 @@ class Loader:
             nbytes=weights.layout.total_bytes,
             seconds=time.perf_counter() - t_disk,
         )
-        return ServedRank(weights=weights), "disk"
+        return ServedRank(weights=weights), "disk", weights.layout.total_bytes, 0
 
     def _pull(
         self, source: Source, rank: int, dest: RankWeights | None, phases: dict[str, float]
-    ) -> ServedRank:
-        """Check the destination against the source's (checked) manifest, then read and verify it."""
+    ) -> tuple[ServedRank, int, int]:
+        """Check the destination against the source's (checked) manifest, then read and verify it (with
+        `keep_matching`, only the tensors whose bytes differ: `rfork.pull.keep`); the bytes read and kept."""
         manifest = source.manifest()
         if dest is not None:
             dest.check_matches(manifest)
         deadline = time.monotonic() + self.options.rank_deadline_s
+        fresh = dest is None
         if dest is None:
             t_alloc = time.perf_counter()
             dest = RankWeights.allocate_for(manifest)
@@ -290,9 +317,38 @@ class Loader:
                 f"seed {source.instance_id}: checksum algorithm {manifest.checksum_algorithm!r} "
                 f"is not {dest.checksum_algorithm!r} (the digest for {dest.device} tensors)"
             )
-        if source.name == "nccl":
+        if source.name == "nccl":  # the seed streams every tensor: nothing can be kept
             pull_nccl(source.candidate, manifest, dest, timeout_s=self.options.rank_deadline_s)
-            return ServedRank(weights=dest)
+            return ServedRank(weights=dest), dest.layout.total_bytes, 0
+        if self.options.keep_matching and not fresh:  # the caller's tensors: they hold something
+            t_keep = time.perf_counter()
+            split = split_matching(dest, manifest, self._held.get(rank))
+            phases["keep"] = time.perf_counter() - t_keep
+            log.info(
+                "rank %d: %d bytes already match the seed's digests and stay; %d to read",
+                rank,
+                split.kept_bytes,
+                split.read_bytes,
+            )
+            if split.to_read is not None:
+                regions = self._read(source, split.manifest, split.to_read, deadline, phases)
+                engine = self.reader.engine()
+                for region in regions:  # they cover only the tensors read: a seed registers the whole
+                    engine.deregister(region)
+            merge(dest, split)
+            return ServedRank(weights=dest), split.read_bytes, split.kept_bytes
+        regions = self._read(source, manifest, dest, deadline, phases)
+        return ServedRank(weights=dest, regions=regions), dest.layout.total_bytes, 0
+
+    def _read(
+        self,
+        source: Source,
+        manifest: RankManifest,
+        dest: RankWeights,
+        deadline: float,
+        phases: dict[str, float],
+    ) -> list[Region]:
+        """Read `dest` from the source's manifest over the one-sided engine; its registrations."""
         try:
             self.reader.engine()  # opened on a helper thread since prepare()
         except (
@@ -309,13 +365,12 @@ class Loader:
             else PullProgress(client, source.assignment.id, forward=self.progress)  # the fleet page's tree
         )
         try:
-            regions = self.reader.pull(
+            return self.reader.pull(
                 manifest, dest, deadline=deadline, progress=reporter or self.progress, phases=phases
             )
         finally:
             if reporter is not None:
                 reporter.close()
-        return ServedRank(weights=dest, regions=regions)
 
     def _become_seed(self, result: LoadResult) -> None:
         """Serve the loaded weights (adopting the pull's engine and registrations) and publish them."""
@@ -376,6 +431,7 @@ def pull_into(
     token: str | None = None,
     options: LoadOptions | None = None,
     register_token: str | None = None,
+    held_digests: Mapping[str, str] | None = None,
 ) -> LoadResult:
     """One-call API for framework hooks: pull one rank into the framework's own tensors (see
     `Loader.pull_into`); returns how it went and the seed it became, if asked."""
@@ -386,4 +442,4 @@ def pull_into(
         register_token=register_token,
         checkpoint=checkpoint,
         options=options,
-    ).pull_into(tensors, rank=rank)
+    ).pull_into(tensors, rank=rank, held_digests=held_digests)

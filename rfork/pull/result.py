@@ -118,6 +118,11 @@ class LoadOptions:
     # pmix64-v1 (RFORK_DIGEST, rfork.weights.checksum) stops the load with a ConfigurationError
     # before any byte is pulled, and a seed's manifest or anchor under another algorithm is refused
     require_crypto_digest: bool = False
+    # A rollout (rfork.pull.keep): digest the caller's tensors first and read only those whose bytes differ
+    # from the seed's (anchored) digests; the rest stay, verified by that digest. For an instance that holds
+    # another version of the model (pull_into / load_into; load() allocates fresh buffers and reads all).
+    # Costs one local hash of the destination; the NCCL fallback streams every tensor regardless.
+    keep_matching: bool = False
 
     @property
     def one_sided(self) -> list[str]:
@@ -157,9 +162,10 @@ class LoadResult:
     identity: SourceIdentity
     ranks: dict[int, ServedRank]
     source: str
-    bytes: int
+    bytes: int  # read from the sources (a rollout: only the tensors that differed)
     seconds: float
     verified: bool
+    kept_bytes: int = 0  # already in the destination with the right digest (`LoadOptions.keep_matching`)
     attempts: list[Attempt] = field(default_factory=list)
     seed: Seed | None = None
     # why becoming a seed failed (the load itself succeeded); None when it did not fail or was not asked
