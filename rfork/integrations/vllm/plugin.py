@@ -2,7 +2,8 @@
 
 vLLM calls `register()` in every one of its processes (API server, engine core, workers) and may call
 it more than once, so it only puts `RforkModelLoader` in vLLM's loader registry, once, and in the
-root process arms the drain of the seeds its children publish (rfork.integrations.hook.drain). The loader
+root process arms the drain of the seeds its children publish (rfork.integrations.hook.drain). With
+runtime LoRA loading on it also registers rfork's LoRA resolver (adapters from peers). The loader
 module imports vLLM's own loader base (vLLM imports it anyway to load a model) and rfork's settings;
 rfork's transport, planner and seed modules load only when a model loads with `--load-format rfork`.
 """
@@ -26,6 +27,7 @@ def register() -> None:
     if model_loader._LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not RforkModelLoader:
         model_loader.register_model_loader(LOAD_FORMAT)(RforkModelLoader)
     register_kv_connector()
+    register_lora_resolver()
     drain.arm_drain_in_main_process()
     show_rfork_logs()
 
@@ -41,6 +43,17 @@ def register_kv_connector() -> None:
     if KV_CONNECTOR not in KVConnectorFactory._registry:
         module = "rfork.integrations.vllm.kv_connector"
         KVConnectorFactory.register_connector(KV_CONNECTOR, module, KV_CONNECTOR)
+
+
+def register_lora_resolver() -> None:
+    """With runtime LoRA loading on (VLLM_ALLOW_RUNTIME_LORA_UPDATING), resolve unknown adapters from
+    peers (rfork.integrations.vllm.lora_resolver); otherwise nothing of it is even imported."""
+    if os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() not in ("1", "true"):
+        return
+    # imported here: only servers that resolve adapters at run time load it (start-up time)
+    from rfork.integrations.vllm.lora_resolver import register_lora_resolver as register_resolver
+
+    register_resolver()
 
 
 def show_rfork_logs() -> None:
