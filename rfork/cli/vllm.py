@@ -77,7 +77,22 @@ def build_command(
             rest = ["--model", *rest]  # `vllm serve MODEL` spells it as a positional
     check_vllm_args(rest)
     argv = [*command, *with_rfork_load_format(args, rest, environ)]
-    return argv, with_plugin_enabled(token_environment(args, environ), "VLLM_PLUGINS")
+    env = with_plugin_enabled(token_environment(args, environ), "VLLM_PLUGINS")
+    return argv, resolver_environment(args, env)
+
+
+def resolver_environment(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, str]:
+    """`env` with the launcher's planner, providers, base model name and timeout as RFORK_* variables:
+    rfork's LoRA resolver runs in vLLM's API server, which never sees the model loader's extra config."""
+    out = dict(env)
+    if args.planner:
+        out["RFORK_PLANNER_URL"] = args.planner.rstrip("/")
+    if args.provider:
+        out["RFORK_PROVIDERS"] = ",".join(args.provider)
+    if args.model_name:
+        out["RFORK_MODEL_NAME"] = args.model_name
+    out["RFORK_TRANSFER_TIMEOUT_S"] = str(args.timeout)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
