@@ -42,11 +42,11 @@ def test_launcher_runs_vllms_api_server_with_the_model_as_a_flag():
 
 
 def test_launcher_tells_the_lora_resolver_in_the_api_server_where_the_planner_is():
-    args = _args(["--planner", "http://p:8470/", "--provider", "shm,tcp", "--model-name", "llama", "--", "/m"])
+    args = _args(["--planner", "http://p:8470/", "--provider", "shm,tcp", "--model-name", "m", "--", "/m"])
     _, env = launcher.build_command(args, args.vllm_args, {"RFORK_TOKEN": "t"})
     assert env["RFORK_PLANNER_URL"] == "http://p:8470"
     assert env["RFORK_PROVIDERS"] == "shm,tcp"
-    assert env["RFORK_MODEL_NAME"] == "llama"
+    assert env["RFORK_MODEL_NAME"] == "m"
     assert float(env["RFORK_TRANSFER_TIMEOUT_S"]) > 0
 
 
