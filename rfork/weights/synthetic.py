@@ -209,3 +209,51 @@ def write_servable_llama(directory: Path, *, config: LlamaConfig, name: str = "t
     )
     (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     return directory
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_synthetic_lora(
+    directory: Path,
+    *,
+    config: LlamaConfig,
+    base_model: str,
+    seed: int,
+    rank: int = 8,
+    targets: Sequence[str] = ("q_proj", "v_proj"),
+) -> Path:
+    """A PEFT LoRA adapter for a Llama of `config` (bf16, `rank`, on `targets` of every layer), as PEFT
+    writes it: random enough to change the tokens. `base_model` is what the engine calls the base (vLLM:
+    its model path)."""
+    gen = torch.Generator().manual_seed(seed)
+    h, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
+    dims = {  # (in, out)
+        "q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+        "gate_proj": (h, config.intermediate_size), "up_proj": (h, config.intermediate_size),
+        "down_proj": (config.intermediate_size, h),
+    }  # fmt: skip
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(config.num_hidden_layers):
+        for module in targets:
+            block = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            fan_in, fan_out = dims[module]
+            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=gen) * 0.5).bfloat16()
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=gen) * 0.5).bfloat16()
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "target_modules": list(targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(adapter_config, indent=1))
+    return directory

@@ -9,6 +9,7 @@ model's; an adapter nobody holds, and a name that is not a safe directory name, 
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -16,8 +17,8 @@ from typing import Any
 
 import pytest
 
+from rfork.weights.synthetic import write_synthetic_lora
 from tests.integrations.server_flow import Planner, instances
-from tests.vllm.adapters import write_adapter
 from tests.vllm.servers import TINY, ServerFleet, VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -59,13 +60,21 @@ def adapter_seeds(planner: Planner, name: str) -> list[dict[str, Any]]:
     return [i for i in ready if i["identity"]["model"] == name and i["identity"]["framework"] == "peft-lora"]
 
 
+def wait_for_seeds(planner: Planner, name: str, count: int, timeout_s: float = 30.0) -> None:
+    """Until `count` servers serve adapter `name` (a server publishes an adapter after vLLM loaded it)."""
+    deadline = time.monotonic() + timeout_s
+    while len(adapter_seeds(planner, name)) != count:
+        assert time.monotonic() < deadline, f"{name}: {len(adapter_seeds(planner, name))} seeds, not {count}"
+        time.sleep(0.1)
+
+
 def test_adapters_move_between_servers_through_the_planner(
     planner: Planner, tiny_model: Path, tmp_path: Path
 ) -> None:
     storage, empty = tmp_path / "adapters", tmp_path / "empty"
     empty.mkdir()
     for seed, name in ((1, "ad1"), (2, "ad2")):
-        write_adapter(storage / name, TINY, base_model=str(tiny_model), seed=seed)
+        write_synthetic_lora(storage / name, config=TINY, base_model=str(tiny_model), seed=seed)
     (tmp_path / "servers").mkdir()
     fleet = ServerFleet(tmp_path / "servers", tiny_model, server_args=LORA_ARGS)
     base_env = {
@@ -89,7 +98,7 @@ def test_adapters_move_between_servers_through_the_planner(
             assert from_storage != base  # the adapter is applied
             assert len(adapter_seeds(planner, name)) == 1  # A serves what it read
             assert complete(b, name) == from_storage
-            assert len(adapter_seeds(planner, name)) == 2  # and now B too
+            wait_for_seeds(planner, name, 2)  # and now B too
         assert "from a peer" in b.log()
         assert "verified" in b.log()
         assert status_of(a, "ad1") == 200  # resolved once, then vLLM's own

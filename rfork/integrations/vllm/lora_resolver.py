@@ -51,6 +51,7 @@ class RforkLoraResolver(LoRAResolver):
         self._lock = threading.Lock()
         self._held: dict[str, tuple[Path, Seed | LoadResult | None]] = {}  # name -> (directory, its server)
         atexit.register(self.close)
+        threading.Thread(target=_warm, args=(settings,), name="rfork-lora-warm", daemon=True).start()
 
     async def resolve_lora(self, base_model_name: str, lora_name: str) -> LoRARequest | None:
         """vLLM's hook: the adapter's directory (pulled or from storage), or None if nobody has it."""
@@ -97,6 +98,8 @@ class RforkLoraResolver(LoRAResolver):
             transfer_timeout_s=self.settings.transfer_timeout_s,
             require_seed=True,  # the storage fallback is ours (RFORK_LORA_DIR), not a checkpoint
             require_crypto_digest=self.settings.require_crypto_digest,
+            become_seed=False,  # after vLLM has the adapter: publishing is not on the request's clock
+            seed_later=True,
         )
         loader = Loader(
             identity=identity,
@@ -116,13 +119,26 @@ class RforkLoraResolver(LoRAResolver):
             result.close()
             raise
         log.info(
-            "LoRA adapter %s: %d bytes from a peer in %.3f s, verified; serving it as seed %s",
-            name,
-            result.bytes,
-            result.seconds,
-            ",".join(result.seed.instance_ids) if result.seed else "(none: publication failed)",
+            "LoRA adapter %s: %d bytes from a peer in %.3f s, verified", name, result.bytes, result.seconds
         )
+        threading.Thread(
+            target=self._serve, args=(name, result), name="rfork-lora-seed", daemon=True
+        ).start()
         return path, result
+
+    def _serve(self, name: str, result: LoadResult) -> None:
+        """Serve a pulled adapter (its pull's engine and registrations), once vLLM was handed it."""
+        assert self.settings.planner_url is not None
+        try:
+            seed = result.become_seed(
+                planner_url=self.settings.planner_url,
+                token=self.settings.seed_token,
+                retry_publish=True,  # a planner outage must not stop it serving later
+            )
+        except Exception:  # noqa: BLE001 - the adapter is loaded: serving it is a bonus
+            log.warning("LoRA adapter %s: loaded, but could not serve it to others", name, exc_info=True)
+            return
+        log.info("LoRA adapter %s: serving it as seed %s", name, ",".join(seed.instance_ids))
 
     def _from_storage(self, identity: SourceIdentity, name: str) -> tuple[Path, Seed | None] | None:
         if self.storage is None or not (self.storage / name).is_dir():
@@ -169,6 +185,14 @@ class RforkLoraResolver(LoRAResolver):
                     server.close()
                 except Exception:  # noqa: BLE001 - at exit: drain the others regardless
                     log.warning("closing a LoRA adapter's seed failed", exc_info=True)
+
+
+def _warm(settings: HookSettings) -> None:
+    """Load the transport and initialise the provider now, off the first adapter's clock."""
+    # imported here: on a helper thread, so that vLLM's start does not wait for the native library
+    from rfork.pull.one_sided import warm_transport
+
+    warm_transport(settings.providers)
 
 
 def register_lora_resolver() -> None:
