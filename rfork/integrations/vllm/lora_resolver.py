@@ -189,7 +189,7 @@ class RforkLoraResolver(LoRAResolver):
 
 def _warm(settings: HookSettings) -> None:
     """Load the transport and initialise the provider now, off the first adapter's clock."""
-    # imported here: on a helper thread, so that vLLM's start does not wait for the native library
+    # imported here, on a helper thread: vLLM's start-up does not wait for the native library
     from rfork.pull.one_sided import warm_transport
 
     warm_transport(settings.providers)
