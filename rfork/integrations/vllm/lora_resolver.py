@@ -49,7 +49,8 @@ class RforkLoraResolver(LoRAResolver):
         self.storage = storage
         self._cache = cache
         self._lock = threading.Lock()
-        self._held: dict[str, tuple[Path, Seed | LoadResult | None]] = {}  # name -> (directory, its server)
+        # adapter identity -> (its directory, what serves it)
+        self._held: dict[SourceIdentity, tuple[Path, Seed | LoadResult | None]] = {}
         atexit.register(self.close)
         threading.Thread(target=_warm, args=(settings,), name="rfork-lora-warm", daemon=True).start()
 
@@ -67,21 +68,22 @@ class RforkLoraResolver(LoRAResolver):
         except AdapterError as exc:
             log.warning("LoRA adapter not resolved: %s", exc)
             return None
+        identity = adapter_identity(base=self.settings.model or base_model_name, name=lora_name)
         with self._lock:
-            held = self._held.get(lora_name)
+            held = self._held.get(identity)
         if held is not None:
             return held[0]
-        identity = adapter_identity(base=self.settings.model or base_model_name, name=lora_name)
         try:
             found = self._from_peer(identity, lora_name) or self._from_storage(identity, lora_name)
-        except AdapterError as exc:
+        except Exception as exc:  # noqa: BLE001 - a request naming an adapter gets vLLM's 404, never a 500
             log.warning("LoRA adapter %s not resolved: %s", lora_name, exc)
+            log.debug("resolving a LoRA adapter failed", exc_info=True)
             return None
         if found is None:
             log.info("LoRA adapter %s: no seed and not in %s", lora_name, self.storage or "storage (unset)")
             return None
         with self._lock:
-            self._held[lora_name] = found
+            self._held[identity] = found
         return found[0]
 
     def _from_peer(self, identity: SourceIdentity, name: str) -> tuple[Path, LoadResult] | None:
@@ -90,7 +92,7 @@ class RforkLoraResolver(LoRAResolver):
         # imported here: only a server that pulls an adapter needs the transport (start-up time)
         from rfork.errors import SeedRequired
         from rfork.pull.loader import Loader
-        from rfork.pull.result import LoadOptions
+        from rfork.pull.result import BusyWait, LoadOptions
         from rfork.weights.adapters import write_adapter
 
         options = LoadOptions(
@@ -100,6 +102,8 @@ class RforkLoraResolver(LoRAResolver):
             require_crypto_digest=self.settings.require_crypto_digest,
             become_seed=False,  # after vLLM has the adapter: publishing is not on the request's clock
             seed_later=True,
+            # a request is waiting: storage soon rather than a long wait for a busy seed or the planner
+            busy_wait=BusyWait(max_wait_s=5.0, planner_outage_s=2.0),
         )
         loader = Loader(
             identity=identity,
@@ -114,7 +118,8 @@ class RforkLoraResolver(LoRAResolver):
             log.info("LoRA adapter %s: %s", name, exc)
             return None
         try:
-            path = write_adapter(result.state_dict(0), self._cache_dir() / name)
+            directory = self._cache_dir() / f"{name}-{identity.fingerprint[:16]}"
+            path = write_adapter(result.state_dict(0), directory)
         except BaseException:
             result.close()
             raise
@@ -158,6 +163,7 @@ class RforkLoraResolver(LoRAResolver):
             planner_url=self.settings.planner_url,
             token=self.settings.seed_token,
             providers=self.settings.providers,
+            retry_publish=True,  # a planner outage must not keep the adapter from vLLM
         )
         seed.start()
         log.info(
