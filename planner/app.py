@@ -33,7 +33,7 @@ from planner.heartbeats import HeartbeatBatcher
 from planner.hotpath import HotPath
 from planner.metrics import MetricsMiddleware, PlannerMetrics
 from planner.protocol_guard import ProtocolGuard
-from planner.routes import anchors, assignments, compile_caches, fleet, instances, observe
+from planner.routes import anchors, assignments, compile_caches, fleet, identities, instances, observe
 from planner.selection import make_policy
 from planner.service import Planner
 from planner.service.reaper import reap
@@ -126,6 +126,7 @@ def create_app(settings: PlannerSettings, *, db: Database | None = None, run_rea
     app.include_router(observe.router)
     app.include_router(fleet.router)
     app.include_router(anchors.router)
+    app.include_router(identities.router)
     _add_error_handlers(app)
     _add_manifest_schema(app)
     app.add_middleware(

@@ -34,6 +34,7 @@ from planner.contract.views import (
     FleetView,
     InstancePage,
     ModelsPage,
+    SharedPage,
     TransfersPage,
 )
 from planner.contract.wire import (
@@ -341,6 +342,14 @@ class PlannerClient:
             **({"identity_key": identity_key} if identity_key else {}),
         }
         return self._call("GET", "/v1/anchors", "list anchors", AnchorsPage, params=params)
+
+    def shared_identities(
+        self, identity_key: str, *, rank: int, checksum_algorithm: str, limit: int = 10
+    ) -> SharedPage:
+        """Identities with READY instances whose anchor shares tensors with this one's, most first."""
+        params = {"rank": rank, "checksum_algorithm": checksum_algorithm, "limit": limit}
+        op = f"shared identities of {identity_key[:12]} rank {rank}"
+        return self._call("GET", f"/v1/identities/{identity_key}/shared", op, SharedPage, params=params)
 
     def revoke_anchor(self, identity_key: str, rank: int, checksum_algorithm: str) -> None:
         """Revoke an anchor: nobody serves that rank until one is set again (NotFound if there is none)."""

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from planner.contract.wire import InstanceStatus, InstanceView, Labels
+from planner.contract.wire import InstanceStatus, InstanceView, Labels, SourceIdentity
 
 
 class AnchorView(BaseModel):
@@ -42,6 +42,22 @@ class AnchorsPage(BaseModel):
 
     items: list[AnchorView]
     total: int
+
+
+class SharedIdentity(BaseModel):
+    """An identity whose anchor shares tensors with the asked one's (equal name and digest): what a
+    rollout reads those tensors from when the asked identity has few seeds."""
+
+    identity: SourceIdentity
+    identity_key: str
+    shared_tensors: int = Field(description="tensors whose name and anchored digest equal the asked one's")
+    ready: int = Field(description="READY instances of this identity")
+
+
+class SharedPage(BaseModel):
+    """GET /v1/identities/{identity_key}/shared: most shared tensors first."""
+
+    items: list[SharedIdentity]
 
 
 # ---- views for readers (operators, dashboards, `rfork load --checkpoint-id`) -----------------

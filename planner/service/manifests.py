@@ -21,6 +21,8 @@ from planner.service.base import ServiceState, rowcount
 
 log = logging.getLogger(__name__)
 
+SHARED_SCAN = 1000  # anchors a shared-identities query compares (the most recent ones)
+
 
 class ManifestOps(ServiceState):
     """Planner's operations on manifests and anchors."""
@@ -180,6 +182,53 @@ class ManifestOps(ServiceState):
                 .offset(offset)
             ).all()
             return views.AnchorsPage(items=[_anchor_view(a) for a in rows], total=total)
+
+    def shared_identities(
+        self, identity_key: str, *, rank: int, checksum_algorithm: str, limit: int
+    ) -> views.SharedPage:
+        """Other identities with READY instances whose anchor of this rank and algorithm shares tensors
+        (equal name and digest) with this identity's, most shared first; none if it has no anchor.
+
+        Looks at the SHARED_SCAN most recently anchored identities (a rank's digests are a JSON column:
+        the comparison runs here, not in SQL)."""
+        with self.db.read() as s:
+            mine = s.get(Anchor, (identity_key, rank, checksum_algorithm))
+            if mine is None:
+                return views.SharedPage(items=[])
+            wanted = set(mine.digests.items())
+            others = s.scalars(
+                select(Anchor)
+                .where(
+                    Anchor.rank == rank,
+                    Anchor.checksum_algorithm == checksum_algorithm,
+                    Anchor.identity_key != identity_key,
+                )
+                .order_by(Anchor.created_at.desc())
+                .limit(SHARED_SCAN)
+            ).all()
+            shared = {a.identity_key: sum(1 for pair in a.digests.items() if pair in wanted) for a in others}
+            keys = [k for k, n in shared.items() if n]
+            ready: dict[str, tuple[int, dict[str, Any]]] = {}
+            if keys:
+                rows = s.execute(
+                    select(Instance.identity_key, Instance.identity).where(
+                        Instance.identity_key.in_(keys), Instance.status == "READY"
+                    )
+                ).all()
+                for k, ident in rows:
+                    ready[k] = (ready[k][0] + 1 if k in ready else 1, ident)
+        items = [
+            views.SharedIdentity(
+                identity=wire.SourceIdentity(**ready[k][1]),
+                identity_key=k,
+                shared_tensors=shared[k],
+                ready=ready[k][0],
+            )
+            for k in keys
+            if k in ready
+        ]
+        items.sort(key=lambda i: (-i.shared_tensors, -i.ready, i.identity_key))
+        return views.SharedPage(items=items[:limit])
 
     def revoke_anchor(self, identity_key: str, rank: int, checksum_algorithm: str) -> None:
         """Delete an anchor: its identity's rank is served by nobody until an authority sets one again."""
