@@ -14,7 +14,7 @@ from tests.planner.conftest import identity, manifest, ranks
 
 
 def _publish(c: PlannerClient, fingerprint: str, digests: list[str]) -> tuple[str, str]:
-    """A READY instance of identity `fingerprint`, its rank-0 tensors w0.. with `digests` (it anchors them)."""
+    """A READY instance of identity `fingerprint`; its rank-0 tensors w0.. have `digests` (anchored)."""
     ident = identity(fingerprint=fingerprint, tp=1)
     iid = c.register_instance(identity=ident, ranks=ranks(0)).id
     m = manifest(0)
