@@ -1,14 +1,17 @@
-"""Rollouts: an instance that holds v1 serves v2 by reading only the tensors that differ.
+"""Rollouts: v2 of a model from what v1 shares with it, locally or from v1's seeds.
 
-An `rfork seed` process serves v2, a synthetic Llama checkpoint of --size-gib (bf16), over tcp. This
-process holds v1: the same tensors, with a --changed fraction of them (a random sample, --seed) holding
-other values. Per --repeat, each row starts from the same state (the destination copied back to v1, in
-the same touched memory) and pulls v2 into it, verified (every digest compared with the anchored ones):
-- full: every tensor is read (`LoadOptions()`);
-- rollout: the destination is digested first and only the tensors whose digest differs are read
-  (`LoadOptions(keep_matching=True)`);
+Two `rfork seed` processes serve over tcp: v2, a synthetic Llama checkpoint of --size-gib (bf16), and
+v1, the same tensors with a --changed fraction of them (a random sample, --seed) holding other values.
+Per --repeat, each row starts from the same state in the same touched memory (the destination copied
+back to v1, or zeroed for a new instance) and pulls v2 into it, verified (every digest compared with
+the anchored ones):
+- full: every tensor from the v2 seed (`LoadOptions()`);
+- rollout: the destination (holding v1) is digested first and only the tensors whose digest differs are
+  read (`LoadOptions(keep_matching=True)`);
 - rollout, held digests: the same, given the digests v1's own load recorded (`held_digests`), so
-  nothing is hashed.
+  nothing is hashed;
+- new instance, full / rollout: a destination holding nothing; with keep_matching the tensors v1 shares
+  come from the v1 seed (the planner finds it through equal anchored digests), the rest from v2's.
 After each pull the destination is compared with v2 tensor by tensor. Median seconds per row.
 """
 
@@ -19,6 +22,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -54,6 +58,7 @@ def _pull(
         return {
             "seconds": result.seconds,
             "bytes": result.bytes,
+            "from_v2": result.attempts[-1].bytes,  # the identity's own seed (other identities' come first)
             "kept_bytes": result.kept_bytes,
             "keep_s": result.phases.get("keep", 0.0),
             "verified": result.verified,
@@ -66,6 +71,7 @@ def _pull(
 def _measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     import torch
+    from safetensors.torch import save_file
 
     from bench.processes import Fleet, seed_args
     from planner.server import PlannerServer
@@ -74,29 +80,46 @@ def _measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from rfork.weights.synthetic import write_synthetic_checkpoint
 
     ckpt = write_synthetic_checkpoint(workdir / "v2", size_bytes=int(args.size_gib * (1 << 30)))
-    identity = read_checkpoint_info(ckpt).identity(tp=1)
+    identity = read_checkpoint_info(ckpt).identity(tp=1, revision="v2")
     v2 = load_state_dict(ckpt)
     names = sorted(v2)
     changed = random.Random(args.seed).sample(names, max(1, round(args.changed * len(names))))
     v1 = {n: t.clone() for n, t in v2.items()}
     for n in changed:
         v1[n].add_(1)
+    v1_dir = workdir / "v1"
+    v1_dir.mkdir()
+    save_file(v1, str(v1_dir / "model.safetensors"))
+    shutil.copy(ckpt / "config.json", v1_dir / "config.json")
     dest = {n: torch.empty_like(t) for n, t in v2.items()}
     model_bytes = sum(t.nbytes for t in v2.values())
     held = RankWeights.from_tensors(tensors=v1).compute_checksums()  # what v1's own load recorded
-    rows = {"full": (False, None), "rollout": (True, None), "rollout, held digests": (True, held)}
+    rows = {  # (what the destination holds, keep_matching, held digests)
+        "full": ("v1", False, None),
+        "rollout": ("v1", True, None),
+        "rollout, held digests": ("v1", True, held),
+        "new instance, full": ("nothing", False, None),
+        "new instance, rollout": ("nothing", True, None),
+    }
     runs: dict[str, list[dict[str, Any]]] = {row: [] for row in rows}
     equal = True
     fleet = Fleet(workdir / "procs")
     try:
         with PlannerServer(db_url=f"sqlite:///{workdir / 'planner.db'}", insecure=True) as planner:
-            ready = workdir / "seed.json"
-            seed = fleet.spawn("seed", seed_args(ckpt, planner.url, ready))
-            fleet.wait_file(seed, ready, timeout_s=600)
+            seeds = []
+            for version, directory in (("v2", ckpt), ("v1", v1_dir)):
+                ready = workdir / f"{version}.json"
+                args_ = seed_args(directory, planner.url, ready, extra=["--revision", version])
+                seeds.append((fleet.spawn(f"seed-{version}", args_), ready))
+            for child, ready in seeds:
+                fleet.wait_file(child, ready, timeout_s=600)
             for _ in range(args.repeat):
-                for row, (keep, digests) in rows.items():
+                for row, (holds, keep, digests) in rows.items():
                     for n, t in dest.items():
-                        t.copy_(v1[n])
+                        if holds == "v1":
+                            t.copy_(v1[n])
+                        else:
+                            t.zero_()
                     runs[row].append(_pull(planner.url, identity, dest, keep, digests))
                     equal = equal and all(torch.equal(dest[n], v2[n]) for n in names)
     finally:
@@ -106,8 +129,9 @@ def _measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         table.append(
             {
                 "row": row,
+                "holds": rows[row][0],
                 "bytes": got[0]["bytes"],
-                "of_model": got[0]["bytes"] / model_bytes,
+                "from_v2": got[0]["from_v2"],
                 "seconds": statistics.median(r["seconds"] for r in got),
                 "keep_s": statistics.median(r["keep_s"] for r in got),
                 "verified": all(r["verified"] and r["source"] == "rfork-tcp" for r in got),
@@ -141,13 +165,16 @@ def run(args: argparse.Namespace) -> int:
         f"{got['tensors']} tensors changed ({100 * got['bytes_changed'] / got['model_bytes']:.1f} % of the "
         f"bytes), tcp loopback, median of {args.repeat}; load average {load[0]:.1f}"
     )
-    for col in ("pull", "bytes read", "of the model", "seconds", "of it hashing the destination", "× full"):
+    cols = ("pull", "holds", "read", "from the v2 seed", "of the model", "seconds", "hashing", "× full")
+    for col in cols:
         table.add_column(col, justify="right")
     for r in got["rows"]:
         table.add_row(
             r["row"],
+            r["holds"],
             f"{r['bytes'] / 1e6:.1f} MB",
-            f"{100 * r['of_model']:.1f} %",
+            f"{r['from_v2'] / 1e6:.1f} MB",
+            f"{100 * r['from_v2'] / got['model_bytes']:.1f} %",
             f"{r['seconds']:.3f}",
             f"{r['keep_s']:.3f}",
             f"{full['seconds'] / r['seconds']:.2f}",

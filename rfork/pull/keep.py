@@ -95,3 +95,49 @@ def merge(dest: RankWeights, split: Split) -> None:
     """Record the digests the read verified in the whole destination (after a successful read)."""
     if split.to_read is not None:
         dest.checksums.update(split.to_read.checksums)
+
+
+def split_shared(split: Split, other: RankManifest) -> tuple[Split | None, Split]:
+    """Of what `split` still has to read, the tensors `other` (another identity's checked manifest: a
+    seed of the version before) holds with the same digest, dtype and shape, as a Split to read from
+    `other`; and the rest, to read from the seed of the identity asked for. Tied names move together.
+    (None, split) when `other` shares nothing that is still to be read."""
+    if split.to_read is None:
+        return None, split
+    mine = {t.name: t for t in split.manifest.tensors}
+    theirs = {t.name: t for t in other.tensors}
+    spans: dict[tuple[int, int, int], list[str]] = {}
+    for p in split.to_read.layout.placements:
+        spans.setdefault((p.region, p.offset, p.nbytes), []).append(p.name)
+
+    def same(name: str) -> bool:
+        a, b = mine[name], theirs.get(name)
+        return b is not None and (a.checksum, a.dtype, list(a.shape)) == (b.checksum, b.dtype, list(b.shape))
+
+    shared = [(span, names) for span, names in spans.items() if all(same(n) for n in names)]
+    if not shared:
+        return None, split
+    taken = {n for _, names in shared for n in names}
+    rest = [n for n in split.to_read.tensors if n not in taken]
+    shared_bytes = sum(span[2] for span, _ in shared)
+    from_other = Split(
+        to_read=RankWeights.from_tensors(
+            rank=split.to_read.rank, tensors={n: split.to_read.tensors[n] for n in taken}
+        ),
+        manifest=other.model_copy(update={"tensors": [t for t in other.tensors if t.name in taken]}),
+        kept_bytes=0,
+        read_bytes=shared_bytes,
+    )
+    remaining = Split(
+        to_read=RankWeights.from_tensors(
+            rank=split.to_read.rank, tensors={n: split.to_read.tensors[n] for n in rest}
+        )
+        if rest
+        else None,
+        manifest=split.manifest.model_copy(
+            update={"tensors": [t for t in split.manifest.tensors if t.name in rest]}
+        ),
+        kept_bytes=split.kept_bytes,
+        read_bytes=split.read_bytes - shared_bytes,
+    )
+    return from_other, remaining

@@ -20,6 +20,7 @@ verified; a disk load says `verified=False`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -35,12 +36,12 @@ from rfork.errors import ConfigurationError, DestinationMismatch, PullError, See
 from rfork.identity import SourceIdentity
 from rfork.pull.checks import check_planner_url, check_provider_names
 from rfork.pull.disk import load_from_disk
-from rfork.pull.keep import merge, split_matching
+from rfork.pull.keep import Split, merge, split_matching, split_shared
 from rfork.pull.nccl import pull_nccl
 from rfork.pull.one_sided import OneSidedReader
 from rfork.pull.planner_session import PlannerSession, Source
 from rfork.pull.progress_report import PullProgress
-from rfork.pull.result import Attempt, LoadOptions, LoadResult, ProgressFn
+from rfork.pull.result import Attempt, BusyWait, LoadOptions, LoadResult, ProgressFn
 from rfork.seed.seed import ServedRank
 from rfork.weights import checksum as ck
 from rfork.weights.checkpoint import CheckpointInfo, read_checkpoint_info
@@ -85,6 +86,8 @@ class Loader:
         )
         self.reader = OneSidedReader(self.options)
         self._held: Mapping[int, Mapping[str, str]] = {}  # per rank: the current load's held_digests
+        self._shared: list[Attempt] = []  # reads from another identity's seeds, for the next attempt's list
+        self._token = token
 
     def prepare(self) -> None:
         """Start opening the engine (helper thread) and create the planner client now, so both overlap
@@ -200,6 +203,7 @@ class Loader:
         for source in self.planner.sources(rank):
             started = time.perf_counter()
             phases: dict[str, float] = {}
+            self._shared = []
             try:
                 served, nbytes, kept = self._pull(source, rank, dest, phases)
             except DestinationMismatch as exc:
@@ -239,18 +243,20 @@ class Loader:
                 metrics.pull_finished(source=source.name, outcome="aborted")
                 raise
             seconds = time.perf_counter() - started
+            attempts.extend(self._shared)  # what another identity's seeds served of it
+            own = nbytes - sum(a.bytes for a in self._shared)
             attempts.append(
                 Attempt(
                     source=source.name,
                     instance_id=source.instance_id,
                     rank=rank,
                     ok=True,
-                    bytes=nbytes,
+                    bytes=own,
                     seconds=seconds,
                     phases=phases,
                 )
             )
-            source.succeeded(nbytes, seconds)
+            source.succeeded(own, seconds)
             metrics.pull_finished(source=source.name, outcome="success", nbytes=nbytes, seconds=seconds)
             if "verify" in phases:
                 metrics.VERIFY_SECONDS.observe(phases["verify"] + phases.get("verify_tail", 0.0))
@@ -330,15 +336,100 @@ class Loader:
                 split.kept_bytes,
                 split.read_bytes,
             )
+            read_bytes = split.read_bytes
+            # a destination that holds most of the rank already (a rollout in place) lacks the tensors that
+            # changed, which no earlier version holds: asking the planner for one would only cost time
+            if split.to_read is not None and 2 * split.read_bytes >= split.read_bytes + split.kept_bytes:
+                split = self._read_shared(rank, dest, split, deadline, phases)
             if split.to_read is not None:
                 regions = self._read(source, split.manifest, split.to_read, deadline, phases)
                 engine = self.reader.engine()
                 for region in regions:  # they cover only the tensors read: a seed registers the whole
                     engine.deregister(region)
             merge(dest, split)
-            return ServedRank(weights=dest), split.read_bytes, split.kept_bytes
+            return ServedRank(weights=dest), read_bytes, split.kept_bytes
         regions = self._read(source, manifest, dest, deadline, phases)
         return ServedRank(weights=dest, regions=regions), dest.layout.total_bytes, 0
+
+    def _read_shared(
+        self, rank: int, dest: RankWeights, split: Split, deadline: float, phases: dict[str, float]
+    ) -> Split:
+        """Read what seeds of other identities hold with the same anchored digests (a rollout's previous
+        version: the planner finds them), each verified like any read; the rest of `split` is left for
+        the identity's own seed. Any failure leaves it to that seed: this only spares it bytes."""
+        client = self.planner.client
+        if client is None or self.planner_url is None:
+            return split
+        try:
+            page = client.shared_identities(
+                self.identity.key(), rank=rank, checksum_algorithm=split.manifest.checksum_algorithm, limit=3
+            )
+        except Exception as exc:  # noqa: BLE001 - the identity's own seed holds everything
+            log.info("rank %d: no identities asked for shared tensors: %s", rank, exc)
+            return split
+        options = dataclasses.replace(
+            self.options,
+            max_attempts=1,
+            allow_nccl=False,
+            exclude=(),
+            busy_wait=BusyWait(max_wait_s=0.0, planner_outage_s=0.0),  # busy: the own seed has it too
+        )
+        for item in page.items:
+            session = PlannerSession(
+                planner_url=self.planner_url,
+                token=self._token,
+                identity=item.identity,
+                options=options,
+                fallback_bytes=None,
+            )
+            try:
+                for other in session.sources(rank):
+                    started = time.perf_counter()
+                    try:
+                        part, rest = split_shared(split, other.manifest())
+                        if part is None or part.to_read is None:
+                            other.succeeded(0, time.perf_counter() - started)
+                            break
+                        engine_regions = self._read(other, part.manifest, part.to_read, deadline, phases)
+                        engine = self.reader.engine()
+                        for region in engine_regions:
+                            engine.deregister(region)
+                    except Exception as exc:  # noqa: BLE001 - the identity's own seed reads these too
+                        other.failed(exc, time.perf_counter() - started)
+                        self.reader.fence()
+                        log.warning(
+                            "rank %d: shared tensors from %s failed: %s", rank, other.instance_id, exc
+                        )
+                        break
+                    seconds = time.perf_counter() - started
+                    other.succeeded(part.read_bytes, seconds)
+                    dest.checksums.update(part.to_read.checksums)
+                    self._shared.append(
+                        Attempt(
+                            source=other.name,
+                            instance_id=other.instance_id,
+                            rank=rank,
+                            ok=True,
+                            bytes=part.read_bytes,
+                            seconds=seconds,
+                        )
+                    )
+                    log.info(
+                        "rank %d: %d bytes it shares with %s %s from seed %s in %.3f s, verified",
+                        rank,
+                        part.read_bytes,
+                        item.identity.model,
+                        item.identity.revision,
+                        other.instance_id,
+                        seconds,
+                    )
+                    split = rest
+                    break
+            finally:
+                session.close()
+            if split.to_read is None:
+                break
+        return split
 
     def _read(
         self,

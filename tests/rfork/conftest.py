@@ -99,9 +99,11 @@ def start_seed(
     *,
     providers: Sequence[str] = ("tcp",),
     env: dict[str, str] | None = None,
+    extra: Sequence[str] = (),
 ) -> tuple[list[str], Child]:
     ready = fleet.workdir / f"{name}.ready.json"
-    child = fleet.spawn(name, seed_args(ckpt, planner_url, ready, tp=tp, providers=providers), env=env)
+    args = seed_args(ckpt, planner_url, ready, tp=tp, providers=providers, extra=extra)
+    child = fleet.spawn(name, args, env=env)
     info = fleet.wait_file(child, ready, timeout_s=90)
     return info["instance_ids"], child
 

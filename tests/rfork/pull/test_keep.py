@@ -5,10 +5,13 @@ own digest, and serves the whole result as a seed of the new version.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from safetensors.torch import save_file
 
 from rfork import pull_into
 from rfork.pull import keep
@@ -144,6 +147,47 @@ def test_a_rollout_reads_only_changed_tensors_from_a_seed_process_then_serves_th
         assert again.bytes >= nonzero  # a zero destination keeps only all-zero tensors
         again.close()
     finally:
+        result.close()
+
+
+@pytest.mark.slow
+def test_a_fresh_instance_reads_shared_tensors_from_the_previous_versions_seed(
+    planner, fleet, small_ckpt, tmp_path
+):
+    """v2 differs from v1 in one tensor in ten: a destination holding neither reads those from the v2
+    seed and the rest from the v1 seed (the planner finds it through equal anchored digests), all
+    verified; with the v1 seed dead it reads everything from v2."""
+    v1 = load_state_dict(small_ckpt)
+    changed = sorted(v1)[::10]
+    v2 = _older(v1, changed)  # "older" here: other values in `changed`, the rest shared
+    v2_dir = tmp_path / "v2"
+    v2_dir.mkdir()
+    save_file({n: t.contiguous() for n, t in v2.items()}, str(v2_dir / "model.safetensors"))
+    shutil.copy(small_ckpt / "config.json", v2_dir / "config.json")
+    _, v1_seed = start_seed(fleet, small_ckpt, planner, "v1", extra=["--revision", "v1"])
+    start_seed(fleet, v2_dir, planner, "v2", extra=["--revision", "v2"])
+    ident = identity_of(v2_dir).model_copy(update={"revision": "v2"})
+    changed_bytes = sum(v2[n].nbytes for n in changed)
+    total = sum(t.nbytes for t in v2.values())
+    for v1_alive in (True, False):
+        dest = {n: torch.zeros_like(t) for n, t in v2.items()}
+        result = pull_into(
+            identity=ident,
+            planner_url=planner,
+            tensors=dest,
+            options=opts(keep_matching=True, become_seed=False),
+            **AUTH,
+        )
+        assert result.verified
+        assert_same(dest, v2)
+        assert result.bytes + result.kept_bytes == total
+        by_identity = [(a.ok, a.bytes) for a in result.attempts if a.ok]
+        if v1_alive:
+            assert by_identity[-1] == (True, changed_bytes)  # from the v2 seed: only what changed
+            assert sum(b for _, b in by_identity[:-1]) == result.bytes - changed_bytes  # the v1 seed's
+            fleet.kill(v1_seed)  # still READY at the planner: the next loader meets a dead seed
+        else:
+            assert by_identity == [(True, result.bytes)]  # all from v2
         result.close()
 
 
