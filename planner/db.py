@@ -351,10 +351,9 @@ def _connect_args(url: str) -> dict[str, Any]:
 def redact_url(url: str) -> str:
     """The database URL with everything between its user name and its last `@` hidden: read as text, not
     parsed, so a malformed URL (which a parser may split anywhere) never shows its password either."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "", url
-    if "@" not in rest:
+    head, at, host = url.rpartition("@")
+    if not at:
         return url
-    creds, host = rest.rsplit("@", 1)
-    return f"{scheme}{sep}{creds.split(':', 1)[0]}:***@{host}"
+    scheme_end = head.find("://")  # only a `://` before the last `@` ends a scheme
+    prefix, creds = (head[: scheme_end + 3], head[scheme_end + 3 :]) if scheme_end >= 0 else ("", head)
+    return f"{prefix}{creds.split(':', 1)[0]}:***@{host}"

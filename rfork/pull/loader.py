@@ -339,7 +339,7 @@ class Loader:
             read_bytes = split.read_bytes
             # a destination that holds most of the rank already (a rollout in place) lacks the tensors that
             # changed, which no earlier version holds: asking the planner for one would only cost time
-            if split.to_read is not None and 2 * split.read_bytes >= split.read_bytes + split.kept_bytes:
+            if split.to_read is not None and split.read_bytes >= split.kept_bytes:
                 split = self._read_shared(rank, dest, split, deadline, phases)
             if split.to_read is not None:
                 regions = self._read(source, split.manifest, split.to_read, deadline, phases)
