@@ -25,12 +25,11 @@ import os
 import re
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.processes import Fleet, HarnessError, free_port
+from bench.processes import Fleet, free_port, wait_healthy
 from rfork.compile_cache.vllm_log import CompileEvidence, kernels_built_since
 
 ROWS = ("cold", "weights", "weights+caches")
@@ -60,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with PlannerServer(db_url=f"sqlite:///{work / 'planner.db'}", insecure=True) as planner:
             replica = _start(fleet, "replica", model, work, planner.url, rfork_args=[])
-            _ready(replica, args.timeout)
+            wait_healthy(replica.child, replica.port, args.timeout)
             _first_token(replica.port)
             time.sleep(3.0)  # the replica packs its compile cache once nothing was written for 2 s
             results["replica"] = _figures(replica, 0.0, 0.0)
@@ -70,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
                 ("weights+caches", ["--no-serve"]),
             ):
                 server = _start(fleet, row, model, work, planner.url, rfork_args=rfork_args)
-                ready = _ready(server, args.timeout)
+                ready = wait_healthy(server.child, server.port, args.timeout)
                 first = _first_token(server.port) - server.started
                 results["rows"][row] = _figures(server, ready, first)
                 fleet.stop(server.child, grace_s=20.0)
@@ -115,22 +114,6 @@ def _start(
         argv = ["vllm", "--planner", planner_url, "--insecure", *rfork_args, "--", *serve]
         child = fleet.spawn(name, argv, env=env)
     return _Server(child, port, cache_root)
-
-
-def _ready(server: _Server, timeout_s: float) -> float:
-    """Seconds from process start until `/health` answers 200."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.child.proc.poll() is not None:
-            raise HarnessError(f"{server.child.name} exited:\n{server.child.tail(6000)}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return time.time() - server.started
-        except (OSError, urllib.error.URLError):
-            pass
-        time.sleep(0.2)
-    raise HarnessError(f"{server.child.name} not ready in {timeout_s:.0f} s:\n{server.child.tail(6000)}")
 
 
 def _first_token(port: int) -> float:

@@ -27,13 +27,12 @@ import statistics
 import subprocess
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.processes import Child, Fleet, HarnessError, free_port
+from bench.processes import Child, Fleet, free_port, wait_healthy
 
 PROMPT = [1, 17, 42, 99, 7, 3]
 
@@ -89,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
             server = _start(fleet, "vllm", model, args.rank, env)
             for name in names["rfork from a peer"]:  # the peer: a seed of each adapter, in this process
                 seeds.enter_context(_adapter_seed(storage / name, str(model), planner.url))
-            _ready(server, args.timeout)
+            wait_healthy(server.child, server.port, args.timeout)
             for _ in range(3):  # the first requests after start are slower (allocation, caches)
                 _complete(server, "m")
             load_before = os.getloadavg()
@@ -174,21 +173,6 @@ def _start(fleet: Fleet, name: str, model: Path, rank: int, extra_env: dict[str,
     return _Server(child, port)
 
 
-def _ready(server: _Server, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.child.proc.poll() is not None:
-            raise HarnessError(f"{server.child.name} exited:\n{server.child.tail(6000)}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except (OSError, urllib.error.URLError):
-            pass
-        time.sleep(0.2)
-    raise HarnessError(f"{server.child.name} not ready in {timeout_s:.0f} s:\n{server.child.tail(6000)}")
-
-
 def _complete(server: _Server, model: str, max_tokens: int = 1) -> list[int]:
     body = {
         "model": model,
@@ -239,10 +223,16 @@ def _print(results: dict[str, Any]) -> None:
         f"median of {results['repeat']}; "
         f"load average {results['load_average'][0]:.1f} -> {results['load_average'][1]:.1f}"
     )
-    for col in ("first request naming it", "seconds", "over the base"):
+    for col in ("first request naming it", "seconds", "fastest – slowest", "over the base"):
         table.add_column(col, justify="right")
     for row, secs in s.items():
-        table.add_row(row, f"{secs:.3f}", "" if row == "base" else f"+{secs - s['base']:.3f}")
+        runs = results["runs"][row]
+        table.add_row(
+            row,
+            f"{secs:.3f}",
+            f"{min(runs):.3f} – {max(runs):.3f}",
+            "" if row == "base" else f"+{secs - s['base']:.3f}",
+        )
     console = Console()
     console.print(table)
     console.print(

@@ -16,8 +16,12 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -261,3 +265,40 @@ def available_providers(wanted: Sequence[str]) -> tuple[list[str], list[str]]:
                 continue
         usable.append(p)
     return usable, skipped
+
+
+def recv_within(conn: Connection, timeout_s: float) -> Any:  # noqa: ANN401
+    """The next message from a worker process, or TimeoutError after `timeout_s`."""
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"a bench process did not answer within {timeout_s:g}s")
+    return conn.recv()
+
+
+def stop_workers(procs: Sequence[tuple[BaseProcess, Connection]]) -> None:
+    """Ask every worker process to exit, then join it (killing one that does not) and close its pipe."""
+    for p, c in procs:
+        if p.is_alive():
+            with contextlib.suppress(OSError):
+                c.send(("exit",))
+    for p, c in procs:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+        c.close()
+
+
+def wait_healthy(child: Child, port: int, timeout_s: float) -> float:
+    """Seconds from the child's start until `http://127.0.0.1:PORT/health` answers 200 (an engine's API
+    server); HarnessError if it exits or is not ready in time."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child.proc.poll() is not None:
+            raise HarnessError(f"{child.name} exited:\n{child.tail(6000)}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return time.time() - child.started
+        except (OSError, urllib.error.URLError):
+            pass
+        time.sleep(0.2)
+    raise HarnessError(f"{child.name} not ready in {timeout_s:.0f} s:\n{child.tail(6000)}")

@@ -12,7 +12,6 @@ Measured in the same processes and buffers:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import logging
@@ -24,6 +23,8 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
+
+from bench.processes import recv_within, stop_workers
 
 SESSION = "bench-rl"
 
@@ -220,28 +221,28 @@ def _measure(
             p.start()
             child.close()
             procs.append((p, parent))
-        addresses = [_recv(c, 600) for _, c in procs]
+        addresses = [recv_within(c, 600) for _, c in procs]
         roster = [TrainerRank(addresses[i], 1, 0) for i in range(args.trainers)]
         t0 = time.perf_counter()
         for _, c in procs[: args.trainers]:
             c.send((roster, args.trainers, n))
         for _, c in procs[: args.trainers]:
-            _recv(c, 600)
+            recv_within(c, 600)
         for _, c in procs[args.trainers :]:
             c.send((roster, args.trainers, n))
         for _, c in procs[args.trainers :]:
-            _recv(c, 600)
+            recv_within(c, 600)
         trainers = [c for _, c in procs[: args.trainers]]
         for c in trainers:
             c.send(("join", n))
-        schedule_s = max(_recv(c, 600) for c in trainers)
+        schedule_s = max(recv_within(c, 600) for c in trainers)
         setup_s = time.perf_counter() - t0
         updates: list[float] = []
         receivers = [c for _, c in procs[args.trainers :]]
         for version in range(1, args.repeat + 2):
             for c in trainers:
                 c.send(("update", version))
-            replies = [_recv(c, 600) for c in trainers]
+            replies = [recv_within(c, 600) for c in trainers]
             if any(r["applied"] != n for r in replies):
                 raise RuntimeError(f"update {version} did not reach all {n} receivers: {replies}")
             if args.device is None:
@@ -251,36 +252,28 @@ def _measure(
             # receiver's device slots flipped (same host: one wall clock)
             for c in receivers:
                 c.send(("device_wait", version))
-            flipped = [_recv(c, 600) for c in receivers]
+            flipped = [recv_within(c, 600) for c in receivers]
             if any(f is None for f in flipped):
                 raise RuntimeError(f"update {version}: a receiver's device did not reach it")
             updates.append(max(flipped) - min(r["start"] for r in replies))
         for _, c in procs[args.trainers :]:
             c.send(("check", args.repeat + 1))
-        verified = all(_recv(c, 600) for _, c in procs[args.trainers :])
+        verified = all(recv_within(c, 600) for _, c in procs[args.trainers :])
         gloo: list[float] = []
         gloo_how = ""
         for _ in range(args.repeat + 1):
             for _, c in procs:
                 c.send(("broadcast",))
-            answers = [_recv(c, 600) for _, c in procs]
+            answers = [recv_within(c, 600) for _, c in procs]
             gloo.append(max(a[0] for a in answers))
             gloo_how = answers[0][1]
         d2d: list[float] = []
         if args.device is not None:
             for _ in range(args.repeat + 1):
                 trainers[0].send(("d2d", n))
-                d2d.append(_recv(trainers[0], 600))
+                d2d.append(recv_within(trainers[0], 600))
     finally:
-        for p, c in procs:
-            if p.is_alive():
-                with contextlib.suppress(OSError):
-                    c.send(("exit",))
-        for p, c in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-            c.close()
+        stop_workers(procs)
     steady = statistics.median(updates[1:])
     base = statistics.median(gloo[1:])
     return {
@@ -313,11 +306,6 @@ def _device_row(
         "gloo_on_device": how,
     }
 
-
-def _recv(conn: Connection, timeout_s: float) -> Any:  # noqa: ANN401
-    if not conn.poll(timeout_s):
-        raise TimeoutError(f"a bench process did not answer within {timeout_s:g}s")
-    return conn.recv()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,7 +14,6 @@ At the end every receiver's served bytes are compared with the trainer's by xxh3
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import multiprocessing as mp
@@ -25,6 +24,8 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
+
+from bench.processes import recv_within, stop_workers
 
 SESSION = "bench-rl-delta"
 
@@ -144,11 +145,6 @@ def _worker(
         os._exit(0)  # skip the interpreter's final collection (seconds with torch loaded)
 
 
-def _recv(conn: Connection, timeout_s: float = 600) -> Any:  # noqa: ANN401
-    if not conn.poll(timeout_s):
-        raise TimeoutError(f"a bench process did not answer within {timeout_s:g}s")
-    return conn.recv()
-
 
 def _measure(args: argparse.Namespace, target: int, size_bytes: int) -> dict[str, Any]:
     import torch.distributed as dist
@@ -173,21 +169,21 @@ def _measure(args: argparse.Namespace, target: int, size_bytes: int) -> dict[str
             p.start()
             child.close()
             procs.append((p, parent))
-        addresses = [_recv(c) for _, c in procs]
+        addresses = [recv_within(c, 600) for _, c in procs]
         roster = [TrainerRank(addresses[0], 1, 0)]
         for _, c in procs:  # the trainer first: receivers say HELLO to it when they start
             c.send((roster, args.receivers))
-            _recv(c)
+            recv_within(c, 600)
         trainer = procs[0][1]
         trainer.send(("join", args.receivers))
-        _recv(trainer)
+        recv_within(trainer, 600)
         version = 0
 
         def step(lr: float | None) -> dict[str, Any]:
             nonlocal version
             version += 1
             trainer.send(("step", version, lr))
-            got = _recv(trainer)
+            got = recv_within(trainer, 600)
             if got["applied"] != args.receivers:
                 raise RuntimeError(f"update {version} did not reach all {args.receivers} receivers: {got}")
             return dict(got)
@@ -207,27 +203,19 @@ def _measure(args: argparse.Namespace, target: int, size_bytes: int) -> dict[str
                 "as_delta": all(r["delta"] == args.receivers for r in runs),
             })
         trainer.send(("digest",))
-        want = _recv(trainer)
+        want = recv_within(trainer, 600)
         served = []
         for _, c in procs[1:]:
             c.send(("digest",))
-            served.append(_recv(c))
+            served.append(recv_within(c, 600))
         verified = all(v == version and d == want for v, d in served)
         gloo = []
         for _ in range(args.repeat):
             for _, c in procs:
                 c.send(("broadcast",))
-            gloo.append(max(_recv(c) for _, c in procs))
+            gloo.append(max(recv_within(c, 600) for _, c in procs))
     finally:
-        for p, c in procs:
-            if p.is_alive():
-                with contextlib.suppress(OSError):
-                    c.send(("exit",))
-        for p, c in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-            c.close()
+        stop_workers(procs)
     full_s = statistics.median(r["seconds"] for r in full)
     gloo_s = statistics.median(gloo)
     for row in rows:

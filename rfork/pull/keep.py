@@ -71,7 +71,7 @@ def split_matching(dest: RankWeights, manifest: RankManifest, held: Mapping[str,
 
 def _digest_all(tensors: list[torch.Tensor]) -> list[str]:
     """Each tensor's digest, several at once: BLAKE3 over many mid-sized tensors goes faster one tensor per
-    thread than with its own threads on each (host: 6.6 against 5.1 GB/s over a 1 GiB Llama, 2 cores)."""
+    thread than with its own threads on each (their start-up costs more than a small tensor's hash)."""
     if not tensors or tensors[0].device.type != "cpu" or ck.algorithm_for("cpu") != ck.BLAKE3:
         return [ck.tensor_checksum(t) for t in tensors]
     with ThreadPoolExecutor(max_workers=ck.blake3_threads(), thread_name_prefix="rfork-keep") as pool:

@@ -89,10 +89,13 @@ class VllmServer(ServerProcess):
     ready_timeout_s = float(os.environ.get("RFORK_VLLM_READY_TIMEOUT_S", "900"))
     tail_chars = 6000
 
-    def generate(self, prompt: Sequence[int] = PROMPT, max_tokens: int = NEW_TOKENS) -> list[int]:
-        """Greedy completion of `prompt` (token ids); the generated token ids."""
+    def generate(
+        self, prompt: Sequence[int] = PROMPT, max_tokens: int = NEW_TOKENS, *, model: str = "tiny"
+    ) -> list[int]:
+        """Greedy completion of `prompt` (token ids) by `model` (the base's served name or an adapter's);
+        the generated token ids."""
         body = {
-            "model": "tiny",
+            "model": model,
             "prompt": list(prompt),
             "max_tokens": max_tokens,
             "temperature": 0.0,

@@ -8,10 +8,8 @@ model's; an adapter nobody holds, and a name that is not a safe directory name, 
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -28,23 +26,8 @@ PROMPT = [11, 12, 13, 14, 15, 16]
 
 
 def complete(server: VllmServer, model: str) -> list[int]:
-    """Greedy tokens for PROMPT from `model` (the base's served name or an adapter's name)."""
-    body = {
-        "model": model,
-        "prompt": PROMPT,
-        "max_tokens": 8,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    req = urllib.request.Request(
-        f"{server.url}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        out: dict[str, Any] = json.loads(resp.read())
-    return [int(t) for t in out["choices"][0]["token_ids"]]
+    """Greedy tokens for PROMPT from `model` (the base's served name or an adapter's)."""
+    return server.generate(PROMPT, 8, model=model)
 
 
 def status_of(server: VllmServer, model: str) -> int:

@@ -48,7 +48,9 @@ def register_kv_connector() -> None:
 def register_lora_resolver() -> None:
     """With runtime LoRA loading on (VLLM_ALLOW_RUNTIME_LORA_UPDATING), resolve unknown adapters from
     peers (rfork.integrations.vllm.lora_resolver); otherwise nothing of it is even imported."""
-    if os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() not in ("1", "true"):
+    from vllm import envs
+
+    if not envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
         return
     # imported here: only servers that resolve adapters at run time load it (start-up time)
     from rfork.integrations.vllm.lora_resolver import register_lora_resolver as register_resolver
