@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     info = read_checkpoint_info(args.checkpoint)
     loader = None
     if args.source not in ("disk", "runai"):
-        from rfork.pull.loader import Loader
-        from rfork.pull.result import LoadOptions
+        from rfork.loader import Loader
+        from rfork.pull.options import LoadOptions
 
         if not args.planner:
             raise SystemExit("--planner is needed for a one-sided source")

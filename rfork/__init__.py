@@ -40,9 +40,10 @@ if TYPE_CHECKING:  # the public surface, written once (see _surface)
         SeedRequired,
     )
     from rfork.identity import SourceIdentity
-    from rfork.pull.loader import Loader, load, pull_into
+    from rfork.loader import Loader, load, pull_into
     from rfork.pull.one_sided import warm_transport
-    from rfork.pull.result import Attempt, LoadOptions, LoadResult
+    from rfork.pull.options import LoadOptions
+    from rfork.pull.result import Attempt, LoadResult
     from rfork.seed.seed import Seed
     from rfork.weights.checkpoint import CheckpointInfo, read_checkpoint_info
     from rfork.weights.rank_weights import RankWeights

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     import planner.contract  # noqa: F401
     import rfork.cli
     import rfork.cli.load  # noqa: F401
-    import rfork.pull.loader  # noqa: F401
+    import rfork.loader  # noqa: F401
 
     events: dict[str, Any] = {"process_started": started, "imported": time.time()}
     args.events.write_text(json.dumps(events))

@@ -3,7 +3,7 @@
 One seed holds the model; N loaders ask at t=0. Every planner decision is the real `planner.Planner`
 (embedded through planner's public API: its selection policy, leases, 429 estimate) called with
 `now` = simulated time, and every 429 is handled by the loader's own wait policy
-(`rfork.pull.result.BusyWait.decide`). Only the transfers are modelled: `bench.simulate.flows`
+(`rfork.pull.options.BusyWait.decide`). Only the transfers are modelled: `bench.simulate.flows`
 shares NIC, rack-uplink, hub and disk capacity max-min fairly. A loader that finishes is READY
 `ready_overhead_s` later (verify tail, publish); with the tree on it then registers as a seed like
 `Loader._become_seed` does.
@@ -35,7 +35,7 @@ from planner import (
     make_policy,
     migrate,
 )
-from rfork.pull.result import BusyWait
+from rfork.pull.options import BusyWait
 
 # the model's names are re-exported: callers import the whole simulator from here
 __all__ = [

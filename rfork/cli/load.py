@@ -167,9 +167,9 @@ def run(args: argparse.Namespace) -> int:
     providers = check_settings(args)
     # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from rfork import metrics
-    from rfork.pull.loader import Loader
+    from rfork.loader import Loader
     from rfork.pull.one_sided import warm_transport
-    from rfork.pull.result import LoadOptions
+    from rfork.pull.options import LoadOptions
 
     if args.metrics_port is not None:
         metrics.serve_metrics(args.metrics_port, args.metrics_host)

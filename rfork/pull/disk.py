@@ -10,7 +10,8 @@ import logging
 import time
 
 from rfork.errors import LoadFailed
-from rfork.pull.result import Attempt, ProgressFn
+from rfork.pull.options import ProgressFn
+from rfork.pull.result import Attempt
 from rfork.weights.checkpoint import CheckpointInfo, load_rank_from_disk, read_rank_into
 from rfork.weights.rank_weights import RankWeights
 

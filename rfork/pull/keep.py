@@ -38,7 +38,7 @@ def split_matching(dest: RankWeights, manifest: RankManifest, held: Mapping[str,
     so those are not hashed again. The kept digests are recorded in `dest.checksums` (the seed this
     instance becomes publishes them); the caller reads `to_read` from `manifest` with the usual
     verification, then `merge`s. The manifest must be checked against the destination
-    (`RankWeights.check_matches`) first.
+    (`rfork.pull.read_plan.check_destination`) first.
     """
     expected = {t.name: t.checksum for t in manifest.tensors}
     held = held or {}

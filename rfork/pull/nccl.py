@@ -22,10 +22,10 @@ from backends.nccl import (
     local_address_towards,
     recv_tensors,
 )
-from planner.contract import Candidate, RankManifest, seed_http
+from planner.contract import Candidate, seed_http
 from rfork.errors import PullError
+from rfork.pull.read_plan import ReadPlan
 from rfork.seed_networks import SeedNetworkRefused, resolve_seed_host
-from rfork.weights.rank_weights import RankWeights
 
 logger = logging.getLogger(__name__)
 
@@ -161,12 +161,16 @@ def pull_over_nccl(
     return n
 
 
-def pull_nccl(candidate: Candidate, manifest: RankManifest, dest: RankWeights, *, timeout_s: float) -> None:
-    """Fill `dest` from the leased seed over NCCL/gloo (bounded by `timeout_s` per phase) and verify it."""
+def pull_nccl(candidate: Candidate, plan: ReadPlan, *, timeout_s: float) -> None:
+    """Fill the plan's destination from the leased seed over NCCL/gloo (bounded by `timeout_s` per
+    phase), then verify every tensor: the seed streams them whole, in manifest order."""
     if not candidate.control_url:
         raise PullError(f"seed {candidate.instance_id} publishes no control endpoint for the NCCL fallback")
-    tensors = [dest.tensors[t.name] for t in manifest.tensors if t.nbytes]
     pull_over_nccl(
-        candidate.control_url, dest.rank, tensors, timeout_s=timeout_s, control_token=candidate.control_token
+        candidate.control_url,
+        plan.rank,
+        plan.streamed(),
+        timeout_s=timeout_s,
+        control_token=candidate.control_token,
     )
-    dest.verify({t.name: t.checksum for t in manifest.tensors})
+    plan.accept_all()

@@ -1,6 +1,7 @@
 """Pulling a rank over one-sided reads: the engine it reads with, and the read-and-verify pipeline.
 
-For one rank from one seed, into `dest` (the caller's tensors, or buffers allocated per the manifest):
+For one rank from one seed, per its `ReadPlan` (rfork.pull.read_plan), into host memory (the caller's
+tensors, or buffers allocated per the manifest):
   1. the destination's regions (`RankWeights.registrables`) are registered on a helper thread, region
      i+1 while region i is on the wire, read-only: the same registrations are served once the loader
      is a seed, so becoming one costs no second registration and writes are never granted to anyone.
@@ -19,7 +20,8 @@ For one rank from one seed, into `dest` (the caller's tensors, or buffers alloca
      xxHash a native thread of the transport does it as reads land (`backends.DigestJob`: the reads
      carry the job; Python only compares at the end); otherwise (blake3, `native_digests=False`) a
      verifier thread here does.
-GPU destinations go through pinned host bounce slots instead (`rfork.pull.staged`).
+GPU destinations go through pinned host bounce slots instead (`rfork.pull.staged`, over the same engine:
+the loader picks which).
 
 The engine is opened early, on a helper thread, while the planner round trip runs; after the load
 the seed this instance becomes takes it over (`take_engine`), with the registrations.
@@ -40,16 +42,13 @@ from typing import Any
 
 import torch
 
-from backends import DigestJob, MemoryRegionDescriptor, Region, TransferEngine, native_digests_available
+from backends import DigestJob, Region, TransferEngine, native_digests_available
 from backends.providers.registry import provider_available
-from planner.contract import RankManifest
 from rfork.errors import PullError
-from rfork.pull.result import LoadOptions, ProgressFn
-from rfork.pull.staged import pull_staged
-from rfork.seed_networks import SeedNetworkRefused, check_engine_address
+from rfork.pull.options import LoadOptions, ProgressFn
+from rfork.pull.read_plan import Read, ReadPlan, Span
 from rfork.weights import checksum as ck
 from rfork.weights.memory import prefault
-from rfork.weights.rank_weights import RankWeights
 
 log = logging.getLogger(__name__)
 
@@ -154,104 +153,47 @@ class OneSidedReader:
             with contextlib.suppress(Exception):
                 engine.close()
 
-    def pull(
+    def read(
         self,
-        manifest: RankManifest,
-        dest: RankWeights,
+        plan: ReadPlan,
         *,
         deadline: float,
         progress: ProgressFn | None,
         phases: dict[str, float],
     ) -> list[Region]:
-        """Read and verify every tensor of `dest` from the seed's (checked) manifest; fills `phases`.
+        """Read and verify every tensor of the plan's destination into host memory; fills `phases`.
 
         Returns the local registrations (one per destination region, read-only) for the seed this
-        instance becomes, or [] when the pull went through bounce slots. PullError, before anything
-        is connected, when a descriptor's fabric address is outside RFORK_SEED_NETWORKS.
+        instance becomes. PullError, before anything is connected, when a descriptor's fabric address
+        is outside RFORK_SEED_NETWORKS.
         """
-        check_fabric_addresses(manifest, dest.rank)
-        t_engine = time.perf_counter()
-        engine = self.engine()
-        phases["engine"] = time.perf_counter() - t_engine
-        opts = self.options
-        before = torch.get_num_threads()
-        if opts.pull_torch_threads:
-            torch.set_num_threads(opts.pull_torch_threads)
+        plan.check_addresses()
+        pipeline = _ReadPipeline(self.engine(), plan, self.options, deadline, progress)
         try:
-            if opts.staged_reads or dest.device.type == "cuda":
-                pull_staged(engine, manifest, dest, deadline=deadline, progress=progress, phases=phases)
-                return []  # nothing registered: a seed it becomes registers (or mirrors) once
-            pipeline = _ReadPipeline(engine, manifest, dest, opts, deadline, progress)
-            try:
-                return pipeline.run()
-            finally:
-                phases.update(pipeline.phases)
+            return pipeline.run()
         finally:
-            torch.set_num_threads(before)
+            phases.update(pipeline.phases)
 
     def _open(self) -> TransferEngine:
         opts = self.options
         return TransferEngine((opts.one_sided or ["tcp"])[0], opts.domains, timeout_s=opts.transfer_timeout_s)
 
 
-def check_fabric_addresses(manifest: RankManifest, rank: int) -> None:
-    """PullError unless every region descriptor's fabric address is inside RFORK_SEED_NETWORKS: the
-    provider connects to the address a seed names (a tcp name is a socket address) at the first read."""
-    descriptors = [MemoryRegionDescriptor.from_bytes(manifest.descriptor(r.index)) for r in manifest.regions]
-    for address in {d.address for d in descriptors}:
-        try:
-            check_engine_address(address)
-        except SeedNetworkRefused as exc:
-            raise PullError(f"rank {rank}: {exc}") from exc
-
-
 @dataclass(slots=True)
-class _Span:
-    """A distinct destination byte span (tied names share one) and its running digest."""
+class _Digesting:
+    """A span and its running digest (fed in order as its bytes become final)."""
 
-    offset: int
-    end: int
-    names: list[str]
+    span: Span
     digest: ck.StreamingDigest
     done: bool = False
 
+    @property
+    def offset(self) -> int:
+        return self.span.offset
 
-@dataclass(slots=True)
-class _Read:
-    """One read: destination region/offset, source region/offset, length."""
-
-    region: int
-    offset: int
-    src_region: int
-    src_offset: int
-    nbytes: int
-    done: bool = False
-
-
-def plan_reads(dest: RankWeights, manifest: RankManifest, chunk_bytes: int) -> list[list[_Read]]:
-    """Reads per destination region, in address order, at most `chunk_bytes` each; bytes that several
-    destination tensors share (tied or overlapping) are read once."""
-    src = {t.name: t for t in manifest.tensors}
-    per_region: list[list[tuple[int, int, int, int]]] = [[] for _ in dest.layout.region_sizes]
-    for p in dest.layout.placements:
-        if p.nbytes:
-            t = src[p.name]
-            per_region[p.region].append((p.offset, -p.nbytes, t.region, t.offset))
-    plan: list[list[_Read]] = []
-    for region, spans in enumerate(per_region):
-        reads: list[_Read] = []
-        covered = 0
-        for offset, neg, src_region, src_offset in sorted(spans):
-            end = offset - neg
-            if end <= covered:
-                continue
-            start = max(offset, covered)
-            for lo in range(start, end, chunk_bytes):
-                n = min(chunk_bytes, end - lo)
-                reads.append(_Read(region, lo, src_region, src_offset + (lo - offset), n))
-            covered = end
-        plan.append(reads)
-    return plan
+    @property
+    def end(self) -> int:
+        return self.span.end
 
 
 class _Faulted:
@@ -291,15 +233,14 @@ class _ReadPipeline:
     def __init__(
         self,
         engine: TransferEngine,
-        manifest: RankManifest,
-        dest: RankWeights,
+        plan: ReadPlan,
         opts: LoadOptions,
         deadline: float,
         progress: ProgressFn | None,
     ) -> None:
         self.engine = engine
-        self.manifest = manifest
-        self.dest = dest
+        self.plan = plan
+        self.dest = plan.dest
         self.opts = opts
         self.deadline = deadline
         self.progress = progress
@@ -307,41 +248,23 @@ class _ReadPipeline:
         self._verify_s = 0.0
         self._verify_failed = False  # a _verify_upto raised: the spans' digests are no longer in step
         self._prefault_s = 0.0  # written by the registration thread, read after it is joined
-        self._expected = {t.name: t.checksum for t in manifest.tensors}
-        if dest.checksum_algorithm not in ck.HOST_ALGORITHMS:
+        algorithm = self.dest.checksum_algorithm
+        if algorithm not in ck.HOST_ALGORITHMS:
             raise PullError(
-                f"rank {dest.rank}: one-sided reads verify host digests"
-                f" ({', '.join(ck.HOST_ALGORITHMS)}) only, not {dest.checksum_algorithm}"
+                f"rank {plan.rank}: one-sided reads verify host digests"
+                f" ({', '.join(ck.HOST_ALGORITHMS)}) only, not {algorithm}"
             )
-        self._spans = self._span_table()
-
-    def _span_table(self) -> list[list[_Span]]:
-        by_key: dict[tuple[int, int, int], _Span] = {}
-        table: list[list[_Span]] = [[] for _ in self.dest.layout.region_sizes]
-        for p in self.dest.layout.placements:
-            if not p.nbytes:
-                continue
-            key = (p.region, p.offset, p.nbytes)
-            span = by_key.get(key)
-            if span is None:
-                span = by_key[key] = _Span(
-                    p.offset, p.offset + p.nbytes, [], ck.StreamingDigest(self.dest.checksum_algorithm)
-                )
-                table[p.region].append(span)
-            span.names.append(p.name)
-        for spans in table:
-            spans.sort(key=lambda sp: sp.offset)
-        return table
+        self._spans = [
+            [_Digesting(span, ck.StreamingDigest(algorithm)) for span in spans]
+            for spans in plan.spans_by_region()
+        ]
 
     def run(self) -> list[Region]:
         """Pull and verify every tensor; the local registrations, one per destination region."""
         dest = self.dest
-        dest.verify(self._expected, [p.name for p in dest.layout.placements if not p.nbytes])
-        remote = {
-            r.index: MemoryRegionDescriptor.from_bytes(self.manifest.descriptor(r.index))
-            for r in self.manifest.regions
-        }
-        plan = plan_reads(dest, self.manifest, self.opts.chunk_bytes)
+        self.plan.accept_empty()
+        remote = self.plan.remote()
+        plan = self.plan.reads(self.opts.chunk_bytes)
         total = sum(r.nbytes for reads in plan for r in reads)
         job = self._digest_job(plan)
         done_bytes = 0
@@ -358,7 +281,7 @@ class _ReadPipeline:
         t_first = time.perf_counter()
         reg_wait = 0.0
         fault_wait = 0.0
-        inflight: deque[tuple[Future[None], list[_Read]]] = deque()  # ops: their reads, one region each
+        inflight: deque[tuple[Future[None], list[Read]]] = deque()  # ops: their reads, one region each
         queued = 0  # reads in those ops
         per_op = max(1, self.opts.max_inflight // 2)
         local_regions: list[Region] = []
@@ -483,7 +406,7 @@ class _ReadPipeline:
             reg_pool.shutdown(wait=True)  # its thread uses the engine, which a fence may close next
             verify_pool.shutdown(wait=True, cancel_futures=not ok)
 
-    def _digest_job(self, plan: list[list[_Read]]) -> DigestJob | None:
+    def _digest_job(self, plan: list[list[Read]]) -> DigestJob | None:
         """The native digest job for this pull, or None where the verifier thread digests."""
         if not (
             self.opts.native_digests
@@ -505,7 +428,7 @@ class _ReadPipeline:
         spans = [sp for region in self._spans for sp in region]
         for span, digest in zip(spans, job.hexdigests(), strict=True):
             span.done = True
-            self.dest.accept_digest(span.names, digest, self._expected)
+            self.plan.accept(span.span.names, digest)
 
     def _verify_upto(self, region: int, lo: int, hi: int) -> None:
         """Digest region bytes [lo, hi) (final now, fed in order) and check every span that ends by hi.
@@ -532,7 +455,7 @@ class _ReadPipeline:
         finally:
             self._verify_s += time.perf_counter() - t
 
-    def _feed(self, region: int, span: _Span, base: int, lo: int, hi: int) -> None:
+    def _feed(self, region: int, span: _Digesting, base: int, lo: int, hi: int) -> None:
         """Feed the span's bytes in [lo, hi) of the region at `base`: its digest must have stopped at
         lo (or not started, where the span starts after lo); PullError if not."""
         start = span.offset + span.digest.fed
@@ -543,9 +466,9 @@ class _ReadPipeline:
             )
         span.digest.update(base + start, min(span.end, hi) - start)
 
-    def _check(self, span: _Span) -> None:
+    def _check(self, span: _Digesting) -> None:
         span.done = True
-        self.dest.accept_digest(span.names, span.digest.hexdigest(), self._expected)
+        self.plan.accept(span.span.names, span.digest.hexdigest())
 
     def _register_all(
         self, targets: Sequence[Any], futs: Sequence[Future[Region]], stop: threading.Event, faulted: _Faulted

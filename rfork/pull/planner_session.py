@@ -45,7 +45,7 @@ from planner.contract import (
 )
 from rfork.errors import ChecksumMismatch, ConfigurationError, ManifestError, PullError
 from rfork.identity import SourceIdentity, default_labels
-from rfork.pull.result import BusyWait, LoadOptions
+from rfork.pull.options import BusyWait, LoadOptions
 
 log = logging.getLogger(__name__)
 

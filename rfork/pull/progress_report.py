@@ -11,7 +11,7 @@ import logging
 import threading
 
 from planner.contract import PlannerClient
-from rfork.pull.result import ProgressFn
+from rfork.pull.options import ProgressFn
 
 log = logging.getLogger(__name__)
 # close() waits this long for a report in flight, then leaves it (daemon thread): a hung planner must

@@ -15,64 +15,55 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
-from backends import MemoryRegionDescriptor, TransferEngine
+from backends import TransferEngine
 from backends.gpu.staging import StagedReader
-from planner.contract import RankManifest
 from rfork.errors import PullError
-from rfork.pull.result import ProgressFn
-from rfork.weights import checksum as ck
-from rfork.weights.rank_weights import RankWeights
+from rfork.pull.options import ProgressFn
+from rfork.pull.read_plan import ReadPlan
 
 
 def pull_staged(
     engine: TransferEngine,
-    manifest: RankManifest,
-    dest: RankWeights,
+    plan: ReadPlan,
     *,
     deadline: float,
     progress: ProgressFn | None,
     phases: dict[str, float],
 ) -> None:
-    """Read every distinct destination tensor through bounce slots and verify it; fills `phases`."""
-    remote = {
-        r.index: MemoryRegionDescriptor.from_bytes(manifest.descriptor(r.index))
-        for r in manifest.regions
-    }
-    expected = {t.name: t.checksum for t in manifest.tensors}
-    src = {t.name: t for t in manifest.tensors}
-    dest.verify(expected, [p.name for p in dest.layout.placements if not p.nbytes])
-    spans: dict[tuple[int, int, int], list[str]] = {}  # tied names share one destination span
-    for p in dest.layout.placements:
-        if p.nbytes:
-            spans.setdefault((p.region, p.offset, p.nbytes), []).append(p.name)
-    total = sum(key[2] for key in spans)
-    verify_after = _final_reads(list(spans))
+    """Read every distinct destination tensor through bounce slots and verify it; fills `phases`.
+    PullError, before anything is connected, when a descriptor's fabric address is outside
+    RFORK_SEED_NETWORKS."""
+    plan.check_addresses()
+    dest = plan.dest
+    remote = plan.remote()
+    plan.accept_empty()
+    total = plan.nbytes
+    verify_after = _final_reads([(s.region, s.offset, s.nbytes) for s in plan.spans])
     reader = StagedReader(engine, device=dest.device)
     t_first = time.perf_counter()
     verify_s = 0.0
-    futs: list[tuple[list[str], int, Future[int]]] = []
+    futs: list[Future[int]] = []
     try:
-        for (_region, _offset, nbytes), names in spans.items():
-            entry = src[names[0]]
-            fut = reader.read_into(
-                dest.tensors[names[0]], 0, entry.nbytes, remote[entry.region], entry.offset
+        for span in plan.spans:
+            futs.append(
+                reader.read_into(
+                    dest.tensors[span.names[0]], 0, span.nbytes, remote[span.src_region], span.src_offset
+                )
             )
-            futs.append((names, nbytes, fut))
         done = 0
-        for j, (_names, nbytes, fut) in enumerate(futs):
+        for j, (span, fut) in enumerate(zip(plan.spans, futs, strict=True)):
             fut.result(timeout=max(deadline - time.monotonic(), 0.0))
-            done += nbytes
+            done += span.nbytes
             if progress is not None:
                 progress(done, total)
             t = time.perf_counter()
             for i in verify_after.get(j, ()):
-                names = futs[i][0]
-                dest.accept_digest(names, ck.tensor_checksum(dest.tensors[names[0]]), expected)
+                plan.accept_span(plan.spans[i])
             verify_s += time.perf_counter() - t
     except TimeoutError as exc:
         raise PullError(f"rank {dest.rank}: deadline passed") from exc
     finally:
-        for _names, _nbytes, fut in futs:
+        for fut in futs:
             fut.cancel()  # a no-op for reads done or running; after a failure, the rest never start
         reader.close()  # waits out the read still running: the bounce slots and destination are quiet after
     phases.update(transfer=time.perf_counter() - t_first - verify_s, verify=verify_s)

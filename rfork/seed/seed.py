@@ -4,7 +4,7 @@ A seed process holds one or more ranks (`RankWeights`). For each transport provi
 one engine (`RankServer`), every region registered once with remote *read* access only, so published
 descriptors never allow writes. What a seed serves is also what a pull hands over (`ServedRank`: the
 weights, their registrations, the verified digests): a loader that becomes a seed gives it the engine
-its reads used with the registrations they landed through (`LoadResult.become_seed`), so a buffer is
+its reads used with the registrations they landed through (`Seed.adopt`), so a buffer is
 registered once per process lifetime (per provider); registration is the expensive step on a real
 NIC. Ranks a pull filled without registering (disk, NCCL, GPU bounce slots) are registered when the
 seed starts. The seed also runs the NCCL fallback's control endpoint (`rfork.seed.control`), then
@@ -22,37 +22,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from backends import Region, TransferEngine
+from backends import TransferEngine
 from planner.contract import PlannerClient, RankEndpoint, RankManifest, new_control_key
 from rfork.compile_cache.anchor import CacheAnchoring
 from rfork.compile_cache.shelf import CacheShelf
 from rfork.identity import SourceIdentity, default_labels
+from rfork.pull.result import LoadResult, ServedRank
 from rfork.seed.control import ControlServer
 from rfork.seed.publication import Publication, routable_host
 from rfork.weights.rank_weights import RankWeights
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True)
-class ServedRank:
-    """One rank as a seed serves it: its weights (tensors, and in `weights.checksums` the digests a
-    pull verified) and their read-only registrations, one per region ([] until registered)."""
-
-    weights: RankWeights
-    regions: list[Region] = field(default_factory=list)
-
-    def registered_on(self, engine: TransferEngine) -> bool:
-        """Whether every region is registered, alive, on `engine` (a fence may have closed another)."""
-        return bool(self.regions) and all(r.engine is engine and not r.closed for r in self.regions)
-
-    def descriptors(self) -> list[bytes]:
-        """What peers need to read each region, in region order."""
-        return [bytes(r.descriptor.to_bytes()) for r in self.regions]
 
 
 class RankServer:
@@ -175,7 +158,7 @@ class Seed:
         compile_caches: CacheShelf | None = None,
         client: PlannerClient | None = None,
     ) -> None:
-        """`servers`: engines serving these weights already, adopted (a pull's, `LoadResult.become_seed`):
+        """`servers`: engines serving these weights already, adopted (a pull's, `Seed.adopt`):
         the seed registers on them only what is not registered yet, and closes them. `providers`: one
         engine each, opened here, for those no adopted server covers (default: tcp, when none is
         adopted). `client`: a planner client whose connections the publications share (a loader's).
@@ -206,6 +189,58 @@ class Seed:
         self.publications: list[Publication] = []
         self.control_server: ControlServer | None = None
         self._lock = threading.Lock()
+
+    @classmethod
+    def adopt(
+        cls,
+        result: LoadResult,
+        *,
+        planner_url: str,
+        token: str | None,
+        providers: Sequence[str] | None = None,
+        labels: Mapping[str, str] | None = None,
+        timeout_s: float = 10.0,
+        max_concurrent_pulls: int = 2,
+        retry_publish: bool = False,
+        compile_caches: CacheShelf | None = None,
+        weights: Sequence[RankWeights] | None = None,
+    ) -> Seed:
+        """Serve and publish a load's ranks (or `weights`, when what is served is not what was pulled),
+        adopting the engine the load holds with its registrations: nothing registered before is
+        registered again. `providers`: more engines to serve on (the held one covers the load's
+        provider). The seed is `result.seed` from here on (`result.close()` drains it); on failure it
+        is closed, the engine with it."""
+        if result.seed is not None:
+            raise RuntimeError("this load is a seed already")
+        if weights is not None and sorted(w.rank for w in weights) != sorted(result.ranks):
+            raise ValueError(
+                f"serve the loaded ranks {sorted(result.ranks)}, not {[w.rank for w in weights]}"
+            )
+        engine, result.engine = result.engine, None
+        servers = None
+        if engine is not None:
+            server = RankServer(engine=engine, ranks=result.ranks.values())
+            for served in result.ranks.values():
+                if served.weights.rank not in server.ranks:
+                    served.regions = []  # on an engine a fence closed: gone with it
+            servers = [server]
+        seed = cls(
+            weights=list(weights) if weights is not None else [s.weights for s in result.ranks.values()],
+            identity=result.identity,
+            planner_url=planner_url,
+            token=token,
+            providers=providers,
+            labels=labels,
+            timeout_s=timeout_s,
+            max_concurrent_pulls=max_concurrent_pulls,
+            servers=servers,
+            retry_publish=retry_publish,
+            compile_caches=compile_caches,
+            client=result.client,
+        )
+        seed.start()  # closes itself (and the adopted engine) if it fails
+        result.seed = seed
+        return seed
 
     @property
     def instance_ids(self) -> list[str]:

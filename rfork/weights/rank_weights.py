@@ -17,7 +17,7 @@ import torch
 
 from backends.layout import DEFAULT_MAX_REGION_BYTES, Layout, Placement, dtype_name, views
 from planner.contract import RankManifest, RegionEntry, TensorEntry
-from rfork.errors import ChecksumMismatch, DestinationMismatch, LayoutError
+from rfork.errors import ChecksumMismatch, LayoutError
 from rfork.weights import checksum as ck
 from rfork.weights.memory import allocate, pack
 
@@ -90,30 +90,6 @@ class RankWeights:
         buffers = allocate(layout)
         return cls(rank=manifest.rank, layout=layout, buffers=buffers, tensors=views(layout, buffers))
 
-    def check_matches(self, manifest: RankManifest) -> None:
-        """Names, dtypes and shapes against a seed's manifest, before any byte moves.
-
-        Raises DestinationMismatch naming the first bad tensor (manifest order, then extra names).
-        """
-        have = {p.name: p for p in self.layout.placements}
-        for t in manifest.tensors:
-            p = have.get(t.name)
-            if p is None:
-                raise DestinationMismatch(
-                    f"rank {self.rank}: tensor {t.name!r} is in the manifest but has no destination"
-                )
-            if p.dtype != t.dtype or tuple(p.shape) != tuple(t.shape):
-                raise DestinationMismatch(
-                    f"rank {self.rank}: tensor {t.name!r} is {t.dtype}{list(t.shape)} at the seed, "
-                    f"the destination {p.dtype}{list(p.shape)}"
-                )
-        published = {t.name for t in manifest.tensors}
-        for p in self.layout.placements:
-            if p.name not in published:
-                raise DestinationMismatch(
-                    f"rank {self.rank}: destination tensor {p.name!r} is not in the manifest"
-                )
-
     def holds(self, tensors: Mapping[str, torch.Tensor]) -> bool:
         """Whether these weights are exactly `tensors` (same names, and each the same memory, dtype and
         shape): a module whose parameters were replaced since no longer is."""
@@ -125,21 +101,16 @@ class RankWeights:
                 return False
         return True
 
-    def verify(self, expected: Mapping[str, str], names: Sequence[str] | None = None) -> None:
-        """Digest `names` (default: every expected one) and compare; ChecksumMismatch names the first bad
-        tensor. Matching digests are kept in `checksums` (a seed this becomes publishes them)."""
-        for name in names if names is not None else list(expected):
-            self.accept_digest([name], ck.tensor_checksum(self.tensors[name]), expected)
-
-    def accept_digest(self, names: Sequence[str], got: str, expected: Mapping[str, str]) -> None:
-        """Keep `got` as the digest of `names` (tensors sharing their bytes), or raise ChecksumMismatch
-        naming the first whose published digest differs."""
-        for name in names:
-            if got != expected[name]:
+    def verify(self, expected: Mapping[str, str]) -> None:
+        """Digest every tensor named in `expected` where it is now and compare: ChecksumMismatch names the
+        first that differs. (A pull checks as it reads, through its `rfork.pull.read_plan.ReadPlan`; this
+        re-checks weights already verified, after a framework's post-load steps.)"""
+        for name, want in expected.items():
+            got = ck.tensor_checksum(self.tensors[name])
+            if got != want:
                 raise ChecksumMismatch(
-                    f"tensor {name!r} of rank {self.rank}: checksum {got} != published {expected[name]}"
+                    f"tensor {name!r} of rank {self.rank}: checksum {got} != published {want}"
                 )
-            self.checksums[name] = got
 
     @property
     def device(self) -> torch.device:

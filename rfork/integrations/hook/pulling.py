@@ -10,7 +10,7 @@ from rfork.identity import SourceIdentity
 from rfork.integrations.hook.identity import checkpoint_identity
 from rfork.integrations.hook.serving import keep_signal_handlers
 from rfork.integrations.hook.settings import HookSettings
-from rfork.pull.loader import load, pull_into
+from rfork.loader import load, pull_into
 from rfork.pull.result import LoadResult
 from rfork.weights.checkpoint import CheckpointInfo
 

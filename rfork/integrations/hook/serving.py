@@ -58,7 +58,8 @@ def start_seed(
     one_sided = [p for p in settings.providers if p != "nccl"] or ["tcp"]
     with keep_signal_handlers():
         if pulled is not None:
-            seed = pulled.become_seed(
+            seed = Seed.adopt(
+                pulled,
                 planner_url=settings.planner_url,
                 token=settings.seed_token,
                 providers=one_sided,

@@ -20,7 +20,7 @@ from rfork.env_secrets import SecretFileError, env_secret
 from rfork.errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from rfork.pull.result import LoadOptions
+    from rfork.pull.options import LoadOptions
 
 MODES = ("checkpoint", "parameters")
 # Keys SGLang's and vLLM's DefaultModelLoader accept in the extra config; passed on when rfork falls back.
@@ -180,7 +180,7 @@ class HookSettings:
         """Options of the hook's own pull: these providers and timeout; the hook seeds by itself after
         the framework's post-load steps, adopting the pull's engine and registrations when it serves."""
         # imported here: the frameworks import the plugin in each of their processes (start-up time)
-        from rfork.pull.result import LoadOptions
+        from rfork.pull.options import LoadOptions
 
         return LoadOptions(
             providers=self.providers,

@@ -91,8 +91,8 @@ class RforkLoraResolver(LoRAResolver):
             return None
         # imported here: only a server that pulls an adapter needs the transport (start-up time)
         from rfork.errors import SeedRequired
-        from rfork.pull.loader import Loader
-        from rfork.pull.result import BusyWait, LoadOptions
+        from rfork.loader import Loader
+        from rfork.pull.options import BusyWait, LoadOptions
         from rfork.weights.adapters import write_adapter
 
         options = LoadOptions(
@@ -134,8 +134,12 @@ class RforkLoraResolver(LoRAResolver):
     def _serve(self, name: str, result: LoadResult) -> None:
         """Serve a pulled adapter (its pull's engine and registrations), once vLLM was handed it."""
         assert self.settings.planner_url is not None
+        # imported here: only a server that serves an adapter needs the seed (start-up time)
+        from rfork.seed.seed import Seed
+
         try:
-            seed = result.become_seed(
+            seed = Seed.adopt(
+                result,
                 planner_url=self.settings.planner_url,
                 token=self.settings.seed_token,
                 retry_publish=True,  # a planner outage must not stop it serving later

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from rfork import ConfigurationError, Loader, LoadOptions, SeedRequired
 from rfork.metrics import REGISTRY
 from rfork.pull.checks import check_planner_url, check_provider_names
-from rfork.pull.result import BusyWait
+from rfork.pull.options import BusyWait
 
 
 @given(st.text(max_size=80))

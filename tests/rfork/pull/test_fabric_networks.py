@@ -25,6 +25,8 @@ from backends.providers.peer_names import peer_ip, sockaddr_ip
 from planner.contract import RankManifest, RegionEntry, TensorEntry
 from rfork.errors import PullError
 from rfork.pull.one_sided import OneSidedReader
+from rfork.pull.read_plan import ReadPlan
+from rfork.pull.staged import pull_staged
 from rfork.seed_networks import SeedNetworkRefused, check_engine_address
 from rfork.weights import checksum as ck
 from rfork.weights.rank_weights import RankWeights
@@ -136,6 +138,15 @@ def _manifest_naming(listener: socket.socket) -> tuple[RankManifest, RankWeights
     return manifest, RankWeights.from_tensors(tensors={"w": torch.empty_like(data)})
 
 
+def _read(reader: OneSidedReader, plan: ReadPlan, *, staged: bool) -> None:
+    """Read as the loader would: straight into host memory, or through bounce slots."""
+    deadline = time.monotonic() + 2.0
+    if staged:
+        pull_staged(reader.engine(), plan, deadline=deadline, progress=None, phases={})
+    else:
+        reader.read(plan, deadline=deadline, progress=None, phases={})
+
+
 @pytest.mark.parametrize("staged", [False, True])
 def test_a_descriptor_outside_the_networks_is_refused_before_anything_connects(
     listener: socket.socket, monkeypatch: pytest.MonkeyPatch, staged: bool
@@ -144,8 +155,9 @@ def test_a_descriptor_outside_the_networks_is_refused_before_anything_connects(
     manifest, dest = _manifest_naming(listener)
     reader = OneSidedReader(opts(staged_reads=staged))
     try:
+        plan = ReadPlan.check(manifest, dest)
         with pytest.raises(PullError, match="outside RFORK_SEED_NETWORKS"):
-            reader.pull(manifest, dest, deadline=time.monotonic() + 2.0, progress=None, phases={})
+            _read(reader, plan, staged=staged)
     finally:
         reader.close()
     with pytest.raises(BlockingIOError):  # nothing connected: no connection waits to be accepted

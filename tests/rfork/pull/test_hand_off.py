@@ -15,6 +15,7 @@ import torch
 from backends import Region, TransferEngine
 from rfork import pull_into
 from rfork.cli import load as load_command
+from rfork.seed.seed import Seed
 from rfork.weights.rank_weights import RankWeights
 from tests.rfork.conftest import AUTH, REGISTER, assert_same, opts, start_seed, tied_model, tied_seed
 
@@ -56,7 +57,7 @@ def test_a_pull_that_becomes_a_seed_later_registers_each_buffer_once(planner, mo
         try:
             assert result.source == "rfork-tcp"
             assert result.seed is None  # nothing published yet: the framework still runs its steps
-            later = result.become_seed(planner_url=planner, token=REGISTER, providers=["tcp"])
+            later = Seed.adopt(result, planner_url=planner, token=REGISTER, providers=["tcp"])
             assert_registered_once(made, result.weights[0])
             assert result.client is not None  # one planner connection pool per process
             assert later.publications[0].client._http is result.client._http

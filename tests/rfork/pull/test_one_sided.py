@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from planner.contract import RankManifest, RegionEntry, TensorEntry
 from rfork import Loader, pull_into
 from rfork.errors import ChecksumMismatch, PullError
-from rfork.pull.one_sided import _ReadPipeline, plan_reads
+from rfork.pull.one_sided import _ReadPipeline
+from rfork.pull.read_plan import ReadPlan
 from rfork.weights import checksum as ck
 from rfork.weights.rank_weights import RankWeights
 from tests.rfork.conftest import AUTH, opts, tied_model, tied_seed
@@ -60,11 +61,11 @@ def test_read_plan_writes_each_destination_byte_once_from_the_right_source_byte(
         off += p.nbytes
     manifest = RankManifest(
         rank=0,
-        checksum_algorithm=ck.XXH3_128,
+        checksum_algorithm=ck.algorithm_for("cpu"),
         regions=[RegionEntry(index=0, nbytes=off, descriptor="")],
         tensors=entries,
     )
-    plan = plan_reads(dest, manifest, chunk_bytes=16)
+    plan = ReadPlan.check(manifest, dest).reads(chunk_bytes=16)
     written: dict[tuple[int, int], int] = {}  # (region, offset) -> source byte
     for region, reads in enumerate(plan):
         assert [r.offset for r in reads] == sorted(r.offset for r in reads)
@@ -105,7 +106,8 @@ def _verifier(monkeypatch: pytest.MonkeyPatch, algorithm: str, wrong: str = "") 
         rank=0, checksum_algorithm=algorithm, regions=[RegionEntry(index=0, nbytes=256, descriptor="")],
         tensors=entries,
     )
-    return _ReadPipeline(None, manifest, dest, opts(), deadline=0.0, progress=None)  # type: ignore[arg-type]
+    plan = ReadPlan.check(manifest, dest)
+    return _ReadPipeline(None, plan, opts(), deadline=0.0, progress=None)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("algorithm", ck.HOST_ALGORITHMS)

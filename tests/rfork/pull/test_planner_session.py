@@ -10,8 +10,8 @@ import pytest
 
 from planner import PlannerServer
 from planner.contract import AllBusy, PlannerClient
+from rfork.pull.options import BusyWait, LoadOptions
 from rfork.pull.planner_session import ask_with_wait, fallback_seconds
-from rfork.pull.result import BusyWait, LoadOptions
 from tests.planner.conftest import identity, manifest, ranks
 
 GB = 10**9
@@ -100,8 +100,8 @@ def test_a_pull_longer_than_the_lease_keeps_it_by_renewing(sqlite_url):
     import time
 
     from rfork.identity import SourceIdentity
+    from rfork.pull.options import LoadOptions
     from rfork.pull.planner_session import PlannerSession
-    from rfork.pull.result import LoadOptions
 
     with PlannerServer(db_url=sqlite_url, insecure=True, lease_ttl_s=2.0, reaper_interval_s=0.2) as srv:
         c = PlannerClient(srv.url)

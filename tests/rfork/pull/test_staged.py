@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from rfork.errors import ChecksumMismatch
+from rfork.pull.read_plan import ReadPlan
 from rfork.pull.staged import pull_staged
 from rfork.weights.rank_weights import RankWeights
 
@@ -69,7 +70,8 @@ def test_a_bad_digest_stops_the_reads_not_yet_started(
                                              for t in manifest.tensors})
     reads = _counting_reads(loader, monkeypatch, 0.05)
     with pytest.raises(ChecksumMismatch, match="t00"):
-        pull_staged(loader, manifest, dest, deadline=time.monotonic() + 30, progress=None, phases={})
+        pull_staged(loader, ReadPlan.check(manifest, dest), deadline=time.monotonic() + 30, progress=None,
+                phases={})
     n = len(reads)
     time.sleep(0.3)
     assert len(reads) == n  # nothing is read after the pull returned
@@ -86,7 +88,7 @@ def test_a_staged_pull_lands_and_verifies(engines: tuple) -> None:
     dest = RankWeights.from_tensors(tensors={n: torch.zeros_like(t) for n, t in tensors.items()})
     phases: dict[str, float] = {}
     done: list[tuple[int, int]] = []
-    pull_staged(loader, manifest, dest, deadline=time.monotonic() + 30,
+    pull_staged(loader, ReadPlan.check(manifest, dest), deadline=time.monotonic() + 30,
                 progress=lambda d, t: done.append((d, t)), phases=phases)
     assert all(torch.equal(dest.tensors[n], t) for n, t in tensors.items())
     assert set(dest.checksums) == set(tensors)
@@ -112,7 +114,8 @@ def test_a_later_overlapping_read_cannot_change_a_verified_tensor(engines: tuple
     manifest.check()
     dest = RankWeights.from_tensors(tensors=_overlapping(torch.zeros(1536, dtype=torch.bfloat16)))
     with pytest.raises(ChecksumMismatch, match="'a'"):
-        pull_staged(loader, manifest, dest, deadline=time.monotonic() + 30, progress=None, phases={})
+        pull_staged(loader, ReadPlan.check(manifest, dest), deadline=time.monotonic() + 30, progress=None,
+                phases={})
     assert "a" not in dest.checksums
 
 
@@ -127,7 +130,8 @@ def test_overlapping_views_that_agree_with_the_seed_verify(engines: tuple) -> No
     manifest.check()
     buf = torch.zeros(1536, dtype=torch.bfloat16)
     dest = RankWeights.from_tensors(tensors=_overlapping(buf))
-    pull_staged(loader, manifest, dest, deadline=time.monotonic() + 30, progress=None, phases={})
+    pull_staged(loader, ReadPlan.check(manifest, dest), deadline=time.monotonic() + 30, progress=None,
+                phases={})
     assert set(dest.checksums) == {"a", "b"}
     assert torch.equal(buf, source)
 

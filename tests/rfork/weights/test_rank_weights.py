@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from planner.contract import RankManifest
 from rfork.errors import ChecksumMismatch, DestinationMismatch, LayoutError
+from rfork.pull.read_plan import check_destination
 from rfork.weights.rank_weights import RankWeights, cover
 
 # A few backing buffers; tensors are byte spans carved out of them (they may overlap or repeat).
@@ -61,7 +62,7 @@ def test_cover_counts_tied_storage_once_and_refuses_non_contiguous():
 def test_check_destination_names_the_first_bad_tensor():
     src = {"a": torch.zeros(4, 4), "b": torch.zeros(8, dtype=torch.bfloat16), "c": torch.zeros(2)}
     m = _manifest_for(src)
-    RankWeights.from_tensors(tensors={k: v.clone() for k, v in src.items()}).check_matches(m)
+    check_destination(RankWeights.from_tensors(tensors={k: v.clone() for k, v in src.items()}), m)
     cases = {
         "'b' is bfloat16\\[8\\] at the seed, the destination float32\\[8\\]": {**src, "b": torch.zeros(8)},
         "'a' is float32\\[4, 4\\] at the seed, the destination float32\\[16\\]": {
@@ -73,7 +74,7 @@ def test_check_destination_names_the_first_bad_tensor():
     }
     for message, dest in cases.items():
         with pytest.raises(DestinationMismatch, match=message):
-            RankWeights.from_tensors(tensors=dest).check_matches(m)
+            check_destination(RankWeights.from_tensors(tensors=dest), m)
 
 
 def test_mismatching_digest_names_the_tensor():

@@ -1,4 +1,4 @@
-"""rfork.pull.loader: pulling into a framework's own tensors, refusing a mismatch before any byte
+"""rfork.loader: pulling into a framework's own tensors, refusing a mismatch before any byte
 moves, falling back into the same tensors.
 """
 

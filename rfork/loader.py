@@ -3,15 +3,16 @@
 The story of one load, for each rank:
   1. ask the planner for a source (`planner_session`: waits out busy seeds, trusts only manifests
      that match the identity's anchored digests);
-  2. check the destination against the seed's manifest, then read it (`one_sided`, `staged`, `nccl`),
+  2. check the destination against the seed's manifest and plan the read once (`read_plan`), then
+     pick the reader that takes it (`one_sided`, `staged` for GPU destinations, `nccl`), each
      verifying every tensor's digest as it lands; report how it went; on any failure report it,
      fence the failed attempt's reads (none may land later: `OneSidedReader.fence`), exclude that
      seed and ask again; when no seed is left, read the checkpoint (`disk`);
   3. once every rank is in, hand over what a seed serves (`LoadResult`: per rank the weights, their
      read-only registrations and verified digests, `ServedRank`; the engine they live on) and publish
-     this instance as a seed of the same weights (`rfork.seed`), which adopts them: nothing is
-     registered twice. With `seed_later` the result holds them until the caller's `become_seed`
-     (the framework hooks, after the framework's post-load steps) or `close()`.
+     this instance as a seed of the same weights (`Seed.adopt`): nothing is registered twice. With
+     `seed_later` the result holds them until the caller has the seed adopt it (the framework hooks,
+     after the framework's post-load steps) or closes it.
 Weights land where the caller wants them: `pull_into(named_tensors)` / `load_into(module)` fill the
 caller's own tensors; `load()` allocates flat buffers per the seed's manifest first (its result's
 `assign_to(module)` points a module at them). Nothing is published before every tensor of every rank
@@ -32,18 +33,20 @@ from backends import Region
 from backends.errors import BackendUnavailable
 from planner.contract import RankManifest
 from rfork import metrics
-from rfork.errors import ConfigurationError, DestinationMismatch, PullError, SeedRequired
+from rfork.errors import ConfigurationError, DestinationMismatch, SeedRequired
 from rfork.identity import SourceIdentity
 from rfork.pull.checks import check_planner_url, check_provider_names
 from rfork.pull.disk import load_from_disk
 from rfork.pull.keep import Split, merge, split_matching, split_shared
 from rfork.pull.nccl import pull_nccl
 from rfork.pull.one_sided import OneSidedReader
+from rfork.pull.options import BusyWait, LoadOptions, ProgressFn
 from rfork.pull.planner_session import PlannerSession, Source
 from rfork.pull.progress_report import PullProgress
-from rfork.pull.result import Attempt, BusyWait, LoadOptions, LoadResult, ProgressFn
-from rfork.seed.seed import ServedRank
-from rfork.weights import checksum as ck
+from rfork.pull.read_plan import ReadPlan, check_destination
+from rfork.pull.result import Attempt, LoadResult, ServedRank
+from rfork.pull.staged import pull_staged
+from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import CheckpointInfo, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
 
@@ -304,27 +307,16 @@ class Loader:
         `keep_matching`, only the tensors whose bytes differ: `rfork.pull.keep`); the bytes read and kept."""
         manifest = source.manifest()
         if dest is not None:
-            dest.check_matches(manifest)
+            check_destination(dest, manifest)  # before anything is allocated or hashed
         deadline = time.monotonic() + self.options.rank_deadline_s
         fresh = dest is None
         if dest is None:
             t_alloc = time.perf_counter()
             dest = RankWeights.allocate_for(manifest)
             phases["alloc"] = time.perf_counter() - t_alloc
-        if self.options.require_crypto_digest and not ck.is_cryptographic(dest.checksum_algorithm):
-            raise ConfigurationError(
-                f"rank {rank}: require_crypto_digest is set but {dest.device} tensors are digested with "
-                f"{dest.checksum_algorithm}, which is not cryptographic; set RFORK_DIGEST=blake3 on every "
-                "seed and loader (and anchor the identity under blake3)",
-                setting="require_crypto_digest",
-            )
-        if manifest.checksum_algorithm != dest.checksum_algorithm:
-            raise PullError(
-                f"seed {source.instance_id}: checksum algorithm {manifest.checksum_algorithm!r} "
-                f"is not {dest.checksum_algorithm!r} (the digest for {dest.device} tensors)"
-            )
+        plan = self._plan(manifest, dest)
         if source.name == "nccl":  # the seed streams every tensor: nothing can be kept
-            pull_nccl(source.candidate, manifest, dest, timeout_s=self.options.rank_deadline_s)
+            pull_nccl(source.candidate, plan, timeout_s=self.options.rank_deadline_s)
             return ServedRank(weights=dest), dest.layout.total_bytes, 0
         if self.options.keep_matching and not fresh:  # the caller's tensors: they hold something
             t_keep = time.perf_counter()
@@ -342,14 +334,17 @@ class Loader:
             if split.to_read is not None and split.read_bytes >= split.kept_bytes:
                 split = self._read_shared(rank, dest, split, deadline, phases)
             if split.to_read is not None:
-                regions = self._read(source, split.manifest, split.to_read, deadline, phases)
+                regions = self._read(source, self._plan(split.manifest, split.to_read), deadline, phases)
                 engine = self.reader.engine()
                 for region in regions:  # they cover only the tensors read: a seed registers the whole
                     engine.deregister(region)
             merge(dest, split)
             return ServedRank(weights=dest), read_bytes, split.kept_bytes
-        regions = self._read(source, manifest, dest, deadline, phases)
+        regions = self._read(source, plan, deadline, phases)
         return ServedRank(weights=dest, regions=regions), dest.layout.total_bytes, 0
+
+    def _plan(self, manifest: RankManifest, dest: RankWeights) -> ReadPlan:
+        return ReadPlan.check(manifest, dest, require_crypto_digest=self.options.require_crypto_digest)
 
     def _read_shared(
         self, rank: int, dest: RankWeights, split: Split, deadline: float, phases: dict[str, float]
@@ -390,7 +385,9 @@ class Loader:
                         if part is None or part.to_read is None:
                             other.succeeded(0, time.perf_counter() - started)
                             break
-                        engine_regions = self._read(other, part.manifest, part.to_read, deadline, phases)
+                        engine_regions = self._read(
+                            other, self._plan(part.manifest, part.to_read), deadline, phases
+                        )
                         engine = self.reader.engine()
                         for region in engine_regions:
                             engine.deregister(region)
@@ -432,41 +429,46 @@ class Loader:
         return split
 
     def _read(
-        self,
-        source: Source,
-        manifest: RankManifest,
-        dest: RankWeights,
-        deadline: float,
-        phases: dict[str, float],
+        self, source: Source, plan: ReadPlan, deadline: float, phases: dict[str, float]
     ) -> list[Region]:
-        """Read `dest` from the source's manifest over the one-sided engine; its registrations."""
+        """Read the plan from the source over the one-sided engine: straight into host memory, or through
+        pinned bounce slots where the destination is a GPU's (tcp and shm cannot register device memory)
+        or `staged_reads` asks for it. The registrations the reads landed through ([] when staged: a seed
+        this becomes registers, or mirrors, once)."""
+        t_engine = time.perf_counter()
         try:
-            self.reader.engine()  # opened on a helper thread since prepare()
-        except (
-            BackendUnavailable
-        ) as exc:  # this machine cannot open the provider: a setting, not a seed fault
+            engine = self.reader.engine()  # opened on a helper thread since prepare()
+        except BackendUnavailable as exc:  # this machine cannot open the provider: a setting, no seed's fault
             raise ConfigurationError(
                 f"transport provider {self.options.one_sided[0]} cannot open on this machine: {exc}",
                 setting="providers",
             ) from exc
+        phases["engine"] = time.perf_counter() - t_engine
         client = self.planner.client
         reporter = (
             None
             if client is None
             else PullProgress(client, source.assignment.id, forward=self.progress)  # the fleet page's tree
         )
+        progress = reporter or self.progress
+        threads = torch.get_num_threads()
+        if self.options.pull_torch_threads:
+            torch.set_num_threads(self.options.pull_torch_threads)
         try:
-            return self.reader.pull(
-                manifest, dest, deadline=deadline, progress=reporter or self.progress, phases=phases
-            )
+            if self.options.staged_reads or plan.dest.device.type == "cuda":
+                pull_staged(engine, plan, deadline=deadline, progress=progress, phases=phases)
+                return []
+            return self.reader.read(plan, deadline=deadline, progress=progress, phases=phases)
         finally:
+            torch.set_num_threads(threads)
             if reporter is not None:
                 reporter.close()
 
     def _become_seed(self, result: LoadResult) -> None:
         """Serve the loaded weights (adopting the pull's engine and registrations) and publish them."""
         assert self.planner_url is not None
-        seed = result.become_seed(
+        seed = Seed.adopt(
+            result,
             planner_url=self.planner_url,
             token=self.register_token,
             labels=self.options.labels,
