@@ -142,7 +142,7 @@ def _prompt(seed: int, n: int) -> list[int]:
         "in order",
         # Sent last-first, layer 0's immediate travels just before the completion, which another
         # domain's progress thread may count first: that once made B fail its wait for layer 0 at
-        # once (issue #13, docs/kv.md "Completion counted before a layer").
+        # once (docs/kv.md, "Layers and the completion arrive in any order").
         "reversed",
     ],
 )
