@@ -88,8 +88,6 @@ class Loader:
             fallback_bytes=None if checkpoint is None else checkpoint.total_bytes,
         )
         self.reader = OneSidedReader(self.options)
-        self._held: Mapping[int, Mapping[str, str]] = {}  # per rank: the current load's held_digests
-        self._shared: list[Attempt] = []  # reads from another identity's seeds, for the next attempt's list
         self._token = token
 
     def prepare(self) -> None:
@@ -137,7 +135,7 @@ class Loader:
         self, dests: Mapping[int, RankWeights | None], held: Mapping[int, Mapping[str, str]] | None = None
     ) -> LoadResult:
         t0 = time.perf_counter()
-        self._held = held or {}
+        held = held or {}
         self.planner.seconds = 0.0
         if self.options.one_sided and self.planner_url is not None:
             self.reader.open_soon()
@@ -147,7 +145,8 @@ class Loader:
         moved = kept = 0
         try:
             for rank, dest in dests.items():
-                ranks[rank], source, nbytes, kept_bytes = self._load_rank(rank, dest, attempts)
+                served, source, nbytes, kept_bytes = self._load_rank(rank, dest, held.get(rank), attempts)
+                ranks[rank] = served
                 sources.add(source)
                 moved += nbytes
                 kept += kept_bytes
@@ -198,17 +197,22 @@ class Loader:
         return result
 
     def _load_rank(
-        self, rank: int, dest: RankWeights | None, attempts: list[Attempt]
+        self,
+        rank: int,
+        dest: RankWeights | None,
+        held: Mapping[str, str] | None,
+        attempts: list[Attempt],
     ) -> tuple[ServedRank, str, int, int]:
         """One rank from the first source that works (into `dest`, or into buffers per the manifest),
         with the registrations its reads landed through ([] where it made none); the bytes it moved and
-        those it kept (`keep_matching`)."""
+        those it kept (`keep_matching`, trusting `held` digests). Every source tried goes to `attempts`,
+        seeds of other identities that served part of it (a rollout's earlier version) included."""
         for source in self.planner.sources(rank):
             started = time.perf_counter()
             phases: dict[str, float] = {}
-            self._shared = []
+            shared: list[Attempt] = []  # reads from other identities' seeds during this attempt
             try:
-                served, nbytes, kept = self._pull(source, rank, dest, phases)
+                served, nbytes, kept = self._pull(source, rank, dest, held, phases, shared)
             except DestinationMismatch as exc:
                 # The caller's tensors disagree with a manifest of the same identity: every source would.
                 source.failed(exc, 0.0)
@@ -227,6 +231,7 @@ class Loader:
                     seconds,
                     exc,
                 )
+                attempts.extend(shared)
                 attempts.append(
                     Attempt(
                         source=source.name,
@@ -246,8 +251,8 @@ class Loader:
                 metrics.pull_finished(source=source.name, outcome="aborted")
                 raise
             seconds = time.perf_counter() - started
-            attempts.extend(self._shared)  # what another identity's seeds served of it
-            own = nbytes - sum(a.bytes for a in self._shared)
+            attempts.extend(shared)  # what other identities' seeds served of it, or failed to
+            own = nbytes - sum(a.bytes for a in shared if a.ok)
             attempts.append(
                 Attempt(
                     source=source.name,
@@ -301,10 +306,17 @@ class Loader:
         return ServedRank(weights=weights), "disk", weights.layout.total_bytes, 0
 
     def _pull(
-        self, source: Source, rank: int, dest: RankWeights | None, phases: dict[str, float]
+        self,
+        source: Source,
+        rank: int,
+        dest: RankWeights | None,
+        held: Mapping[str, str] | None,
+        phases: dict[str, float],
+        shared: list[Attempt],
     ) -> tuple[ServedRank, int, int]:
         """Check the destination against the source's (checked) manifest, then read and verify it (with
-        `keep_matching`, only the tensors whose bytes differ: `rfork.pull.keep`); the bytes read and kept."""
+        `keep_matching`, only the tensors whose bytes differ: `rfork.pull.keep`, some perhaps from other
+        identities' seeds, listed in `shared`); the bytes read and kept."""
         manifest = source.manifest()
         if dest is not None:
             check_destination(dest, manifest)  # before anything is allocated or hashed
@@ -320,7 +332,7 @@ class Loader:
             return ServedRank(weights=dest), dest.layout.total_bytes, 0
         if self.options.keep_matching and not fresh:  # the caller's tensors: they hold something
             t_keep = time.perf_counter()
-            split = split_matching(dest, manifest, self._held.get(rank))
+            split = split_matching(dest, manifest, held)
             phases["keep"] = time.perf_counter() - t_keep
             log.info(
                 "rank %d: %d bytes already match the seed's digests and stay; %d to read",
@@ -332,7 +344,7 @@ class Loader:
             # a destination that holds most of the rank already (a rollout in place) lacks the tensors that
             # changed, which no earlier version holds: asking the planner for one would only cost time
             if split.to_read is not None and split.read_bytes >= split.kept_bytes:
-                split = self._read_shared(rank, dest, split, deadline, phases)
+                split = self._read_shared(rank, dest, split, deadline, phases, shared)
             if split.to_read is not None:
                 regions = self._read(source, self._plan(split.manifest, split.to_read), deadline, phases)
                 engine = self.reader.engine()
@@ -347,11 +359,18 @@ class Loader:
         return ReadPlan.check(manifest, dest, require_crypto_digest=self.options.require_crypto_digest)
 
     def _read_shared(
-        self, rank: int, dest: RankWeights, split: Split, deadline: float, phases: dict[str, float]
+        self,
+        rank: int,
+        dest: RankWeights,
+        split: Split,
+        deadline: float,
+        phases: dict[str, float],
+        attempts: list[Attempt],
     ) -> Split:
         """Read what seeds of other identities hold with the same anchored digests (a rollout's previous
-        version: the planner finds them), each verified like any read; the rest of `split` is left for
-        the identity's own seed. Any failure leaves it to that seed: this only spares it bytes."""
+        version: the planner finds them), each verified like any read and listed in `attempts`; the rest
+        of `split` is left for the identity's own seed. Any failure leaves it to that seed: this only
+        spares it bytes."""
         client = self.planner.client
         if client is None or self.planner_url is None:
             return split
@@ -392,8 +411,19 @@ class Loader:
                         for region in engine_regions:
                             engine.deregister(region)
                     except Exception as exc:  # noqa: BLE001 - the identity's own seed reads these too
-                        other.failed(exc, time.perf_counter() - started)
+                        seconds = time.perf_counter() - started
+                        other.failed(exc, seconds)
                         self.reader.fence()
+                        attempts.append(
+                            Attempt(
+                                source=other.name,
+                                instance_id=other.instance_id,
+                                rank=rank,
+                                ok=False,
+                                seconds=seconds,
+                                error=str(exc),
+                            )
+                        )
                         log.warning(
                             "rank %d: shared tensors from %s failed: %s", rank, other.instance_id, exc
                         )
@@ -401,7 +431,7 @@ class Loader:
                     seconds = time.perf_counter() - started
                     other.succeeded(part.read_bytes, seconds)
                     dest.checksums.update(part.to_read.checksums)
-                    self._shared.append(
+                    attempts.append(
                         Attempt(
                             source=other.name,
                             instance_id=other.instance_id,
