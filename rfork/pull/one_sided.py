@@ -40,8 +40,14 @@ from typing import Any
 
 import torch
 
-from backends import DigestJob, MemoryRegionDescriptor, Region, TransferEngine, native_digests_available
-from backends.providers.registry import provider_available
+from backends import (
+    DigestJob,
+    MemoryRegionDescriptor,
+    Region,
+    TransferEngine,
+    native_digests_available,
+    provider_available,
+)
 from planner.contract import RankManifest
 from rfork.errors import PullError
 from rfork.pull.result import LoadOptions, ProgressFn

@@ -15,8 +15,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
-from backends import MemoryRegionDescriptor, TransferEngine
-from backends.gpu.staging import StagedReader
+from backends import MemoryRegionDescriptor, StagedReader, TransferEngine
 from planner.contract import RankManifest
 from rfork.errors import PullError
 from rfork.pull.result import ProgressFn
