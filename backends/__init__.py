@@ -1,6 +1,9 @@
 """Transport library: one-sided RDMA-style transfers over libfabric (tcp, shm, efa, verbs), and the
 paths built on it as subpackages: paged KV-cache transfer (`kv`), RL weight updates (`rl`) and MoE
-dispatch/combine (`moe`).
+dispatch/combine (`moe`), and the two-sided fallback on torch.distributed (`nccl`).
+
+`__all__` is the public surface: this package's names and its paths, each path a door with its own
+`__all__` (tests/backends/test_public_surface.py; rfork imports nothing else: tests/test_house.py).
 
 Using the engine fails with one line naming what to install when the libfabric binding is not built
 (backends.providers._native). Names load on first use; the paths need torch.
@@ -8,57 +11,110 @@ Using the engine fails with one line naming what to install when the libfabric b
 
 from __future__ import annotations
 
-import ast
 import importlib
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-# Every name resolves on first use: the pure modules (backends.layout, .sharding, .nccl) and a disk
-# load must not pay for the libfabric binding (a 0.2 s dlopen) or need it built at all, and the paths
-# need torch.
-if TYPE_CHECKING:  # the public surface, written once (see _surface)
-    from backends import kv, moe, rl
+from backends.errors import (
+    BackendUnavailable,
+    ChannelError,
+    EngineClosed,
+    PeerUnreachable,
+    RemoteAccessError,
+    TransferError,
+    TransferTimeout,
+)
+
+if TYPE_CHECKING:  # at run time these load on first use, from the modules `_LAZY` names
+    from backends import kv, moe, nccl, rl
     from backends.channel import Channel, ImmRange, Message
     from backends.descriptor import EngineAddress, MemoryRegionDescriptor
     from backends.digest_job import DigestJob, native_digests_available
     from backends.engine import MAX_MESSAGE, Region, TransferEngine
-    from backends.errors import (
-        BackendUnavailable,
-        ChannelError,
-        EngineClosed,
-        PeerUnreachable,
-        RemoteAccessError,
-        TransferError,
-        TransferTimeout,
+    from backends.gpu.staging import StagedReader
+    from backends.layout import (
+        DEFAULT_MAX_REGION_BYTES,
+        Layout,
+        Placement,
+        dtype_from_name,
+        dtype_name,
+        expected_nbytes,
+        plan_layout,
+        views,
     )
-    from backends.providers.registry import provider_available
+    from backends.providers.peer_names import peer_ip
+    from backends.providers.registry import AUTO, PROVIDERS, provider_available
+    from backends.sharding import shard_shape, shard_tensor, split_dim
 
+__all__ = [
+    "AUTO",
+    "DEFAULT_MAX_REGION_BYTES",
+    "MAX_MESSAGE",
+    "PROVIDERS",
+    "BackendUnavailable",
+    "Channel",
+    "ChannelError",
+    "DigestJob",
+    "EngineAddress",
+    "EngineClosed",
+    "ImmRange",
+    "Layout",
+    "MemoryRegionDescriptor",
+    "Message",
+    "PeerUnreachable",
+    "Placement",
+    "Region",
+    "RemoteAccessError",
+    "StagedReader",
+    "TransferEngine",
+    "TransferError",
+    "TransferTimeout",
+    "dtype_from_name",
+    "dtype_name",
+    "expected_nbytes",
+    "kv",
+    "moe",
+    "native_digests_available",
+    "nccl",
+    "peer_ip",
+    "plan_layout",
+    "provider_available",
+    "rl",
+    "shard_shape",
+    "shard_tensor",
+    "split_dim",
+    "views",
+]
 
-def _surface() -> dict[str, str]:
-    """Each public name -> the module it comes from, read from this file's own import lines.
-
-    The `from backends... import` lines above (under `if TYPE_CHECKING:`) are the one list of the
-    surface: type checkers read them as imports, and `__getattr__`, `__all__` and `__dir__` read
-    them here, once, from the source. A name imported from `backends` itself is a path (subpackage).
-    """
-    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
-    lazy = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
-    lines = tree.body + [node for block in lazy for node in block.body]
-    return {
-        alias.asname or alias.name: node.module
-        for node in lines
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == __name__
-        for alias in node.names
-    }
-
-
-_WHERE = _surface()
-__all__ = list(_WHERE)
+# Where each lazy name of `__all__` loads from on first use ("backends": a path, its subpackage).
+# The pure modules (backends.layout, .sharding, .nccl) and a disk load must not pay for the
+# libfabric binding (a 0.2 s dlopen) or need it built at all, and the paths and the layout need torch.
+_LAZY = {
+    "backends": ("kv", "moe", "nccl", "rl"),
+    "backends.channel": ("Channel", "ImmRange", "Message"),
+    "backends.descriptor": ("EngineAddress", "MemoryRegionDescriptor"),
+    "backends.digest_job": ("DigestJob", "native_digests_available"),
+    "backends.engine": ("MAX_MESSAGE", "Region", "TransferEngine"),
+    "backends.gpu.staging": ("StagedReader",),
+    "backends.layout": (
+        "DEFAULT_MAX_REGION_BYTES",
+        "Layout",
+        "Placement",
+        "dtype_from_name",
+        "dtype_name",
+        "expected_nbytes",
+        "plan_layout",
+        "views",
+    ),
+    "backends.providers.peer_names": ("peer_ip",),
+    "backends.providers.registry": ("AUTO", "PROVIDERS", "provider_available"),
+    "backends.sharding": ("shard_shape", "shard_tensor", "split_dim"),
+}
+_HOME = {name: module for module, names in _LAZY.items() for name in names}
 
 
 def __getattr__(name: str) -> Any:
-    """A public name, imported on first use (see above for why)."""
-    module = _WHERE.get(name)
+    """A lazy public name, imported on first use (PEP 562; see `_LAZY` for why)."""
+    module = _HOME.get(name)
     if module is None:
         raise AttributeError(f"module 'backends' has no attribute {name!r}")
     if module == __name__:  # a path: importing it sets the attribute

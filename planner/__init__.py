@@ -1,98 +1,63 @@
 """The R-Fork planner: which running instance a new instance should pull its weights from.
 
-Public surface (checked by tests/planner/test_public_surface.py): the errors, the wire types and
-PlannerClient (the Python client), all from the contract room `planner.contract`; PlannerServer (the
-planner in a background thread, for tests and the demo) and the in-process API for embedding the
-real planner on a database: Planner (Planner.open(settings)), PlannerSettings, make_policy,
-migrate, check_schema, redact_url (a database URL fit to print) and warn_if_world_readable (a secret
-file's mode). Every other module is internal.
+Public surface (`__all__`, checked by tests/planner/test_public_surface.py): the contract room's own
+list, `planner.contract.__all__` (the errors, the wire types, PlannerClient, the client-side helpers);
+PlannerServer (the planner in a background thread, for tests and the demo) and the in-process API for
+embedding the real planner on a database: Planner (Planner.open(settings)), PlannerSettings,
+make_policy, migrate, check_schema, redact_url (a database URL fit to print) and
+warn_if_world_readable (a secret file's mode). Every other module is internal.
 """
 
 from __future__ import annotations
 
-import ast
 import importlib
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from planner.contract import (
-        AllBusy,
-        Anchor,
-        Assignment,
-        AssignmentRequest,
-        AuthError,
-        BadRequest,
-        Candidate,
-        CandidateReason,
-        Conflict,
-        DigestMismatch,
-        HeartbeatAnswer,
-        InstancePage,
-        InstanceStatus,
-        InstanceView,
-        Labels,
-        ModelsPage,
-        ModelView,
-        NoSource,
-        NotFound,
-        PlannerClient,
-        PlannerError,
-        PlannerUnavailable,
-        ProtocolMismatch,
-        RankEndpoint,
-        RankManifest,
-        RankView,
-        RegionEntry,
-        Registration,
-        RegistrationRequest,
-        ReportAnswer,
-        SourceIdentity,
-        StatusChange,
-        StoredManifest,
-        TensorEntry,
-        TransferReport,
-        TransfersPage,
-        TransferView,
-        identity_key,
-    )
+from planner import contract
+from planner.secret_files import warn_if_world_readable
+
+if TYPE_CHECKING:  # at run time these load on first use: the contract's through it, the rest from `_LAZY`
+    from planner.contract import *  # noqa: F403 - its own `__all__`, re-exported whole
     from planner.db import check_schema, migrate, redact_url
-    from planner.secret_files import warn_if_world_readable
     from planner.selection import make_policy
     from planner.server import PlannerServer
     from planner.service import Planner
     from planner.settings import PlannerSettings, SettingsError
 
+__all__ = [
+    *contract.__all__,
+    "Planner",
+    "PlannerServer",
+    "PlannerSettings",
+    "SettingsError",
+    "check_schema",
+    "make_policy",
+    "migrate",
+    "redact_url",
+    "warn_if_world_readable",
+]
 
-def _surface() -> dict[str, str]:
-    """Each public name -> the module it comes from, read from this file's own import lines.
-
-    The `from planner... import` lines above (those under `if TYPE_CHECKING:` load lazily) are the
-    one list of the surface: type checkers read them as imports, and `__getattr__`, `__all__` and
-    `__dir__` read them here, once, from the source.
-    """
-    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
-    lazy = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
-    lines = tree.body + [node for block in lazy for node in block.body]
-    return {
-        alias.asname or alias.name: node.module
-        for node in lines
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == __name__
-        for alias in node.names
-    }
-
-
-_WHERE = _surface()
-__all__ = list(_WHERE)
+# Where each server-side name loads from on first use (PEP 562): `import planner` (`rfork --help`
+# imports planner.selection) loads no pydantic, and a loader no SQLAlchemy, FastAPI or uvicorn.
+_LAZY = {
+    "planner.db": ("check_schema", "migrate", "redact_url"),
+    "planner.selection": ("make_policy",),
+    "planner.server": ("PlannerServer",),
+    "planner.service": ("Planner",),
+    "planner.settings": ("PlannerSettings", "SettingsError"),
+}
+_HOME = {name: module for module, names in _LAZY.items() for name in names}
 
 
 def __getattr__(name: str) -> Any:
-    """A public name, imported when first used (PEP 562): importing one module of the package pays for
-    that module only (a loader imports planner.contract: pydantic, no server)."""
-    module = _WHERE.get(name)
-    if module is None:
+    """A public name, imported when first used: the contract's through the contract (which loads its
+    pydantic types and PlannerClient on first use), the server side's from its module."""
+    if name in contract.__all__:
+        value = getattr(contract, name)
+    elif name in _HOME:
+        value = getattr(importlib.import_module(_HOME[name]), name)
+    else:
         raise AttributeError(f"module 'planner' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 

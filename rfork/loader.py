@@ -29,8 +29,7 @@ from pathlib import Path
 
 import torch
 
-from backends import Region
-from backends.errors import BackendUnavailable
+from backends import BackendUnavailable, Region
 from planner.contract import RankManifest
 from rfork import metrics
 from rfork.errors import ConfigurationError, DestinationMismatch, SeedRequired

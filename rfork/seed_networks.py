@@ -19,9 +19,7 @@ import ipaddress
 import os
 from collections.abc import Mapping
 
-from backends.descriptor import EngineAddress
-from backends.errors import BackendUnavailable, TransferError
-from backends.providers.peer_names import peer_ip
+from backends import BackendUnavailable, EngineAddress, TransferError, peer_ip
 from planner.contract import NetworkRefused, inside, parse_networks, resolve_within
 
 ENV = "RFORK_SEED_NETWORKS"

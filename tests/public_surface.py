@@ -1,7 +1,9 @@
 """Checks of a package's public surface, derived from the code and the docs instead of a copied list.
 
-Each package writes its surface once (the import lines of its `__init__.py`, see its `_surface`);
-these checks say what that list must agree with. Each returns the offending names, empty when fine.
+Each package writes its surface once, as its `__init__.py`'s `__all__` (planner's spreads the contract
+room's own list); these checks say what that list must agree with: the code it names, the names the
+package loads on first use (its `_LAZY` table), its errors and the docs. Each returns the offending
+names, empty when fine.
 """
 
 from __future__ import annotations
@@ -34,6 +36,14 @@ def unresolved(package: ModuleType) -> list[str]:
             if home.split(".")[0] not in PROJECT or getattr(sys.modules[home], name, None) is not value:
                 bad.append(name)
     return bad
+
+
+def lazy_but_unlisted(package: ModuleType) -> list[str]:
+    """Names the package loads on first use (its `_LAZY` table: module -> names) that `__all__` does
+    not list, or that two modules claim."""
+    lazy = [name for names in getattr(package, "_LAZY", {}).values() for name in names]
+    twice = {name for name in lazy if lazy.count(name) > 1}
+    return sorted((set(lazy) - set(package.__all__)) | twice)
 
 
 def left_out(package: ModuleType) -> list[str]:

@@ -2,6 +2,8 @@
 
 - the arrows run one way: rfork -> planner, rfork -> backends; backends and planner import neither;
 - rfork imports the planner through its doors: planner.contract (the client side) and planner;
+- rfork imports the transport through its doors: `backends` and the paths its `__all__` lists
+  (subpackages: backends.kv, .nccl, ...), taking only names their `__all__` lists;
 - the installed packages never import the harness (bench/: benchmarks, simulator, process harness),
   which the wheel does not ship; rfork/cli/checkout_commands.py alone loads it by name, in a checkout;
 - the planner's and the transport's tests run without rfork and without the harness;
@@ -208,6 +210,63 @@ def test_rfork_imports_the_planner_through_its_doors() -> None:
                     continue
                 wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {module}")
     assert not wrong, wrong
+
+
+def _written_all(module: str) -> list[str]:
+    """The `__all__` a module writes out (a list of strings) in its source."""
+    for node in ast.parse(MODULES[module].read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    raise AssertionError(f"{module} writes out no __all__")
+
+
+def _backends_doors() -> dict[str, set[str]]:
+    """The backends modules rfork may import, each with the names it may take from it: `backends`,
+    and each path that `backends.__all__` lists (a subpackage, whose `__init__` is its door)."""
+    doors = {"backends": set(_written_all("backends"))}
+    for name in sorted(doors["backends"]):
+        path = MODULES.get(f"backends.{name}")
+        if path is not None and path.name == "__init__.py":
+            doors[f"backends.{name}"] = set(_written_all(f"backends.{name}"))
+    return doors
+
+
+def test_the_transport_doors_are_backends_and_its_paths() -> None:
+    doors = _backends_doors()
+    assert {"backends", "backends.kv", "backends.nccl"} <= set(doors), sorted(doors)
+    assert "backends.layout" not in doors  # a module, not a path: its names come through `backends`
+
+
+def test_rfork_imports_the_transport_through_its_doors() -> None:
+    """Every import of backends in rfork (top level, in functions, under TYPE_CHECKING) names a door,
+    `backends` or a path its `__all__` lists (backends.kv, backends.nccl, ...), and takes from it only
+    names that door's `__all__` lists: never a module behind it (backends.layout, backends.gpu.staging),
+    so moving one never breaks rfork."""
+    doors = _backends_doors()
+    wrong = []
+    for name, path in MODULES.items():
+        if name.split(".")[0] != "rfork":
+            continue
+        where = path.relative_to(ROOT)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                wrong += [
+                    f"{where}:{node.lineno} imports {a.name} (not a door)"
+                    for a in node.names
+                    if a.name.split(".")[0] == "backends" and a.name not in doors
+                ]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                if node.module.split(".")[0] != "backends":
+                    continue
+                if node.module not in doors:
+                    wrong.append(f"{where}:{node.lineno} imports {node.module} (not a door)")
+                    continue
+                wrong += [
+                    f"{where}:{node.lineno} takes {a.name} from {node.module}, whose __all__ does not list it"
+                    for a in node.names
+                    if a.name not in doors[node.module]
+                ]
+    assert not wrong, "\n".join(wrong)
 
 
 def _all_imports(path: Path) -> list[tuple[int, str]]:

@@ -7,8 +7,10 @@ rfork (loader, seed, compile-cache fetch) imports the planner's client side from
 (`integrity`), the control tokens a seed checks offline (`control_token`) and the one bounded HTTP
 exchange with a seed's control endpoint that loaders and the planner's probe use (`seed_http`). It
 imports nothing from the server room (SQLAlchemy, FastAPI, uvicorn, settings:
-tests/planner/contract/test_room.py), and `PlannerClient` loads httpx on first use only, so a module
-that needs a wire type pays for pydantic and no more.
+tests/planner/contract/test_room.py). `__all__` is the room's one list (`planner` re-exports it
+whole); the errors, control tokens, digest set and network checks (standard library only) load with
+the room, the pydantic types and `PlannerClient` (httpx) on first use, so `import planner` stays
+light and a module that needs a wire type pays for pydantic and no more.
 """
 
 from __future__ import annotations
@@ -37,49 +39,49 @@ from planner.contract.errors import (
     ProtocolMismatch,
 )
 from planner.contract.integrity import digest_set, is_cryptographic
-from planner.contract.manifest import (
-    RankManifest,
-    RegionEntry,
-    StoredManifest,
-    TensorDigest,
-    TensorEntry,
-)
 from planner.contract.networks import NetworkRefused, inside, parse_networks, resolve_within
-from planner.contract.views import (
-    FleetView,
-    InstancePage,
-    ModelsPage,
-    ModelView,
-    TransfersPage,
-    TransferView,
-)
-from planner.contract.wire import (
-    Anchor,
-    Assignment,
-    AssignmentRequest,
-    Candidate,
-    CandidateReason,
-    CompileCacheSource,
-    CompileCacheSources,
-    HeartbeatAnswer,
-    InstanceStatus,
-    InstanceView,
-    Labels,
-    LeaseRenewal,
-    RankEndpoint,
-    RankView,
-    Registration,
-    RegistrationRequest,
-    ReportAnswer,
-    SourceIdentity,
-    StatusChange,
-    TransferReport,
-    compile_cache_key,
-    identity_key,
-)
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # at run time these load on first use, from the modules `_LAZY` names
     from planner.contract.client import PlannerClient
+    from planner.contract.manifest import (
+        RankManifest,
+        RegionEntry,
+        StoredManifest,
+        TensorDigest,
+        TensorEntry,
+    )
+    from planner.contract.views import (
+        FleetView,
+        InstancePage,
+        ModelsPage,
+        ModelView,
+        TransfersPage,
+        TransferView,
+    )
+    from planner.contract.wire import (
+        Anchor,
+        Assignment,
+        AssignmentRequest,
+        Candidate,
+        CandidateReason,
+        CompileCacheSource,
+        CompileCacheSources,
+        HeartbeatAnswer,
+        InstanceStatus,
+        InstanceView,
+        Labels,
+        LeaseRenewal,
+        RankEndpoint,
+        RankView,
+        Registration,
+        RegistrationRequest,
+        ReportAnswer,
+        SourceIdentity,
+        StatusChange,
+        TransferReport,
+        compile_cache_key,
+        identity_key,
+    )
 
 __all__ = [
     "NetworkRefused",
@@ -140,12 +142,59 @@ __all__ = [
     "verify_control_token",
 ]
 
+# Where each lazy name of `__all__` loads from on first use (PEP 562): pydantic costs about a tenth
+# of a second, httpx (PlannerClient) a tenth or more.
+_LAZY = {
+    "planner.contract.client": ("PlannerClient",),
+    "planner.contract.manifest": (
+        "RankManifest",
+        "RegionEntry",
+        "StoredManifest",
+        "TensorDigest",
+        "TensorEntry",
+    ),
+    "planner.contract.views": (
+        "FleetView",
+        "InstancePage",
+        "ModelView",
+        "ModelsPage",
+        "TransferView",
+        "TransfersPage",
+    ),
+    "planner.contract.wire": (
+        "Anchor",
+        "Assignment",
+        "AssignmentRequest",
+        "Candidate",
+        "CandidateReason",
+        "CompileCacheSource",
+        "CompileCacheSources",
+        "HeartbeatAnswer",
+        "InstanceStatus",
+        "InstanceView",
+        "Labels",
+        "LeaseRenewal",
+        "RankEndpoint",
+        "RankView",
+        "Registration",
+        "RegistrationRequest",
+        "ReportAnswer",
+        "SourceIdentity",
+        "StatusChange",
+        "TransferReport",
+        "compile_cache_key",
+        "identity_key",
+    ),
+}
+_HOME = {name: module for module, names in _LAZY.items() for name in names}
+
 
 def __getattr__(name: str) -> Any:
-    """PlannerClient, imported when first used (PEP 562): httpx costs a tenth of a second or more."""
-    if name != "PlannerClient":
+    """A lazy public name, imported on first use (see `_LAZY`)."""
+    module = _HOME.get(name)
+    if module is None:
         raise AttributeError(f"module 'planner.contract' has no attribute {name!r}")
-    value = importlib.import_module("planner.contract.client").PlannerClient
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
-from backends.providers.registry import AUTO, PROVIDERS, provider_available
+from backends import AUTO, PROVIDERS, provider_available
 from rfork.errors import ConfigurationError
 
 NCCL = "nccl"  # the two-sided fallback: a provider name a loader may list, not one the engine opens

@@ -42,8 +42,7 @@ from typing import Any
 
 import torch
 
-from backends import DigestJob, Region, TransferEngine, native_digests_available
-from backends.providers.registry import provider_available
+from backends import DigestJob, Region, TransferEngine, native_digests_available, provider_available
 from rfork.errors import PullError
 from rfork.pull.options import LoadOptions, ProgressFn
 from rfork.pull.read_plan import Read, ReadPlan, Span

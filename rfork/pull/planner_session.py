@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from backends.errors import BackendUnavailable, TransferError
+from backends import BackendUnavailable, TransferError
 from planner.contract import (
     AllBusy,
     Anchor,

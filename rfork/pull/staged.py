@@ -15,8 +15,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
-from backends import TransferEngine
-from backends.gpu.staging import StagedReader
+from backends import StagedReader, TransferEngine
 from rfork.errors import PullError
 from rfork.pull.options import ProgressFn
 from rfork.pull.read_plan import ReadPlan

@@ -17,16 +17,18 @@ from typing import Any
 
 import torch
 
-from backends.layout import (
+from backends import (
     DEFAULT_MAX_REGION_BYTES,
     Layout,
     Placement,
     dtype_from_name,
     dtype_name,
     plan_layout,
+    shard_shape,
+    shard_tensor,
+    split_dim,
     views,
 )
-from backends.sharding import shard_shape, shard_tensor, split_dim
 from rfork.errors import CheckpointError
 from rfork.identity import CHECKPOINT_LAYOUT, SourceIdentity, fingerprint
 from rfork.weights.memory import allocate

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from backends.layout import Layout, dtype_name, plan_layout, views
+from backends import Layout, dtype_name, plan_layout, views
 
 log = logging.getLogger(__name__)
 

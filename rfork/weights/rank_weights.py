@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from backends.layout import DEFAULT_MAX_REGION_BYTES, Layout, Placement, dtype_name, views
+from backends import DEFAULT_MAX_REGION_BYTES, Layout, Placement, dtype_name, views
 from planner.contract import RankManifest, RegionEntry, TensorEntry
 from rfork.errors import ChecksumMismatch, LayoutError
 from rfork.weights import checksum as ck

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from backends.layout import dtype_from_name, expected_nbytes
+from backends import dtype_from_name, expected_nbytes
 from rfork.errors import CheckpointError
 from rfork.weights.checkpoint import INDEX_NAME
 

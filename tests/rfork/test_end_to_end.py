@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -144,9 +145,9 @@ class KillFirstSeed(Loader):
         self.current: str | None = None
         self.killed: str | None = None
 
-    def _pull(self, source, rank, dest, phases):
+    def _pull(self, source: Any, *args: Any, **kwargs: Any) -> Any:
         self.current = source.instance_id
-        return super()._pull(source, rank, dest, phases)
+        return super()._pull(source, *args, **kwargs)
 
     def _on_progress(self, done: int, total: int) -> None:
         if self.killed is None and 0 < done < total and self.current is not None:

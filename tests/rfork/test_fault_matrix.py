@@ -63,9 +63,9 @@ class FaultOnProgress(Loader):
         self.fired: str | None = None
         self.current: str | None = None
 
-    def _pull(self, source: Any, rank: int, dest: Any, phases: dict[str, float]) -> Any:
+    def _pull(self, source: Any, *args: Any, **kwargs: Any) -> Any:
         self.current = source.instance_id
-        return super()._pull(source, rank, dest, phases)
+        return super()._pull(source, *args, **kwargs)
 
     def _on_progress(self, done: int, total: int) -> None:
         if self.fired is None and 0 < done < total and self.current is not None:

@@ -19,6 +19,7 @@ from tests import public_surface
     "check",
     [
         public_surface.unresolved,
+        public_surface.lazy_but_unlisted,
         public_surface.left_out,
         public_surface.unexported_errors,
         public_surface.documented_but_not_public,

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 import torch
 
-from backends.layout import dtype_name
+from backends import dtype_name
 from rfork.identity import SourceIdentity, fingerprint
 from rfork.weights.checkpoint import CheckpointInfo
 

@@ -27,9 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from backends import TransferEngine
-from backends.descriptor import EngineAddress
-from backends.errors import TransferError
+from backends import EngineAddress, TransferEngine, TransferError
 from backends.kv import IncomingRequest, KvError, KvPool, KvReceiver, KvSender, OutgoingRequest
 from rfork import seed_networks
 from rfork.integrations.vllm.kv_params import RemotePrefill

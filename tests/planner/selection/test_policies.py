@@ -121,12 +121,13 @@ def test_a_tiered_policy_ranks_by_tier_key_first(req, pool):
 
 
 def test_importing_the_policies_costs_the_standard_library_only():
-    """`rfork --help` lists POLICY_NAMES: importing planner.selection loads no pydantic, database or
-    server module."""
+    """`rfork --help` lists POLICY_NAMES: importing planner.selection loads no pydantic, httpx, database
+    or server module (`planner` spreads the contract's list, whose pydantic types and client load on
+    first use)."""
     code = (
         "import sys, planner.selection\n"
-        "print([m for m in sys.modules if m.split('.')[0] in ('pydantic', 'sqlalchemy', 'fastapi')"
-        " or m.startswith(('planner.contract', 'planner.service', 'planner.settings'))])\n"
+        "print([m for m in sys.modules if m.split('.')[0] in ('pydantic', 'httpx', 'sqlalchemy', 'fastapi')"
+        " or m.startswith(('planner.service', 'planner.settings'))])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

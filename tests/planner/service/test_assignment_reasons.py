@@ -10,8 +10,8 @@ import pytest
 
 from planner.contract import Assignment, CandidateReason, PlannerClient
 from tests.planner.conftest import identity, make_planner
-from tests.planner.test_rack_hold import _in, _seed
 from tests.planner.routes.test_assignments import _seed as _http_seed
+from tests.planner.test_rack_hold import _in, _seed
 
 
 def test_each_candidate_carries_its_rank_reason(server):

@@ -189,7 +189,9 @@ def test_a_fresh_instance_reads_shared_tensors_from_the_previous_versions_seed(
         else:
             assert by_identity == [(True, result.bytes)]  # all from v2
             failed = [a for a in result.attempts if not a.ok]  # the dead v1 seed's, listed with why
-            assert len(failed) == 1 and failed[0].error and failed[0].bytes == 0
+            assert len(failed) == 1
+            assert failed[0].error
+            assert failed[0].bytes == 0
         result.close()
 
 

@@ -33,9 +33,9 @@ def _stalling_loader(provider: str, stall: Any, **kw: Any) -> Loader:
     state: dict[str, Any] = {"current": None, "fired": None}
 
     class Stalling(Loader):
-        def _pull(self, source: Any, rank: int, dest: Any, phases: dict[str, float]) -> Any:
+        def _pull(self, source: Any, *args: Any, **kwargs: Any) -> Any:
             state["current"] = source.instance_id
-            return super()._pull(source, rank, dest, phases)
+            return super()._pull(source, *args, **kwargs)
 
     def on_progress(done: int, total: int) -> None:
         if state["fired"] is None and 0 < done < total and state["current"] is not None:
