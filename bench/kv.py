@@ -77,8 +77,8 @@ def _decode_main(
     # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from backends import TransferEngine, TransferError
     from backends.gpu.host_copy import copy_now, pinned_empty
-    from backends.gpu.kv_staging import DeviceKvPool, DeviceKvReceiver
     from backends.kv import KvPool, KvReceiver
+    from backends.kv.device import DeviceKvPool, DeviceKvReceiver
 
     kw: dict[str, Any] = {"host": "127.0.0.1"} if provider == "tcp" else {}
     with TransferEngine(provider, domains, timeout_s=30.0, **kw) as eng:
@@ -133,8 +133,8 @@ def run(args: argparse.Namespace) -> int:
 
     from backends import MemoryRegionDescriptor, TransferEngine
     from backends.gpu.host_copy import copy_now, pinned_empty
-    from backends.gpu.kv_staging import DeviceKvPool, DeviceKvSender
     from backends.kv import KvPool, KvSender
+    from backends.kv.device import DeviceKvPool, DeviceKvSender
     from bench.device_facts import machine_facts
 
     device = args.device

@@ -82,8 +82,8 @@ def _rank_main(
 
     # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from backends import TransferEngine
-    from backends.gpu.moe_staging import DeviceExpertParallel
     from backends.moe import ExpertParallel
+    from backends.moe.device import DeviceExpertParallel
     from backends.moe.routing import combine_reduce, plan_dispatch, plan_receive
 
     torch.set_num_threads(1)

@@ -82,8 +82,8 @@ def _worker(
 
     # imported here: `rfork bench --help` imports every benchmark, which must stay light (start-up time)
     from backends import TransferEngine
-    from backends.gpu.rl_staging import DeviceRLReceiver, DeviceRLTrainer
     from backends.rl import RLReceiver, RLTrainer, shard_layout
+    from backends.rl.device import DeviceRLReceiver, DeviceRLTrainer
     from rfork.weights.memory import allocate
 
     torch.set_num_threads(1)

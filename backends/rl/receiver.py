@@ -69,7 +69,7 @@ class _Pending:
 
 class SlotReaders:
     """The reader side of two weight slots: readers pin the active slot, the writer fills the other and
-    flips (RLReceiver on host memory, backends.gpu.rl_staging's device slots). The owner sets
+    flips (RLReceiver on host memory, backends.rl.device's device slots). The owner sets
     `_cond`, `_active`, `_version`, `_readers` (per slot) and `_views` (per slot)."""
 
     _cond: threading.Condition

@@ -70,8 +70,8 @@ note "paths.sh: $(date -u +%FT%TZ) device=$DEVICE provider=$PROVIDER budget=${BU
   "libfabric=${RFORK_LIBFABRIC_LIB:-system}"
 
 # ---------------------------------------------------------------- the device tests
-TESTS=(tests/backends/gpu/test_kv_staging.py tests/backends/gpu/test_moe_staging.py
-       tests/backends/gpu/test_rl_staging.py)
+TESTS=(tests/backends/kv/test_device.py tests/backends/moe/test_device.py
+       tests/backends/rl/test_device.py)
 if [ "$DEVICE" = cuda ]; then
   MARK=gpu  # the cuda-parametrised tests (the cpu ones ran where the tree was built)
 else

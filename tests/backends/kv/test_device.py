@@ -1,4 +1,4 @@
-"""KV pages in device memory over the host KV protocol (backends.gpu.kv_staging), real tcp engines.
+"""KV pages in device memory over the host KV protocol (backends.kv.device), real tcp engines.
 
 The device is a parameter: "cpu" runs the staging copies with CPU tensors standing in for device
 memory (here), "cuda" the same test on a GPU (marked gpu). The CUDA run happens only on a GPU machine.
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from backends import TransferEngine
 from backends.gpu.host_copy import page_runs
-from backends.gpu.kv_staging import SLICE_RUNS, DeviceKvPool, DeviceKvReceiver, DeviceKvSender
+from backends.kv.device import SLICE_RUNS, DeviceKvPool, DeviceKvReceiver, DeviceKvSender
 from tests.backends.gpu.devices import DEVICES
 
 LAYERS, PAGES, PAGE_BYTES = 3, 64, 4096

@@ -1,4 +1,4 @@
-"""RL weight updates between device weights (backends.gpu.rl_staging), real tcp engines in one process.
+"""RL weight updates between device weights (backends.rl.device), real tcp engines in one process.
 
 Resharding (trainer TP=1 to a receiver TP=2 rank), versions in order, and the device double buffer:
 readers see one whole version, never a mix, and a held device slot is never written. "cpu" stands in
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from backends import TransferEngine
-from backends.gpu.rl_staging import DeviceRLReceiver, DeviceRLTrainer
 from backends.layout import views
 from backends.rl import RLError, TensorSpec, TrainerRank, shard_layout
+from backends.rl.device import DeviceRLReceiver, DeviceRLTrainer
 from tests.backends.gpu.devices import DEVICES
 
 SPECS = (

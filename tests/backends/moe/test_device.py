@@ -1,4 +1,4 @@
-"""MoE dispatch/combine with device tokens and outputs (backends.gpu.moe_staging), real tcp engines.
+"""MoE dispatch/combine with device tokens and outputs (backends.moe.device), real tcp engines.
 
 Three ranks in this process, exact against the single-process reference for bf16 and fp8 wires,
 over rounds with varying token counts. "cpu" stands in for the device here; "cuda" is marked gpu.
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from backends import TransferEngine
-from backends.gpu.moe_staging import DeviceExpertParallel
 from backends.moe import MoEError
+from backends.moe.device import DeviceExpertParallel
 from tests.backends.gpu.devices import DEVICES
 from tests.backends.moe.cases import Case, apply_expert, expert_tables, rank_inputs, reference
 
