@@ -1,6 +1,6 @@
 """Waiting for an event in a test: poll a condition until it holds, within a bound.
 
-A fixed `time.sleep` that stands for an event ("the server is up", "the message arrived") is either
+A fixed sleep that stands for an event ("the server is up", "the message arrived") is either
 too long (the suite waits for nothing) or too short on a busy box (the test flakes). Poll the event
 instead: `wait_until` returns as soon as it holds, and fails the test, naming it, when it never does.
 The bound is a limit for a shared 2-core box, not a timing assertion.
