@@ -7,10 +7,33 @@ Used by the end-to-end tests: identical weights must give bit-identical logits.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import Protocol, TypedDict, cast
 
 import torch
 from torch import nn
+
+
+class LlamaShape(TypedDict):
+    """A Llama's shape, as keyword arguments of either LlamaConfig (rfork's, or the transport tests')."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+
+
+# The suite's small Llama (~8.6 MB in bf16): `LlamaConfig(**SMALL)` with rfork.weights.synthetic's
+# config (tests/rfork) or tests.backends.models' (the transport's tests, which run without rfork).
+SMALL: LlamaShape = {
+    "hidden_size": 256,
+    "intermediate_size": 704,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 2048,
+}
 
 
 class LlamaConfig(Protocol):

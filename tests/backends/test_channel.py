@@ -5,8 +5,7 @@ and nothing a peer sends makes the frame decoder raise or hold state (hypothesis
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
 
 import numpy as np
@@ -19,6 +18,7 @@ from backends.channel import EARLY_LIMIT, EARLY_PER_SENDER, IMM_FIRST, ChannelHu
 from backends.imm import ImmCounter
 from tests.backends.conftest import Peer, start_peer
 from tests.backends.peer import engine_kwargs
+from tests.waiting import holds_for, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +53,6 @@ class Inbox:
             return list(self.messages)
 
 
-def _until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return cond()
-
-
 @pytest.mark.timeout(60)
 def test_two_paths_on_one_engine_never_see_each_others_traffic(engine: TransferEngine, peer: Peer) -> None:
     a, b = engine.channel("path-a", imms=4), engine.channel("path-b", imms=4)
@@ -80,8 +73,7 @@ def test_two_paths_on_one_engine_never_see_each_others_traffic(engine: TransferE
     a.expect(0, 2).result(10)
     a.expect(3).result(10)
     late = b.expect(0)  # the same index on b is another value: nothing arrived for it
-    time.sleep(0.2)
-    assert not late.done()
+    holds_for(lambda: not late.done(), 0.2, "b's index 0 unsignalled")  # a's signals would show here
     assert all(engine.imm.pending(b.imm(i)) == 0 for i in range(4))
     # and the other way: each of the peer's channels gets only what our channel of its name sent
     a.send(peer.address, "from-a", b"x").result(10)
@@ -105,10 +97,10 @@ def test_two_paths_on_one_engine_never_see_each_others_traffic(engine: TransferE
 def test_messages_before_the_channel_opens_wait_for_it(engine: TransferEngine, peer: Peer) -> None:
     for i in range(5):
         assert peer.call("send", engine.address, "later", "early", bytes([i])) is True
-    assert _until(lambda: engine._hub().early() == 5)
+    wait_until(lambda: engine._hub().early() == 5, 10, "five early frames held")
     channel = engine.channel("later")
-    time.sleep(0.1)  # open but with no callback yet: still kept
     assert peer.call("send", engine.address, "later", "early", bytes([5])) is True
+    wait_until(lambda: engine._hub().early() == 6, 10, "open but with no callback yet: still kept")
     inbox = Inbox()
     channel.on_message(inbox)  # everything so far arrives now, in order
     assert peer.call("send", engine.address, "later", "live", b"") is True
@@ -120,7 +112,7 @@ def test_messages_before_the_channel_opens_wait_for_it(engine: TransferEngine, p
     # a closed channel drops what still comes for it, and counts it
     before = engine.frames_dropped["closed"]
     assert peer.call("send", engine.address, "later", "too-late", b"") is True
-    assert _until(lambda: engine.frames_dropped["closed"] == before + 1)
+    wait_until(lambda: engine.frames_dropped["closed"] == before + 1, 10, "the late frame dropped as closed")
     assert engine._hub().early() == 0
 
 
@@ -140,7 +132,7 @@ def test_malformed_frames_are_dropped_and_counted_and_the_channel_still_works(
         assert peer.call("send_raw", engine.address, g) is True
     assert peer.call("send", engine.address, "sturdy", "ok", b"payload") is True
     assert [(m.kind, m.data) for m in inbox.wait(2)] == [("ok", b"payload")] * 2
-    assert _until(lambda: engine.frames_dropped["malformed"] == len(garbage))
+    wait_until(lambda: engine.frames_dropped["malformed"] == len(garbage), 10, "every garbage frame dropped")
     channel.close()
 
 

@@ -35,6 +35,7 @@ from backends.providers.libfabric import (
 from backends.spans import page_spans
 from tests.backends.conftest import SRC_BYTES, Peer, start_peer
 from tests.backends.peer import digest, engine_kwargs, group_pieces, host_buffer, pattern
+from tests.waiting import holds_for, wait_until
 
 MiB = 1 << 20
 
@@ -195,13 +196,11 @@ def test_imm_counter_reordered_before_and_after_arrival(provider: str, peer: Pee
         for v in range(1000, 1064):
             if v != 1003:
                 eng.expect(v, 3).result(10)
-        time.sleep(0.2)
-        assert not half.done()  # 3 of 6 arrived
+        holds_for(lambda: not half.done(), 0.2, "3 of 6 arrived")  # a miscount would resolve it meanwhile
         assert peer.call("write_imms", [1003] * 3, desc) is True
         half.result(10)
         extra = eng.expect(1000, 1)  # all consumed: nothing left to satisfy this
-        time.sleep(0.2)
-        assert not extra.done()
+        holds_for(lambda: not extra.done(), 0.2, "nothing left for 1000")  # a leftover would satisfy it
         assert eng.imm.pending(1000) == 0
 
 
@@ -554,13 +553,9 @@ def test_multi_iov_local_writes_land_byte_for_byte(peer: Peer, provider: str) ->
                 in_flight -= 1
         assert not in_flight, f"{in_flight} gather writes never completed"
         # shm's small (inject) writes land at the target's next progress, just after they complete here
-        want, got = digest(remote), b""
-        for _ in range(50):
-            got = peer.call("digest", "small", 0, 16 * MiB)
-            if got == want:
-                break
-            time.sleep(0.1)
-        assert got == want, "multi-iov writes left wrong bytes at the target"
+        want = digest(remote)
+        wait_until(lambda: peer.call("digest", "small", 0, 16 * MiB) == want, 5,
+                   "multi-iov writes leave the right bytes at the target", every_s=0.1)
         dom.deregister(reg)
     finally:
         dom.close()

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import os
 import struct
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import given, settings
@@ -18,6 +17,7 @@ from backends.peer_auth import REPLAY_WINDOW, check_window
 from tests.backends.conftest import Peer, start_peer
 from tests.backends.peer import engine_kwargs
 from tests.backends.test_channel import Inbox, _hub_pair
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +38,6 @@ def forger(provider: str) -> Iterator[Peer]:
 def engine(provider: str) -> Iterator[TransferEngine]:
     with TransferEngine(provider, 1, timeout_s=8.0, reorder_for_test=True, **engine_kwargs(provider)) as eng:
         yield eng
-
-
-def _until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return cond()
 
 
 def legacy_frame(channel: str, kind: str, sender: bytes, data: bytes) -> bytes:
@@ -82,7 +75,7 @@ def test_a_forging_peer_cannot_speak_for_another_engine_or_replay_its_frames(
         assert forger.call("send_raw", engine.address, forged) is True
     # and replays the honest peer's own frame, byte for byte
     assert forger.call("send_raw", engine.address, frame) is True
-    assert _until(lambda: engine.frames_dropped["replayed"] == 1)
+    wait_until(lambda: engine.frames_dropped["replayed"] == 1, 10, "the replayed frame dropped")
     assert engine.frames_dropped["forged"] == 2
     assert engine.frames_dropped["malformed"] == 1  # the old format
     # the honest peer still gets through, and nothing forged was delivered

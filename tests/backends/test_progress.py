@@ -7,7 +7,6 @@ import gc
 import logging
 import os
 import signal
-import time
 import weakref
 
 import pytest
@@ -17,18 +16,14 @@ from backends import TransferEngine, TransferTimeout
 from backends.providers.libfabric import closes_with_ops_posted
 from tests.backends.conftest import start_peer
 from tests.backends.processes import stop_process
+from tests.waiting import holds_for, wait_until
 
 MiB = 1 << 20
 
 
-def _wait(pred, timeout_s: float) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if pred():
-            return True
-        gc.collect()
-        time.sleep(0.05)
-    return pred()
+def _freed(alive: weakref.ref) -> bool:
+    gc.collect()
+    return alive() is None
 
 
 @pytest.mark.timeout(120)
@@ -49,14 +44,12 @@ def test_timed_out_reads_keep_their_region_alive_until_the_provider_completes_th
             alive = weakref.ref(buf)
             engine.deregister(region)  # what a loader does after a deadline
             del buf, region
-            gc.collect()
-            time.sleep(0.5)
-            gc.collect()
-            assert alive() is not None, "the destination was freed while reads into it were still posted"
+            # the reads stay posted while the seed is stopped: a freed region would show within the window
+            holds_for(lambda: not _freed(alive), 0.5, "the destination kept while reads into it are posted")
         finally:
             os.kill(victim.proc.pid or 0, signal.SIGCONT)
         # the stopped seed answers the posted reads; then the memory goes, within a bounded time
-        assert _wait(lambda: alive() is None, 30), "the region was never released after its reads completed"
+        wait_until(lambda: _freed(alive), 30, "the region released after its reads completed")
         assert engine.outstanding() == 0
         # and the engine still works
         other = torch.zeros(MiB, dtype=torch.uint8)
@@ -90,7 +83,7 @@ def test_engine_close_releases_regions_with_reads_still_posted(caplog: pytest.Lo
         if closes_with_ops_posted("tcp"):
             engine.close()  # endpoints gone: nothing can land any more, so the memory may go
             assert engine.outstanding() == 0
-            assert _wait(lambda: alive() is None, 10)
+            wait_until(lambda: _freed(alive), 10, "the region released when the engine closed")
         else:
             # tcp on libfabric 1.17 can crash closing such an endpoint: the engine leaves it (and the
             # memory the stalled reads target) open instead, and says so

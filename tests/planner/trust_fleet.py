@@ -6,7 +6,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import httpx
 from planner.contract import PlannerClient
 from planner.server import PlannerServer
 from tests.planner.conftest import identity, ranks
+from tests.waiting import wait_until as shared_wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS: dict[str, Any] = {
@@ -86,7 +86,4 @@ def fleet_json(srv: PlannerServer) -> dict[str, Any]:
 
 def wait_until(what: Callable[[], bool], timeout_s: float = 20.0, why: str = "") -> None:
     """Poll `what` until true (a bound for a shared 2-core box, not a timing assertion)."""
-    end = time.monotonic() + timeout_s
-    while not what():
-        assert time.monotonic() < end, f"timed out waiting: {why}"
-        time.sleep(0.1)
+    shared_wait_until(what, timeout_s, why or "a condition", every_s=0.1)

@@ -20,16 +20,10 @@ from rfork.seed.seed import Seed  # noqa: E402
 from rfork.weights.checkpoint import read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights  # noqa: E402
 from rfork.weights.synthetic import LlamaConfig, write_synthetic_checkpoint  # noqa: E402
+from tests.tiny_llama import SMALL as SMALL_SHAPE  # noqa: E402
 from tests.tiny_llama import LlamaForCausalLM  # noqa: E402
 
-SMALL = LlamaConfig(
-    hidden_size=256,
-    intermediate_size=704,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=2048,
-)  # ~8.6 MB in bf16
+SMALL = LlamaConfig(**SMALL_SHAPE)  # ~8.6 MB in bf16
 
 
 @pytest.fixture(scope="session")

@@ -374,8 +374,7 @@ def _config_of(ckpt: Path):
 
     from rfork.weights.synthetic import LlamaConfig
 
-    cfg = json.loads((ckpt / "config.json").read_text())
-    return LlamaConfig(**{k: cfg[k] for k in LlamaConfig.__dataclass_fields__ if k in cfg})
+    return LlamaConfig.from_dict(json.loads((ckpt / "config.json").read_text()))
 
 
 # ---- 7: the loader's disk is full ---------------------------------------------------------------

@@ -19,6 +19,7 @@ from bench.processes import load_args
 from planner.contract import PlannerClient
 from tests.conftest import IN_CI
 from tests.rfork.conftest import ADMIN, LOAD, READER, REGISTER, identity_of, start_seed
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -51,14 +52,7 @@ def browser() -> Iterator[Any]:
 
 
 def _wait(what: str, check: Callable[[], Any], timeout_s: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+    return wait_until(check, timeout_s, what, every_s=0.2)
 
 
 def _page_state(driver: Any) -> dict[str, Any]:

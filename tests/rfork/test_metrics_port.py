@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 import socket
 import threading
-import time
 
 import pytest
 
 from rfork import metrics
 from rfork.cli.options import add_metrics
+from tests.waiting import wait_until
 
 
 def test_the_metrics_port_binds_loopback_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -42,10 +42,7 @@ def test_idle_connections_hold_a_few_threads_and_are_closed(monkeypatch: pytest.
         assert threading.active_count() <= before + metrics.MAX_CONNECTIONS
         for s in idle:  # the rest are closed once idle for the timeout
             assert s.recv(1) == b""
-        deadline = time.monotonic() + 5
-        while threading.active_count() > before and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert threading.active_count() <= before  # their threads ended
+        wait_until(lambda: threading.active_count() <= before, 5, "the idle connections' threads ended")
     finally:
         for s in idle:
             s.close()

@@ -6,6 +6,8 @@ from pathlib import Path
 
 from rfork.weights.synthetic import LlamaConfig, write_servable_llama
 
+# not tests.tiny_llama.SMALL, on purpose: a 2-layer, 64-wide Llama (head dim 16) that a real SGLang
+# server loads and answers with on CPU, well below the small model's size
 TINY = LlamaConfig(
     hidden_size=64,
     intermediate_size=128,

@@ -15,7 +15,8 @@ from rfork.weights.synthetic import LlamaConfig
 from tests.integrations.servers import NEW_TOKENS, PROMPT, Fleet, ServerError, ServerProcess, free_port
 from tests.sglang.tiny_model import write_tiny_llama
 
-# vLLM's CPU attention takes head sizes 32, 64, 80, ... (not the SGLang test model's 16)
+# not tests.tiny_llama.SMALL nor the SGLang model, on purpose: vLLM's CPU attention takes head sizes
+# 32, 64, 80, ... (not the SGLang test model's 16): 128 wide over 4 heads is head dim 32
 TINY = LlamaConfig(
     hidden_size=128,
     intermediate_size=256,

@@ -17,6 +17,8 @@ import torch
 from tests.backends.models import LlamaConfig, synthetic_tensor
 from tests.tiny_llama import LlamaForCausalLM, PagedKvCache, greedy_decode
 
+# not tests.tiny_llama.SMALL, on purpose: 2 attention heads give a head dim of 128, so a 16-token page
+# is 8 KiB, above shm's 4 KiB inject size (PAGE_TOKENS)
 TINY = LlamaConfig(
     hidden_size=256,
     intermediate_size=704,

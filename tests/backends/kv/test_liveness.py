@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from backends.providers.libfabric import refuses_forged_writes
 from tests.backends.conftest import Peer, skip_unless_pairs_within_process, start_peer
 from tests.backends.kv.raw import welcome
 from tests.backends.peer import engine_kwargs, pattern
+from tests.waiting import holds_for, wait_until
 
 DONE = -1
 
@@ -26,11 +26,18 @@ def _imms(inc: IncomingRequest, *layers: int) -> list[int]:
     return [inc.done_imm if layer == DONE else inc.layer_imm(layer) for layer in layers]
 
 
-def _until(cond: Callable[[], Any], timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return cond()
+def _request_once_free(rx: KvReceiver, sender: bytes, rid: str, pages: list[int]) -> IncomingRequest:
+    """rx.request, as soon as a slot is out of quarantine (until then it refuses: "busy or resting")."""
+
+    def attempt() -> IncomingRequest | None:
+        try:
+            return rx.request(sender, rid, pages)
+        except KvError as exc:
+            if "busy or resting" not in str(exc):
+                raise
+            return None
+
+    return wait_until(attempt, 10, f"a free slot for request {rid}")
 
 
 def _grant_of(raw: Peer, rx_address: bytes, rid: str) -> bytes | None:
@@ -81,11 +88,10 @@ def test_a_failed_requests_late_immediates_never_complete_a_later_request(
     b.wait(10)
     late = _imms(a, 2, DONE)  # a's sender had these in flight when a failed
     assert raw_sender.call("write_imms", late, desc) is True
-    assert _until(lambda: all(engine.imm.pending(v) == 1 for v in late))
+    wait_until(lambda: all(engine.imm.pending(v) == 1 for v in late), 10, "a's late immediates pending")
     c = rx.request(raw_sender.address, "c", [2])
-    time.sleep(0.3)
-    assert not any(f.done() for f in c._layers)
-    assert not c._complete.done()
+    # a's late immediates sit on the slot c reuses: were they counted, c's layers would complete at once
+    holds_for(lambda: not any(f.done() for f in c._layers) and not c._complete.done(), 0.3, "c incomplete")
     _refuse(raw_sender, rx, "c")
     with pytest.raises(KvError, match="refused"):
         c.wait(10)
@@ -96,9 +102,8 @@ def test_a_failed_requests_late_immediates_never_complete_a_later_request(
     rx._resting = type(rx._resting)((0.0, s) for _, s in rx._resting)
     d = rx.request(raw_sender.address, "d", [3])
     assert all(engine.imm.pending(v) == 0 for v in late)
-    time.sleep(0.2)
-    assert not any(f.done() for f in d._layers)
-    assert not d._complete.done()
+    # nothing was written for d: a stale count would complete it within the window
+    holds_for(lambda: not any(f.done() for f in d._layers) and not d._complete.done(), 0.2, "d incomplete")
     # a's and c's senders were told to stop
     got = raw_sender.call("inbox", "kv", 6, 10)  # wants for a, b, c, d; cancels for a and c
     cancels = {json.loads(data)["rid"] for kind, data, _ in got if kind == "cancel"}
@@ -116,24 +121,24 @@ def test_a_request_past_its_deadline_fails_its_waiters_and_frees_its_slot(
     welcome(rx, raw_sender)
     e = rx.request(raw_sender.address, "e", [0])
     t0 = time.monotonic()
-    grant = _until(lambda: _grant_of(raw_sender, engine.address, "e"))
+    grant = wait_until(lambda: _grant_of(raw_sender, engine.address, "e"), 10, "the sender's grant for e")
     page = rx.pool.buffer[:64]  # layer 0, K, page 0: the grant's first region
     assert raw_sender.call("fill", "unused", 5) is True
     assert raw_sender.call("write", "unused", 0, 64, grant, 0, None) is True  # pending: its page is granted
-    assert _until(lambda: np.array_equal(page, pattern(5, 64)))  # shm 2.5 may land it later
+    # shm 2.5 may land it later
+    wait_until(lambda: np.array_equal(page, pattern(5, 64)), 10, "the granted write landed")
     with pytest.raises(TransferTimeout, match="request_timeout_s"):
         e.wait(10)
     assert time.monotonic() - t0 < 3.0
     if refuses_forged_writes(engine.provider):  # shm before libfabric 2.5 checks no key (docs/kv.md)
         assert raw_sender.call("fill", "unused", 6) is True
         raw_sender.call("write", "unused", 0, 64, grant, 0, None)  # revoked: refused (tcp) or dropped (shm)
-        time.sleep(0.3)  # what did not land cannot be waited for
-        assert np.array_equal(page, pattern(5, 64))
+        # what did not land cannot be waited for: a landed write would show within the window
+        holds_for(lambda: np.array_equal(page, pattern(5, 64)), 0.3, "the revoked page unchanged")
     with pytest.raises(TransferTimeout, match="request_timeout_s"):
         e.wait_layer(0, 10)
     assert not engine.imm._waiters  # its expects were withdrawn
-    time.sleep(0.6)
-    f = rx.request(raw_sender.address, "f", [1])  # the one slot came back
+    f = _request_once_free(rx, raw_sender.address, "f", [1])  # the one slot comes back after quarantine_s
     desc = rx.pool.descriptor.to_bytes()
     assert raw_sender.call("write_imms", _imms(f, 1, 0, DONE), desc) is True
     f.wait(10)
@@ -152,7 +157,7 @@ def test_a_cancelled_request_stops_its_sender(provider: str) -> None:
         receiver.join(sender.address)
         out = sender.start("x", [1, 2])
         inc = receiver.request(sender.address, "x", [3, 4])
-        assert _until(lambda: out._want is not None)
+        wait_until(lambda: out._want is not None, 10, "the want reached the sender")
         inc.cancel("decode went away")
         with pytest.raises(KvError, match="cancelled"):
             out.wait(10)
@@ -169,9 +174,8 @@ def test_immediates_written_ahead_into_a_free_slot_do_not_count(
     welcome(rx, raw_sender)
     ahead = [rx.channel.imm(i) for i in range(3)]  # slot 0: layers 0, 1 and the completion
     assert raw_sender.call("write_imms", ahead, rx.pool.descriptor.to_bytes()) is True
-    assert _until(lambda: all(engine.imm.pending(v) == 1 for v in ahead))
+    wait_until(lambda: all(engine.imm.pending(v) == 1 for v in ahead), 10, "the sprayed immediates pending")
     g = rx.request(raw_sender.address, "g", [0])
-    time.sleep(0.2)
-    assert not g.done.done()
+    holds_for(lambda: not g.done.done(), 0.2, "g incomplete")  # counted sprays would complete g at once
     assert all(engine.imm.pending(v) == 0 for v in ahead)
     g.cancel()

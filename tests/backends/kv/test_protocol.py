@@ -24,6 +24,7 @@ from tests.backends.conftest import Peer, skip_unless_pairs_within_process, star
 from tests.backends.kv.raw import welcome
 from tests.backends.peer import engine_kwargs
 from tests.backends.processes import stop_process
+from tests.waiting import wait_until
 
 
 @pytest.fixture
@@ -95,11 +96,9 @@ def test_protocol_good_and_bad_requests(pair: tuple[TransferEngine, TransferEngi
         inc.wait(10)
     with pytest.raises(KvError, match="2 pages"):
         bad.wait(10)
-    deadline = time.monotonic() + 5  # done-callbacks run just after the waiter woke
     mine = {inc.layer_imm(layer) for layer in range(3)} | {inc.done_imm}
-    while [w for w in b.imm._waiters if w in mine] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not [w for w in b.imm._waiters if w in mine]  # failed: waiters withdrawn
+    # failed: waiters withdrawn (done-callbacks run just after the waiter woke)
+    wait_until(lambda: not [w for w in b.imm._waiters if w in mine], 5, "the failed request's waiters gone")
 
     # Elastic: a receiver leaves (its pending request fails on the sender) and joins again.
     pending = sender.start("orphan", [10, 11])
@@ -148,13 +147,6 @@ def _pid(p: Peer) -> int:
     return p.proc.pid
 
 
-def _until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return cond()
-
-
 BOUND = 0.5  # the waits' bound here: long enough to be sure nothing came, short enough to cost little
 
 
@@ -183,7 +175,7 @@ def test_completion_counted_before_a_layer_does_not_complete_the_request(
     assert raw_sender.call("write_imms", _imms(inc, DONE, 2, 1), desc) is True
     inc.wait_layer(2, 10)
     inc.wait_layer(1, 10)
-    assert _until(lambda: inc._complete.done())  # the completion was counted here
+    wait_until(inc._complete.done, 10, "the completion counted")
     assert not inc.done.done()
     assert "layer 0 did not arrive" in _timed_out_within(lambda: inc.wait_layer(0, BOUND), BOUND)
     _timed_out_within(lambda: inc.wait(BOUND), BOUND)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +15,7 @@ from backends.rl import RLError, RLReceiver, RLTrainer, TensorSpec, TrainerRank,
 from backends.rl import delta as codec
 from backends.rl.schedule import RankShard, build_receiver_schedule
 from tests.backends.models import allocate
+from tests.waiting import wait_until
 
 SPECS = (
     TensorSpec("w", "bfloat16", (64, 48), 0),
@@ -249,16 +249,17 @@ def test_a_roster_trainers_hostile_delta_is_never_served(
             region.close()
     fields = {"base": base, "bytes": claimed, "digest": "0" * 32}
     trainer.channel.send_json(receiver.engine.address, "begin", version=version, delta=fields).result(5)
-    time.sleep(0.05)
+    def begun() -> bool:  # the BEGIN is taken (or already abandoned) before the completion immediate
+        pending = receiver._pending
+        return (pending is not None and pending.version == version) or receiver._abandoned_up_to >= version
+
+    wait_until(begun, 5, "the hostile BEGIN taken")
     trainer.engine.write_imm(rec.imms.value(version), rec.slots[0][0]).result(5)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and receiver._pending is not None:
-        time.sleep(0.01)
+    wait_until(lambda: receiver._pending is None, 5, "the hostile update settled")
     assert receiver.version < version
     assert receiver._thread.is_alive()
-    while time.monotonic() < deadline and [list(slot) for slot in rec.slots] == keys:
-        time.sleep(0.01)  # the abandoned slot's new keys reach the trainer (READY) before it goes on
-    assert [list(slot) for slot in rec.slots] != keys
+    # the abandoned slot's new keys reach the trainer (READY) before it goes on
+    wait_until(lambda: [list(slot) for slot in rec.slots] != keys, 5, "the re-keyed slot's READY")
     with trainer._cond:
         trainer._version = version  # test-only: the honest trainer goes on past the hostile version
     _step(trainer, version + 1, 1.0)

@@ -6,7 +6,6 @@ writes cannot land in a slot the receiver moved past (the slot is re-keyed)."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 
@@ -18,6 +17,7 @@ from backends.rl import messages as protocol
 from tests.backends.conftest import Peer, start_peer
 from tests.backends.models import allocate
 from tests.backends.rl.test_session import SPECS, fill, make_trainer
+from tests.waiting import wait_until
 
 
 @pytest.fixture
@@ -57,7 +57,10 @@ def test_a_peer_outside_the_roster_cannot_begin_a_version_or_steal_a_receiver(
         # and a HELLO for receiver 0 from the forger's own address (it cannot claim another's)
         hello = json.dumps({"receiver": 0, "version": 0, "slot": 1}).encode()
         assert forger.call("send", teng.address, "rl/s", "hello", hello) is True
-        time.sleep(1.5)  # past update_timeout_s
+        # both were handled: the trainer answered the HELLO (REJECT), the receiver dropped the BEGIN
+        # (taken, it would hold the receiver's next update until update_timeout_s, then ignore version 1)
+        assert [kind for kind, _, _ in forger.call("inbox", "rl/s", 1, 10)] == [protocol.REJECT]
+        wait_until(lambda: receiver.foreign >= 1, 10, "the receiver drops the forged BEGIN")
         fill(trainer, 2.0)
         res = trainer.update(1, timeout_s=10)
         assert res.applied == (0,), res
@@ -66,7 +69,7 @@ def test_a_peer_outside_the_roster_cannot_begin_a_version_or_steal_a_receiver(
         assert receiver.foreign >= 1
         # a roster trainer's jump is bounded too
         protocol.send(trainer.channel, reng.address, protocol.BEGIN, version=2**60).result(5)
-        time.sleep(1.5)
+        wait_until(lambda: receiver.refused >= 1, 10, "the receiver refuses the jump past MAX_VERSION_JUMP")
         fill(trainer, 3.0)
         assert trainer.update(2, timeout_s=10).applied == (0,)
         assert _all(receiver, 3.0)
@@ -101,10 +104,7 @@ def test_a_transient_error_is_retried_and_a_dropped_receiver_is_told(engines: li
         fill(trainer, 5.0)
         res = trainer.update(2, timeout_s=10)
         assert 0 in res.dropped
-        deadline = time.monotonic() + 5
-        while not receiver.dropped_by and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert 0 in receiver.dropped_by
+        wait_until(lambda: 0 in receiver.dropped_by, 5, "the receiver told it was dropped")
         assert "injected" in receiver.dropped_by[0]
     finally:
         del teng.write

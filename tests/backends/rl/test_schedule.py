@@ -132,17 +132,9 @@ def test_schedule_writes_every_destination_byte_once_with_the_right_bytes(
 
 
 def llama_specs() -> tuple[TensorSpec, ...]:
-    from tests.backends.models import LlamaConfig
+    from tests.backends.rl.peers import CONFIG
 
-    cfg = LlamaConfig(
-        hidden_size=256,
-        intermediate_size=704,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=2048,
-    )
-    return model_specs(cfg.tensor_specs("bfloat16"))
+    return model_specs(CONFIG.tensor_specs("bfloat16"))
 
 
 def test_tp2_to_tp1_uses_both_trainers_and_row_parallel_tensors_become_strided_runs() -> None:

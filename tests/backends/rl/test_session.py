@@ -13,6 +13,7 @@ from backends import Message, TransferEngine
 from backends.rl import RLError, RLReceiver, RLTrainer, TensorSpec, TrainerRank, shard_layout
 from backends.rl.messages import decode
 from tests.backends.models import allocate
+from tests.waiting import wait_until
 
 SPECS = (
     TensorSpec("w", "float32", (64, 32), 0),
@@ -100,9 +101,7 @@ def test_a_receiver_with_another_model_is_rejected_with_a_reason(
     caplog.set_level(logging.WARNING)
     receiver = RLReceiver(reng, session="s", specs=other, trainers=[TrainerRank(teng.address, 1, 0)], index=0)
     try:
-        deadline = time.monotonic() + 10
-        while receiver.rejected is None and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: receiver.rejected is not None, 10, "the trainer's REJECT")
         assert receiver.rejected is not None
         assert "model (tensor specs) differs" in receiver.rejected
         with pytest.raises(RLError, match="0 of 1 receivers joined"):

@@ -20,6 +20,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from planner.db import redact_url
+from tests.waiting import holds_for, wait_until
 
 
 @contextmanager
@@ -61,14 +62,13 @@ def serving(
 
 
 def _wait_ready(url: str) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    def healthy() -> bool:
         try:
-            if httpx.get(url + "/healthz", timeout=2, trust_env=False).status_code == 200:
-                return
+            return httpx.get(url + "/healthz", timeout=2, trust_env=False).status_code == 200
         except httpx.HTTPError:
-            time.sleep(0.1)
-    raise AssertionError(f"{url} never answered")
+            return False
+
+    wait_until(healthy, 30, f"{url}/healthz answers 200", every_s=0.1)
 
 
 def test_port_0_prints_the_bound_port_and_a_taken_port_is_one_line(tmp_path):
@@ -199,8 +199,8 @@ def test_sigterm_answers_the_request_in_flight_then_exits_0_with_one_line_all_in
             )
             time.sleep(0.5)  # the request is in uvicorn's hands, waiting for the rest of its body
             proc.send_signal(signal.SIGTERM)
-            time.sleep(0.5)
-            assert proc.poll() is None  # still serving that request
+            # still serving that request: a server that stopped on the signal would exit within the window
+            holds_for(lambda: proc.poll() is None, 0.5, "the planner still serving the request in flight")
             conn.sendall(body[5:])
             answer = conn.makefile("rb").read().decode()
         assert answer.startswith("HTTP/1.1 422"), answer  # answered (an empty identity is refused)

@@ -25,6 +25,7 @@ from rfork.identity import fingerprint
 from rfork.seed.seed import Seed
 from rfork.weights.rank_weights import RankWeights
 from tests.rfork.conftest import ADMIN, LOAD, REGISTER
+from tests.waiting import wait_until
 
 TENSORS = {"w": torch.arange(64, dtype=torch.float32)}
 IDENT = SourceIdentity(
@@ -65,15 +66,14 @@ def _seed(planner: str, shelf: CacheShelf) -> Seed:
 def _wait_anchored(planner: str, key: str = KEY) -> None:
     """Until the seed's heartbeat has anchored `key` (it packs the settled cache and publishes the digest)."""
     client = PlannerClient(planner, token=LOAD)
-    deadline = time.monotonic() + 30
-    while True:
+
+    def anchored() -> bool:
         try:
-            if client.compile_cache_sources(key, identity_key=IDENT.key()) is not None:
-                return
+            return client.compile_cache_sources(key, identity_key=IDENT.key()) is not None
         except NotFound:
-            pass
-        assert time.monotonic() < deadline, f"compile cache {key[:12]} never anchored"
-        time.sleep(0.2)
+            return False
+
+    wait_until(anchored, 30, f"compile cache {key[:12]} anchored", every_s=0.2)
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -184,12 +184,11 @@ def test_a_cache_that_grows_after_it_was_anchored_is_anchored_again(planner: str
         old = time.time() - 60
         os.utime(extra, (old, old))  # written long enough ago: settled
         dest = tmp_path / "new" / "torch_compile_cache"
-        deadline = time.monotonic() + 30
+        outcomes: list[FetchOutcome] = []
 
-        def fetch() -> FetchOutcome:
-            return fetch_compile_cache(planner_url=planner, token=LOAD, key=CACHE, dest=dest)
+        def installed() -> bool:
+            outcomes.append(fetch_compile_cache(planner_url=planner, token=LOAD, key=CACHE, dest=dest))
+            return outcomes[-1].installed
 
-        while not (out := fetch()).installed:
-            assert time.monotonic() < deadline, out.reason
-            time.sleep(0.3)
+        wait_until(installed, 30, lambda: f"the grown cache installed ({outcomes[-1].reason})", every_s=0.3)
         assert _files(dest) == _files(src)

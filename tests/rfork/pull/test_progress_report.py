@@ -14,6 +14,7 @@ from planner import PlannerServer
 from planner.contract import PlannerClient
 from rfork.pull.progress_report import JOIN_TIMEOUT_S, PullProgress
 from tests.planner.conftest import empty_database, identity, manifest, ranks
+from tests.waiting import wait_until
 
 
 @pytest.fixture
@@ -50,10 +51,7 @@ def test_latest_figure_reaches_the_planner_and_the_callers_own_callback(planner_
         per_call = (time.perf_counter() - t0) / 1001
         assert len(seen) == 1001  # the caller's callback sees every call
         assert per_call < 1e-3  # no HTTP in the caller's thread
-        deadline = time.monotonic() + 10
-        while _fleet_bytes(srv.url) != 64_000 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _fleet_bytes(srv.url) == 64_000
+        wait_until(lambda: _fleet_bytes(srv.url) == 64_000, 10, "the last progress reached the fleet view")
         reporter.close()
         assert not any(t.name == "rfork-pull-progress" for t in threading.enumerate())
 
@@ -83,8 +81,11 @@ def test_a_planner_that_never_answers_does_not_hold_up_the_pull(caplog):
         reporter = PullProgress(client, "0" * 32, interval_s=0.05)
         with caplog.at_level(logging.DEBUG, logger="rfork.pull.progress_report"):
             reporter(1, 2)
-            time.sleep(0.2)  # the post is in flight, waiting on the silent peer
-            t0 = time.monotonic()
-            reporter.close()
-            assert time.monotonic() - t0 < JOIN_TIMEOUT_S + 0.5
+            hung.settimeout(10)
+            conn, _ = hung.accept()
+            with conn:
+                assert conn.recv(1)  # the post is in flight, waiting on the silent peer
+                t0 = time.monotonic()
+                reporter.close()
+                assert time.monotonic() - t0 < JOIN_TIMEOUT_S + 0.5
         client.close()

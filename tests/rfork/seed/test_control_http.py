@@ -68,6 +68,7 @@ def _drip(url: str, count: int, seconds: float, out: Connection) -> None:
 
     socks = [connect() for _ in range(count)]
     opened, longest, sent = count, 0.0, 0
+    piled = False
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         alive = []
@@ -84,6 +85,9 @@ def _drip(url: str, count: int, seconds: float, out: Connection) -> None:
                 opened += 1
         socks = alive
         sent = (sent + 1) % len(head)
+        if not piled:  # every connection is open and has dripped a byte: the parent's requests start now
+            out.send("piled up")
+            piled = True
         time.sleep(0.2)
     now = time.monotonic()
     for s, t0 in socks:
@@ -155,7 +159,8 @@ def test_dripping_connections_never_stop_an_honest_request(seed_control: tuple[s
     attacker.start()
     child.close()
     try:
-        time.sleep(1.0)  # let the attacker's connections pile up first
+        assert parent.poll(30), "the attacker never piled up its connections"
+        assert parent.recv() == "piled up"
         latencies: list[float] = []
         lease = 0
         end = time.monotonic() + attack_s - 1.5

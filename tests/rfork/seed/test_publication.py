@@ -18,6 +18,7 @@ from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
 from tests.rfork.conftest import ADMIN, AUTH, LOAD, READER, REGISTER, assert_same, opts
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 TOKENS: dict[str, Any] = {
@@ -32,16 +33,6 @@ TOKENS: dict[str, Any] = {
 def _weights(ckpt) -> RankWeights:
     layout, buffers, tensors = load_rank_from_disk(read_checkpoint_info(ckpt))
     return RankWeights(rank=0, layout=layout, buffers=buffers, tensors=tensors)
-
-
-def _until(pred, timeout_s: float, what: str):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout_s} s: {what}")
 
 
 def test_seed_reasserts_ready_after_stale_and_registers_again_after_404(small_ckpt, sqlite_url):
@@ -60,9 +51,9 @@ def test_seed_reasserts_ready_after_stale_and_registers_again_after_404(small_ck
             with eng.begin() as conn:  # what the reaper does when heartbeats stopped for a while
                 conn.execute(text("UPDATE instances SET status='STALE' WHERE id=:i"), {"i": first})
             eng.dispose()
-            _until(lambda: admin.get_instance(first).status == "READY", 10, "READY again after STALE")
+            wait_until(lambda: admin.get_instance(first).status == "READY", 10, "READY again after STALE")
             admin.delete_instance(first)  # the planner forgets it (e.g. a fresh database)
-            again = _until(lambda: [i for i in seed.instance_ids if i != first], 15, "registered again")[0]
+            again = wait_until(lambda: [i for i in seed.instance_ids if i != first], 15, "re-registered")[0]
             assert admin.get_instance(again).status == "READY"
             result = load(
                 identity=info.identity(), planner_url=srv.url, **AUTH, options=opts(become_seed=False)
@@ -85,7 +76,7 @@ def test_planner_down_during_load_keeps_weights_and_publishes_in_background(smal
         assert result.seed.instance_ids == []  # not published yet: the planner is down
         with PlannerServer(db_url=sqlite_url, port=port, **TOKENS) as srv:
             reader = PlannerClient(srv.url, token=READER)
-            _until(lambda: reader.list_instances(status="READY").total == 1, 20, "published after outage")
+            wait_until(lambda: reader.list_instances(status="READY").total == 1, 20, "published after outage")
             b = load(identity=info.identity(), planner_url=srv.url, **AUTH, options=opts(become_seed=False))
             assert b.source == "rfork-tcp"  # anchored by the disk-loaded instance, served from it
             assert b.attempts[0].instance_id == result.seed.instance_ids[0]
