@@ -37,7 +37,9 @@ def _request_once_free(rx: KvReceiver, sender: bytes, rid: str, pages: list[int]
                 raise
             return None
 
-    return wait_until(attempt, 10, f"a free slot for request {rid}")
+    incoming = wait_until(attempt, 10, f"a free slot for request {rid}")
+    assert incoming is not None  # wait_until returns the first truthy answer
+    return incoming
 
 
 def _grant_of(raw: Peer, rx_address: bytes, rid: str) -> bytes | None:
