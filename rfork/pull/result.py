@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -20,7 +20,15 @@ from rfork.weights.rank_weights import RankWeights
 
 if TYPE_CHECKING:
     from planner.contract import PlannerClient
-    from rfork.seed.seed import Seed
+
+
+class Serving(Protocol):
+    """What a load keeps of the seed that adopted it (an `rfork.Seed`; pull/ does not import seed/)."""
+
+    @property
+    def instance_ids(self) -> list[str]: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(kw_only=True)
@@ -72,7 +80,7 @@ class LoadResult:
     verified: bool
     kept_bytes: int = 0  # already in the destination with the right digest (`LoadOptions.keep_matching`)
     attempts: list[Attempt] = field(default_factory=list)
-    seed: Seed | None = None
+    seed: Serving | None = None  # the `rfork.Seed` that adopted this load, once one did
     # why becoming a seed failed (the load itself succeeded); None when it did not fail or was not asked
     seed_error: str | None = None
     # Seconds per phase, summed over ranks: planner (assignment + report round trips), alloc (destination
