@@ -104,6 +104,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="checkpoint read rate, GB/s, that the planner weighs against waiting for a busy seed "
         "(0: never fall back while seeds are busy; default 2)",
     )
+    parser.add_argument(
+        "--planner-outage-s",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="keep asking a planner that cannot be reached (restarting, failing over) this long before "
+        "loading from disk, or failing under --require-seed (default 30)",
+    )
     add_max_pulls(parser)
     parser.add_argument("--json", type=Path, default=None, help="write the outcome as JSON here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -153,6 +161,11 @@ def check_settings(args: argparse.Namespace) -> list[str]:
         raise ConfigurationError("no planner token given", setting="token")
     if args.require_seed and not args.planner:
         raise ConfigurationError("--require-seed needs a planner to ask for a seed", setting="planner_url")
+    if not args.planner_outage_s >= 0:
+        raise ConfigurationError(
+            f"--planner-outage-s must be 0 or more seconds, not {args.planner_outage_s}",
+            setting="planner_outage_s",
+        )
     if args.planner:
         check_providers_present(providers)  # probes libfabric on this (main) thread, which ...
         signals.install()  # ... replaced our handlers with its own: put them back
@@ -169,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     from rfork import metrics
     from rfork.loader import Loader
     from rfork.pull.one_sided import warm_transport
-    from rfork.pull.options import LoadOptions
+    from rfork.pull.options import BusyWait, LoadOptions
 
     if args.metrics_port is not None:
         metrics.serve_metrics(args.metrics_port, args.metrics_host)
@@ -184,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
         exclude=args.exclude,
         become_seed=serve,
         fallback_gbps=args.fallback_gbps or None,
+        busy_wait=BusyWait(planner_outage_s=args.planner_outage_s),
         max_concurrent_pulls=args.max_concurrent_pulls,
         require_seed=args.require_seed,
         require_crypto_digest=args.require_crypto_digest,

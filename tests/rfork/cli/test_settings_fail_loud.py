@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,9 +109,13 @@ def test_an_unreachable_planner_falls_back_with_one_warning_and_require_seed_ref
         *EXIT,
         *INSECURE,
         "--no-progress",
+        "--planner-outage-s",
+        "1",  # how long it keeps asking (default 30 s): the fallback itself is what is tested here
     ]
+    t0 = time.monotonic()
     out = rfork(*args)
     assert out.returncode == 0, out.stderr
+    assert time.monotonic() - t0 < 25  # bounded by --planner-outage-s, not the default 30 s
     warnings = [ln for ln in out.stderr.splitlines() if " WARNING " in ln and " is now " not in ln]
     assert len(warnings) == 1, out.stderr
     assert "loading from disk" in warnings[0]
@@ -122,6 +127,12 @@ def test_an_unreachable_planner_falls_back_with_one_warning_and_require_seed_ref
     assert "no seed served it" in refused.stderr
     assert "Traceback" not in refused.stderr
     assert "loaded" not in refused.stdout
+
+
+def test_a_negative_planner_outage_is_refused_before_anything_starts(small_ckpt: Path) -> None:
+    out = rfork("load", "--checkpoint", str(small_ckpt), "--planner-outage-s", "-1", *EXIT, "--no-progress")
+    assert out.returncode == 2, out.stderr
+    assert "--planner-outage-s must be 0 or more seconds" in one_error_line(out.stderr)
 
 
 def test_a_refused_token_stops_at_once(planner: str, small_ckpt: Path) -> None:
@@ -172,7 +183,7 @@ def test_json_logs_are_one_object_per_line_and_global_flags_go_anywhere(small_ck
     url = f"http://127.0.0.1:{closed_port()}"
     out = rfork(
         "load", "--checkpoint", str(small_ckpt), "--planner", url, "--no-serve", "--insecure",
-        "--no-progress", "--log-format", "json", "-v",
+        "--no-progress", "--log-format", "json", "-v", "--planner-outage-s", "1",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     records = [json.loads(ln) for ln in out.stderr.splitlines()]

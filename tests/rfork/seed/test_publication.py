@@ -14,6 +14,7 @@ from bench.processes import free_port
 from planner import PlannerServer
 from planner.contract import PlannerClient
 from rfork import load
+from rfork.pull.options import BusyWait
 from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
@@ -67,7 +68,9 @@ def test_planner_down_during_load_keeps_weights_and_publishes_in_background(smal
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
-    result = load(identity=info.identity(), planner_url=url, checkpoint=small_ckpt, **AUTH, options=opts())
+    # asks the unreachable planner for 1 s (default 30 s) before the disk: the outage is what is tested
+    down = opts(busy_wait=BusyWait(planner_outage_s=1.0))
+    result = load(identity=info.identity(), planner_url=url, checkpoint=small_ckpt, **AUTH, options=down)
     try:
         assert time.monotonic() - t0 < 60
         assert result.source == "disk"
