@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from sqlalchemy import create_engine, text
 
 from planner.contract import PlannerClient
 from tests.planner.conftest import identity, manifest, ranks
+from tests.waiting import wait_until
 
 
 def free_port() -> int:
@@ -58,18 +58,17 @@ def _plain_http(connections: int) -> httpx.Client:
 
 
 def _wait(base: str, proc: subprocess.Popen, http: httpx.Client) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    def healthy() -> bool:
         if proc.poll() is not None:
             log = getattr(proc, "rfork_log")  # noqa: B009
             log.seek(0)
             raise RuntimeError(f"planner exited: {log.read().decode()[-2000:]}")
         try:
-            if http.get(base + "/healthz", timeout=1).status_code == 200:
-                return
+            return http.get(base + "/healthz", timeout=1).status_code == 200
         except httpx.HTTPError:
-            time.sleep(0.1)
-    raise TimeoutError(base)
+            return False
+
+    wait_until(healthy, 60, f"the planner at {base} is healthy", every_s=0.1)
 
 
 @pytest.mark.slow

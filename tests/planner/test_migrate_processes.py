@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,19 +20,22 @@ from sqlalchemy import create_engine, inspect, text
 from planner.models import Base
 from tests.conftest import PG_ADMIN_DSN, _pg_unavailable
 from tests.planner.test_concurrency import free_port
+from tests.waiting import wait_until
 
 MIGRATORS = 4
 SERVERS = 2
 
-# imports first (the CLI, Alembic, the app), then waits for the start file, then runs `rfork ARGV`
+# imports first (the CLI, Alembic, the app), says so (the ready file), then waits for the start file, then
+# runs `rfork ARGV`
 _STARTER = """
 import os, sys, time
 import alembic.command, psycopg, sqlalchemy, uvicorn, planner.app, planner.db
 from rfork.cli import main
-start = sys.argv[1]
+start, ready = sys.argv[1:3]
+open(ready, "w").close()
 while not os.path.exists(start):
     time.sleep(0.001)
-sys.exit(main(sys.argv[2:]))
+sys.exit(main(sys.argv[3:]))
 """
 
 
@@ -67,7 +69,7 @@ def _start_all(url: str, start: Path, logs: Path) -> tuple[list[subprocess.Popen
     procs = []
     for i, argv in enumerate(argvs):
         with (logs / f"{i}.out").open("wb") as out, (logs / f"{i}.err").open("wb") as err:
-            command = [sys.executable, "-c", _STARTER, str(start), *argv]
+            command = [sys.executable, "-c", _STARTER, str(start), str(logs / f"{i}.ready"), *argv]
             procs.append(subprocess.Popen(command, stdout=out, stderr=err, env=env))
     return procs[:MIGRATORS], procs[MIGRATORS:]
 
@@ -76,18 +78,27 @@ def _run_concurrently(url: str, tmp_path: Path) -> None:
     start = tmp_path / "start"
     migrators, servers = _start_all(url, start, tmp_path)
     try:
-        time.sleep(8)  # every process has imported what it needs and polls the start file
+        procs = (*migrators, *servers)
+
+        def all_ready() -> bool:
+            for i, proc in enumerate(procs):
+                err = (tmp_path / f"{i}.err").read_text
+                assert proc.poll() is None, f"process {i} exited: {err()[-3000:]}"
+            return all((tmp_path / f"{i}.ready").exists() for i in range(len(procs)))
+
+        wait_until(all_ready, 120, "every process has imported what it needs and polls the start file")
         start.touch()
         for i, proc in enumerate(migrators):
             rc = proc.wait(timeout=120)
             assert rc == 0, f"migrate {i} exited {rc}: {(tmp_path / f'{i}.err').read_text()[-3000:]}"
         for j, proc in enumerate(servers, start=MIGRATORS):
             out = tmp_path / f"{j}.out"
-            deadline = time.monotonic() + 120
-            while "planner listening" not in out.read_text():
+
+            def listening(proc: subprocess.Popen = proc, j: int = j, out: Path = out) -> bool:
                 assert proc.poll() is None, f"serve exited: {(tmp_path / f'{j}.err').read_text()[-3000:]}"
-                assert time.monotonic() < deadline, "serve never got past its migration"
-                time.sleep(0.1)
+                return "planner listening" in out.read_text()
+
+            wait_until(listening, 120, "serve gets past its migration")
     finally:
         for proc in (*migrators, *servers):
             if proc.poll() is None:

@@ -31,6 +31,7 @@ from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_
 from rfork.weights.rank_weights import RankWeights
 from rfork.weights.synthetic import write_synthetic_checkpoint
 from tests.rfork.conftest import ADMIN, LOAD, READER, REGISTER, assert_same, start_seed
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 TOKENS: dict[str, Any] = {
@@ -93,18 +94,17 @@ def live_leases(url: str) -> float:
 def assert_consistent(url: str, *, ready: int, timeout_s: float = 30.0) -> None:
     """No live lease, every transfer ended with an outcome, `ready` READY instances (eventually)."""
     admin = PlannerClient(url, token=ADMIN)
-    end = time.monotonic() + timeout_s
-    while True:
+    seen = ""
+
+    def settled() -> bool:
+        nonlocal seen
         leases = live_leases(url)
         n_ready = admin.list_instances(status="READY").total
         outcomes = [t.outcome for t in admin.transfers(limit=1000).items]
-        if leases == 0 and n_ready == ready and all(outcomes):
-            return
-        if time.monotonic() > end:
-            raise AssertionError(
-                f"planner state: {leases} live leases, {n_ready} READY (want {ready}), outcomes {outcomes}"
-            )
-        time.sleep(0.25)
+        seen = f"planner state: {leases} live leases, {n_ready} READY (want {ready}), outcomes {outcomes}"
+        return leases == 0 and n_ready == ready and all(outcomes)
+
+    wait_until(settled, timeout_s, lambda: seen, every_s=0.25)
 
 
 def _disk_weights(ckpt: Path) -> RankWeights:
@@ -172,13 +172,17 @@ def _planner_process(db: str, port: int, workdir: Path) -> subprocess.Popen:
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    end = time.monotonic() + 60
-    while time.monotonic() < end:
+    def listening() -> bool:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-            return proc
-        time.sleep(0.1)
-    proc.kill()
-    raise AssertionError("planner did not start")
+            return True
+        return False
+
+    try:
+        wait_until(listening, 60, "the planner listens")
+    except AssertionError:
+        proc.kill()
+        raise
+    return proc
 
 
 def test_planner_killed_mid_pull_and_restarted_on_the_same_db(medium_ckpt, tmp_path, sqlite_url):

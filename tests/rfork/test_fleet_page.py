@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from bench.processes import load_args
 from planner.contract import PlannerClient
 from tests.conftest import IN_CI
 from tests.rfork.conftest import ADMIN, LOAD, READER, REGISTER, identity_of, start_seed
-from tests.waiting import wait_until
+from tests.waiting import holds_for, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -173,8 +172,10 @@ def test_fleet_page_in_chromium(browser, fleet, small_ckpt, planner, tmp_path):
     browser.find_element(By.ID, "use").click()
     _wait("the refusal", lambda: "refused" in browser.find_element(By.ID, "status").text)
     assert not _page_state(browser)["visible"]
-    time.sleep(2.5)  # two more polls without a token: the refusal stays until the token changes
-    assert "refused" in browser.find_element(By.ID, "status").text
+    # a negative window: two more polls without a token (about 1 s apart); the refusal stays until the
+    # token changes
+    holds_for(lambda: "refused" in browser.find_element(By.ID, "status").text, 2.5,
+              "the refusal stays while the token is unchanged", every_s=0.25)
     loader.report_transfer(live.id, outcome="success", bytes=total, seconds=0.1)
     with PlannerClient(planner, token=ADMIN) as admin:
         admin.delete_instance(reg.id)

@@ -5,9 +5,10 @@ the only memory written, and an honest update applies afterwards."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
-import time
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,9 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backends import TransferEngine
+from backends.channel import Channel
 from backends.rl import RLReceiver, RLTrainer, TrainerRank
 from backends.rl import messages as protocol
 from tests.backends.rl.test_session import SPECS, fill, make_trainer
+from tests.waiting import wait_until
 
 
 class Live:
@@ -54,6 +57,7 @@ _json = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
     max_leaves=10,
 )
+_ends = itertools.count()
 _kinds = st.sampled_from(
     [protocol.HELLO, protocol.READY, protocol.BEGIN, protocol.REJECT, protocol.DROPPED, "x"]
 )
@@ -85,9 +89,10 @@ def hostile(draw: st.DrawFn) -> tuple[str, str, bytes]:
 def test_hostile_rl_messages_never_kill_grow_or_stop_an_honest_update(
     live: Live, messages: list[tuple[str, str, bytes]], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.ERROR)
+    caplog.set_level(logging.WARNING)  # the end markers below are logged as warnings
     t, r = live.trainer, live.receiver
     before = r.version
+    foreign = r.foreign + sum(who == "outsider" for who, _, _ in messages)  # the outsider's, to the receiver
     for who, kind, body in messages:
         if who == "trainer":
             t.channel.send(r.engine.address, kind, body).result(5)
@@ -96,7 +101,24 @@ def test_hostile_rl_messages_never_kill_grow_or_stop_an_honest_update(
         else:
             live.outsider.send(r.engine.address, kind, body).result(5)
             live.outsider.send(t.engine.address, kind, body).result(5)
-    time.sleep(0.1)
+    # Each channel delivers in order, and a control thread handles its inbox in order: a message of an
+    # unknown kind sent last on each route, logged when handled, marks the hostile ones before it handled.
+    n = next(_ends)
+    # (A dead control thread never logs it: the wait ends then too, and the assertions below say so.)
+    routes: list[tuple[Channel, bytes, threading.Thread, str]] = [
+        (t.channel, r.engine.address, r._thread, f"end-t{n}"),
+        (r.channel, t.engine.address, t._thread, f"end-r{n}"),
+        (live.outsider, t.engine.address, t._thread, f"end-o{n}"),
+    ]
+    for channel, to, _, marker in routes:
+        channel.send(to, marker).result(5)
+    for _, _, thread, marker in routes:
+
+        def handled(m: str = marker, th: threading.Thread = thread) -> bool:
+            return any(m in rec.getMessage() for rec in list(caplog.records)) or not th.is_alive()
+
+        wait_until(handled, 10, f"the session handles the end marker {marker!r} after the hostile messages")
+    wait_until(lambda: r.foreign >= foreign, 10, "the receiver drops the outsider's messages as foreign")
     assert r._thread.is_alive()
     assert t._thread.is_alive()
     assert len(r._inbox) <= protocol.MAX_INBOX

@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from typing import Any
 
 import httpx
@@ -20,6 +19,7 @@ from hypothesis import strategies as st
 from planner.contract import AuthError, Conflict, NotFound, PlannerClient, identity_key
 from planner.server import PlannerServer
 from tests.planner.conftest import identity, manifest, ranks
+from tests.waiting import wait_until
 
 TOKENS: dict[str, Any] = {
     "admin_token": "adm-secret",
@@ -208,20 +208,23 @@ def test_serve_prints_the_page_address(sqlite_url, tmp_path):
             stderr=subprocess.STDOUT,
             env={**os.environ, "RFORK_READER_TOKEN": "read-secret", "RFORK_REAPER_INTERVAL_S": "3600"},
         )
+    def said() -> bool:
+        assert proc.poll() is None, out.read_text()
+        return "fleet page:" in out.read_text()
+
+    def get(url: str) -> httpx.Response | None:
+        try:
+            return httpx.get(url)
+        except httpx.ConnectError:
+            return None
+
     try:
-        deadline = time.monotonic() + 60
-        while "fleet page:" not in out.read_text() and time.monotonic() < deadline:
-            assert proc.poll() is None, out.read_text()
-            time.sleep(0.1)
+        wait_until(said, 60, "the planner prints the fleet page's address")
         (line,) = [ln for ln in out.read_text().splitlines() if ln.startswith("fleet page:")]
         url = line.split()[2]
         assert url == f"http://127.0.0.1:{port}/ui"
-        while time.monotonic() < deadline:
-            try:
-                page = httpx.get(url)
-                break
-            except httpx.ConnectError:
-                time.sleep(0.1)
+        page = wait_until(lambda: get(url), 60, "the fleet page answers")
+        assert page is not None
         assert page.status_code == 200
         assert "rfork fleet" in page.text
     finally:
