@@ -13,7 +13,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -21,6 +20,7 @@ import pytest
 
 from rfork.errors import NEEDS_TORCH
 from tests.planner.test_concurrency import free_port
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS = ("admin", "register", "anchor", "load", "reader")
@@ -72,16 +72,14 @@ def _runpath(library: Path) -> str:
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+    def ready() -> bool:
         assert proc.poll() is None, f"exited: {log.read_text()[-3000:]}"
         try:
-            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                return
+            return httpx.get(url + "/readyz", timeout=1).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"not ready: {log.read_text()[-3000:]}")
+            return False
+
+    wait_until(ready, 120, lambda: f"/readyz answers 200: {log.read_text()[-3000:]}", every_s=0.2)
 
 
 @pytest.mark.slow
@@ -171,11 +169,12 @@ def test_the_wheel_installs_and_loads_outside_the_checkout(tmp_path: Path) -> No
                     stdout=log, stderr=subprocess.STDOUT,
                 )
             )
-        deadline = time.monotonic() + 120
-        while not ready.exists():
+
+        def seed_ready() -> bool:
             assert procs[1].poll() is None, f"seed exited: {logs['seed'].read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"seed never READY: {logs['seed'].read_text()[-3000:]}"
-            time.sleep(0.2)
+            return ready.exists()
+
+        wait_until(seed_ready, 120, lambda: f"seed READY: {logs['seed'].read_text()[-3000:]}", every_s=0.2)
         out = _run(load, cwd=work, env=load_env, timeout=300)
         result = json.loads((work / "load.json").read_text())
         assert result["source"] == "rfork-tcp", out

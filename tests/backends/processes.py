@@ -11,7 +11,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import time
+
+from tests.waiting import wait_until
 
 CTX = mp.get_context("forkserver")
 CTX.set_forkserver_preload(["torch", "numpy"])
@@ -25,8 +26,8 @@ def stop_process(pid: int, timeout_s: float = 10.0) -> None:
     thread, which needs no GIL, goes on answering peers.
     """
     os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def all_stopped() -> bool:
         states = []
         for task in os.listdir(f"/proc/{pid}/task"):
             try:
@@ -35,7 +36,10 @@ def stop_process(pid: int, timeout_s: float = 10.0) -> None:
             except OSError:
                 continue  # a thread that just exited
             states.append(stat[stat.rindex(")") + 2])
-        if states and all(s in "tT" for s in states):
-            return
-        time.sleep(0.002)
-    raise TimeoutError(f"process {pid} did not stop within {timeout_s}s")
+        return bool(states) and all(s in "tT" for s in states)
+
+    try:
+        wait_until(all_stopped, timeout_s, f"every thread of process {pid} stopped", every_s=0.002)
+    except AssertionError:
+        # a TimeoutError, as before: some callers run this inside a pull's hooks
+        raise TimeoutError(f"process {pid} did not stop within {timeout_s}s") from None

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from planner.contract import PlannerClient
@@ -56,13 +55,14 @@ def main() -> None:
             if client.heartbeat(reg.id).reverify:
                 client.put_manifest(reg.id, 0, manifest(0))  # "re-verified": the honest digests again
 
-    threading.Thread(target=beat, daemon=True).start()
+    beater = threading.Thread(target=beat, daemon=True)
+    beater.start()
     print("READY", reg.id, flush=True)
     sys.stdin.read()
     stop.set()
     if control is not None:
         control.shutdown()
-    time.sleep(0.1)
+    beater.join(10)  # a heartbeat in flight ends before the process does
 
 
 if __name__ == "__main__":

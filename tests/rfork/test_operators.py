@@ -20,20 +20,21 @@ import pytest
 from bench.processes import load_args, seed_args
 from planner.contract import PlannerClient
 from tests.rfork.conftest import READER, identity_of, start_seed
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
 
 def _live_lease_of(planner: str, seed_id: str, timeout_s: float = 60.0) -> str:
     """The id of the first live pull from `seed_id` the planner shows."""
-    deadline = time.monotonic() + timeout_s
     with PlannerClient(planner, token=READER) as reader:
-        while time.monotonic() < deadline:
-            live = [e for e in reader.fleet().edges if e.live and e.seed_id == seed_id]
-            if live:
-                return live[0].assignment_id
-            time.sleep(0.05)
-    raise AssertionError(f"no live pull from {seed_id} within {timeout_s} s")
+        live = wait_until(
+            lambda: [e for e in reader.fleet().edges if e.live and e.seed_id == seed_id],
+            timeout_s,
+            f"a live pull from {seed_id}",
+            every_s=0.05,
+        )
+    return live[0].assignment_id
 
 
 def _metrics(port: int) -> str:

@@ -4,7 +4,6 @@ is quarantined.
 
 from __future__ import annotations
 
-import time
 import urllib.error
 import urllib.request
 
@@ -18,6 +17,7 @@ from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
 from tests.rfork.conftest import ADMIN, AUTH, REGISTER, assert_same, opts
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -167,9 +167,12 @@ def test_a_false_checksum_report_costs_a_healthy_seed_one_reverification(small_c
             assert lease is not None
             liar.report_transfer(lease.id, outcome="failure", reason="checksum_mismatch", error="made up")
             assert admin.get_instance(seed.instance_ids[0]).reverifying
-            deadline = time.monotonic() + 30
-            while admin.get_instance(seed.instance_ids[0]).reverifying and time.monotonic() < deadline:
-                time.sleep(0.2)
+            wait_until(
+                lambda: not admin.get_instance(seed.instance_ids[0]).reverifying,
+                30,
+                "the seed re-verified",
+                every_s=0.2,
+            )
             view = admin.get_instance(seed.instance_ids[0])
             assert not view.reverifying
             assert not view.integrity_failed

@@ -24,6 +24,7 @@ from backends.kv import KvPool, KvSender
 from tests.backends.kv.decoder import PAGE_TOKENS, TINY, build_model, page_bytes, pages_digest, serve
 from tests.backends.processes import CTX
 from tests.tiny_llama import PagedKvCache, greedy_decode, prefill
+from tests.waiting import wait_until
 
 PROVIDERS = [p.strip() for p in os.environ.get("RFORK_TEST_PROVIDERS", "tcp,shm").split(",") if p.strip()]
 POOL_PAGES = 64
@@ -230,7 +231,9 @@ def test_receiver_killed_mid_request_fails_only_its_own(provider: str, prefill_i
             dst = _dst_pages(len(src_pages), 50 + i)
             d.conn.send(("decode", a.sender.address, f"k-{i}", dst, first, len(prompt), STEPS))
             assert d.answer() == "requested"
-        time.sleep(0.5)  # both wants have reached the sender
+        wait_until(  # both wants have reached the sender (it holds them until the request starts)
+            lambda: all(f"k-{i}" in a.sender._wants for i in range(2)), 30, "both wants at the sender"
+        )
         for i in range(2):
             requests[i] = a.sender.start(f"k-{i}", src_pages)
             requests[i].send_layer(0)

@@ -34,6 +34,7 @@ from rfork.compile_cache.fetch import FetchOutcome, fetch_compile_cache
 from rfork.compile_cache.key import CompileCacheKey
 from tests.planner.conftest import identity, manifest, ranks
 from tests.planner.test_concurrency import free_port
+from tests.waiting import wait_until
 
 ADMIN, REGISTER, ANCHOR, LOAD = "hs-admin", "hs-register", "hs-anchor", "hs-load"
 IDENT = identity()
@@ -145,15 +146,15 @@ def planner_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         env=env,
     )
     base = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert proc.poll() is None, "planner exited"
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(base + "/healthz", timeout=1).status_code == 200
+        return False
+
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, "planner exited"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/healthz", timeout=1).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "planner did not start"
-            time.sleep(0.1)
+        wait_until(healthy, 60, "the planner answers /healthz", every_s=0.1)
         yield base
     finally:
         proc.terminate()

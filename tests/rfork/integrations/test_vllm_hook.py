@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from rfork.cli import vllm as launcher
 from rfork.integrations.hook.drain import RUN_DIR_ENV
 from rfork.integrations.hook.identity import parameters_identity
 from tests.rfork.conftest import ADMIN, REGISTER
+from tests.waiting import wait_until
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -213,7 +213,4 @@ def _start_engine_like(script: Path, planner: str, env: dict[str, str]) -> subpr
 
 
 def _wait_until_empty(client: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while client.list_instances().total and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert client.list_instances().total == 0, "the seed did not drain"
+    wait_until(lambda: client.list_instances().total == 0, timeout_s, "the seed drained", every_s=0.2)

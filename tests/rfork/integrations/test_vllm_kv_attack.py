@@ -13,7 +13,6 @@ import base64
 import dataclasses
 import ipaddress
 import json
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,6 +24,7 @@ from backends.providers.libfabric import refuses_forged_writes
 from rfork.integrations.vllm.kv_params import RemotePrefill
 from rfork.integrations.vllm.kv_worker import KvWorker
 from tests.backends.conftest import Peer, start_peer
+from tests.waiting import holds_for, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -34,7 +34,8 @@ KEY = b"kv-attack-test-channel-key-32-by"
 GRANTED = [2, 3]  # the hostile engine's own request lands here
 VICTIM = 6  # a block of another request
 LOOPBACK = [ipaddress.ip_network("127.0.0.0/8")]
-SETTLE_S = 0.3  # a write that must not land: how long the test gives it before checking
+SETTLE_S = 0.3  # a write that must not land: how long the test watches its target stay unchanged
+WAIT_S = 20.0  # a bound for an event on a loaded box, not a timing assertion
 
 
 def caches() -> dict[str, torch.Tensor]:
@@ -49,16 +50,6 @@ def caches() -> dict[str, torch.Tensor]:
 
 def block(cache: dict[str, torch.Tensor], b: int) -> list[bytes]:
     return [t[b].numpy().tobytes() for t in cache.values()]
-
-
-def until(cond: Callable[[], Any], timeout_s: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.02)
-    return cond()
 
 
 @pytest.fixture(params=["tcp", "shm"])
@@ -154,22 +145,22 @@ def test_an_allowed_prefill_engine_reaches_only_its_grant_and_only_while_its_req
         # what the engine is there for: its request's own blocks take its writes
         assert hostile.call("fill", "src", 7) is True
         attack(hostile, descs, GRANTED[0], cache)
-        assert until(lambda: block(cache, GRANTED[0]) != block(caches(), GRANTED[0]))
+        fresh = block(caches(), GRANTED[0])
+        wait_until(lambda: block(cache, GRANTED[0]) != fresh, WAIT_S, "the granted block written")
 
         # another request's block: neither written nor read, whatever length the descriptor claims
         assert attack(hostile, descs, VICTIM, cache) == 0
-        time.sleep(SETTLE_S)
-        assert block(cache, VICTIM) == victim
+        # a write already posted could still land: watch the block for a while
+        holds_for(lambda: block(cache, VICTIM) == victim, SETTLE_S, "the victim's block unchanged")
 
         # vLLM aborts the request: the grant is gone, its own blocks are out of reach too
         rx.cancel({"r1"})
         started = rx._receiving["r1"].started.result(10)
-        assert until(lambda: started.done.done())
+        wait_until(started.done.done, WAIT_S, "the aborted request's transfer done")
         landed = block(cache, GRANTED[0])
         assert hostile.call("fill", "src", 8) is True
         assert attack(hostile, descs, GRANTED[0], cache) == 0
-        time.sleep(SETTLE_S)
-        assert block(cache, GRANTED[0]) == landed
+        holds_for(lambda: block(cache, GRANTED[0]) == landed, SETTLE_S, "the revoked block unchanged")
     finally:
         rx.close()
 
@@ -181,12 +172,12 @@ def test_a_prefill_engine_without_the_channel_key_learns_no_descriptor(
     try:
         assert hostile.call("watch") is True  # it reads every frame it gets, key or not
         rx.receive("r1", GRANTED, RemotePrefill(hostile.address, "r1", (0, 1), BLOCK))
-        seen = until(lambda: hostile.call("opened"))
+        seen = wait_until(lambda: hostile.call("opened"), WAIT_S, "the hostile engine opened a frame")
         assert [k for _, k, _ in seen] == ["hello"]
         # it answers without the key: the decode side drops that welcome, so no want (no grant) follows
         layers = json.dumps({"layers": LAYERS}).encode()
         assert hostile.call("send", rx.address, "kv", "welcome", layers) is True
-        assert until(rx.finished_receiving) == {"r1"}
+        assert wait_until(rx.finished_receiving, WAIT_S, "r1 reported finished") == {"r1"}
         assert rx.take_failed_blocks() == set(GRANTED)
         seen = hostile.call("opened")
         assert "want" not in [k for _, k, _ in seen]
@@ -212,11 +203,11 @@ def test_a_prefill_engine_outside_the_allow_list_is_sent_nothing(
     try:
         assert hostile.call("watch") is True
         rx.receive("r1", GRANTED, RemotePrefill(hostile.address, "r1", (0, 1), BLOCK))
-        assert until(rx.finished_receiving) == {"r1"}
+        assert wait_until(rx.finished_receiving, WAIT_S, "r1 reported finished") == {"r1"}
         assert rx.take_failed_blocks() == set(GRANTED)
         assert rx.finished_receiving() == set()  # reported once
-        time.sleep(0.3)
-        assert hostile.call("opened") == []
+        # a frame already on its way would arrive within this window
+        holds_for(lambda: hostile.call("opened") == [], SETTLE_S, "nothing sent outside", every_s=0.05)
     finally:
         rx.close()
 

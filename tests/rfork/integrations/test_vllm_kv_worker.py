@@ -4,7 +4,6 @@ failed or expired) and is reported once, so vLLM always gets its blocks back."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 from rfork.integrations.vllm.kv_params import RemotePrefill
 from rfork.integrations.vllm.kv_worker import KvConnectorError, KvWorker, cache_layout
+from tests.waiting import wait_until
 
 LAYERS, BLOCKS, HEADS, BLOCK, HEAD = 2, 16, 2, 32, 32
 
@@ -29,13 +29,8 @@ def caches(seed: int | None) -> dict[str, torch.Tensor]:
 
 
 def until(cond: Callable[[], set[str]], timeout_s: float = 15.0) -> set[str]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.02)
-    return set()
+    """The first non-empty set `cond` reports (a bound for a loaded box, not a timing assertion)."""
+    return wait_until(cond, timeout_s, f"{getattr(cond, '__qualname__', cond)} reported a request")
 
 
 @pytest.fixture

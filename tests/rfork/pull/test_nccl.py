@@ -21,6 +21,7 @@ import torch
 from backends.nccl import NcclPeerError, NcclTimeoutError, NcclTransferError
 from rfork.pull.nccl import NcclSessionError, pull_over_nccl
 from rfork.seed.control import ControlServer
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow  # spawned processes: runs in the slow part of scripts/dev.sh test
 
@@ -121,11 +122,15 @@ class Seed:
             return dict(json.loads(resp.read()))
 
     def wait_idle(self, within_s: float) -> float:
+        """Seconds until the seed's /v1/health shows no active session; AssertionError after `within_s`."""
         t0 = time.monotonic()
-        while self.health()["active_sessions"]:
-            if time.monotonic() - t0 > within_s:
-                raise AssertionError(f"seed still busy after {within_s}s: {self.health()}")
-            time.sleep(0.05)
+        last: dict[str, Any] = {}
+
+        def idle() -> bool:
+            last.update(self.health())
+            return not last["active_sessions"]
+
+        wait_until(idle, within_s, lambda: f"the seed idle (health: {last})", every_s=0.05)
         return time.monotonic() - t0
 
     def kill(self) -> None:
