@@ -35,7 +35,7 @@ from tests.vllm.servers import NEW_TOKENS, PROMPT, cpu_env, write_vllm_tiny_llam
 
 _CHILD_MARK = "RFORK-BENCH-ROW "
 # rfork's own line for the pull (or disk read) inside the load: bytes, source, seconds
-_PULLED = re.compile(r"loaded 1 rank\(s\), (\d+) bytes, from (\S+) in ([0-9.]+) s")
+_PULLED = re.compile(r"loaded 1 rank\(s\), (\d+) bytes(?: \(\d+ kept\))?, from (\S+) in ([0-9.]+) s")
 
 
 def drop_page_cache(model: Path) -> None:
