@@ -42,7 +42,7 @@ from rfork.pull.one_sided import OneSidedReader
 from rfork.pull.options import BusyWait, LoadOptions, ProgressFn
 from rfork.pull.planner_session import PlannerSession, Source
 from rfork.pull.progress_report import PullProgress
-from rfork.pull.read_plan import ReadPlan, check_destination
+from rfork.pull.read_plan import ReadPlan
 from rfork.pull.result import Attempt, LoadResult, ServedRank
 from rfork.pull.staged import pull_staged
 from rfork.seed.seed import Seed
@@ -231,17 +231,7 @@ class Loader:
                     exc,
                 )
                 attempts.extend(shared)
-                attempts.append(
-                    Attempt(
-                        source=source.name,
-                        instance_id=source.instance_id,
-                        rank=rank,
-                        ok=False,
-                        seconds=seconds,
-                        error=str(exc),
-                        phases=phases,
-                    )
-                )
+                attempts.append(source.attempt(seconds, error=exc, phases=phases))
                 source.failed(exc, seconds)
                 self.reader.fence()  # before anything else writes into the same memory
                 continue
@@ -252,17 +242,7 @@ class Loader:
             seconds = time.perf_counter() - started
             attempts.extend(shared)  # what other identities' seeds served of it, or failed to
             own = nbytes - sum(a.bytes for a in shared if a.ok)
-            attempts.append(
-                Attempt(
-                    source=source.name,
-                    instance_id=source.instance_id,
-                    rank=rank,
-                    ok=True,
-                    bytes=own,
-                    seconds=seconds,
-                    phases=phases,
-                )
-            )
+            attempts.append(source.attempt(seconds, nbytes=own, phases=phases))
             source.succeeded(own, seconds)
             metrics.pull_finished(source=source.name, outcome="success", nbytes=nbytes, seconds=seconds)
             if "verify" in phases:
@@ -317,8 +297,6 @@ class Loader:
         `keep_matching`, only the tensors whose bytes differ: `rfork.pull.keep`, some perhaps from other
         identities' seeds, listed in `shared`); the bytes read and kept."""
         manifest = source.manifest()
-        if dest is not None:
-            check_destination(dest, manifest)  # before anything is allocated or hashed
         deadline = time.monotonic() + self.options.rank_deadline_s
         fresh = dest is None
         if dest is None:
@@ -345,10 +323,7 @@ class Loader:
             if split.to_read is not None and split.read_bytes >= split.kept_bytes:
                 split = self._read_shared(rank, dest, split, deadline, phases, shared)
             if split.to_read is not None:
-                regions = self._read(source, self._plan(split.manifest, split.to_read), deadline, phases)
-                engine = self.reader.engine()
-                for region in regions:  # they cover only the tensors read: a seed registers the whole
-                    engine.deregister(region)
+                self._read_part(source, self._plan(split.manifest, split.to_read), deadline, phases)
             merge(dest, split)
             return ServedRank(weights=dest), read_bytes, split.kept_bytes
         regions = self._read(source, plan, deadline, phases)
@@ -356,6 +331,14 @@ class Loader:
 
     def _plan(self, manifest: RankManifest, dest: RankWeights) -> ReadPlan:
         return ReadPlan.check(manifest, dest, require_crypto_digest=self.options.require_crypto_digest)
+
+    def _read_part(self, source: Source, plan: ReadPlan, deadline: float, phases: dict[str, float]) -> None:
+        """Read part of a rank (a rollout's changed or shared tensors). Its registrations cover only that
+        part, so they go: a seed this instance becomes registers the whole rank."""
+        regions = self._read(source, plan, deadline, phases)  # opens the engine, or names the setting
+        engine = self.reader.engine()
+        for region in regions:
+            engine.deregister(region)
 
     def _read_shared(
         self,
@@ -403,26 +386,12 @@ class Loader:
                         if part is None or part.to_read is None:
                             other.succeeded(0, time.perf_counter() - started)
                             break
-                        engine_regions = self._read(
-                            other, self._plan(part.manifest, part.to_read), deadline, phases
-                        )
-                        engine = self.reader.engine()
-                        for region in engine_regions:
-                            engine.deregister(region)
+                        self._read_part(other, self._plan(part.manifest, part.to_read), deadline, phases)
                     except Exception as exc:  # noqa: BLE001 - the identity's own seed reads these too
                         seconds = time.perf_counter() - started
                         other.failed(exc, seconds)
                         self.reader.fence()
-                        attempts.append(
-                            Attempt(
-                                source=other.name,
-                                instance_id=other.instance_id,
-                                rank=rank,
-                                ok=False,
-                                seconds=seconds,
-                                error=str(exc),
-                            )
-                        )
+                        attempts.append(other.attempt(seconds, error=exc))
                         log.warning(
                             "rank %d: shared tensors from %s failed: %s", rank, other.instance_id, exc
                         )
@@ -430,16 +399,7 @@ class Loader:
                     seconds = time.perf_counter() - started
                     other.succeeded(part.read_bytes, seconds)
                     dest.checksums.update(part.to_read.checksums)
-                    attempts.append(
-                        Attempt(
-                            source=other.name,
-                            instance_id=other.instance_id,
-                            rank=rank,
-                            ok=True,
-                            bytes=part.read_bytes,
-                            seconds=seconds,
-                        )
-                    )
+                    attempts.append(other.attempt(seconds, nbytes=part.read_bytes))
                     log.info(
                         "rank %d: %d bytes it shares with %s %s from seed %s in %.3f s, verified",
                         rank,

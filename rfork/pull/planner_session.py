@@ -46,6 +46,7 @@ from planner.contract import (
 from rfork.errors import ChecksumMismatch, ConfigurationError, ManifestError, PullError
 from rfork.identity import SourceIdentity, default_labels
 from rfork.pull.options import BusyWait, LoadOptions
+from rfork.pull.result import Attempt
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,26 @@ class Source:
     def instance_id(self) -> str:
         """The leased seed's planner id."""
         return self.candidate.instance_id
+
+    def attempt(
+        self,
+        seconds: float,
+        *,
+        nbytes: int = 0,
+        error: BaseException | None = None,
+        phases: dict[str, float] | None = None,
+    ) -> Attempt:
+        """How this source served the rank (failed when `error` is given), as a LoadResult lists it."""
+        return Attempt(
+            source=self.name,
+            instance_id=self.instance_id,
+            rank=self.rank,
+            ok=error is None,
+            bytes=nbytes,
+            seconds=seconds,
+            error=None if error is None else str(error),
+            phases=phases if phases is not None else {},
+        )
 
     def manifest(self) -> RankManifest:
         """The seed's manifest for this rank, checked (the one check: everything after trusts it) and
