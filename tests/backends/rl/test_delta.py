@@ -109,14 +109,6 @@ def test_a_delta_that_does_not_fit_is_not_encoded_and_a_torn_one_is_refused() ->
     assert all(torch.equal(a, b) for a, b in zip(dst, old, strict=True))  # nothing written
 
 
-@pytest.fixture
-def engines() -> Iterator[list[TransferEngine]]:
-    made = [TransferEngine("tcp", 1, timeout_s=3.0, host="127.0.0.1") for _ in range(2)]
-    yield made
-    for e in made:
-        e.close()
-
-
 def _step(trainer: RLTrainer, version: int, fraction: float) -> None:
     """Change about `fraction` of the trainer's values (an optimizer step at a small learning rate)."""
     g = torch.Generator().manual_seed(version)

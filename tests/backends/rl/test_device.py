@@ -8,30 +8,16 @@ for the device here; "cuda" is marked gpu.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from backends import TransferEngine
 from backends.layout import views
-from backends.rl import RLError, TensorSpec, TrainerRank, shard_layout
+from backends.rl import RLError, TrainerRank, shard_layout
 from backends.rl.device import DeviceRLReceiver, DeviceRLTrainer
 from tests.backends.gpu.devices import DEVICES
-
-SPECS = (
-    TensorSpec("w", "float32", (64, 32), 0),
-    TensorSpec("o", "float32", (32, 64), 1),
-    TensorSpec("norm", "float32", (32,), None),
-)
-
-
-@pytest.fixture
-def engines() -> Iterator[list[TransferEngine]]:
-    made = [TransferEngine("tcp", 1, timeout_s=3.0, host="127.0.0.1") for _ in range(2)]
-    yield made
-    for e in made:
-        e.close()
+from tests.backends.rl.test_session import SPECS
 
 
 def _pair(

@@ -21,14 +21,6 @@ from tests.waiting import wait_until
 
 
 @pytest.fixture
-def engines() -> Iterator[list[TransferEngine]]:
-    made = [TransferEngine("tcp", 1, timeout_s=3.0, host="127.0.0.1") for _ in range(2)]
-    yield made
-    for e in made:
-        e.close()
-
-
-@pytest.fixture
 def forger() -> Iterator[Peer]:
     p = start_peer("tcp", [("small", 4096, "rw")], domains=1)
     yield p

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,14 +19,6 @@ SPECS = (
     TensorSpec("o", "float32", (32, 64), 1),
     TensorSpec("norm", "float32", (32,), None),
 )
-
-
-@pytest.fixture
-def engines() -> Iterator[list[TransferEngine]]:
-    made = [TransferEngine("tcp", 1, timeout_s=3.0, host="127.0.0.1") for _ in range(2)]
-    yield made
-    for e in made:
-        e.close()
 
 
 def make_trainer(eng: TransferEngine) -> RLTrainer:
