@@ -210,6 +210,12 @@ def rank_facts(name: str, log: str) -> list[RankFacts]:
     return sorted(facts, key=lambda f: f.rank)
 
 
+# The shape flow runs up to ten engine processes on two cores and kills no peer, so its reads get a
+# wider dead-peer bound than the servers' default 3 s (which the failover tests need): under that load
+# a live worker's read can wait past 3 s and the rank falls back to disk.
+SHAPE_BOUND = ("--timeout", "20")
+
+
 def seed_a_b_in_both_modes(planner: Any, fleet: Any, model: Path, *, tp: int) -> dict[str, list[RankFacts]]:
     """seed -> A -> B in checkpoint mode and P1 -> P2 in parameters mode, for one shape (the fleet's
     servers carry its arguments), every server's greedy tokens equal to the engine's own disk load.
@@ -232,8 +238,8 @@ def seed_a_b_in_both_modes(planner: Any, fleet: Any, model: Path, *, tp: int) ->
     checkpoint_seeds = set(seed0.instance_ids)
     try:
         auto = fleet.start_auto("auto")
-        a = fleet.start_rfork("A", planner_url=planner.url)
-        p1 = fleet.start_rfork("P1", planner_url=planner.url, mode="parameters")
+        a = fleet.start_rfork("A", planner_url=planner.url, rfork_args=SHAPE_BOUND)
+        p1 = fleet.start_rfork("P1", planner_url=planner.url, mode="parameters", rfork_args=SHAPE_BOUND)
         for s in (auto, a, p1):
             s.wait_ready()
         reference = auto.generate()
@@ -243,8 +249,8 @@ def seed_a_b_in_both_modes(planner: Any, fleet: Any, model: Path, *, tp: int) ->
         seed0.close()  # the first seed stops: from now on A is the only checkpoint seed
     auto.stop()
     checkpoint_seeds |= ids_by_framework(planner, "rfork")  # A's, one per rank
-    b = fleet.start_rfork("B", planner_url=planner.url)
-    p2 = fleet.start_rfork("P2", planner_url=planner.url, mode="parameters")
+    b = fleet.start_rfork("B", planner_url=planner.url, rfork_args=SHAPE_BOUND)
+    p2 = fleet.start_rfork("P2", planner_url=planner.url, mode="parameters", rfork_args=SHAPE_BOUND)
     for s in (b, p2):
         s.wait_ready()
     assert b.generate() == reference

@@ -120,7 +120,7 @@ def test_more_quantized_formats_pull_into_their_parameters(
 
     model = write(write_vllm_tiny_llama(tmp_path / "model"))
     auto, _ = _run_row(model, "auto", {}, tmp_path / "auto.log")
-    params = {"planner_url": shape_planner.url, "mode": "parameters", "transfer_timeout_s": 3}
+    params = {"planner_url": shape_planner.url, "mode": "parameters", "transfer_timeout_s": 20}
     p1_row, p1 = _run_row(model, "rfork", params, tmp_path / "p1.log", hold=True)
     try:
         p2_row, _ = _run_row(model, "rfork", {**params, "serve": False}, tmp_path / "p2.log")
