@@ -18,6 +18,8 @@ imported inside the methods that need them.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -70,6 +72,7 @@ class RforkLoaderBase:
         self.outcome: LoadOutcome | None = None
         self.seed: Seed | None = None
         self.compile_caches: CacheShelf | None = None  # what this worker compiles, served as a seed
+        self.seeding: threading.Thread | None = None  # become_seed_soon's helper thread
 
     # --- the framework's calls (per subclass)
 
@@ -238,6 +241,28 @@ class RforkLoaderBase:
         self.outcome = outcome
 
     # --- seeding (after the framework's post-load steps)
+
+    def become_seed_soon(self, model: torch.nn.Module | None = None) -> None:
+        """`become_seed` on a helper thread, once: the post-load digest re-check, the registrations and
+        the publication leave the framework's load clock. The framework goes on starting (its profiling
+        run, KV cache, API server) meanwhile; the planner lists this seed once it is verified and
+        published, so no peer is sent to it before. `seeding` is the thread (join it to wait)."""
+        if self.seeding is not None:
+            return
+        t0 = time.perf_counter()
+
+        def seed() -> None:
+            served = self.become_seed(model)
+            log.info(
+                "rfork: rank %d: %s in %.3f s, beside %s's start",
+                self.global_rank(),
+                "serving as a seed" if served is not None else "not serving",
+                time.perf_counter() - t0,
+                self.framework_name,
+            )
+
+        self.seeding = threading.Thread(target=seed, name="rfork-become-seed", daemon=True)
+        self.seeding.start()
 
     def become_seed(self, model: torch.nn.Module | None = None) -> Seed | None:
         """Serve what this rank loaded, read-only, adopting the pull's registrations, and publish it;

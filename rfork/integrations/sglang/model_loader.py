@@ -11,9 +11,10 @@ parameters mode (the fast path): build the model, run the post-load steps on the
 then pull one rank's post-processed `named_parameters()` from an identical SGLang seed straight into
 that storage. No seed, or a failed pull: SGLang's DefaultModelLoader.
 
-Either way `ModelRunner.load_model` is followed by `become_seed` (the plugin's AFTER hook), which
-adopts the pull's engine and registrations. Pulling, identities, fallback bookkeeping and seeding are
-the template's (rfork.integrations.hook.loader_base); this module keeps SGLang's calls.
+Either way `ModelRunner.load_model` is followed by `become_seed_soon` (the plugin's AFTER hook; on a
+helper thread), which adopts the pull's engine and registrations. Pulling, identities, fallback
+bookkeeping and seeding are the template's (rfork.integrations.hook.loader_base); this module keeps
+SGLang's calls.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def after_load_model(result: Any, runner: Any, *args: Any, **kwargs: Any) -> Non
         log.info("rfork: a draft model's weights are not served")
         loader.release()  # the pull's engine and registrations: no seed adopts them
         return
-    loader.become_seed(runner.model)
+    loader.become_seed_soon(runner.model)
     return
 
 

@@ -18,9 +18,10 @@ or sgl-kernel handle and replace the parameter with an empty one, so post-proces
 not hold the weights (docs/vllm.md, "Modes"). No seed: vLLM's own disk loader fills the parameters.
 
 Anything else going wrong: vLLM's DefaultModelLoader loads the whole model again. After a load the
-instance becomes a seed of what it loaded, adopting the pull's engine and registrations, and drains
-when the process exits. Pulling, identities, fallback bookkeeping and seeding are the template's
-(rfork.integrations.hook.loader_base); this module keeps vLLM's calls.
+instance becomes a seed of what it loaded on a helper thread (beside vLLM's start, off `load_model`'s
+clock), adopting the pull's engine and registrations, and drains when the process exits. Pulling,
+identities, fallback bookkeeping and seeding are the template's (rfork.integrations.hook.loader_base);
+this module keeps vLLM's calls.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class RforkModelLoader(RforkLoaderBase, BaseModelLoader):
             from rfork.integrations.vllm.compile_cache import prepare
 
             self.compile_caches = prepare(vllm_config, identity, self.outcome.rank, self.settings)
-        self.become_seed()
+        self.become_seed_soon()
         return model
 
     def create_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> torch.nn.Module:

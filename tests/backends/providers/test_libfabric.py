@@ -19,10 +19,19 @@ import os, signal, sys
 hits = []
 signal.signal(signal.SIGTERM, lambda s, f: hits.append(s))
 signal.signal(signal.SIGINT, lambda s, f: hits.append(s))
+import threading
 from backends import TransferEngine, provider_available
-engines = [TransferEngine("tcp", 1, host="127.0.0.1")]
-if provider_available("shm"):
-    engines.append(TransferEngine("shm", 1))
+engines = []
+def open_engines():
+    engines.append(TransferEngine("tcp", 1, host="127.0.0.1"))
+    if provider_available("shm"):
+        engines.append(TransferEngine("shm", 1))
+if sys.argv[1] == "thread":  # a helper thread opens them (a seed starting beside the framework)
+    t = threading.Thread(target=open_engines)
+    t.start()
+    t.join()
+else:
+    open_engines()
 for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGINT):
     os.kill(os.getpid(), sig)
 for e in engines:
@@ -31,9 +40,10 @@ print("survived", len(hits), len(engines))
 """
 
 
-def test_opening_engines_keeps_python_signal_handlers() -> None:
+@pytest.mark.parametrize("opener", ["main", "thread"])
+def test_opening_engines_keeps_python_signal_handlers(opener: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-c", SIGNAL_PROBE],
+        [sys.executable, "-c", SIGNAL_PROBE, opener],
         capture_output=True,
         text=True,
         timeout=90,

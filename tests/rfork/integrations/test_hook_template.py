@@ -6,6 +6,7 @@ adopts are the template's.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -99,7 +100,10 @@ def test_the_hook_template_registers_each_pulled_parameter_once(
     assert hook.outcome is not None
     assert hook.outcome.source == "rfork-tcp"
     assert_same({n: p.detach() for n, p in params.items()}, {n: p.detach() for n, p in source.items()})
-    became = hook.become_seed(model)  # after the framework's own steps
+    hook.become_seed_soon(model)  # after the framework's own steps, on a helper thread
+    assert hook.seeding is not None
+    hook.seeding.join(60)
+    became = hook.seed
     try:
         assert became is not None
         assert hook.drains == [became]
@@ -134,6 +138,28 @@ def test_the_hook_template_closes_a_pull_it_cannot_serve(open_planner, parameter
     assert hook.become_seed(model) is None
     assert engine.closed
     assert all(r.closed for r in pulled.ranks[0].regions)
+
+
+def test_becoming_a_seed_soon_returns_while_the_seed_starts(monkeypatch):
+    """The re-check, registrations and publication run beside the framework's start, once."""
+    hook = _hook("http://p")
+    gate = threading.Event()
+    calls: list[Any] = []
+
+    def slow_become_seed(model: Any = None) -> None:
+        calls.append(model)
+        assert gate.wait(30)
+
+    monkeypatch.setattr(hook, "become_seed", slow_become_seed)
+    model = torch.nn.Linear(2, 2)
+    hook.become_seed_soon(model)
+    hook.become_seed_soon(model)  # a second call starts nothing
+    assert hook.seeding is not None
+    assert hook.seeding.is_alive()  # returned while becoming a seed still runs
+    gate.set()
+    hook.seeding.join(30)
+    assert not hook.seeding.is_alive()
+    assert calls == [model]
 
 
 def test_settings_hold_the_pull_for_a_seed_only_when_serving():
