@@ -12,6 +12,7 @@ Using the engine fails with one line naming what to install when the libfabric b
 from __future__ import annotations
 
 import importlib
+import threading
 from typing import TYPE_CHECKING, Any
 
 from backends.errors import (
@@ -72,6 +73,7 @@ __all__ = [
     "dtype_name",
     "expected_nbytes",
     "kv",
+    "load_binding_soon",
     "moe",
     "native_digests_available",
     "nccl",
@@ -110,6 +112,22 @@ _LAZY = {
     "backends.sharding": ("shard_shape", "shard_tensor", "split_dim"),
 }
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
+
+
+def load_binding_soon() -> threading.Thread:
+    """Start loading the libfabric binding on a helper thread, so that the first engine does not wait
+    for it: loading it is a ~0.2 s dlopen (Debian's psm libraries calibrate a clock), during which the
+    GIL is free and the caller goes on. A binding that cannot load raises at its first real use."""
+
+    def load() -> None:
+        try:
+            importlib.import_module("backends.providers._native")
+        except ImportError:
+            return  # said, with what to install, where the engine is used
+
+    thread = threading.Thread(target=load, name="rfork-load-binding", daemon=True)
+    thread.start()
+    return thread
 
 
 def __getattr__(name: str) -> Any:

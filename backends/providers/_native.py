@@ -108,6 +108,14 @@ with _signal_handlers_kept():
             ctypes.CDLL(LIBRARY, mode=ctypes.RTLD_GLOBAL)
         except OSError as exc:
             raise ImportError(f"{LIB_ENV}: cannot load {LIBRARY}: {exc}") from exc
+    else:
+        # The system copy, loaded here rather than as the module's dependency below: ctypes lets go of
+        # the GIL while it loads (~0.2 s on Debian, whose psm libraries calibrate a clock in their
+        # constructors), so a helper thread that loads the binding (backends.load_binding_soon) does
+        # not stall the interpreter. The module's `libfabric.so.1` then binds to this one. A missing
+        # library is reported by the import below.
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libfabric.so.1")
     try:
         from backends.providers._libfabric import ffi, lib
     except ImportError as exc:  # pragma: no cover - depends on the build machine

@@ -1,6 +1,7 @@
 """vLLM's own load versus the R-Fork load, for the same checkpoint on the same machine.
 
-    flock /tmp/rfork-bench.lock .venv-vllm/bin/python -m tests.vllm.bench_load --size-mib 256 [--json F]
+    flock /tmp/rfork-bench.lock .venv-vllm/bin/python -m tests.vllm.bench_load --size-mib 256 \\
+        [--rounds 3] [--json F]
 
 Run it in .venv-vllm. Each row is a fresh process running `vllm.LLM` on CPU (engine and worker in
 that process), and the figure is the wall time of vLLM's own `get_model(vllm_config)` call in its
@@ -13,7 +14,7 @@ CPU model runner: building the model, loading the weights, post-processing them.
   first, and rfork reads only the headers;
 - P1: parameters mode with no parameters seed (vLLM's disk loader fills the parameters, warm), then
   it stays up as the parameters seed;
-- P2: parameters mode, pulling into its parameters from P1.
+- P2: parameters mode, pulling into its parameters from P1, then a seed itself (the default).
 Every row also generates greedy tokens for one prompt; they must equal the cold auto row's.
 """
 
@@ -23,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -115,7 +117,9 @@ def _run_row(model: Path, load_format: str, extra: dict[str, Any], log: Path, *,
     raise RuntimeError(f"{load_format} row failed ({proc.returncode}):\n{log.read_text()[-4000:]}")
 
 
-def run(size_mib: int, workdir: Path) -> dict[str, Any]:
+def run(size_mib: int, workdir: Path, rounds: int = 1) -> dict[str, Any]:
+    """Every row once per round, rounds in sequence; each row's figure is its median over the rounds
+    (this VM's first-touch costs move single runs by tens of percent)."""
     from planner import PlannerServer
     from rfork.seed.seed import Seed
     from rfork.weights.checkpoint import load_state_dict, read_checkpoint_info
@@ -125,43 +129,55 @@ def run(size_mib: int, workdir: Path) -> dict[str, Any]:
     config = config_for_size(size_mib << 20)
     model = write_vllm_tiny_llama(workdir / "model", config=config)
     model_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
-    rows: list[dict[str, Any]] = []
+    runs: dict[str, list[dict[str, Any]]] = {}
 
     def add(name: str, row: dict[str, Any]) -> None:
-        rows.append({"row": name, "get_model_s": round(row["get_model_s"], 4), "tokens": row["tokens"],
-                     "rfork_source": row.get("rfork_source"), "rfork_pull_s": row.get("rfork_pull_s"),
-                     "load_average": round(os.getloadavg()[0], 2)})
+        runs.setdefault(name, []).append({**row, "load_average": round(os.getloadavg()[0], 2)})
 
-    drop_page_cache(model)
-    add("auto, page cache dropped", _run_row(model, "auto", {}, workdir / "auto-cold.log")[0])
-    warm_page_cache(model)
-    add("auto, page cache warm", _run_row(model, "auto", {}, workdir / "auto-warm.log")[0])
-    with PlannerServer(db_url=f"sqlite:///{workdir / 'planner.db'}", insecure=True) as planner:
-        info = read_checkpoint_info(model)
-        weights = RankWeights.from_tensors(rank=0, tensors=load_state_dict(model))
-        ckpt = {"planner_url": planner.url, "mode": "checkpoint", "serve": False}
-        with Seed(weights=[weights], identity=info.identity(tp=1), planner_url=planner.url):
-            drop_page_cache(model)
-            add("R: checkpoint mode, pull from a seed",
-                _run_row(model, "rfork", ckpt, workdir / "r.log")[0])
-        del weights
-        params = {"planner_url": planner.url, "mode": "parameters"}
+    for n in range(rounds):
+        drop_page_cache(model)
+        add("auto, page cache dropped", _run_row(model, "auto", {}, workdir / "auto-cold.log")[0])
         warm_page_cache(model)
-        p1_row, p1 = _run_row(model, "rfork", params, workdir / "p1.log", hold=True)
-        try:
-            add("P1: parameters mode, no seed (disk, warm)", p1_row)
-            add("P2: parameters mode, pull from P1",
-                _run_row(model, "rfork", {**params, "serve": False}, workdir / "p2.log")[0])
-        finally:
-            assert p1.stdin is not None
-            p1.stdin.close()
-            p1.wait(timeout=120)
-    reference = rows[0]["tokens"]
+        add("auto, page cache warm", _run_row(model, "auto", {}, workdir / "auto-warm.log")[0])
+        with PlannerServer(db_url=f"sqlite:///{workdir / f'planner-{n}.db'}", insecure=True) as planner:
+            info = read_checkpoint_info(model)
+            weights = RankWeights.from_tensors(rank=0, tensors=load_state_dict(model))
+            ckpt = {"planner_url": planner.url, "mode": "checkpoint", "serve": False}
+            with Seed(weights=[weights], identity=info.identity(tp=1), planner_url=planner.url):
+                drop_page_cache(model)
+                add("R: checkpoint mode, pull from a seed",
+                    _run_row(model, "rfork", ckpt, workdir / "r.log")[0])
+            del weights
+            params = {"planner_url": planner.url, "mode": "parameters"}
+            warm_page_cache(model)
+            p1_row, p1 = _run_row(model, "rfork", params, workdir / "p1.log", hold=True)
+            try:
+                add("P1: parameters mode, no seed (disk, warm)", p1_row)
+                add("P2: parameters mode, pull from P1",
+                    _run_row(model, "rfork", params, workdir / "p2.log")[0])
+            finally:
+                assert p1.stdin is not None
+                p1.stdin.close()
+                p1.wait(timeout=120)
+    reference = runs["auto, page cache dropped"][0]["tokens"]
+    rows = []
+    for name, got in runs.items():
+        pulls = [r["rfork_pull_s"] for r in got if r.get("rfork_pull_s") is not None]
+        rows.append({
+            "row": name,
+            "get_model_s": round(statistics.median(r["get_model_s"] for r in got), 4),
+            "get_model_runs_s": [round(r["get_model_s"], 4) for r in got],
+            "rfork_source": got[-1].get("rfork_source"),
+            "rfork_pull_s": round(statistics.median(pulls), 4) if pulls else None,
+            "tokens_equal_auto": all(r["tokens"] == reference for r in got),
+            "load_average": max(r["load_average"] for r in got),
+        })
     for r in rows:
-        r["tokens_equal_auto"] = r.pop("tokens") == reference
         r["vs_auto_cold"] = round(rows[0]["get_model_s"] / r["get_model_s"], 3)
+        r["vs_auto_warm"] = round(rows[1]["get_model_s"] / r["get_model_s"], 3)
     return {
         "model": {"hidden": config.hidden_size, "layers": config.num_hidden_layers, "bytes": model_bytes},
+        "rounds": rounds,
         "rows": rows,
         "machine": f"{os.cpu_count()} cpus, shared",
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -172,6 +188,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--size-mib", type=int, default=256, help="model size in MiB (bf16 Llama)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every row; the table shows medians")
     parser.add_argument("--child", nargs=3, metavar=("MODEL", "FORMAT", "EXTRA"), help=argparse.SUPPRESS)
     parser.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -180,15 +197,17 @@ def main() -> int:
         return 0
     workdir = os.environ.get("RFORK_BENCH_DIR")  # default: the temp dir (its disk backs the cold rows)
     with tempfile.TemporaryDirectory(prefix="rfork-vllm-bench-", dir=workdir) as tmp:
-        out = run(args.size_mib, Path(tmp))
+        out = run(args.size_mib, Path(tmp), args.rounds)
     m = out["model"]
-    print(f"model: hidden {m['hidden']}, {m['layers']} layers, {m['bytes'] / 1e6:.1f} MB (shared machine)")
-    print(f"{'row':<44} {'get_model s':>12} {'vs auto cold':>13} {'rfork pull s':>13} {'tokens=':>8} "
-          f"{'load avg':>9}")
+    print(f"model: hidden {m['hidden']}, {m['layers']} layers, {m['bytes'] / 1e6:.1f} MB (shared machine); "
+          f"medians of {out['rounds']} round(s)")
+    print(f"{'row':<44} {'get_model s':>12} {'vs auto cold':>13} {'vs auto warm':>13} {'rfork pull s':>13} "
+          f"{'tokens=':>8} {'load avg':>9}")
     for r in out["rows"]:
         pull = "" if r["rfork_pull_s"] is None else f"{r['rfork_pull_s']:.3f} ({r['rfork_source']})"
-        print(f"{r['row']:<44} {r['get_model_s']:>12.3f} {r['vs_auto_cold']:>12.2f}x {pull:>13} "
-              f"{str(r['tokens_equal_auto']):>8} {r['load_average']:>9.2f}")
+        same = str(r["tokens_equal_auto"])
+        print(f"{r['row']:<44} {r['get_model_s']:>12.3f} {r['vs_auto_cold']:>12.2f}x "
+              f"{r['vs_auto_warm']:>12.2f}x {pull:>13} {same:>8} {r['load_average']:>9.2f}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 0

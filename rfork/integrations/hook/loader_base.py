@@ -73,6 +73,11 @@ class RforkLoaderBase:
         self.seed: Seed | None = None
         self.compile_caches: CacheShelf | None = None  # what this worker compiles, served as a seed
         self.seeding: threading.Thread | None = None  # become_seed_soon's helper thread
+        if self.settings.planner_url is not None:  # a pull or a seed will need the transport
+            # imported here: the plugin is imported in every framework process (start-up time)
+            from backends import load_binding_soon
+
+            load_binding_soon()  # beside the model's build, not inside the first pull
 
     # --- the framework's calls (per subclass)
 

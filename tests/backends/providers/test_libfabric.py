@@ -103,3 +103,23 @@ def test_same_process_shm_peer_is_refused_where_the_provider_would_crash() -> No
             with pytest.raises(BackendUnavailable, match=r"one process.*separate processes"):
                 b.read(rb, 0, dst.size, ra.descriptor, 0).result(10)
             assert libfabric_version() >= (2, 5)
+
+
+BINDING_PROBE = r"""
+import sys
+import backends
+assert "backends.providers._native" not in sys.modules
+loading = backends.load_binding_soon()
+loading.join(60)
+assert "backends.providers._native" in sys.modules
+from backends import TransferEngine
+with TransferEngine("tcp", 1, host="127.0.0.1") as engine:
+    print("opened", loading.name)
+"""
+
+
+def test_the_binding_loads_on_a_helper_thread_before_the_first_engine() -> None:
+    proc = subprocess.run([sys.executable, "-c", BINDING_PROBE], capture_output=True, text=True, timeout=90,
+                          env={**os.environ, "FI_TCP_IFACE": "lo"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["opened", "rfork-load-binding"]
