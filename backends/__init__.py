@@ -12,6 +12,7 @@ Using the engine fails with one line naming what to install when the libfabric b
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -127,6 +128,8 @@ def load_binding_soon() -> threading.Thread:
 
     thread = threading.Thread(target=load, name="rfork-load-binding", daemon=True)
     thread.start()
+    # a fork while the loader lock is held would leave the child unable to load any library
+    os.register_at_fork(before=thread.join)
     return thread
 
 

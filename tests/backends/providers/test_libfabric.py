@@ -106,10 +106,16 @@ def test_same_process_shm_peer_is_refused_where_the_provider_would_crash() -> No
 
 
 BINDING_PROBE = r"""
-import sys
+import os, sys
 import backends
 assert "backends.providers._native" not in sys.modules
 loading = backends.load_binding_soon()
+child = os.fork()  # at once: the fork waits for the load, so the child can load libraries too
+if child == 0:
+    from backends import TransferEngine
+    with TransferEngine("tcp", 1, host="127.0.0.1"):
+        os._exit(0)
+assert os.waitpid(child, 0)[1] == 0
 loading.join(60)
 assert "backends.providers._native" in sys.modules
 from backends import TransferEngine
@@ -118,7 +124,7 @@ with TransferEngine("tcp", 1, host="127.0.0.1") as engine:
 """
 
 
-def test_the_binding_loads_on_a_helper_thread_before_the_first_engine() -> None:
+def test_the_binding_loads_on_a_helper_thread_before_the_first_engine_and_a_fork() -> None:
     proc = subprocess.run([sys.executable, "-c", BINDING_PROBE], capture_output=True, text=True, timeout=90,
                           env={**os.environ, "FI_TCP_IFACE": "lo"})
     assert proc.returncode == 0, proc.stderr[-2000:]
