@@ -44,9 +44,9 @@ def _served(seed_engine: Any) -> tuple[dict[str, torch.Tensor], Any]:
     return tensors, manifest
 
 
-def _gated_reads(engine: Any, monkeypatch: pytest.MonkeyPatch, verdict: threading.Event) -> list[int]:
-    """Count the reads that start; every read after the first waits for the pull's verdict on tensor 0
-    (a slow wire, without a clock: the test cannot race the machine's load)."""
+def _gated_reads(engine: Any, monkeypatch: pytest.MonkeyPatch, gate: threading.Event) -> list[int]:
+    """Count the reads that start; every read after the first waits for `gate` (a slow wire, without a
+    clock: the test cannot race the machine's load)."""
     reads: list[int] = []
     lock = threading.Lock()
     real = engine.read
@@ -56,7 +56,7 @@ def _gated_reads(engine: Any, monkeypatch: pytest.MonkeyPatch, verdict: threadin
             reads.append(args[2])
             first = len(reads) == 1
         if not first:
-            assert verdict.wait(30), "the pull never judged tensor 0"
+            assert gate.wait(30), "the pull never closed its reader"
         return real(*args, **kw)
 
     monkeypatch.setattr(engine, "read", slow_read)
@@ -67,30 +67,31 @@ def _gated_reads(engine: Any, monkeypatch: pytest.MonkeyPatch, verdict: threadin
 def test_a_bad_digest_stops_the_reads_not_yet_started(
     engines: tuple, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from backends import StagedReader
+
     seed, loader = engines
     _tensors, manifest = _served(seed)
     manifest.tensors[0].checksum = "0" * 32  # the seed's first tensor does not verify
     manifest.check()
     dest = RankWeights.from_tensors(tensors={t.name: torch.zeros(64 << 10, dtype=torch.bfloat16)
                                              for t in manifest.tensors})
-    plan = ReadPlan.check(manifest, dest)
-    verdict = threading.Event()
-    judge = plan.accept_span
+    # the wire stays shut until the failed pull closes its reader, which waits out the read it runs
+    closing = threading.Event()
+    close = StagedReader.close
 
-    def judge_then_open(span: Any) -> None:
-        try:
-            judge(span)
-        finally:
-            verdict.set()
+    def open_wire_then_close(self: Any) -> None:
+        closing.set()
+        close(self)
 
-    monkeypatch.setattr(plan, "accept_span", judge_then_open)
-    reads = _gated_reads(loader, monkeypatch, verdict)
+    monkeypatch.setattr(StagedReader, "close", open_wire_then_close)
+    reads = _gated_reads(loader, monkeypatch, closing)
     with pytest.raises(ChecksumMismatch, match="t00"):
-        pull_staged(loader, plan, deadline=time.monotonic() + 30, progress=None, phases={})
+        pull_staged(loader, ReadPlan.check(manifest, dest), deadline=time.monotonic() + 30, progress=None,
+                    phases={})
     n = len(reads)
     # nothing is read after the pull returned (a read still queued would start within the window)
     holds_for(lambda: len(reads) == n, 0.3, "no read after the pull returned")
-    # tensor 0's read, and at most the one running when the verdict came; the rest were cancelled
+    # tensor 0's read, and at most the one running when the pull failed; the rest were cancelled
     assert n <= 2, f"{n} of {N_TENSORS} tensors were still read after the first failed"
     untouched = sum(int(dest.tensors[f"t{i:02d}"].count_nonzero()) == 0 for i in range(N_TENSORS))
     assert untouched >= N_TENSORS - 2
