@@ -71,10 +71,12 @@ def test_a_bad_digest_stops_the_reads_not_yet_started(
 
     seed, loader = engines
     _tensors, manifest = _served(seed)
-    manifest.tensors[0].checksum = "0" * 32  # the seed's first tensor does not verify
-    manifest.check()
     dest = RankWeights.from_tensors(tensors={t.name: torch.zeros(64 << 10, dtype=torch.bfloat16)
                                              for t in manifest.tensors})
+    # the tensor read first (spans go in the destination's region order) does not verify
+    first = ReadPlan.check(manifest, dest).spans[0].names[0]
+    next(t for t in manifest.tensors if t.name == first).checksum = "0" * 32
+    manifest.check()
     # the wire stays shut until the failed pull closes its reader, which waits out the read it runs
     closing = threading.Event()
     close = StagedReader.close
@@ -85,13 +87,13 @@ def test_a_bad_digest_stops_the_reads_not_yet_started(
 
     monkeypatch.setattr(StagedReader, "close", open_wire_then_close)
     reads = _gated_reads(loader, monkeypatch, closing)
-    with pytest.raises(ChecksumMismatch, match="t00"):
+    with pytest.raises(ChecksumMismatch, match=first):
         pull_staged(loader, ReadPlan.check(manifest, dest), deadline=time.monotonic() + 30, progress=None,
                     phases={})
     n = len(reads)
     # nothing is read after the pull returned (a read still queued would start within the window)
     holds_for(lambda: len(reads) == n, 0.3, "no read after the pull returned")
-    # tensor 0's read, and at most the one running when the pull failed; the rest were cancelled
+    # the first tensor's read, and at most the one running when the pull failed; the rest were cancelled
     assert n <= 2, f"{n} of {N_TENSORS} tensors were still read after the first failed"
     untouched = sum(int(dest.tensors[f"t{i:02d}"].count_nonzero()) == 0 for i in range(N_TENSORS))
     assert untouched >= N_TENSORS - 2
