@@ -115,10 +115,16 @@ _LAZY = {
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
 
 
+_binding_lock = threading.Lock()
+_binding_load: threading.Thread | None = None
+
+
 def load_binding_soon() -> threading.Thread:
-    """Start loading the libfabric binding on a helper thread, so that the first engine does not wait
-    for it: loading it is a ~0.2 s dlopen (Debian's psm libraries calibrate a clock), during which the
-    GIL is free and the caller goes on. A binding that cannot load raises at its first real use."""
+    """Start loading the libfabric binding on a helper thread, once per process, so that the first
+    engine does not wait for it: loading it is a ~0.2 s dlopen (Debian's psm libraries calibrate a
+    clock), during which the GIL is free and the caller goes on. Returns that thread. A binding that
+    cannot load raises at its first real use."""
+    global _binding_load
 
     def load() -> None:
         try:
@@ -126,11 +132,13 @@ def load_binding_soon() -> threading.Thread:
         except ImportError:
             return  # said, with what to install, where the engine is used
 
-    thread = threading.Thread(target=load, name="rfork-load-binding", daemon=True)
-    thread.start()
-    # a fork while the loader lock is held would leave the child unable to load any library
-    os.register_at_fork(before=thread.join)
-    return thread
+    with _binding_lock:
+        if _binding_load is None:
+            _binding_load = threading.Thread(target=load, name="rfork-load-binding", daemon=True)
+            _binding_load.start()
+            # a fork while the loader lock is held would leave the child unable to load any library
+            os.register_at_fork(before=_binding_load.join)
+        return _binding_load
 
 
 def __getattr__(name: str) -> Any:

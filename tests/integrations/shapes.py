@@ -213,7 +213,8 @@ def rank_facts(name: str, log: str) -> list[RankFacts]:
 # The shape flow runs up to ten engine processes on two cores and kills no peer, so its reads get a
 # wider dead-peer bound than the servers' default 3 s (which the failover tests need): under that load
 # a live worker's read can wait past 3 s and the rank falls back to disk.
-SHAPE_BOUND = ("--timeout", "20")
+SHAPE_TIMEOUT_S = 20
+SHAPE_BOUND = ("--timeout", str(SHAPE_TIMEOUT_S))
 
 
 def seed_a_b_in_both_modes(planner: Any, fleet: Any, model: Path, *, tp: int) -> dict[str, list[RankFacts]]:

@@ -117,7 +117,7 @@ def _run_row(model: Path, load_format: str, extra: dict[str, Any], log: Path, *,
     raise RuntimeError(f"{load_format} row failed ({proc.returncode}):\n{log.read_text()[-4000:]}")
 
 
-def run(size_mib: int, workdir: Path, rounds: int = 1) -> dict[str, Any]:
+def run(size_mib: int, workdir: Path, rounds: int) -> dict[str, Any]:
     """Every row once per round, rounds in sequence; each row's figure is its median over the rounds
     (this VM's first-touch costs move single runs by tens of percent)."""
     from planner import PlannerServer

@@ -115,12 +115,12 @@ def test_more_quantized_formats_pull_into_their_parameters(
     in `vllm.LLM` processes (cheaper than servers): P1 (parameters mode, no seed: vLLM's disk loader)
     becomes a parameters seed, which the safety check allows only if no post-load step rewrote a
     loaded parameter in place; P2 pulls into its parameters from P1; both give vLLM's own tokens."""
-    from tests.integrations.shapes import rank_facts
+    from tests.integrations.shapes import SHAPE_TIMEOUT_S, rank_facts
     from tests.vllm.bench_load import _run_row
 
     model = write(write_vllm_tiny_llama(tmp_path / "model"))
     auto, _ = _run_row(model, "auto", {}, tmp_path / "auto.log")
-    params = {"planner_url": shape_planner.url, "mode": "parameters", "transfer_timeout_s": 20}
+    params = {"planner_url": shape_planner.url, "mode": "parameters", "transfer_timeout_s": SHAPE_TIMEOUT_S}
     p1_row, p1 = _run_row(model, "rfork", params, tmp_path / "p1.log", hold=True)
     try:
         p2_row, _ = _run_row(model, "rfork", {**params, "serve": False}, tmp_path / "p2.log")

@@ -110,6 +110,7 @@ import os, sys
 import backends
 assert "backends.providers._native" not in sys.modules
 loading = backends.load_binding_soon()
+assert backends.load_binding_soon() is loading  # once per process
 child = os.fork()  # at once: the fork waits for the load, so the child can load libraries too
 if child == 0:
     from backends import TransferEngine
