@@ -25,6 +25,7 @@ from bench import (
     rl_delta,
     rollout,
     scale_out,
+    shards,
     transport,
 )
 from bench.fleet import command as fleet
@@ -47,6 +48,7 @@ COMMANDS: tuple[tuple[tuple[str, ...], ModuleType], ...] = (
     (("bench", "nccl"), nccl),
     (("bench", "scale-out"), scale_out),
     (("bench", "digest"), digest),
+    (("bench", "shards"), shards),
     (("bench", "api-ready"), api_ready),
     (("bench", "fleet"), fleet),
     (("simulate", "scale-out"), simulate_scale_out),

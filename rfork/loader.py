@@ -32,7 +32,7 @@ import torch
 from backends import BackendUnavailable, Region
 from planner.contract import RankManifest
 from rfork import metrics
-from rfork.errors import ConfigurationError, DestinationMismatch, SeedRequired
+from rfork.errors import ConfigurationError, DestinationMismatch, PullError, SeedRequired
 from rfork.identity import SourceIdentity
 from rfork.pull.checks import check_planner_url, check_provider_names
 from rfork.pull.disk import load_from_disk
@@ -48,6 +48,7 @@ from rfork.pull.staged import pull_staged
 from rfork.seed.seed import Seed
 from rfork.weights.checkpoint import CheckpointInfo, read_checkpoint_info
 from rfork.weights.rank_weights import RankWeights
+from rfork.weights.stripes import whole_identity
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +259,9 @@ class Loader:
             served.weights.origin = "peer"
             return served, source.name, nbytes, kept
         kind, why = self.planner.miss or ("no_seed", "no seed served it")
+        sharded = self._load_shard(rank, dest, attempts)
+        if sharded is not None:
+            return sharded
         metrics.fell_back(kind)
         if self.options.require_seed:
             raise SeedRequired(
@@ -283,6 +287,60 @@ class Loader:
             seconds=time.perf_counter() - t_disk,
         )
         return ServedRank(weights=weights), "disk", weights.layout.total_bytes, 0
+
+    def _load_shard(
+        self, rank: int, dest: RankWeights | None, attempts: list[Attempt]
+    ) -> tuple[ServedRank, str, int, int] | None:
+        """Where no seed of this identity served the rank: its TP slice from a seed of the whole tensors
+        (`whole_identity`), each stripe verified (`ReadPlan.check_shard`); None where there is none, or
+        none served it (the caller reads the disk)."""
+        whole = whole_identity(self.identity)
+        if whole is None or self.planner_url is None:
+            return None
+        if self.options.staged_reads or (dest is not None and dest.device.type != "cpu"):
+            log.info("rank %d: no TP slice from whole-tensor seeds: shards are read into host memory", rank)
+            return None
+        session = self.planner.about(whole, dataclasses.replace(self.options, allow_nccl=False, exclude=()))
+        tp, tp_rank = self.identity.tp, rank  # PP is 1 (whole_identity)
+        try:
+            for source in session.sources(0):
+                started = time.perf_counter()
+                phases: dict[str, float] = {}
+                try:
+                    manifest = source.manifest()
+                    target = dest or RankWeights.allocate_shard(manifest, tp=tp, rank=tp_rank)
+                    plan = ReadPlan.check_shard(
+                        manifest, target, tp=tp, rank=tp_rank,
+                        require_crypto_digest=self.options.require_crypto_digest,
+                    )
+                    deadline = time.monotonic() + self.options.rank_deadline_s
+                    regions = self._read(source, plan, deadline, phases)
+                except Exception as exc:  # noqa: BLE001 - the next whole-tensor seed, then the disk
+                    seconds = time.perf_counter() - started
+                    source.failed(exc, seconds)
+                    attempts.append(source.attempt(seconds, error=exc, phases=phases))
+                    self.reader.fence()
+                    log.warning(
+                        "rank %d: its TP=%d slice from whole-tensor seed %s failed after %.3f s: %s",
+                        rank, tp, source.instance_id, seconds, exc,
+                    )
+                    if isinstance(exc, (DestinationMismatch, ConfigurationError)):
+                        raise
+                    continue
+                seconds = time.perf_counter() - started
+                nbytes = plan.nbytes
+                attempts.append(source.attempt(seconds, nbytes=nbytes, phases=phases))
+                source.succeeded(nbytes, seconds)
+                metrics.pull_finished(source=source.name, outcome="success", nbytes=nbytes, seconds=seconds)
+                log.info(
+                    "rank %d: its TP=%d slice, %d bytes, from whole-tensor seed %s (%s) in %.3f s, verified",
+                    rank, tp, nbytes, source.instance_id, source.name, seconds,
+                )
+                target.origin = "peer"
+                return ServedRank(weights=target, regions=regions), source.name, nbytes, 0
+        finally:
+            session.close()
+        return None
 
     def _pull(
         self,
@@ -371,13 +429,7 @@ class Loader:
             busy_wait=BusyWait(max_wait_s=0.0, planner_outage_s=0.0),  # busy: the own seed has it too
         )
         for item in page.items:
-            session = PlannerSession(
-                planner_url=self.planner_url,
-                token=self._token,
-                identity=item.identity,
-                options=options,
-                fallback_bytes=None,
-            )
+            session = self.planner.about(item.identity, options)
             try:
                 for other in session.sources(rank):
                     started = time.perf_counter()
@@ -445,6 +497,8 @@ class Loader:
             torch.set_num_threads(self.options.pull_torch_threads)
         try:
             if self.options.staged_reads or plan.dest.device.type == "cuda":
+                if plan.shard is not None:
+                    raise PullError(f"rank {plan.rank}: a shard is read into host memory only")
                 pull_staged(engine, plan, deadline=deadline, progress=progress, phases=phases)
                 return []
             return self.reader.read(plan, deadline=deadline, progress=progress, phases=phases)

@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # at run time these load on first use, from the modules `_LAZ
         StoredManifest,
         TensorDigest,
         TensorEntry,
+        TensorStripes,
     )
     from planner.contract.views import (
         FleetView,
@@ -130,6 +131,7 @@ __all__ = [
     "StoredManifest",
     "TensorDigest",
     "TensorEntry",
+    "TensorStripes",
     "TransferReport",
     "TransferView",
     "TransfersPage",
@@ -152,6 +154,7 @@ _LAZY = {
         "StoredManifest",
         "TensorDigest",
         "TensorEntry",
+        "TensorStripes",
     ),
     "planner.contract.views": (
         "FleetView",

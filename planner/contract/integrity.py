@@ -25,13 +25,22 @@ def is_cryptographic(checksum_algorithm: str) -> bool:
 
 
 def digest_set(checksum_algorithm: str, tensors: Iterable[Mapping[str, Any]]) -> str:
-    """sha256 hex over the algorithm and every tensor's (name, dtype, shape, nbytes, checksum), by name."""
-    rows = sorted(
-        [str(t["name"]), str(t["dtype"]), [int(d) for d in t["shape"]], int(t["nbytes"]), str(t["checksum"])]
-        for t in tensors
-    )
+    """sha256 hex over the algorithm and every tensor's (name, dtype, shape, nbytes, checksum), by name;
+    a tensor with stripe digests adds (dim, digests), so that the anchor covers them too (a tensor
+    without any hashes exactly as before)."""
+    rows = sorted(_row(t) for t in tensors)
     canon = json.dumps([checksum_algorithm, rows], separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(canon.encode()).hexdigest()
+
+
+def _row(t: Mapping[str, Any]) -> list[Any]:
+    row: list[Any] = [
+        str(t["name"]), str(t["dtype"]), [int(d) for d in t["shape"]], int(t["nbytes"]), str(t["checksum"])
+    ]
+    stripes = t.get("stripes")
+    if stripes:
+        row.append([int(stripes["dim"]), [str(d) for d in stripes["digests"]]])
+    return row
 
 
 def digests(tensors: Iterable[Mapping[str, Any]]) -> dict[str, str]:

@@ -20,6 +20,7 @@ from pydantic import (
     SerializationInfo,
     SerializerFunctionWrapHandler,
     StringConstraints,
+    model_serializer,
 )
 from pydantic_core import CoreSchema, core_schema
 
@@ -47,6 +48,18 @@ class RegionEntry(BaseModel):
         return b64decode(self.descriptor, f"regions[index={self.index}].descriptor")
 
 
+class TensorStripes(BaseModel):
+    """A tensor's digests per stripe: `len(digests)` equal slices along `dim`, each digested (the
+    manifest's algorithm) over its bytes in row-major order, so that a rank holding whole stripes (a
+    TP shard) can verify exactly what it read (rfork.weights.stripes)."""
+
+    dim: Annotated[int, Field(ge=0, le=63), JSON_INT]
+    digests: Annotated[
+        list[Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=NO_NUL)]],
+        Field(min_length=2, max_length=64),
+    ]
+
+
 class TensorEntry(BaseModel):
     """One tensor of a rank and where it lives in the regions."""
 
@@ -57,6 +70,11 @@ class TensorEntry(BaseModel):
     region: RegionIndex
     offset: Bytes
     checksum: Annotated[str, StringConstraints(max_length=1024)]
+    stripes: TensorStripes | None = None  # where a rank may read part of it (covered by the digest set)
+
+    @model_serializer(mode="wrap")
+    def _without_absent_stripes(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _omit_absent_stripes(handler(self))
 
 
 class TensorDigest(Strict):
@@ -67,6 +85,18 @@ class TensorDigest(Strict):
     shape: Annotated[list[Annotated[int, Field(ge=0, le=MAX_BYTES), JSON_INT]], Field(max_length=64)]
     nbytes: Bytes
     checksum: Annotated[str, StringConstraints(max_length=1024, pattern=NO_NUL)]
+    stripes: TensorStripes | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_stripes(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _omit_absent_stripes(handler(self))
+
+
+def _omit_absent_stripes(data: Any) -> Any:
+    """A tensor without stripes serializes as it did before the field existed (no `"stripes": null`)."""
+    if isinstance(data, dict) and data.get("stripes", 0) is None:
+        del data["stripes"]
+    return data
 
 
 # Bytes per element of each dtype name a manifest may carry: torch's names (a "torch." prefix is
@@ -113,6 +143,9 @@ class RankManifest(BaseModel):
                 return f"tensors[{i}].region: no region {t.region}"
             if t.offset + t.nbytes > sizes[t.region]:
                 return f"tensors[{i}]: offset+nbytes exceeds region {t.region}'s nbytes"
+            bad = stripes_conflict(t.shape, t.stripes)
+            if bad is not None:
+                return f"tensors[{i}]: {bad}"
         return self._oversized_region()
 
     def _oversized_region(self) -> str | None:
@@ -153,6 +186,9 @@ class RankManifest(BaseModel):
                 raise ValueError(
                     f"tensor {t.name!r}: nbytes {t.nbytes} != {want} for {t.dtype}{list(t.shape)}"
                 )
+            bad = stripes_conflict(t.shape, t.stripes)
+            if bad is not None:
+                raise ValueError(f"tensor {t.name!r}: {bad}")
             if t.nbytes == 0:
                 continue
             if t.region not in sizes:
@@ -185,6 +221,18 @@ class RankManifest(BaseModel):
     def region_bytes(self) -> int:
         """Bytes of every region together: what a pull of this rank moves."""
         return sum(r.nbytes for r in self.regions)
+
+
+def stripes_conflict(shape: list[int], stripes: TensorStripes | None) -> str | None:
+    """Why `stripes` cannot be stripes of a tensor of `shape` (a dim it lacks, a size the count does not
+    divide), or None."""
+    if stripes is None:
+        return None
+    if stripes.dim >= len(shape):
+        return f"stripes along dim {stripes.dim} of a {len(shape)}-dim tensor"
+    if shape[stripes.dim] % len(stripes.digests):
+        return f"{len(stripes.digests)} stripes do not divide dim {stripes.dim} of size {shape[stripes.dim]}"
+    return None
 
 
 class StoredManifest:

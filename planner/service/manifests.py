@@ -16,6 +16,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from planner.contract import integrity, views, wire
 from planner.contract.errors import Conflict, DigestMismatch, NotFound
+from planner.contract.manifest import stripes_conflict
 from planner.models import Anchor, Instance, Manifest
 from planner.service.base import ServiceState, rowcount
 
@@ -151,6 +152,10 @@ class ManifestOps(ServiceState):
         names = [t.name for t in body.tensors]
         if len(set(names)) != len(names):
             raise Conflict("tensors: names must be unique")
+        for i, t in enumerate(body.tensors):
+            bad = stripes_conflict(t.shape, t.stripes)
+            if bad is not None:
+                raise Conflict(f"tensors[{i}]: {bad}")
         ikey = wire.identity_key(ident)
         tensors = [t.model_dump() for t in body.tensors]
         dset = integrity.digest_set(body.checksum_algorithm, tensors)

@@ -47,6 +47,7 @@ def anchor_bodies(args: argparse.Namespace) -> list[dict[str, Any]]:
     # imported here: `rfork --help` imports every command module, which must stay light (start-up time)
     from rfork.weights.checkpoint import load_rank_from_disk, read_checkpoint_info
     from rfork.weights.rank_weights import RankWeights
+    from rfork.weights.stripes import publishes_stripes
 
     info = read_checkpoint_info(args.checkpoint)
     identity = info.identity(tp=args.tp, revision=args.revision, model=args.model_name)
@@ -62,6 +63,7 @@ def anchor_bodies(args: argparse.Namespace) -> list[dict[str, Any]]:
             weights = RankWeights(rank=rank, layout=layout, buffers=buffers, tensors=tensors)
             bar(done + layout.total_bytes // 2, description=f"digesting rank {rank}")
             sums = weights.compute_checksums()
+            stripes = weights.compute_stripes() if publishes_stripes(identity) else {}  # as its seeds do
             done += layout.total_bytes
             bar(done)
             log.info(
@@ -84,6 +86,7 @@ def anchor_bodies(args: argparse.Namespace) -> list[dict[str, Any]]:
                             "shape": list(p.shape),
                             "nbytes": p.nbytes,
                             "checksum": sums[p.name],
+                            **({"stripes": stripes[p.name].model_dump()} if p.name in stripes else {}),
                         }
                         for p in layout.placements
                     ],

@@ -10,11 +10,13 @@ tensors, or buffers allocated per the manifest):
      kernel copy, several times slower. Pieces already resident (a framework's initialised tensors)
      are skipped after a mincore check. On a VM that hands freed memory back to its host, this
      first touch bounds a load into fresh memory (phases `prefault` and `prefault_wait`);
-  2. reads of `chunk_bytes` in address order, handed to the engine as ops of up to `max_inflight`/2
-     reads each, at most `max_inflight` reads queued or posted (between max_inflight/2 and
-     max_inflight, as ops retire in order): the engine's native core posts their chunks, up to its
-     own limit, and Python wakes once per op, not per read. Bytes
-     that several destination tensors share (tied weights) are read once;
+  2. reads of up to `chunk_bytes` in address order, handed to the engine as ops of up to
+     `max_inflight`/2 read slots each, at most `max_inflight` slots queued or posted (between
+     max_inflight/2 and max_inflight, as ops retire in order), where a read of chunk_bytes takes one
+     slot and a smaller one its share, down to 1/64 (a shard's strided pieces, a few KiB each, go
+     out 256 to an op): the engine's native core posts their chunks, up to its own limit, and Python
+     wakes once per op, not per read. Bytes that several destination tensors share (tied weights)
+     are read once;
   3. each region's bytes are digested in order as soon as they are final (xxh3-128, the chunk still
      in cache), and every tensor is compared with the manifest. With xxh3-128 and a binding built with
      xxHash a native thread of the transport does it as reads land (`backends.DigestJob`: the reads
@@ -52,6 +54,7 @@ from rfork.weights.memory import prefault
 log = logging.getLogger(__name__)
 
 _PREFAULT_PIECE = 16 << 20
+SMALL_READS_PER_SLOT = 64
 _warmed: set[str] = set()
 
 
@@ -281,8 +284,15 @@ class _ReadPipeline:
         reg_wait = 0.0
         fault_wait = 0.0
         inflight: deque[tuple[Future[None], list[Read]]] = deque()  # ops: their reads, one region each
-        queued = 0  # reads in those ops
+        # in flight, counted in read slots: a read of chunk_bytes takes one, a smaller one a share down to
+        # 1/SMALL_READS_PER_SLOT of one, so that the pieces of a shard's strided stripes (a few KiB each)
+        # keep the wire as busy as whole chunks do
+        queued = 0.0  # slots of the reads in those ops
         per_op = max(1, self.opts.max_inflight // 2)
+        chunk = self.opts.chunk_bytes
+
+        def slots(batch: Sequence[Read]) -> float:
+            return sum(max(rd.nbytes / chunk, 1 / SMALL_READS_PER_SLOT) for rd in batch)
         local_regions: list[Region] = []
         ok = False
         verified = 0  # verify_futs[:verified] completed without error
@@ -291,7 +301,7 @@ class _ReadPipeline:
             nonlocal queued, verified
             fut, batch = inflight.popleft()
             fut.result(timeout=self._left())
-            queued -= len(batch)
+            queued -= slots(batch)
             # a tensor that failed its check fails the pull now, not after the seed sent everything
             while verified < len(verify_futs) and verify_futs[verified].done():
                 verify_futs[verified].result()
@@ -325,17 +335,20 @@ class _ReadPipeline:
                     verify_futs.append(verify_pool.submit(self._verify_upto, region, 0, size))
                 k = 0
                 while k < len(reads):
-                    while queued + min(per_op, len(reads) - k) > self.opts.max_inflight:
-                        done_bytes += retire()
-                        self._report(done_bytes, total)
                     t_fault = time.perf_counter()
                     faulted.wait(region, reads[k].offset + reads[k].nbytes, self._left())
                     fault_wait += time.perf_counter() - t_fault
-                    # one op: the next reads that the pre-fault front has passed
-                    front, j = faulted.front(region), k + 1
-                    while j < len(reads) and j - k < per_op and reads[j].offset + reads[j].nbytes <= front:
+                    # one op: the next reads that the pre-fault front has passed, up to per_op slots
+                    front, j, taken = faulted.front(region), k + 1, slots(reads[k : k + 1])
+                    while j < len(reads) and reads[j].offset + reads[j].nbytes <= front:
+                        taken += slots(reads[j : j + 1])
+                        if taken > per_op:
+                            break
                         j += 1
                     batch = reads[k:j]
+                    while inflight and queued + slots(batch) > self.opts.max_inflight:
+                        done_bytes += retire()
+                        self._report(done_bytes, total)
                     parts = [
                         self.engine.read_part(
                             local, rd.offset, rd.nbytes, remote[rd.src_region], rd.src_offset, digest=job
@@ -343,7 +356,7 @@ class _ReadPipeline:
                         for rd in batch
                     ]
                     inflight.append((self.engine.start_op("read", parts).future, batch))
-                    queued += len(batch)
+                    queued += slots(batch)
                     k = j
             while inflight:
                 done_bytes += retire()
@@ -353,6 +366,10 @@ class _ReadPipeline:
                 vf.result(timeout=self._left())
             if job is not None:
                 self._check_native(job)
+            if self.plan.strided:  # a shard's stripes along dims > 0: every piece is read by now
+                t_strided = time.perf_counter()
+                self.plan.accept_strided()
+                self._verify_s += time.perf_counter() - t_strided
             t_end = time.perf_counter()
             # every read is done, so what is left to pre-fault (padding past the last read) is not needed;
             # the thread is joined so that its figure can be read
@@ -409,6 +426,7 @@ class _ReadPipeline:
         """The native digest job for this pull, or None where the verifier thread digests."""
         if not (
             self.opts.native_digests
+            and not self.plan.strided  # the job digests spans, which those pieces are not
             and self.dest.checksum_algorithm == ck.XXH3_128
             and native_digests_available()
         ):

@@ -278,6 +278,20 @@ class PlannerSession:
         # why the last `sources(rank)` ended without a pull that worked: (kind, one line); kind is the
         # fallback's metric label (rfork.metrics.FALLBACKS)
         self.miss: tuple[str, str] | None = None
+        self._shares_client = False
+
+    def about(self, identity: SourceIdentity, options: LoadOptions) -> PlannerSession:
+        """A session for another identity (seeds that hold part of what this one loads) over this one's
+        planner client: no second connection or TLS context; closing it leaves the client open."""
+        other = PlannerSession(
+            planner_url=self.planner_url,
+            token=self._token,
+            identity=identity,
+            options=options,
+            fallback_bytes=None,
+        )
+        other._client, other._shares_client = self.client, True
+        return other
 
     @property
     def client(self) -> PlannerClient | None:
@@ -375,8 +389,8 @@ class PlannerSession:
         self._pulled.clear()
 
     def close(self) -> None:
-        """Close the client's connections."""
-        if self._client is not None:
+        """Close the client's connections (not a client it shares: `about`)."""
+        if self._client is not None and not self._shares_client:
             self._client.close()
             self._client = None
 

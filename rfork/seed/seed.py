@@ -34,6 +34,7 @@ from rfork.pull.result import LoadResult, ServedRank
 from rfork.seed.control import ControlServer
 from rfork.seed.publication import Publication, routable_host
 from rfork.weights.rank_weights import RankWeights
+from rfork.weights.stripes import publishes_stripes
 
 log = logging.getLogger(__name__)
 
@@ -251,8 +252,12 @@ class Seed:
         """Checksum, register what no adopted server holds yet, publish, READY, heartbeat."""
         try:
             t0 = time.perf_counter()
+            striped = publishes_stripes(self.identity)
             for w in self.weights.values():
                 w.compute_checksums()
+                w.striped = w.striped or striped
+                if w.striped:
+                    w.compute_stripes()
             log.info("checksummed %d rank(s) in %.3f s", len(self.weights), time.perf_counter() - t0)
             for provider in self.providers[len(self.servers) :]:
                 engine = TransferEngine(provider, self.domains, timeout_s=self.timeout_s)
@@ -329,6 +334,7 @@ def _rehash(server: RankServer) -> dict[int, RankManifest]:
     out = {}
     for rank, served in server.ranks.items():
         served.weights.checksums.clear()
+        served.weights.stripes.clear()
         served.weights.compute_checksums()
         out[rank] = served.weights.manifest(served.descriptors())
     return out

@@ -182,16 +182,17 @@ def blake3_threads() -> int:
 BLAKE3_DEVICE_MIN_BYTES = 1 << 20
 
 
-def tensor_checksum(tensor: torch.Tensor) -> str:
+def tensor_checksum(tensor: torch.Tensor, *, threads: int | None = None) -> str:
     """Digest of a tensor's raw bytes under algorithm_for(tensor.device), computed where it lies (BLAKE3
-    of a device tensor under BLAKE3_DEVICE_MIN_BYTES: on a host copy)."""
+    of a device tensor under BLAKE3_DEVICE_MIN_BYTES: on a host copy); `threads` for a host BLAKE3
+    (default blake3_threads(): 1 where the caller spreads many digests over threads itself)."""
     algorithm = algorithm_for(tensor.device)
     data = _as_bytes(tensor)
     if algorithm == XXH3_128:
         return xxh3_bytes(data)
     if algorithm == BLAKE3:
         if data.device.type == "cpu":
-            return blake3_bytes(data)
+            return blake3_bytes(data, threads=threads)
         if data.numel() < BLAKE3_DEVICE_MIN_BYTES:
             return blake3_bytes(data.cpu())
         return blake3_hex(data)

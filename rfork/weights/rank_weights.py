@@ -15,11 +15,12 @@ from typing import Any, Literal
 
 import torch
 
-from backends import DEFAULT_MAX_REGION_BYTES, Layout, Placement, dtype_name, views
-from planner.contract import RankManifest, RegionEntry, TensorEntry
+from backends import DEFAULT_MAX_REGION_BYTES, Layout, Placement, dtype_name, plan_layout, shard_shape, views
+from planner.contract import RankManifest, RegionEntry, TensorEntry, TensorStripes
 from rfork.errors import ChecksumMismatch, LayoutError
 from rfork.weights import checksum as ck
 from rfork.weights.memory import allocate, pack
+from rfork.weights.stripes import tensors_stripes
 
 
 @dataclass(kw_only=True)
@@ -37,6 +38,10 @@ class RankWeights:
     buffers: list[torch.Tensor] = field(default_factory=list)  # owned flat regions; [] when in place
     ranges: list[AddressRange] = field(default_factory=list)  # region i's memory; from buffers if empty
     checksums: dict[str, str] = field(default_factory=dict)
+    # stripe digests of the split tensors (rfork.weights.stripes): published where `striped` is set (a
+    # TP=1 checkpoint-layout identity, whose seeds serve any TP's shards), else only carried along
+    stripes: dict[str, TensorStripes] = field(default_factory=dict)
+    striped: bool = False
     # where the bytes came from: "disk" (a checkpoint, or the caller's own state dict) may anchor the
     # identity's digests at the planner; "peer" (pulled from another instance) never does
     origin: Literal["disk", "peer"] = "disk"
@@ -89,6 +94,16 @@ class RankWeights:
         layout = Layout(region_sizes=tuple(sizes), placements=tuple(placement(t) for t in manifest.tensors))
         buffers = allocate(layout)
         return cls(rank=manifest.rank, layout=layout, buffers=buffers, tensors=views(layout, buffers))
+
+    @classmethod
+    def allocate_shard(cls, manifest: RankManifest, *, tp: int, rank: int) -> RankWeights:
+        """Fresh flat region buffers for TP rank `rank` of `tp`'s slice (backends.sharding) of a seed's
+        checked manifest of whole tensors: what a rank reads its shard into."""
+        layout = plan_layout(
+            [(t.name, t.dtype, shard_shape(t.name, t.shape, tp, rank)) for t in manifest.tensors]
+        )
+        buffers = allocate(layout)
+        return cls(rank=rank, layout=layout, buffers=buffers, tensors=views(layout, buffers))
 
     def holds(self, tensors: Mapping[str, torch.Tensor]) -> bool:
         """Whether these weights are exactly `tensors` (same names, and each the same memory, dtype and
@@ -146,6 +161,12 @@ class RankWeights:
                 self.checksums[p.name] = ck.tensor_checksum(self.tensors[p.name])
         return self.checksums
 
+    def compute_stripes(self) -> dict[str, TensorStripes]:
+        """Every split tensor's stripe digests (those already known, e.g. from a verified pull, are kept)."""
+        missing = {p.name: self.tensors[p.name] for p in self.layout.placements if p.name not in self.stripes}
+        self.stripes.update(tensors_stripes(missing))
+        return self.stripes
+
     def ordered_nonempty(self) -> list[torch.Tensor]:
         """Tensors in manifest order, zero-byte ones skipped (what the NCCL fallback streams)."""
         return [self.tensors[p.name] for p in self.layout.placements if p.nbytes]
@@ -154,6 +175,7 @@ class RankWeights:
         """The manifest a seed publishes: region i reached through descriptors[i], every tensor's digest,
         and where the bytes came from (`origin`)."""
         sums = self.compute_checksums()
+        stripes = self.compute_stripes() if self.striped else {}
         return RankManifest(
             rank=self.rank,
             checksum_algorithm=self.checksum_algorithm,
@@ -161,7 +183,7 @@ class RankWeights:
                 RegionEntry(index=i, nbytes=n, descriptor=base64.b64encode(descriptors[i]).decode("ascii"))
                 for i, n in enumerate(self.layout.region_sizes)
             ],
-            tensors=[entry(p, sums[p.name]) for p in self.layout.placements],
+            tensors=[entry(p, sums[p.name], stripes.get(p.name)) for p in self.layout.placements],
             origin="disk" if self.origin == "disk" else "peer",
         )
 
@@ -178,11 +200,11 @@ def placement(t: TensorEntry) -> Placement:
     )
 
 
-def entry(p: Placement, checksum: str) -> TensorEntry:
-    """Backends' record as a manifest's tensor, with its digest."""
+def entry(p: Placement, checksum: str, stripes: TensorStripes | None = None) -> TensorEntry:
+    """Backends' record as a manifest's tensor, with its digest (and stripe digests, if any)."""
     return TensorEntry(
         name=p.name, dtype=p.dtype, shape=list(p.shape), nbytes=p.nbytes, region=p.region, offset=p.offset,
-        checksum=checksum,
+        checksum=checksum, stripes=stripes,
     )
 
 
