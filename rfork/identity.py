@@ -26,7 +26,7 @@ from planner.contract import SourceIdentity
 __all__ = ["CHECKPOINT_LAYOUT", "SourceIdentity", "default_labels", "fingerprint", "global_rank"]
 
 # framework_version of checkpoint-named identities: the layout's version (see the module docstring)
-CHECKPOINT_LAYOUT = "checkpoint-v1"
+CHECKPOINT_LAYOUT = "checkpoint-v2"  # v2: TP=1 seeds publish stripe digests (rfork.weights.stripes)
 
 
 def fingerprint(tensors: Iterable[tuple[str, str, Iterable[int]]]) -> str:

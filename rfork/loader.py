@@ -259,7 +259,7 @@ class Loader:
             served.weights.origin = "peer"
             return served, source.name, nbytes, kept
         kind, why = self.planner.miss or ("no_seed", "no seed served it")
-        sharded = self._load_shard(rank, dest, attempts)
+        sharded = self._load_shard(rank, dest, attempts, kind)
         if sharded is not None:
             return sharded
         metrics.fell_back(kind)
@@ -289,34 +289,57 @@ class Loader:
         return ServedRank(weights=weights), "disk", weights.layout.total_bytes, 0
 
     def _load_shard(
-        self, rank: int, dest: RankWeights | None, attempts: list[Attempt]
+        self, rank: int, dest: RankWeights | None, attempts: list[Attempt], miss: str
     ) -> tuple[ServedRank, str, int, int] | None:
-        """Where no seed of this identity served the rank: its TP slice from a seed of the whole tensors
-        (`whole_identity`), each stripe verified (`ReadPlan.check_shard`); None where there is none, or
-        none served it (the caller reads the disk)."""
+        """Where no seed of this identity served the rank (`miss`, the kind): its TP slice from a seed of
+        the whole tensors (`whole_identity`), each stripe verified (`ReadPlan.check_shard`); None where
+        there is none, none served it, or no slice can be read (the caller reads the disk)."""
         whole = whole_identity(self.identity)
-        if whole is None or self.planner_url is None:
+        if whole is None or self.planner_url is None or not self.options.one_sided:
+            return None
+        if miss == "planner_unreachable":  # no second wait on a planner that did not answer
             return None
         if self.options.staged_reads or (dest is not None and dest.device.type != "cpu"):
             log.info("rank %d: no TP slice from whole-tensor seeds: shards are read into host memory", rank)
             return None
-        session = self.planner.about(whole, dataclasses.replace(self.options, allow_nccl=False, exclude=()))
-        tp, tp_rank = self.identity.tp, rank  # PP is 1 (whole_identity)
+        tp = self.identity.tp  # the rank is the TP rank: PP is 1 (whole_identity)
+        per_rank = None if self.checkpoint is None else self.checkpoint.total_bytes // tp
+        session = self.planner.about(
+            whole, dataclasses.replace(self.options, allow_nccl=False, exclude=()), fallback_bytes=per_rank
+        )
         try:
             for source in session.sources(0):
                 started = time.perf_counter()
                 phases: dict[str, float] = {}
                 try:
-                    manifest = source.manifest()
-                    target = dest or RankWeights.allocate_shard(manifest, tp=tp, rank=tp_rank)
+                    manifest = source.manifest()  # checked against the anchor: a bad one is that seed's
+                except Exception as exc:  # noqa: BLE001 - the next whole-tensor seed, then the disk
+                    source.failed(exc, time.perf_counter() - started)
+                    attempts.append(source.attempt(time.perf_counter() - started, error=exc))
+                    continue
+                try:
+                    target = dest or RankWeights.allocate_shard(manifest, tp=tp, rank=rank)
                     plan = ReadPlan.check_shard(
-                        manifest, target, tp=tp, rank=tp_rank,
+                        manifest,
+                        target,
+                        tp=tp,
+                        rank=rank,
                         require_crypto_digest=self.options.require_crypto_digest,
                     )
+                except (PullError, DestinationMismatch, ConfigurationError) as exc:
+                    # the anchored manifest, the same at every seed of the identity: no slice from any of them
+                    source.failed(exc, time.perf_counter() - started)
+                    attempts.append(source.attempt(time.perf_counter() - started, error=exc))
+                    log.warning("rank %d: no TP=%d slice from whole-tensor seeds: %s", rank, tp, exc)
+                    if isinstance(exc, PullError):
+                        return None
+                    raise
+                try:
                     deadline = time.monotonic() + self.options.rank_deadline_s
                     regions = self._read(source, plan, deadline, phases)
                 except Exception as exc:  # noqa: BLE001 - the next whole-tensor seed, then the disk
                     seconds = time.perf_counter() - started
+                    metrics.pull_finished(source=source.name, outcome="failure")
                     source.failed(exc, seconds)
                     attempts.append(source.attempt(seconds, error=exc, phases=phases))
                     self.reader.fence()
@@ -324,9 +347,13 @@ class Loader:
                         "rank %d: its TP=%d slice from whole-tensor seed %s failed after %.3f s: %s",
                         rank, tp, source.instance_id, seconds, exc,
                     )
-                    if isinstance(exc, (DestinationMismatch, ConfigurationError)):
+                    if isinstance(exc, ConfigurationError):
                         raise
                     continue
+                except BaseException as exc:  # a signal: free the seed's slot now
+                    source.aborted(exc, time.perf_counter() - started)
+                    metrics.pull_finished(source=source.name, outcome="aborted")
+                    raise
                 seconds = time.perf_counter() - started
                 nbytes = plan.nbytes
                 attempts.append(source.attempt(seconds, nbytes=nbytes, phases=phases))
@@ -339,6 +366,7 @@ class Loader:
                 target.origin = "peer"
                 return ServedRank(weights=target, regions=regions), source.name, nbytes, 0
         finally:
+            self.planner.seconds += session.seconds
             session.close()
         return None
 

@@ -6,13 +6,15 @@ share a fleet while they speak the same protocol and their identities (the bytes
 are equal. Every client request carries `X-Rfork-Protocol: N`; a planner that does not speak N
 refuses it with 400 `{"reason": "protocol_version"}` (planner.contract.errors.ProtocolMismatch), so a
 peer of another protocol never registers nor gets an assignment, and no loader ever pulls from a
-seed it cannot read. A request without the header is taken as protocol 1 (clients before the header).
+seed it cannot read. A request without the header (a browser, a probe, curl) is not checked.
 """
 
 from __future__ import annotations
 
-PROTOCOL_VERSION = 1  # what this side speaks; raise it only with a change old peers cannot read
-SUPPORTED_PROTOCOLS = frozenset({1})  # what this planner accepts
+# what this side speaks; raise it only with a change old peers cannot read (2: manifests' stripe digests,
+# which the digest set covers: a loader that dropped them would find every such seed's set changed)
+PROTOCOL_VERSION = 2
+SUPPORTED_PROTOCOLS = frozenset({2})  # what this planner accepts
 HEADER = "X-Rfork-Protocol"
 REASON = "protocol_version"
 

@@ -280,7 +280,9 @@ class PlannerSession:
         self.miss: tuple[str, str] | None = None
         self._shares_client = False
 
-    def about(self, identity: SourceIdentity, options: LoadOptions) -> PlannerSession:
+    def about(
+        self, identity: SourceIdentity, options: LoadOptions, *, fallback_bytes: int | None = None
+    ) -> PlannerSession:
         """A session for another identity (seeds that hold part of what this one loads) over this one's
         planner client: no second connection or TLS context; closing it leaves the client open."""
         other = PlannerSession(
@@ -288,7 +290,7 @@ class PlannerSession:
             token=self._token,
             identity=identity,
             options=options,
-            fallback_bytes=None,
+            fallback_bytes=fallback_bytes,
         )
         other._client, other._shares_client = self.client, True
         return other

@@ -146,19 +146,13 @@ class ReadPlan:
         strided: list[Strided] = []
         empty: list[str] = []
         expected: dict[str, str] = {}
-        taken: dict[tuple[int, int, int], str] = {}
+        _distinct(dest)
         for t in manifest.tensors:
             p = placed[t.name]
-            if not p.nbytes:
+            if not p.nbytes:  # nothing to read; a slice that is empty of a tensor that is not: its own digest
                 empty.append(t.name)
-                expected[t.name] = t.checksum
+                expected[t.name] = t.checksum if not t.nbytes else ck.tensor_checksum(dest.tensors[t.name])
                 continue
-            if (p.region, p.offset, p.nbytes) in taken:
-                raise PullError(
-                    f"rank {dest.rank}: tensors {taken[p.region, p.offset, p.nbytes]!r} and {t.name!r} share "
-                    "their bytes; a shard is read into distinct tensors only"
-                )
-            taken[p.region, p.offset, p.nbytes] = t.name
             if tuple(p.shape) == tuple(t.shape):  # replicated: the whole tensor, its own digest
                 spans.append(Span(p.region, p.offset, p.nbytes, (t.name,), t.region, t.offset))
                 expected[t.name] = t.checksum
@@ -317,6 +311,21 @@ class ReadPlan:
         """The destination's tensors in manifest order, zero-byte ones skipped (what the NCCL fallback
         streams, the seed sending the same list)."""
         return [self.dest.tensors[t.name] for t in self.manifest.tensors if t.nbytes]
+
+
+def _distinct(dest: RankWeights) -> None:
+    """PullError where two destination tensors share bytes: a slice is read and verified per stripe, so a
+    tensor that another one's reads overlap could be changed after it was verified."""
+    placed = [(p.region, p.offset, p.offset + p.nbytes, p.name) for p in dest.layout.placements if p.nbytes]
+    region, end, name = -1, 0, ""
+    for p_region, start, p_end, p_name in sorted(placed):
+        if p_region == region and start < end:
+            raise PullError(
+                f"rank {dest.rank}: tensors {name!r} and {p_name!r} share bytes; a shard is read into "
+                "distinct tensors only"
+            )
+        if p_region != region or p_end > end:
+            region, end, name = p_region, p_end, p_name
 
 
 def _check_algorithm(manifest: RankManifest, dest: RankWeights, require_crypto_digest: bool) -> None:

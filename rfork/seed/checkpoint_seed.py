@@ -166,7 +166,7 @@ def _rank_worker(
         layout, buffers, tensors = load_rank_from_disk(
             read_checkpoint_info(directory), tp=tp, rank=rank, max_region_bytes=max_region_bytes
         )
-        weights = RankWeights(rank=rank, layout=layout, buffers=buffers, tensors=tensors, striped=tp == 1)
+        weights = RankWeights(rank=rank, layout=layout, buffers=buffers, tensors=tensors)
         weights.compute_checksums()
         rows = []
         for provider in providers:

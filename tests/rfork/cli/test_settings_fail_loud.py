@@ -201,7 +201,7 @@ def test_a_wire_protocol_the_planner_does_not_speak_is_refused_cleanly(
 ) -> None:
     # a loader of a later protocol (faked): one line naming both versions, never a disk load
     code = (
-        "import sys; import planner.contract.protocol as p; p.PROTOCOL_VERSION = 2\n"
+        "import sys; import planner.contract.protocol as p; p.PROTOCOL_VERSION = 3\n"
         "from rfork.cli import main; sys.exit(main(sys.argv[1:]))\n"
     )
     args = ["load", "--checkpoint", str(small_ckpt), "--planner", planner, "--no-serve", "--no-progress"]
@@ -210,8 +210,8 @@ def test_a_wire_protocol_the_planner_does_not_speak_is_refused_cleanly(
     )
     assert out.returncode == 2, out.stderr
     line = one_error_line(out.stderr)
-    assert "protocol 1" in line
-    assert "speaks 2" in line
+    assert "protocol 2" in line
+    assert "speaks 3" in line
     assert "loaded" not in out.stdout
 
 

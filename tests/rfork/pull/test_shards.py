@@ -141,3 +141,30 @@ def test_an_operator_anchors_both_layouts_and_a_slice_reader_serves_its_slice(
         assert two.bytes == shard_bytes
     finally:
         one.close()
+
+
+def test_a_slice_no_stripes_make_up_goes_to_the_disk_after_one_seed(planner: str, small_ckpt: Path) -> None:
+    info = read_checkpoint_info(small_ckpt)
+    seeds = []
+    for _ in range(2):  # two seeds of the whole tensors: the refusal is the manifest's, so one try is enough
+        layout, buffers, tensors = load_rank_from_disk(info)
+        weights = RankWeights(layout=layout, buffers=buffers, tensors=tensors, rank=0)
+        seed = Seed(weights=[weights], identity=info.identity(), planner_url=planner, token=REGISTER)
+        seeds.append(seed.start())
+    try:
+        want, _ = _slice(small_ckpt, 3, 2)  # 8 stripes per tensor: TP=3 holds no whole ones
+        dest = {name: torch.empty_like(t) for name, t in want.items()}
+        loader = Loader(
+            identity=info.identity(tp=3), planner_url=planner, checkpoint=small_ckpt, options=NO_SEEDING,
+            **AUTH,
+        )
+        result = loader.pull_into(dest, rank=2)
+    finally:
+        for seed in seeds:
+            seed.close()
+    assert result.source == "disk"
+    assert_same(dest, want)
+    (refused, disk) = result.attempts
+    assert refused.error is not None
+    assert "publishes no stripes that make up rank 2 of TP=3" in refused.error
+    assert disk.source == "disk"

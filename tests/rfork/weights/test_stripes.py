@@ -178,3 +178,28 @@ def test_a_shard_plan_is_refused_before_any_read() -> None:
     wrong = RankWeights.from_state_dict({ROW: torch.randn(4, 16), NORM: torch.ones(16)})  # whole, not a slice
     with pytest.raises(DestinationMismatch, match="rank 0 of TP=2's slice"):
         ReadPlan.check_shard(striped, wrong, tp=2, rank=0)
+
+
+def test_an_empty_slice_reads_nothing_and_a_slice_that_is_the_whole_tensor_reads_it_whole() -> None:
+    bias = "model.layers.0.self_attn.k_proj.bias"  # size 1 along its split dim: rank 1 of TP=2 holds none
+    src = RankWeights.from_state_dict({bias: torch.ones(1), ROW: torch.randn(4, 16)})
+    manifest = _manifest(src)
+    empty = RankWeights.allocate_shard(manifest, tp=2, rank=1)
+    plan = ReadPlan.check_shard(manifest, empty, tp=2, rank=1)
+    _apply(plan, src, 1 << 20)
+    _verify(plan)  # an honest seed is not blamed for the empty slice
+    assert plan.nbytes == empty.layout.total_bytes
+    whole = RankWeights.allocate_shard(manifest, tp=2, rank=0)  # rank 0's slice of the bias: all of it
+    plan = ReadPlan.check_shard(manifest, whole, tp=2, rank=0)
+    _apply(plan, src, 1 << 20)
+    _verify(plan)  # against the tensor's own digest
+    assert torch.equal(whole.tensors[bias], torch.ones(1))
+
+
+def test_a_slice_is_not_read_into_tensors_that_share_bytes() -> None:
+    src = RankWeights.from_state_dict({COLUMN: torch.randn(16, 4), ROW: torch.randn(4, 16)})
+    manifest = _manifest(src)
+    buffer = torch.empty(64, dtype=torch.float32)
+    overlapping = {COLUMN: buffer[:32].view(8, 4), ROW: buffer[24:56].view(4, 8)}  # 8 floats in common
+    with pytest.raises(PullError, match="share bytes"):
+        ReadPlan.check_shard(manifest, RankWeights.from_tensors(tensors=overlapping), tp=2, rank=0)
