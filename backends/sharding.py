@@ -2,9 +2,10 @@
 
 Megatron style, as Llama implementations do it: column-parallel (split dim 0) for the q/k/v/gate/up
 projections, the embedding (vocab-parallel) and lm_head; row-parallel (split dim 1) for o_proj and
-down_proj; everything else (norms) replicated. A dimension of size d splits like
-`torch.tensor_split`: the first d % tp ranks get one extra row. Seeds and loaders shard checkpoints
-by it, and the RL path reshards between trainer and inference layouts by it.
+down_proj; a Mixtral expert's w1/w3 (gate/up) like gate/up and its w2 (down) like down_proj, as
+tensor-parallel MoE layers shard them; everything else (norms, routers) replicated. A dimension of
+size d splits like `torch.tensor_split`: the first d % tp ranks get one extra row. Seeds and loaders
+shard checkpoints by it, and the RL path reshards between trainer and inference layouts by it.
 """
 
 from __future__ import annotations
@@ -28,11 +29,16 @@ _COLUMN = (
 _ROW = ("o_proj.weight", "down_proj.weight")
 
 
+_EXPERT_COLUMN = ("w1.weight", "w3.weight")
+_EXPERT_ROW = ("w2.weight",)
+
+
 def split_dim(name: str, ndim: int) -> int | None:
     """Which dim a tensor is split along under TP (None: replicated)."""
-    if any(name.endswith(s) for s in _COLUMN):
+    expert = ".experts." in name
+    if any(name.endswith(s) for s in _COLUMN) or (expert and name.endswith(_EXPERT_COLUMN)):
         return 0
-    if ndim >= 2 and any(name.endswith(s) for s in _ROW):
+    if ndim >= 2 and (any(name.endswith(s) for s in _ROW) or (expert and name.endswith(_EXPERT_ROW))):
         return 1
     return None
 

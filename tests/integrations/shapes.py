@@ -10,6 +10,7 @@ rewrites its config and tensors in place, so one tiny-model writer stays the sou
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from dataclasses import dataclass
@@ -224,9 +225,13 @@ def seed_a_b_in_both_modes(planner: Any, fleet: Any, model: Path, *, tp: int) ->
     Round 1: the engine's `--load-format auto` server (the reference tokens), A pulling from an rfork
     seed of the checkpoint, and P1 in parameters mode (no seed: the engine's disk loader, then a
     parameters seed). The rfork seed stops. Round 2: B pulls from A, P2 pulls each rank straight into
-    its parameters from P1. Returns each rfork server's per-rank facts, also printed."""
+    its parameters from P1. Returns each rfork server's per-rank facts, also printed.
+
+    At TP>1 in checkpoint mode each rank of A reads only its slice of the seed's whole tensors and
+    serves it as a rank of the TP=tp checkpoint layout, which the operator anchors before B starts
+    (`rfork anchor upload --tp`, here its bodies put through the planner's client)."""
     from rfork.seed.seed import Seed
-    from rfork.weights.checkpoint import load_state_dict, read_checkpoint_info
+    from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
     from rfork.weights.rank_weights import RankWeights
     from tests.integrations.server_flow import ids_by_framework, transfers
 
@@ -249,6 +254,12 @@ def seed_a_b_in_both_modes(planner: Any, fleet: Any, model: Path, *, tp: int) ->
     finally:
         seed0.close()  # the first seed stops: from now on A is the only checkpoint seed
     auto.stop()
+    if tp > 1:
+        from rfork.cli.digest import anchor_bodies
+
+        args = argparse.Namespace(checkpoint=model, tp=tp, revision="main", model_name=None, no_progress=True)
+        for body in anchor_bodies(args):
+            planner.put_anchor(body)
     checkpoint_seeds |= ids_by_framework(planner, "rfork")  # A's, one per rank
     b = fleet.start_rfork("B", planner_url=planner.url, rfork_args=SHAPE_BOUND)
     p2 = fleet.start_rfork("P2", planner_url=planner.url, mode="parameters", rfork_args=SHAPE_BOUND)
@@ -264,7 +275,13 @@ def seed_a_b_in_both_modes(planner: Any, fleet: Any, model: Path, *, tp: int) ->
     for name in ("A", "B", "P2"):  # P1's engine loader may log nothing of rfork's (SGLang's does not)
         assert [f.rank for f in facts[name]] == list(range(tp)), (name, facts[name])
     checkpoint = info.total_bytes
-    assert all(f.moved == checkpoint and f.source == "rfork-tcp" for f in facts["A"] + facts["B"])
+    assert all(f.source == "rfork-tcp" for f in facts["A"] + facts["B"]), facts
+    if tp == 1:
+        assert all(f.moved == checkpoint for f in facts["A"] + facts["B"]), facts
+    else:  # each rank its slice: from the seed's stripes (A), from A's rank (B), the same bytes
+        slices = [load_rank_from_disk(info, tp=tp, rank=r)[0].total_bytes for r in range(tp)]
+        assert [f.moved for f in facts["A"]] == slices, facts["A"]
+        assert [f.moved for f in facts["B"]] == slices, facts["B"]
     assert all(f.source == "rfork-tcp" and f.ratio <= 1.05 for f in facts["P2"]), facts["P2"]
     assert all(f.source == "disk" for f in facts["P1"]), facts["P1"]
     # the parameters-mode safety check (digests re-checked after the post-load steps) did not fire:
@@ -274,7 +291,10 @@ def seed_a_b_in_both_modes(planner: Any, fleet: Any, model: Path, *, tp: int) ->
     # checkpoint), P2 one pull of each rank of P1's, as many bytes as the rank's line says
     done = [t for t in transfers(planner) if t["outcome"] == "success"]
     pulls = [(t["rank"], t["bytes"]) for t in done if t["seed_id"] in checkpoint_seeds]
-    assert sorted(pulls) == [(0, checkpoint)] * (2 * tp), done
+    if tp == 1:
+        assert sorted(pulls) == [(0, checkpoint)] * 2, done
+    else:  # A's ranks: rank 0 of the TP=1 seed (their slices); B's: each rank of A's TP=tp layout
+        assert sorted(pulls) == sorted([(0, n) for n in slices] + list(enumerate(slices))), done
     into_parameters = sorted((t["rank"], t["bytes"]) for t in done if t["seed_id"] not in checkpoint_seeds)
     assert into_parameters == [(f.rank, f.moved) for f in facts["P2"]], done
     return facts

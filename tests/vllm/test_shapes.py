@@ -52,8 +52,8 @@ def test_seed_to_a_to_b_in_both_modes_with_vllms_tokens(shape: str, shape_planne
         facts = seed_a_b_in_both_modes(shape_planner, fleet, model, tp=tp)
     finally:
         fleet.close()
-    if tp > 1:  # checkpoint mode: every rank pulls the whole checkpoint for its share of it
-        assert all(f.ratio > 1.5 for f in facts["A"] + facts["B"]), facts
+    if tp > 1:  # checkpoint mode: each rank pulls its slice of the checkpoint, not all of it
+        assert all(f.ratio <= 1.2 for f in facts["A"] + facts["B"]), facts
 
 
 _REWRITING_POST_LOAD = """

@@ -4,6 +4,8 @@
 checkpoint mode pulls checkpoint-named, unsharded tensors, whatever the framework does with them after,
 so its identity is the checkpoint's own (framework "rfork", tp=pp=1, cpu): the same identity as
 `rfork seed --checkpoint DIR`, and any SGLang or vLLM version, parallel layout or device can use it.
+A TP rank of a framework that shards the checkpoint as backends.sharding does pulls its slice instead:
+the same identity with tp = the framework's TP, this rank's (`rfork seed --checkpoint DIR --tp N`'s).
 
 parameters mode pulls one rank's `named_parameters()` straight into the new instance's parameters,
 so everything that shapes those bytes is in the identity: the framework ("sglang", "vllm") and its

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from rfork.compile_cache.shelf import CacheShelf
     from rfork.identity import SourceIdentity
     from rfork.seed.seed import Seed
+    from rfork.weights.checkpoint import CheckpointInfo
     from rfork.weights.rank_weights import RankWeights
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,8 @@ class RforkLoaderBase:
         self.seed: Seed | None = None
         self.compile_caches: CacheShelf | None = None  # what this worker compiles, served as a seed
         self.seeding: threading.Thread | None = None  # become_seed_soon's helper thread
+        # checkpoint mode: the checkpoint pulled, and the (tp, tp_rank) slice of it (None: all of it)
+        self.checkpoint: tuple[CheckpointInfo, tuple[int, int] | None] | None = None
         if self.settings.planner_url is not None:  # a pull or a seed will need the transport
             # imported here: the plugin is imported in every framework process (start-up time)
             from backends import load_binding_soon
@@ -165,21 +168,31 @@ class RforkLoaderBase:
             if self.settings.require_seed:
                 raise SeedRequired("no local safetensors checkpoint to take the identity from (require_seed)")
             return "no local safetensors checkpoint"
+        part = self.checkpoint_slice(model_config)
         try:
-            identity, result = pull_checkpoint(info, self.settings)
+            identity, result = pull_checkpoint(info, self.settings, part)
         except (ConfigurationError, SeedRequired):
             raise  # a wrong setting, or no fallback wanted: the server must not start quietly from disk
         except Exception as exc:  # noqa: BLE001 - every other failure ends in the framework's own loader
             return f"rfork load failed: {exc}"
+        rank = 0 if part is None else part[1]
+        self.checkpoint = (info, part)
         self.record(
             LoadOutcome(
                 source=result.source,
                 bytes=result.bytes,
                 identity=identity,
-                served=result.weights[0],
+                rank=rank,
+                served=result.weights[rank],
                 pulled=result,
             )
         )
+        return None
+
+    def checkpoint_slice(self, model_config: Any) -> tuple[int, int] | None:
+        """(tp, tp_rank) where checkpoint mode reads only this rank's slice of each tensor: the framework
+        shards this model's checkpoint exactly as backends.sharding does; None: the whole checkpoint
+        (the template's answer; a framework that knows its sharding overrides it)."""
         return None
 
     def pull_parameters(

@@ -10,6 +10,9 @@ decides where `load_weights` gets its bytes:
 checkpoint mode (any model): pull the checkpoint-named tensors (the identity of `rfork seed`) and
 feed them to `model.load_weights()`, so vLLM shards, fuses and post-processes them as it does disk
 tensors. No seed: rfork reads the same safetensors files (so the instance can serve them afterwards).
+At TP>1, for a model vLLM shards as backends.sharding does (`slices_like_backends`), each rank pulls
+only its slice (the TP=tp checkpoint identity: from its seeds, else a TP=1 seed's verified stripes,
+else the files) and serves it; `load_weights` gets each split tensor at full shape, the slice in place.
 
 parameters mode: pull one rank's *loaded* parameters (vLLM's own names, fused and sharded, before the
 post-load steps) straight into the model's parameters, then let vLLM post-process them. Not after
@@ -115,9 +118,16 @@ class RforkModelLoader(RforkLoaderBase, BaseModelLoader):
         `model` is a vLLM model: a torch module with vLLM's `load_weights(iterable of (name, tensor))`.
         """
         if self._pulled is not None:
+            # imported here: vLLM imports the plugin in each of its processes (start-up time)
+            from rfork.integrations.hook.pulling import checkpoint_tensors
+
             self.note_shard(dict(model.named_parameters()))
+            assert self.outcome is not None
+            assert self.checkpoint is not None
+            info, part = self.checkpoint
             try:
-                loaded = model.load_weights(iter(self._pulled.state_dict(0).items()))
+                tensors = self._pulled.state_dict(self.outcome.rank)
+                loaded = model.load_weights(checkpoint_tensors(tensors, info, part))
                 if model_config.quantization is None and loaded is not None:
                     self._default_loader().track_weights_loading(model, loaded)  # every parameter set
             except Exception as exc:  # noqa: BLE001 - tensors vLLM cannot digest: its own disk loader
@@ -160,6 +170,18 @@ class RforkModelLoader(RforkLoaderBase, BaseModelLoader):
         self.outcome.served.compute_checksums()  # before the post-load steps (a pull's are kept)
 
     # --- the template's framework calls
+
+    def checkpoint_slice(self, model_config: Any) -> tuple[int, int] | None:
+        """This TP rank's slice where vLLM shards the model's checkpoint as backends.sharding does
+        (`slices_like_backends`), else None (the whole checkpoint)."""
+        par = self.parallel()
+        if par.tp == 1 or par.pp != 1:
+            return None
+        why_not = slices_like_backends(model_config, par.tp)
+        if why_not is not None:
+            log.info("rfork: checkpoint mode pulls the whole checkpoint on all %d ranks: %s", par.tp, why_not)
+            return None
+        return par.tp, par.tp_rank
 
     def parallel(self) -> Parallel:
         """Sizes from vLLM's parallel config; this worker's ranks (0 before vLLM's groups exist)."""
@@ -208,3 +230,29 @@ class RforkModelLoader(RforkLoaderBase, BaseModelLoader):
         model = self._default_loader().load_model(vllm_config, model_config, prefix)
         # nothing to serve: post-processed weights are not a pullable layout (`pulls_after_post_load`)
         return self.fell_back(model, model_config, reason=reason, seconds=time.perf_counter() - t0)
+
+
+# Models whose vLLM layers shard a checkpoint tensor by tensor exactly as backends.sharding does, given
+# `slices_like_backends`' conditions: q/k/v (QKVParallelLinear), gate/up (MergedColumnParallelLinear)
+# and each expert's w1/w3 along dim 0, o/down and w2 (RowParallelLinear, FusedMoE) along dim 1, the
+# vocabulary (VocabParallelEmbedding, ParallelLMHead) in equal parts, norms and routers whole.
+SLICED_ARCHITECTURES = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM"}
+)
+
+
+def slices_like_backends(model_config: Any, tp: int) -> str | None:
+    """Why this model's TP ranks must not read only their slices (vLLM would shard some tensor another
+    way than backends.sharding, and read bytes no one verified), or None where they may."""
+    hf = model_config.hf_config
+    arch = next(iter(getattr(hf, "architectures", None) or []), None)
+    if arch not in SLICED_ARCHITECTURES:
+        return f"architecture {arch} is not one whose sharding rfork follows"
+    if model_config.quantization is not None:
+        return f"quantized ({model_config.quantization}): its scales shard their own way"
+    heads, kv = hf.num_attention_heads, getattr(hf, "num_key_value_heads", hf.num_attention_heads)
+    if heads % tp or kv % tp:
+        return f"{heads} attention and {kv} key/value heads do not split {tp} ways (vLLM replicates them)"
+    if hf.vocab_size % 64 or hf.vocab_size % tp:  # vLLM pads the vocabulary to a multiple of 64, then splits
+        return f"a vocabulary of {hf.vocab_size} is not a multiple of 64 that splits {tp} ways"
+    return None

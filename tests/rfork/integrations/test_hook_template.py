@@ -250,3 +250,52 @@ def test_the_per_rank_line_puts_the_bytes_moved_beside_the_ranks_shard():
     hook.note_shard({"a": torch.zeros(250, dtype=torch.bfloat16), "b": torch.zeros(125, dtype=torch.float32)})
     assert hook.outcome is not None
     assert hook.outcome.moved(1) == "rank 1, 2000 bytes from rfork-tcp for a 1000-byte shard (2.00x)"
+
+
+class _SlicingLoader(_Loader):
+    """A framework at TP=2, worker rank 1, that shards checkpoints as backends.sharding does."""
+
+    def parallel(self) -> Parallel:
+        return Parallel(tp=2, tp_rank=1)
+
+    def checkpoint_slice(self, model_config: Any) -> tuple[int, int] | None:
+        return 2, 1
+
+
+def test_a_checkpoint_mode_rank_pulls_its_slice_hands_on_full_shapes_and_serves_its_layout(
+    open_planner: str, small_ckpt
+) -> None:
+    from backends import shard_tensor
+    from planner.contract import PlannerClient
+    from rfork.integrations.hook.pulling import checkpoint_tensors
+    from rfork.weights.checkpoint import load_rank_from_disk, load_state_dict, read_checkpoint_info
+
+    info = read_checkpoint_info(small_ckpt)
+    layout, buffers, tensors = load_rank_from_disk(info)
+    whole = RankWeights(rank=0, layout=layout, buffers=buffers, tensors=tensors)
+    config = SimpleNamespace(model_path=small_ckpt, hf_config=None, revision=None, dtype=torch.bfloat16)
+    extra = {"planner_url": open_planner, "mode": "checkpoint", "transfer_timeout_s": 3.0}
+    hook = _SlicingLoader(SimpleNamespace(model_loader_extra_config=extra))
+    with Seed(weights=[whole], identity=info.identity(), planner_url=open_planner):  # TP=1, with stripes
+        assert hook.pull_checkpoint(config) is None
+    out = hook.outcome
+    assert out is not None
+    assert out.identity is not None
+    assert (out.source, out.rank, out.identity.tp) == ("rfork-tcp", 1, 2)
+    assert out.bytes == load_rank_from_disk(info, tp=2, rank=1)[0].total_bytes  # its slice, not all
+    assert hook.checkpoint is not None
+    assert out.pulled is not None
+    full = dict(checkpoint_tensors(out.pulled.state_dict(1), *hook.checkpoint))
+    disk = load_state_dict(small_ckpt)
+    for name, t in full.items():  # what the framework's loader keeps of each: rank 1's slice, as from disk
+        assert t.shape == disk[name].shape, name
+        assert torch.equal(shard_tensor(name, t, 2, 1), shard_tensor(name, disk[name], 2, 1)), name
+    seed = hook.become_seed()  # a seed of the TP=2 checkpoint layout's rank 1
+    assert seed is not None
+    try:
+        with PlannerClient(open_planner) as client:
+            (instance,) = [i for i in client.list_instances().items if i.id in seed.instance_ids]
+        assert (instance.identity["tp"], instance.identity["framework"]) == (2, "rfork")
+        assert [r.rank for r in instance.ranks] == [1]
+    finally:
+        seed.close()
