@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # at run time these load on first use, from the modules `_LAZ
     )
     from backends.providers.peer_names import peer_ip
     from backends.providers.registry import AUTO, PROVIDERS, provider_available
-    from backends.sharding import shard_range, shard_shape, shard_tensor, split_dim
+    from backends.sharding import shard_shape, shard_tensor, split_dim
 
 __all__ = [
     "AUTO",
@@ -82,7 +82,6 @@ __all__ = [
     "plan_layout",
     "provider_available",
     "rl",
-    "shard_range",
     "shard_shape",
     "shard_tensor",
     "split_dim",
@@ -111,7 +110,7 @@ _LAZY = {
     ),
     "backends.providers.peer_names": ("peer_ip",),
     "backends.providers.registry": ("AUTO", "PROVIDERS", "provider_available"),
-    "backends.sharding": ("shard_range", "shard_shape", "shard_tensor", "split_dim"),
+    "backends.sharding": ("shard_shape", "shard_tensor", "split_dim"),
 }
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
 

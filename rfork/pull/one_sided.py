@@ -291,8 +291,11 @@ class _ReadPipeline:
         per_op = max(1, self.opts.max_inflight // 2)
         chunk = self.opts.chunk_bytes
 
+        def slot(rd: Read) -> float:
+            return max(rd.nbytes / chunk, 1 / SMALL_READS_PER_SLOT)
+
         def slots(batch: Sequence[Read]) -> float:
-            return sum(max(rd.nbytes / chunk, 1 / SMALL_READS_PER_SLOT) for rd in batch)
+            return sum(slot(rd) for rd in batch)
         local_regions: list[Region] = []
         ok = False
         verified = 0  # verify_futs[:verified] completed without error
@@ -339,9 +342,9 @@ class _ReadPipeline:
                     faulted.wait(region, reads[k].offset + reads[k].nbytes, self._left())
                     fault_wait += time.perf_counter() - t_fault
                     # one op: the next reads that the pre-fault front has passed, up to per_op slots
-                    front, j, taken = faulted.front(region), k + 1, slots(reads[k : k + 1])
+                    front, j, taken = faulted.front(region), k + 1, slot(reads[k])
                     while j < len(reads) and reads[j].offset + reads[j].nbytes <= front:
-                        taken += slots(reads[j : j + 1])
+                        taken += slot(reads[j])
                         if taken > per_op:
                             break
                         j += 1

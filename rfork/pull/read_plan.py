@@ -139,7 +139,7 @@ class ReadPlan:
         tensors into `dest`, which holds that slice's shapes. Before any byte moves: DestinationMismatch
         for a name, dtype or shape that is not the slice's; PullError for a split tensor whose stripes
         (the seed's, anchored) do not make up the slice, so that no byte goes unverified."""
-        check_shard_destination(dest, manifest, tp, rank)
+        check_destination(dest, manifest, (tp, rank))
         _check_algorithm(manifest, dest, require_crypto_digest)
         placed = {p.name: p for p in dest.layout.placements}
         spans: list[Span] = []
@@ -363,32 +363,11 @@ def _stripes_of_slice(t: TensorEntry, tp: int, rank: int, dest_rank: int) -> tup
     return stripes, held
 
 
-def check_shard_destination(dest: RankWeights, manifest: RankManifest, tp: int, rank: int) -> None:
-    """Names, dtypes and shapes of `dest` against TP rank `rank` of `tp`'s slice of a seed's whole tensors,
-    before any byte moves: DestinationMismatch naming the first bad tensor."""
-    have = {p.name: p for p in dest.layout.placements}
-    for t in manifest.tensors:
-        p = have.get(t.name)
-        want = shard_shape(t.name, t.shape, tp, rank)
-        if p is None:
-            raise DestinationMismatch(
-                f"rank {dest.rank}: tensor {t.name!r} is in the manifest but has no destination"
-            )
-        if p.dtype != t.dtype or tuple(p.shape) != want:
-            raise DestinationMismatch(
-                f"rank {dest.rank}: tensor {t.name!r} is {t.dtype}{list(want)} in rank {rank} of TP={tp}'s "
-                f"slice of the seed's, the destination {p.dtype}{list(p.shape)}"
-            )
-    published = {t.name for t in manifest.tensors}
-    for p in dest.layout.placements:
-        if p.name not in published:
-            raise DestinationMismatch(
-                f"rank {dest.rank}: destination tensor {p.name!r} is not in the manifest"
-            )
-
-
-def check_destination(dest: RankWeights, manifest: RankManifest) -> None:
-    """Names, dtypes and shapes of `dest` against a seed's manifest, before any byte moves.
+def check_destination(
+    dest: RankWeights, manifest: RankManifest, shard: tuple[int, int] | None = None
+) -> None:
+    """Names, dtypes and shapes of `dest` against a seed's manifest (with `shard` = (tp, rank): against
+    that TP rank's slice of its tensors), before any byte moves.
 
     Raises DestinationMismatch naming the first bad tensor (manifest order, then extra names).
     """
@@ -399,9 +378,11 @@ def check_destination(dest: RankWeights, manifest: RankManifest) -> None:
             raise DestinationMismatch(
                 f"rank {dest.rank}: tensor {t.name!r} is in the manifest but has no destination"
             )
-        if p.dtype != t.dtype or tuple(p.shape) != tuple(t.shape):
+        want = tuple(t.shape) if shard is None else shard_shape(t.name, t.shape, *shard)
+        if p.dtype != t.dtype or tuple(p.shape) != want:
+            where = "at the seed" if shard is None else f"in rank {shard[1]} of TP={shard[0]}'s slice of it"
             raise DestinationMismatch(
-                f"rank {dest.rank}: tensor {t.name!r} is {t.dtype}{list(t.shape)} at the seed, "
+                f"rank {dest.rank}: tensor {t.name!r} is {t.dtype}{list(want)} {where}, "
                 f"the destination {p.dtype}{list(p.shape)}"
             )
     published = {t.name for t in manifest.tensors}

@@ -6,7 +6,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from backends import shard_range, split_dim
+from backends import shard_tensor
 from rfork.identity import SourceIdentity
 from rfork.integrations.hook.identity import checkpoint_identity
 from rfork.integrations.hook.serving import keep_signal_handlers
@@ -56,11 +56,8 @@ def checkpoint_tensors(
         if tuple(t.shape) == shape:
             yield name, t
             continue
-        dim = split_dim(name, len(shape))
-        assert dim is not None, name  # only split tensors have a slice of another shape
-        lo, hi = shard_range(shape[dim], tp, rank)
         full = torch.zeros(shape, dtype=t.dtype)
-        full.narrow(dim, lo, hi - lo).copy_(t)
+        shard_tensor(name, full, tp, rank).copy_(t)
         yield name, full
 
 
